@@ -1,0 +1,277 @@
+"""Environments by name: ``register``, ``make``, ``list_envs``, and discovery of pip-installed env packages.
+
+Name grammar: ``[namespace/]name`` where each part is letters, digits, ``.``, ``_`` or ``-`` and starts with a
+letter or digit (``arithmetic``, ``guess-number``, ``acme/sokoban-v2``). ``gym:<gymnasium id>`` (e.g.
+``gym:Blackjack-v1``) wraps any installed gymnasium env with the text bridge.
+
+Env packages register through the entry-point group ``envkit.envs`` in their ``pyproject.toml``::
+
+    [project.entry-points."envkit.envs"]
+    arithmetic = "envkit_arithmetic:ArithmeticEnv"
+
+Discovery reads entry-point metadata only; a package is imported when its env is made or listed. A package that
+fails to import is reported by ``broken_envs()`` (and ``envkit list``) without hiding the others.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from importlib.metadata import entry_points
+from typing import Any
+
+from envkit.core import ContractChecker, Env
+from envkit.errors import DuplicateEnvError, EnvLoadError, EnvNotFoundError, InvalidEnvNameError
+
+ENTRY_POINT_GROUP = "envkit.envs"
+GYM_PREFIX = "gym:"
+_NAME_RE = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+EnvFactory = Callable[..., Env]
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """Everything needed to make an env by name; round-trips through JSON (``to_json``/``from_json``)."""
+
+    name: str
+    entry_point: str
+    """``"module:attr"`` of the Env class or factory."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Default constructor arguments; ``make(name, **overrides)`` updates them."""
+    description: str = ""
+    package: str | None = None
+    """The pip distribution that provides the env (None for ``register()`` calls)."""
+    version: str | None = None
+    source: str = ""
+    """Where the registration came from, for error messages."""
+    factory: EnvFactory | None = field(default=None, compare=False, repr=False)
+
+    def load(self) -> EnvFactory:
+        """Import and return the Env class (or factory) this spec points at."""
+        if self.factory is not None:
+            return self.factory
+        module_name, _, attr = self.entry_point.partition(":")
+        try:
+            obj: Any = importlib.import_module(module_name)
+            for part in attr.split(".") if attr else []:
+                obj = getattr(obj, part)
+        except Exception as e:
+            raise EnvLoadError(
+                f"Env {self.name!r} could not be loaded from {self.entry_point!r} ({self.source}): "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        return obj
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-serializable dict of this spec."""
+        out = asdict(self)
+        out.pop("factory")
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> EnvSpec:
+        """Rebuild a spec from ``to_json()`` output."""
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class BrokenEnv:
+    """An installed env that cannot be used, and why."""
+
+    name: str
+    source: str
+    error: str
+
+
+def validate_name(name: str) -> str:
+    """Return ``name`` if it follows the name grammar, else raise InvalidEnvNameError."""
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise InvalidEnvNameError(
+            f"Invalid env name {name!r}: use [namespace/]name with letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit (e.g. 'arithmetic', 'acme/sokoban-v2')."
+        )
+    return name
+
+
+class Registry:
+    """A name → EnvSpec table fed by ``register()`` calls and the ``envkit.envs`` entry points."""
+
+    def __init__(self, *, group: str = ENTRY_POINT_GROUP) -> None:
+        self.group = group
+        self._specs: dict[str, EnvSpec] = {}
+        self._broken: dict[str, BrokenEnv] = {}
+        self._discovered = False
+
+    def register(
+        self,
+        name: str,
+        entry_point: str | EnvFactory,
+        *,
+        description: str | None = None,
+        **kwargs: Any,
+    ) -> EnvSpec:
+        """Register an env under ``name``; ``kwargs`` become its default constructor arguments."""
+        validate_name(name)
+        self._discover()
+        factory = None if isinstance(entry_point, str) else entry_point
+        target = entry_point if isinstance(entry_point, str) else f"{factory.__module__}:{factory.__qualname__}"
+        if ":" not in target:
+            raise EnvLoadError(f"entry_point must look like 'package.module:ClassName', got {target!r}")
+        spec = EnvSpec(
+            name=name,
+            entry_point=target,
+            kwargs=kwargs,
+            description=description if description is not None else _first_doc_line(factory),
+            source=f"register() at {_caller_location()}",
+            factory=factory,
+        )
+        existing = self._specs.get(name)
+        if existing is not None:
+            if existing.entry_point == spec.entry_point and existing.kwargs == spec.kwargs:
+                return existing  # the same registration running twice (e.g. a module re-import)
+            raise DuplicateEnvError(
+                f"Env name {name!r} is registered twice: by {existing.source} ({existing.entry_point}) "
+                f"and by {spec.source} ({spec.entry_point}). Rename one of them."
+            )
+        self._specs[name] = spec
+        return spec
+
+    def spec(self, name: str) -> EnvSpec:
+        """The spec registered under ``name``; raises EnvNotFoundError with suggestions."""
+        self._discover()
+        if name in self._specs:
+            return self._specs[name]
+        if name in self._broken:
+            raise EnvLoadError(f"Env {name!r} is installed but broken ({self._broken[name].source}): "
+                               f"{self._broken[name].error}")
+        validate_name(name)
+        raise EnvNotFoundError(name, self._suggest(name))
+
+    def make(self, name: str, *, checked: bool = True, **kwargs: Any) -> Env:
+        """Construct the env registered as ``name`` with its default kwargs updated by ``kwargs``.
+
+        The result is wrapped in :class:`ContractChecker` unless ``checked=False``.
+        """
+        if name.startswith(GYM_PREFIX):
+            from envkit.gym_bridge import GymTextEnv
+
+            env: Env = GymTextEnv(name[len(GYM_PREFIX):], **kwargs)
+            env.spec = EnvSpec(name=name, entry_point="envkit.gym_bridge:GymTextEnv", kwargs=kwargs,
+                               source="gymnasium bridge")
+        else:
+            spec = self.spec(name)
+            factory = spec.load()
+            merged = {**spec.kwargs, **kwargs}
+            try:
+                env = factory(**merged)
+            except Exception as e:
+                raise EnvLoadError(
+                    f"Env {name!r} ({spec.entry_point}) failed to construct with kwargs {merged!r}: "
+                    f"{type(e).__name__}: {e}"
+                ) from e
+            if not isinstance(env, Env):
+                raise EnvLoadError(f"Env {name!r}: {spec.entry_point} returned {type(env).__name__}, not an Env")
+            env.spec = replace(spec, kwargs=merged)
+        return ContractChecker(env) if checked else env
+
+    def list(self) -> list[EnvSpec]:
+        """Every usable env, sorted by name; imports each package once to fill in descriptions."""
+        self._discover()
+        for name, spec in list(self._specs.items()):
+            if spec.factory is None and spec.package is not None:
+                try:
+                    factory = spec.load()
+                except EnvLoadError as e:
+                    del self._specs[name]
+                    self._broken[name] = BrokenEnv(name, spec.source, str(e.__cause__ or e))
+                    continue
+                self._specs[name] = replace(spec, factory=factory, description=_first_doc_line(factory))
+        return sorted(self._specs.values(), key=lambda s: s.name)
+
+    def broken(self) -> list[BrokenEnv]:
+        """Installed envs that failed to load or whose names clash, with the reason."""
+        self.list()
+        return sorted(self._broken.values(), key=lambda b: b.name)
+
+    def _discover(self) -> None:
+        if self._discovered:
+            return
+        self._discovered = True
+        seen: dict[tuple[str, str, str], None] = {}
+        for ep in entry_points(group=self.group):
+            dist = ep.dist
+            package, version = (dist.name, dist.version) if dist is not None else (None, None)
+            key = (ep.name, ep.value, package or "")
+            if key in seen:  # the same distribution visible twice on sys.path
+                continue
+            seen[key] = None
+            source = f"package {package} {version}" if package else f"entry point {ep.value}"
+            self._add_discovered(
+                EnvSpec(name=ep.name, entry_point=ep.value, package=package, version=version, source=source)
+            )
+
+    def _add_discovered(self, spec: EnvSpec) -> None:
+        if not _NAME_RE.match(spec.name):
+            self._broken[spec.name] = BrokenEnv(spec.name, spec.source, f"invalid env name {spec.name!r}")
+            return
+        other = self._specs.pop(spec.name, None) or self._broken.get(spec.name)
+        if other is not None:
+            self._broken[spec.name] = BrokenEnv(
+                spec.name, f"{other.source}; {spec.source}",
+                f"DuplicateEnvError: name {spec.name!r} is claimed by {other.source} and by {spec.source}",
+            )
+            return
+        self._specs[spec.name] = spec
+
+    def _suggest(self, name: str) -> list[str]:
+        names = list(self._specs)
+        lowered = {n.lower(): n for n in names}
+        close = difflib.get_close_matches(name.lower(), list(lowered), n=3, cutoff=0.6)
+        return [lowered[c] for c in close]
+
+
+def _caller_location() -> str:
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+def _first_doc_line(obj: object) -> str:
+    doc = inspect.getdoc(obj) if obj is not None else None
+    return doc.strip().splitlines()[0] if doc else ""
+
+
+registry = Registry()
+"""The process-wide registry behind ``envkit.register/make/list_envs``."""
+
+
+def register(name: str, entry_point: str | EnvFactory, *, description: str | None = None, **kwargs: Any) -> EnvSpec:
+    """Register an env class (or ``"module:Class"`` string) under ``name`` in the default registry."""
+    return registry.register(name, entry_point, description=description, **kwargs)
+
+
+def make(name: str, *, checked: bool = True, **kwargs: Any) -> Env:
+    """Make the env called ``name``; ``kwargs`` override its registered defaults."""
+    return registry.make(name, checked=checked, **kwargs)
+
+
+def spec(name: str) -> EnvSpec:
+    """The EnvSpec registered under ``name``."""
+    return registry.spec(name)
+
+
+def list_envs() -> list[EnvSpec]:
+    """Every usable registered env, sorted by name."""
+    return registry.list()
+
+
+def broken_envs() -> list[BrokenEnv]:
+    """Installed envs that cannot be loaded, with the reason."""
+    return registry.broken()

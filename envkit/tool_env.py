@@ -1,0 +1,93 @@
+"""ToolEnv: the multi-turn pattern "call tools until you answer", so a tool env is only its tools and its grader.
+
+Each assistant turn either calls tools (native ``tool_calls`` or ``<tool_call>`` text) and gets ``tool``
+messages back, or gives a final answer that ``grade`` scores and that ends the episode. ``max_turns`` bounds
+the episode (``truncated=True``, reward 0 when it runs out).
+"""
+
+from __future__ import annotations
+
+import abc
+import inspect
+import json
+from typing import Any, ClassVar
+
+from envkit.core import Env, StepResult, Task
+from envkit.messages import Message, ToolCall, tool_result, user
+from envkit.tools import Tool, tool_calls_of
+
+
+class ToolEnv(Env):
+    """Base class for tool-using envs. Subclasses mark methods with ``@envkit.tool`` and implement
+    ``start_episode`` and ``grade``."""
+
+    max_turns: int = 8
+    tools: ClassVar[list[Tool]] = []
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        found: dict[str, Tool] = {}
+        for klass in reversed(cls.__mro__):  # subclasses override inherited tools of the same name
+            for attr in vars(klass).values():
+                spec = getattr(attr, "__envkit_tool__", None)
+                if spec is not None:
+                    found[spec.name] = spec
+        cls.tools = list(found.values())
+
+    def __init__(self, *, max_turns: int | None = None) -> None:
+        if max_turns is not None:
+            if max_turns < 1:
+                raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+            self.max_turns = max_turns
+        self.turn = 0
+
+    @abc.abstractmethod
+    async def start_episode(self, *, seed: int | None, task: Task | None) -> tuple[list[Message], dict]:
+        """Return the opening messages and info for a new episode (same seed/task ⇒ same start)."""
+
+    @abc.abstractmethod
+    async def grade(self, answer: str) -> tuple[float, dict[str, Any]]:
+        """Score the model's final answer: ``(reward, info)``."""
+
+    async def reset(self, *, seed: int | None = None, task: Task | None = None) -> tuple[list[Message], dict]:
+        self.turn = 0
+        return await self.start_episode(seed=seed, task=task)
+
+    async def step(self, action: Message) -> StepResult:
+        self.turn += 1
+        calls, errors = tool_calls_of(action)
+        if not calls and not errors:
+            reward, info = await self.grade(action.get("content") or "")
+            return StepResult([], reward=reward, terminated=True, info={"turn": self.turn, **info})
+        observation = [await self.call_tool(c) for c in calls]
+        if errors:
+            fix = 'Write tool calls as <tool_call>{"name": "...", "arguments": {...}}</tool_call>.'
+            observation.append(user("Malformed tool call: " + "; ".join(errors) + " " + fix))
+        truncated = self.turn >= self.max_turns
+        return StepResult(
+            observation, truncated=truncated, info={"turn": self.turn, "tool_calls": len(calls),
+                                                    "tool_call_errors": len(errors)}
+        )
+
+    async def call_tool(self, call: ToolCall) -> Message:
+        """Run one tool call and return its ``tool`` message; model mistakes become error text, not exceptions."""
+        name = call["function"]["name"]
+        by_name = {t.name: t for t in self.tools}
+        if name not in by_name:
+            return tool_result(f"Error: unknown tool {name!r}. Available: {', '.join(by_name)}.", call["id"], name)
+        spec = by_name[name]
+        try:
+            args = json.loads(call["function"].get("arguments") or "{}")
+        except json.JSONDecodeError as e:
+            return tool_result(f"Error: arguments are not valid JSON: {e.msg}", call["id"], name)
+        problem = spec.validate_arguments(args)
+        if problem:
+            return tool_result(f"Error: {problem}", call["id"], name)
+        assert spec.fn is not None  # every ToolEnv tool comes from @tool, which sets fn
+        try:
+            out = spec.fn(self, **args)
+            if inspect.isawaitable(out):
+                out = await out
+        except Exception as e:  # the tool's failure is the model's feedback, not the env's crash
+            return tool_result(f"Error: {type(e).__name__}: {e}", call["id"], name)
+        return tool_result(out if isinstance(out, str) else json.dumps(out), call["id"], name)

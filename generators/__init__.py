@@ -1,0 +1,1 @@
+"""generators: arrives with its own issue (see docs/architecture.md)."""

@@ -1,0 +1,1 @@
+"""sandboxes: arrives with its own issue (see docs/architecture.md)."""

@@ -1,0 +1,1 @@
+"""trainer: arrives with its own issue (see docs/architecture.md)."""
