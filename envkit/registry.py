@@ -161,9 +161,10 @@ class Registry:
         if name.startswith(GYM_PREFIX):
             from envkit.gym_bridge import GymTextEnv
 
-            env: Env = GymTextEnv(name[len(GYM_PREFIX):], **kwargs)
-            env.spec = EnvSpec(name=name, entry_point="envkit.gym_bridge:GymTextEnv", kwargs=kwargs,
-                               source="gymnasium bridge")
+            gym_kwargs = {"gym_env": name[len(GYM_PREFIX):], **kwargs}
+            env: Env = GymTextEnv(**gym_kwargs)
+            env.spec = EnvSpec(name=name, entry_point="envkit.gym_bridge:GymTextEnv", kwargs=gym_kwargs,
+                               description=_first_doc_line(GymTextEnv), source="gymnasium bridge")
         else:
             spec = self.spec(name)
             factory = spec.load()
@@ -177,7 +178,7 @@ class Registry:
                 ) from e
             if not isinstance(env, Env):
                 raise EnvLoadError(f"Env {name!r}: {spec.entry_point} returned {type(env).__name__}, not an Env")
-            env.spec = replace(spec, kwargs=merged)
+            env.spec = replace(spec, kwargs=merged, description=spec.description or _first_doc_line(factory))
         return ContractChecker(env) if checked else env
 
     def list(self) -> list[EnvSpec]:
@@ -188,8 +189,9 @@ class Registry:
                 try:
                     factory = spec.load()
                 except EnvLoadError as e:
+                    cause = e.__cause__ or e
                     del self._specs[name]
-                    self._broken[name] = BrokenEnv(name, spec.source, str(e.__cause__ or e))
+                    self._broken[name] = BrokenEnv(name, spec.source, f"{type(cause).__name__}: {cause}")
                     continue
                 self._specs[name] = replace(spec, factory=factory, description=_first_doc_line(factory))
         return sorted(self._specs.values(), key=lambda s: s.name)

@@ -1,0 +1,43 @@
+# envkit: `make test` and `make train` work on a fresh machine; every step is idempotent.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+ENV_PACKAGES := $(sort $(dir $(wildcard envs/*/pyproject.toml)))
+STAMP := $(VENV)/.installed
+
+.PHONY: help install test lint bench train clean
+
+help:  ## show the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+$(PY):
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "envkit needs Python >= 3.11, found " + sys.version' 
+	@echo ">> creating $(VENV)"
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+
+# Reinstall only when a pyproject changes; sources are installed editable.
+$(STAMP): $(PY) pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGES))
+	@echo ">> installing envkit and the env packages into $(VENV)"
+	$(PIP) install -q --no-build-isolation -e '.[gym,dev]'
+	$(PIP) install -q --no-build-isolation $(addprefix -e ./,$(ENV_PACKAGES))
+	@touch $@
+
+install: $(STAMP)  ## create .venv and install envkit, the env packages and test tools
+
+test: install  ## run the whole test suite
+	$(VENV)/bin/pytest -q
+
+lint: install  ## ruff
+	$(VENV)/bin/ruff check .
+
+bench: install  ## run the benchmarks
+	$(PY) benchmarks/env_overhead.py
+
+train:  ## the main training job
+	@echo "make train arrives with the trainer issue: it will train the bundled model on 'arithmetic' with GRPO."
+
+clean:  ## remove the venv and caches
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,129 @@
+"""The ``envkit`` command line: list installed environments and inspect one."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+import envkit
+from envkit.errors import EnvkitError
+
+SPLITS = ("train", "test")
+
+
+def _cmd_list(args: argparse.Namespace, console: Console) -> int:
+    specs = envkit.list_envs()
+    broken = envkit.broken_envs()
+    if args.json:
+        print(json.dumps({"envs": [s.to_json() for s in specs], "broken": [vars(b) for b in broken]}, indent=2))
+        return 0
+    table = Table(title="envkit environments", title_justify="left")
+    for column in ("name", "package", "version", "description"):
+        table.add_column(column, overflow="fold")
+    for s in specs:
+        table.add_row(s.name, s.package or "(registered in code)", s.version or "", s.description)
+    console.print(table)
+    if not specs:
+        console.print("No environments installed. Try `pip install ./envs/arithmetic`.")
+    for b in broken:
+        console.print(f"[red]broken[/red] {b.name} ({b.source}): {b.error}", highlight=False)
+    return 0
+
+
+def _count_tasks(env: envkit.Env) -> dict[str, Any]:
+    counts: dict[str, Any] = {}
+    for split in SPLITS:
+        try:
+            tasks = env.tasks(split)
+        except ValueError:
+            continue
+        if tasks is None:
+            return {}
+        counts[split] = len(tasks) if hasattr(tasks, "__len__") else "unsized"
+    return counts
+
+
+def _env_info(name: str) -> dict[str, Any]:
+    env = envkit.make(name)
+    spec = env.spec
+    assert spec is not None  # make() always sets it
+    try:
+        return {
+            "name": name,
+            "description": spec.description,
+            "entry_point": spec.entry_point,
+            "package": spec.package,
+            "version": spec.version,
+            "kwargs": spec.kwargs,
+            "tools": [t.to_openai()["function"] for t in env.tools],
+            "tasks": _count_tasks(env),
+            "spaces": env.spaces(),
+        }
+    finally:
+        asyncio.run(env.close())
+
+
+def _cmd_info(args: argparse.Namespace, console: Console) -> int:
+    info = _env_info(args.name)
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+        return 0
+    console.print(f"[bold]{info['name']}[/bold] — {info['description']}", highlight=False)
+    console.print(f"entry point: {info['entry_point']}   package: {info['package'] or '-'} {info['version'] or ''}")
+    console.print(f"default kwargs: {info['kwargs'] or '{}'}", highlight=False)
+    tasks = info["tasks"]
+    console.print("tasks: " + (", ".join(f"{k}={v}" for k, v in tasks.items()) if tasks else "not enumerable"))
+    for key, value in info["spaces"].items():
+        console.print(f"{key} space: {value}", highlight=False)
+    if info["tools"]:
+        table = Table(title="tools", title_justify="left")
+        for column in ("name", "description", "parameters"):
+            table.add_column(column, overflow="fold")
+        for t in info["tools"]:
+            table.add_row(t["name"], t["description"], json.dumps(t["parameters"].get("properties", {})))
+        console.print(table)
+    else:
+        console.print("tools: none")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser for ``envkit``."""
+    parser = argparse.ArgumentParser(
+        prog="envkit",
+        description="Environments for training LLM agents with RL. Envs are pip packages found by name.",
+    )
+    parser.add_argument("--version", action="version", version=f"envkit {envkit.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p_list = sub.add_parser("list", help="list installed environments (name, package, version, description)")
+    p_list.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p_list.set_defaults(func=_cmd_list)
+
+    p_info = sub.add_parser("info", help="show one environment: tools, task counts, spaces, default kwargs")
+    p_info.add_argument("name", help="env name as shown by `envkit list`, or gym:<gymnasium id>")
+    p_info.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p_info.set_defaults(func=_cmd_info)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``envkit`` console script."""
+    args = build_parser().parse_args(argv)
+    console = Console()
+    try:
+        return args.func(args, console)
+    except EnvkitError as e:
+        Console(stderr=True).print(f"[red]error:[/red] {e}", highlight=False)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,379 @@
+"""The gymnasium bridge, both ways: discrete gymnasium envs as LLM text games, envkit envs as gymnasium envs.
+
+gymnasium → envkit, a multi-turn text game whose actions are words::
+
+    env = envkit.make("gym:FrozenLake-v1")           # or GymTextEnv("FrozenLake-v1"), GymTextEnv(gym_env)
+    messages, info = await env.reset(seed=0)         # the rules, then the map as text
+    result = await env.step(envkit.assistant("I'll go down. Action: Down"))
+
+envkit → gymnasium, a synchronous ``gymnasium.Env`` with Text spaces::
+
+    env = as_gymnasium(envkit.make("frozenlake"))    # or as_gymnasium("frozenlake")
+    obs, info = env.reset(seed=0)
+    obs, reward, terminated, truncated, info = env.step("Action: Down")
+
+gymnasium is the optional ``envkit[gym]`` extra, so this module is the only one that imports it.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import string
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import gymnasium
+from gymnasium.envs.registration import EnvSpec as GymSpec
+from gymnasium.spaces import Discrete, Text
+
+from envkit.core import ContractChecker, Env, StepResult, Task
+from envkit.messages import Message, system, user
+from envkit.registry import make
+from envkit.sync import SyncEnv
+
+# ---------------------------------------------------------------------------------------------- gymnasium → envkit
+
+
+class Renderer:
+    """Turns one kind of gymnasium env into text. This base class is the generic fallback: ``str(obs)`` and
+    actions named by their numbers. Subclass it for a specific env and add it to :data:`RENDERERS`."""
+
+    def describe(self, env: gymnasium.Env) -> str:
+        """The system prompt: the rules of the game and how to answer."""
+        name = env.spec.id if env.spec is not None else type(env.unwrapped).__name__
+        return (
+            f"You are playing the gymnasium environment {name}. Each turn you see an observation and choose "
+            f"one action.\n\n{self.how_to_answer(env)}"
+        )
+
+    def render(self, env: gymnasium.Env, obs: Any, info: dict[str, Any]) -> str:
+        """One observation as text (``env`` gives access to state the observation only indexes, e.g. a map)."""
+        return f"Observation: {obs}"
+
+    def action_names(self, env: gymnasium.Env) -> list[str]:
+        """The names of the Discrete actions in order; the model answers with one of them."""
+        return [str(i) for i in range(int(env.action_space.n))]
+
+    def how_to_answer(self, env: gymnasium.Env) -> str:
+        """The answer-format paragraph that every ``describe`` ends with."""
+        names = self.action_names(env)
+        return (
+            f"Valid actions: {_action_list(names)}. Choose one action per turn and end your reply with a line "
+            f"'Action: <action>', e.g. 'Action: {names[-1]}'."
+        )
+
+
+class FrozenLakeRenderer(Renderer):
+    """FrozenLake: the lake as rows of letters with the player marked P."""
+
+    def describe(self, env: gymnasium.Env) -> str:
+        """The rules of FrozenLake, saying whether the ice is slippery."""
+        lake = env.unwrapped
+        rules = (
+            f"You are crossing a frozen lake, a grid of {lake.nrow} rows and {lake.ncol} columns. Walk from the "
+            "start S to the goal G. F is safe frozen ice; H is a hole, and stepping into one ends the game. Each "
+            "turn you move one cell Left, Down, Right or Up; walking into the edge leaves you where you are. "
+            "Row 1 is the top row, column 1 the left column. Reaching G gives reward 1, everything else 0."
+        )
+        # gymnasium keeps no is_slippery flag; a slippery lake is one whose moves have several outcomes.
+        if any(len(outcomes) > 1 for moves in lake.P.values() for outcomes in moves.values()):
+            rules += " The ice is slippery: you do not always move the way you choose, sometimes you slide sideways."
+        return f"{rules}\n\n{self.how_to_answer(env)}"
+
+    def render(self, env: gymnasium.Env, obs: Any, info: dict[str, Any]) -> str:
+        """The map with the player's cell replaced by P, where the player is, and a legend."""
+        lake = env.unwrapped
+        row, col = divmod(int(obs), lake.ncol)
+        grid = [[cell.decode() for cell in line] for line in lake.desc]
+        under, grid[row][col] = grid[row][col], "P"
+        lines = [" ".join(line) for line in grid]
+        lines.append(f"You (P) are at row {row + 1}, column {col + 1}.")
+        lines.append({"H": "You fell into a hole!", "G": "You reached the goal!"}.get(under, ""))
+        lines.append("Legend: P you, S start, F frozen ice, H hole, G goal.")
+        return "\n".join(line for line in lines if line)
+
+    def action_names(self, env: gymnasium.Env) -> list[str]:
+        """FrozenLake's actions 0-3."""
+        return ["Left", "Down", "Right", "Up"]
+
+
+class BlackjackRenderer(Renderer):
+    """Blackjack: the player's total, the dealer's face-up card, and whether an ace counts 11."""
+
+    def describe(self, env: gymnasium.Env) -> str:
+        """The rules of gymnasium's Blackjack."""
+        rules = (
+            "You are playing blackjack against the dealer. Cards 2-10 count their value, J, Q and K count 10, "
+            "and an ace counts 11 unless that would take your total over 21, then 1. Hit to take another card; "
+            "Stick to stop. Going over 21 loses at once. After you stick, the dealer draws until reaching 17 or "
+            "more, and whoever is closer to 21 wins. Reward: +1 for a win, -1 for a loss, 0 for a draw."
+        )
+        return f"{rules}\n\n{self.how_to_answer(env)}"
+
+    def render(self, env: gymnasium.Env, obs: Any, info: dict[str, Any]) -> str:
+        """E.g. "Your cards total 15 (an ace counts as 11). The dealer shows an ace."."""
+        total, dealer, usable_ace = (int(x) for x in obs)
+        ace = " (an ace counts as 11)" if usable_ace else ""
+        shown = {1: "an ace", 10: "a 10 or a face card"}.get(dealer, f"a {dealer}")
+        return f"Your cards total {total}{ace}. The dealer shows {shown}."
+
+    def action_names(self, env: gymnasium.Env) -> list[str]:
+        """Blackjack's actions 0-1."""
+        return ["Stick", "Hit"]
+
+
+RENDERERS: dict[str, type[Renderer]] = {
+    "FrozenLake": FrozenLakeRenderer,
+    "FrozenLake8x8": FrozenLakeRenderer,
+    "Blackjack": BlackjackRenderer,
+}
+"""The renderer :class:`GymTextEnv` picks for a gym id without its version; others get :class:`Renderer`."""
+
+
+def renderer_for(env: gymnasium.Env) -> Renderer:
+    """The registered renderer for ``env``'s gym id, else the generic :class:`Renderer`."""
+    key = re.sub(r"-v\d+$", "", env.spec.id) if env.spec is not None else ""
+    return RENDERERS.get(key, Renderer)()
+
+
+# "Action: X" runs to the end of the line or to the next "Action:", whichever comes first.
+_MARKER = re.compile(
+    r"<action>(.*?)</action>|\baction\s*[:=]((?:(?!\baction\s*[:=])[^\n])*)", re.IGNORECASE | re.DOTALL
+)
+# A number counts as an action only when it stands alone: "2", "**2**", "2." but not "-2" or "2 steps".
+_LONE_NUMBER = re.compile(r"[^\w-]*(\d+)[^\w-]*")
+
+
+def parse_action(text: str | None, names: Sequence[str]) -> int:
+    """The index in ``names`` of the action that ``text`` chooses; raises ValueError saying what is wrong.
+
+    The rule: names match case-insensitively as whole words. If the reply has a marker, ``<action>X</action>``
+    or ``Action: X`` (up to the end of the line or the next marker), the last marker decides: the first action
+    name inside it, else its content if that is a lone action number. Without a marker, the last action name
+    mentioned anywhere wins ("not Left but Right" is Right), else the whole reply if it is a lone action number.
+    """
+    if not text or not text.strip():
+        raise ValueError("your reply is empty")
+    # Longest names first, so that a name containing another one wins at the same position.
+    alternatives = "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True))
+    words = re.compile(rf"(?<!\w)(?:{alternatives})(?!\w)", re.IGNORECASE)
+    markers = list(_MARKER.finditer(text))
+    if markers:
+        marker = markers[-1]
+        content = marker.group(1) if marker.group(1) is not None else marker.group(2)
+        found = words.search(content)
+        where, problem = content, f"{marker.group().strip()!r} names no valid action"
+    else:
+        mentions = list(words.finditer(text))
+        found = mentions[-1] if mentions else None
+        where, problem = text, "no action found in your reply"
+    if found is not None:
+        return [n.lower() for n in names].index(found.group().lower())
+    number = _LONE_NUMBER.fullmatch(where)
+    if number is None:
+        raise ValueError(problem)
+    if int(number.group(1)) >= len(names):
+        raise ValueError(f"there is no action number {number.group(1)}")
+    return int(number.group(1))
+
+
+def _action_list(names: Sequence[str]) -> str:
+    listed = ", ".join(names)
+    if list(names) != [str(i) for i in range(len(names))]:
+        listed += f" (or their numbers 0-{len(names) - 1})"
+    return listed
+
+
+class GymTextEnv(Env):
+    """A gymnasium env with a Discrete action space as a multi-turn text game for an LLM.
+
+    The system prompt is the renderer's rules, each observation a user message with the state as text, and the
+    model's reply is read with :func:`parse_action`. A reply without a valid action gets feedback listing the
+    valid actions and reward ``invalid_penalty``, and leaves the gym env untouched; ``max_invalid`` of them in a
+    row truncate the episode. Rewards, termination and truncation (its TimeLimit) are the gym env's own.
+
+    ``gym_env`` is a gym id (made with ``gymnasium.make(gym_env, **gym_kwargs)``) or a ``gymnasium.Env``, which
+    this env then owns and closes. ``renderer`` defaults to :func:`renderer_for` the env; ``system_prompt``
+    replaces the renderer's ``describe()`` text. ``reset(seed=s)`` seeds the gym env; a task is ``{"seed": s}``.
+    """
+
+    def __init__(
+        self,
+        gym_env: str | gymnasium.Env,
+        *,
+        gym_kwargs: dict[str, Any] | None = None,
+        renderer: Renderer | None = None,
+        invalid_penalty: float = -0.1,
+        max_invalid: int | None = None,
+        system_prompt: str | None = None,
+    ) -> None:
+        if not isinstance(gym_env, str) and gym_kwargs:
+            raise ValueError("gym_kwargs only apply when GymTextEnv makes the gym env from an id.")
+        if max_invalid is not None and max_invalid < 1:
+            raise ValueError(f"max_invalid must be >= 1 or None, got {max_invalid}")
+        self.gym_env = gymnasium.make(gym_env, **(gym_kwargs or {})) if isinstance(gym_env, str) else gym_env
+        if not isinstance(self.gym_env.action_space, Discrete):
+            if isinstance(gym_env, str):
+                self.gym_env.close()
+            raise TypeError(f"GymTextEnv needs a Discrete action space, {self.gym_env} has {self.gym_env.action_space}")
+        self.renderer = renderer if renderer is not None else renderer_for(self.gym_env)
+        self.action_names = self.renderer.action_names(self.gym_env)
+        if len(self.action_names) != self.gym_env.action_space.n:
+            raise ValueError(
+                f"{type(self.renderer).__name__} names {len(self.action_names)} actions, "
+                f"but {self.gym_env} has {self.gym_env.action_space}"
+            )
+        self.invalid_penalty = invalid_penalty
+        self.max_invalid = max_invalid
+        self.system_prompt = system_prompt if system_prompt is not None else self.renderer.describe(self.gym_env)
+        self._invalid_streak = 0
+        self._closed = False
+
+    async def reset(self, *, seed: int | None = None, task: Task | None = None) -> tuple[list[Message], dict]:
+        if task is not None:
+            if not isinstance(task.get("seed"), int):
+                raise ValueError(f"A GymTextEnv task looks like {{'seed': 3}}, got {task!r}")
+            seed = task["seed"]
+        obs, info = self.gym_env.reset(seed=seed)
+        self._invalid_streak = 0
+        return [system(self.system_prompt), user(self.renderer.render(self.gym_env, obs, info))], dict(info)
+
+    async def step(self, action: Message) -> StepResult:
+        try:
+            index = parse_action(action.get("content"), self.action_names)
+        except ValueError as e:
+            return self._invalid(str(e))
+        self._invalid_streak = 0
+        obs, reward, terminated, truncated, info = self.gym_env.step(int(self.gym_env.action_space.start) + index)
+        text = self.renderer.render(self.gym_env, obs, info)
+        if terminated or truncated:
+            text += f"\n\nThe episode is over. Reward: {float(reward):g}."
+        return StepResult(
+            [user(text)],
+            reward=float(reward),
+            terminated=bool(terminated),
+            truncated=bool(truncated),
+            info={**info, "action": self.action_names[index], "invalid": False},
+        )
+
+    def _invalid(self, problem: str) -> StepResult:
+        self._invalid_streak += 1
+        over = self.max_invalid is not None and self._invalid_streak >= self.max_invalid
+        text = (
+            f"Invalid reply: {problem}. Valid actions: {_action_list(self.action_names)}. "
+            "End your reply with a line 'Action: <action>'."
+        )
+        if over:
+            text += f"\n\n{self._invalid_streak} invalid replies in a row: the episode is over."
+        return StepResult(
+            [user(text)],
+            reward=self.invalid_penalty,
+            truncated=over,
+            info={"action": None, "invalid": True, "error": problem},
+        )
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.gym_env.close()
+
+    def spaces(self) -> dict[str, Any]:
+        return {
+            "observation": f"text rendering of {self.gym_env.observation_space}",
+            "action": f"text naming one of {_action_list(self.action_names)} ({self.gym_env.action_space})",
+        }
+
+
+# ---------------------------------------------------------------------------------------------- envkit → gymnasium
+
+REPLACEMENT_CHAR = "\ufffd"
+"""What an observation character outside :data:`TEXT_CHARSET` becomes (U+FFFD, the Unicode replacement char)."""
+
+TEXT_CHARSET: frozenset[str] = frozenset(
+    string.printable  # ASCII letters, digits, punctuation and whitespace (space, \t, \n, \r, \x0b, \x0c)
+    + "".join(map(chr, range(0xA0, 0x100)))  # Latin-1: accented letters, × ÷ ° ± £ and no-break space
+    + "–—‘’“”•…€™←↑→↓≠≤≥≈√∞"  # the typography and math that models write most beyond Latin-1
+    + REPLACEMENT_CHAR
+)
+"""The characters of both Text spaces. Wide enough that English and Western-European text, code and arithmetic
+pass unchanged; small enough that the space prints readably and ``action_space.sample()`` is plain text. The
+full text always travels losslessly in ``info["messages"]``."""
+
+
+class GymnasiumEnv(gymnasium.Env[str, str]):
+    """An envkit env as a synchronous gymnasium env whose observations and actions are text.
+
+    ``reset`` returns the text of the opening messages, ``step(text)`` sends ``text`` as the assistant's message
+    and returns the text of the env's reply: the messages' contents joined by blank lines, with the messages
+    themselves, complete, in ``info["messages"]``. So that every observation lies in ``observation_space``, it
+    keeps the first ``max_length`` characters and each character outside :data:`TEXT_CHARSET` becomes
+    :data:`REPLACEMENT_CHAR`. ``step`` takes any string; ``max_action_length`` only bounds ``action_space``.
+
+    ``env`` is an envkit env, or a name for ``envkit.make(env, **env_kwargs)``. ``reset(options={"task": t})``
+    picks a task. An env made by name gets a gymnasium ``spec``, so ``gymnasium.make(env.spec)`` remakes it.
+    """
+
+    metadata: ClassVar[dict[str, Any]] = {"render_modes": []}
+
+    def __init__(
+        self,
+        env: Env | str,
+        *,
+        env_kwargs: dict[str, Any] | None = None,
+        max_length: int = 8192,
+        max_action_length: int = 1024,
+    ) -> None:
+        if not isinstance(env, str) and env_kwargs:
+            raise ValueError("env_kwargs only apply when GymnasiumEnv makes the env from a name.")
+        if isinstance(env, str):
+            env = make(env, **(env_kwargs or {}))
+        elif not isinstance(env, ContractChecker):
+            env = ContractChecker(env)  # for its lazy init() and its validation, which make() would have added
+        self.env = env
+        self._sync = SyncEnv(env)
+        self.observation_space = Text(max_length, min_length=0, charset=TEXT_CHARSET)
+        self.action_space = Text(max_action_length, charset=TEXT_CHARSET)
+        if env.spec is not None:
+            self.spec = GymSpec(
+                id=env.spec.name,
+                entry_point="envkit.gym_bridge:GymnasiumEnv",
+                kwargs={
+                    "env": env.spec.name,
+                    "env_kwargs": dict(env.spec.kwargs),
+                    "max_length": max_length,
+                    "max_action_length": max_action_length,
+                },
+            )
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
+        """Start an episode: ``(observation text, info)``."""
+        super().reset(seed=seed)
+        if seed is None:
+            # As in gymnasium, unseeded resets after a seeded one continue a reproducible sequence of episodes.
+            seed = int(self.np_random.integers(2**31))
+        messages, info = self._sync.reset(seed=seed, task=(options or {}).get("task"))
+        return self._observe(messages, info)
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        """Send ``action`` as the assistant's message: ``(observation text, reward, terminated, truncated, info)``."""
+        result = self._sync.step(action)
+        obs, info = self._observe(result.observation, result.info)
+        return obs, float(result.reward), bool(result.terminated), bool(result.truncated), info
+
+    def close(self) -> None:
+        """Close the envkit env and the event loop behind it; safe to call twice."""
+        self._sync.close()
+
+    def _observe(self, messages: list[Message], info: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        text = "\n\n".join(m["content"] for m in messages if m.get("content"))[: self.observation_space.max_length]
+        charset = self.observation_space.character_set
+        # A deep copy, because callers keep every info (replay buffers) while the env may reuse its objects.
+        return "".join(c if c in charset else REPLACEMENT_CHAR for c in text), copy.deepcopy(
+            {**info, "messages": messages}
+        )
+
+
+def as_gymnasium(env: Env | str, **options: Any) -> GymnasiumEnv:
+    """``env`` (an envkit env or name) as a synchronous gymnasium env; ``options`` go to :class:`GymnasiumEnv`."""
+    return GymnasiumEnv(env, **options)

@@ -1,0 +1,82 @@
+"""Helpers for envs with procedurally generated task sets: stable splits, lazy task lists, task checks."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, overload
+
+from envkit.core import Task
+
+SPLITS = ("train", "test")
+
+
+def stable_split(key: str, test_share: float = 0.2) -> str:
+    """The split ("train" or "test") that owns the problem ``key``.
+
+    Uses sha256, not the per-process salted ``hash()``, so every process and machine agrees and train/test
+    never share a problem.
+    """
+    digest = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
+    return "test" if digest < test_share * 2**64 else "train"
+
+
+def check_split(split: str) -> str:
+    """Return ``split`` if it is a known split, else raise ValueError listing the valid ones."""
+    if split not in SPLITS:
+        raise ValueError(f"Unknown split {split!r}; valid splits: {', '.join(map(repr, SPLITS))}")
+    return split
+
+
+class TaskList(Sequence[Task]):
+    """A fixed-length task sequence generated on first access and cached.
+
+    Task ``i`` is the ``i``-th item of ``source`` with ``"id": f"{prefix}-{i}"`` added, so it depends only on
+    how ``source`` was seeded, never on access order.
+    """
+
+    def __init__(self, source: Iterator[Task], length: int, *, prefix: str) -> None:
+        self._source, self._len, self._prefix = source, length, prefix
+        self._tasks: list[Task] = []
+
+    def __len__(self) -> int:
+        return self._len
+
+    @overload
+    def __getitem__(self, i: int) -> Task: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[Task]: ...
+    def __getitem__(self, i: int | slice) -> Task | list[Task]:
+        if isinstance(i, slice):
+            return [self[k] for k in range(self._len)[i]]
+        if not -self._len <= i < self._len:
+            raise IndexError(f"task index {i} out of range for {self._prefix!r} ({self._len} tasks)")
+        i %= self._len
+        while len(self._tasks) <= i:
+            self._tasks.append(next(self._source))
+        return {"id": f"{self._prefix}-{i}", **self._tasks[i]}
+
+
+def pick_task(tasks: Sequence[Task], seed: int | None, rng: random.Random) -> Task:
+    """Task ``seed % len(tasks)`` (same seed, same task), or a random one when ``seed`` is None."""
+    if not tasks:
+        raise ValueError("cannot pick a task from an empty task list")
+    return tasks[rng.randrange(len(tasks)) if seed is None else seed % len(tasks)]
+
+
+def check_task(task: Any, **fields: type | tuple[type, ...]) -> Mapping[str, Any]:
+    """Return ``task`` if it is a mapping whose ``fields`` have the given types, else raise ValueError."""
+    if not isinstance(task, Mapping):
+        raise ValueError(f"task must be a dict, got {type(task).__name__}: {task!r:.120}")
+    for name, kind in fields.items():
+        value = task.get(name)
+        if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+            value = None  # bool is an int subclass, but True is no answer
+        if not isinstance(value, kind):
+            raise ValueError(f"task must have a {name!r} of type {_type_names(kind)}, got {task.get(name)!r:.80}")
+    return task
+
+
+def _type_names(kind: type | tuple[type, ...]) -> str:
+    return " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))

@@ -1,0 +1,231 @@
+"""ArithmeticEnv: single-turn, procedurally generated, seeded arithmetic with an exactly checkable answer."""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+import random
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+from envkit import Env, Message, StepResult, Task, extract_answer, system, user
+from envkit.errors import ResetNeededError
+from envkit.tasks import TaskList, check_split, check_task, pick_task, stable_split
+
+DEFAULT_SYSTEM_PROMPT = 'Solve the math problem. End your reply with "The answer is N." where N is the result.'
+
+LEVELS: dict[int, tuple[int, str, int]] = {
+    # level: (digits per operand, operators, operations per problem)
+    1: (1, "+", 1),  # "3 + 5": 100 problems, small enough for a 135M model to learn
+    2: (2, "+-", 1),  # "47 - 19"
+    3: (2, "+-*", 1),  # "47 * 19"
+    4: (2, "+-*", 2),  # "(12 + 7) * 3"
+    5: (3, "+-*", 3),  # "(123 + 456) * (789 - 12)"
+}
+
+_OPS: dict[str, Callable[[int, int], int]] = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+_TEST_SHARE = 0.2
+# Spaces up to this size are enumerated and shuffled, so each split holds exactly the problems it owns.
+_ENUMERABLE = 100_000
+
+_Shape: TypeAlias = "tuple[_Shape, _Shape] | None"  # None is a number, a pair is an operation on two subtrees
+
+
+@functools.cache
+def _shapes(steps: int) -> tuple[_Shape, ...]:
+    """Every binary tree with ``steps`` operations."""
+    if steps == 0:
+        return (None,)
+    return tuple((left, right) for k in range(steps) for left in _shapes(k) for right in _shapes(steps - 1 - k))
+
+
+@dataclass(frozen=True, slots=True)
+class _Problem:
+    expression: str
+    key: str
+    """The expression with the operands of + and * sorted: "3 + 5" and "5 + 3" must land in the same split."""
+    answer: int
+
+
+def _build(shape: _Shape, numbers: Iterator[int], ops: Iterator[str]) -> tuple[str, str, int]:
+    """(expression, key, value) of a subtree, consuming numbers and operators left to right."""
+    if shape is None:
+        n = next(numbers)
+        return str(n), str(n), n
+    left, left_key, a = _build(shape[0], numbers, ops)
+    op = next(ops)
+    right, right_key, b = _build(shape[1], numbers, ops)
+    # Parenthesising every inner operation makes each tree print differently, so distinct problems stay distinct.
+    if shape[0] is not None:
+        left, left_key = f"({left})", f"({left_key})"
+    if shape[1] is not None:
+        right, right_key = f"({right})", f"({right_key})"
+    if op in "+*":
+        left_key, right_key = sorted((left_key, right_key))
+    return f"{left} {op} {right}", f"{left_key} {op} {right_key}", _OPS[op](a, b)
+
+
+@dataclass(frozen=True, slots=True)
+class _Space:
+    """All problems of ``steps`` operations from ``ops`` on numbers of up to ``digits`` digits, indexed 0..size-1."""
+
+    digits: int
+    ops: str
+    steps: int
+
+    @property
+    def size(self) -> int:
+        return len(_shapes(self.steps)) * len(self.ops) ** self.steps * 10 ** (self.digits * (self.steps + 1))
+
+    def problem(self, index: int) -> _Problem:
+        index, shape = divmod(index, len(_shapes(self.steps)))
+        ops = []
+        for _ in range(self.steps):
+            index, k = divmod(index, len(self.ops))
+            ops.append(self.ops[k])
+        numbers = []
+        for _ in range(self.steps + 1):
+            index, n = divmod(index, 10**self.digits)
+            numbers.append(n)
+        expression, key, answer = _build(_shapes(self.steps)[shape], iter(numbers), iter(ops))
+        return _Problem(expression, key, answer)
+
+
+def _split_tasks(space: _Space, split: str, level: int, size: int) -> TaskList:
+    """The tasks of one split; task i depends only on (space, split, i).
+
+    A seeded walk visits the problem space without repetition and keeps the problems this split owns, so
+    problems never repeat within a split. Small spaces are shuffled whole and the split is capped at the number
+    of problems it owns (level 1 owns about 80 train and 20 test problems). Spaces too large to count are capped
+    at half the split's expected share: far below exhaustion, so sampling stays fast.
+    """
+    rng = random.Random(f"{split}:{space.digits}:{space.ops}:{space.steps}")
+    if space.size <= _ENUMERABLE:
+        order = list(range(space.size))
+        rng.shuffle(order)
+        problems = [p for p in map(space.problem, order) if stable_split(p.key, _TEST_SHARE) == split]
+        walk: Iterator[_Problem] = iter(problems)
+        available = len(problems)
+    else:
+        walk = _sample(space, split, rng)
+        available = int(space.size * (_TEST_SHARE if split == "test" else 1 - _TEST_SHARE) / 2)
+    tasks = (
+        {"question": f"What is {p.expression}?", "answer": p.answer, "level": level, "expression": p.expression}
+        for p in walk
+    )
+    return TaskList(tasks, min(size, available), prefix=f"{split}-{level}")
+
+
+def _sample(space: _Space, split: str, rng: random.Random) -> Iterator[_Problem]:
+    seen: set[int] = set()
+    while True:
+        index = rng.randrange(space.size)
+        if index not in seen:
+            seen.add(index)
+            problem = space.problem(index)
+            if stable_split(problem.key, _TEST_SHARE) == split:
+                yield problem
+
+
+class ArithmeticEnv(Env):
+    """Single-turn arithmetic: answer "What is 3 + 5?"; reward 1.0 for the right number, 0.0 otherwise.
+
+    Problems are generated from (split, level, index), so they are reproducible and cheap. Levels, with
+    operands of up to the given number of digits (0..9, 0..99, ...): 1 one-digit addition (100 problems),
+    2 two-digit + and -, 3 two-digit +, - and *, 4 two operations with parentheses on two-digit numbers,
+    5 three operations on three-digit numbers. ``digits``, ``ops`` and ``steps`` override the level's preset.
+    Answers are integers and may be negative. Train and test never share a problem: each problem belongs to
+    one split by a stable hash of its expression, with a + b and b + a counted as one problem.
+
+    The final number of the reply is graded (see :func:`envkit.extract_answer`); ``format_bonus`` is added when
+    the reply marks it explicitly (``#### N``, ``\\boxed{N}``, "The answer is N"), right or wrong.
+    ``reset(seed=s)`` gives train task ``s % len(tasks("train"))``, so seeds beyond the split size repeat tasks.
+    """
+
+    def __init__(
+        self,
+        *,
+        level: int = 1,
+        digits: int | None = None,
+        ops: str | None = None,
+        steps: int | None = None,
+        format_bonus: float = 0.0,
+        system_prompt: str | None = None,
+        num_train: int = 10_000,
+        num_test: int = 500,
+    ) -> None:
+        if level not in LEVELS:
+            raise ValueError(f"level must be one of {sorted(LEVELS)}, got {level!r}")
+        preset_digits, preset_ops, preset_steps = LEVELS[level]
+        digits = preset_digits if digits is None else digits
+        ops = preset_ops if ops is None else ops
+        steps = preset_steps if steps is None else steps
+        if not 1 <= digits <= 9:
+            raise ValueError(f"digits must be between 1 and 9, got {digits!r}")
+        if not ops or set(ops) - set(_OPS):
+            raise ValueError(f"ops must be a non-empty string of operators from {''.join(_OPS)!r}, got {ops!r}")
+        if not 1 <= steps <= 6:
+            raise ValueError(f"steps must be between 1 and 6, got {steps!r}")
+        if not math.isfinite(format_bonus) or format_bonus < 0:
+            raise ValueError(f"format_bonus must be a finite number >= 0, got {format_bonus!r}")
+        if num_train < 1:
+            raise ValueError(f"num_train must be >= 1 (reset(seed=...) draws from it), got {num_train!r}")
+        if num_test < 0:
+            raise ValueError(f"num_test must be >= 0, got {num_test!r}")
+        self.level = level
+        # Canonical operator order, so "*+" and "+*" generate the same problems.
+        self._space = _Space(digits, "".join(op for op in _OPS if op in ops), steps)
+        self.format_bonus = float(format_bonus)
+        self.system_prompt = DEFAULT_SYSTEM_PROMPT if system_prompt is None else system_prompt
+        self._sizes = {"train": num_train, "test": num_test}
+        self._splits: dict[str, TaskList] = {}
+        self._rng = random.Random()
+        self._task: Task | None = None
+
+    def tasks(self, split: str = "train") -> Sequence[Task]:
+        """The tasks of ``split`` ("train" or "test") as a lazily generated sequence of task dicts."""
+        if check_split(split) not in self._splits:
+            self._splits[split] = _split_tasks(self._space, split, self.level, self._sizes[split])
+        return self._splits[split]
+
+    async def reset(self, *, seed: int | None = None, task: Task | None = None) -> tuple[list[Message], dict]:
+        """Start an episode on ``task`` if given, else on the train task picked by ``seed``, else a random one."""
+        if task is not None:
+            check_task(task, question=str, answer=(int, float))
+        else:
+            task = pick_task(self.tasks("train"), seed, self._rng)
+        self._task = task
+        return [system(self.system_prompt), user(task["question"])], {"task": task}
+
+    async def step(self, action: Message) -> StepResult:
+        """Grade the reply and end the episode."""
+        if self._task is None:
+            raise ResetNeededError("step() needs an active episode; call reset() first.")
+        expected, self._task = self._task["answer"], None
+        answer = extract_answer(action.get("content"))
+        correct = answer is not None and math.isclose(answer.value, expected, rel_tol=1e-9, abs_tol=1e-9)
+        explicit = answer is not None and answer.explicit
+        return StepResult(
+            [],
+            reward=float(correct) + (self.format_bonus if explicit else 0.0),
+            terminated=True,
+            info={
+                "correct": correct,
+                "parsed_answer": None if answer is None else answer.value,
+                "expected": expected,
+                "format": None if answer is None else answer.format,
+            },
+        )
+
+    def spaces(self) -> dict[str, Any]:
+        return {
+            "observation": 'system prompt, then a user message "What is <expression>?"',
+            "action": "assistant message whose final (preferably marked) number is the answer",
+            "reward": f"1.0 if correct else 0.0, plus format_bonus={self.format_bonus} for a marked answer",
+            "level": self.level,
+            "digits": self._space.digits,
+            "ops": self._space.ops,
+            "steps": self._space.steps,
+        }
