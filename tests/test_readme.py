@@ -1,0 +1,32 @@
+"""The README's Python examples run as written, and print what their comments say."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.DOTALL)
+
+
+def _expected_prints(code: str) -> list[str]:
+    """The `# comment` after each print(...) line, in order: that is what the README promises it prints."""
+    return [m.group(1).strip() for m in re.finditer(r"^\s*print\(.*\)\s*#\s*(.+)$", code, re.MULTILINE)]
+
+
+def test_readme_has_examples():
+    assert len(BLOCKS) >= 4
+
+
+@pytest.mark.parametrize("code", BLOCKS, ids=[f"block{i}" for i in range(len(BLOCKS))])
+def test_readme_example_runs_and_prints_what_it_says(code: str, tmp_path: Path):
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr
+    expected = _expected_prints(code)
+    printed = out.stdout.strip().splitlines()
+    for want in expected:
+        assert want in printed, f"README promises {want!r}; the example printed {printed}"
