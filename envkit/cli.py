@@ -1,4 +1,8 @@
-"""The ``envkit`` command line: list installed environments and inspect one."""
+"""The ``envkit`` command line: list installed environments, inspect one, and plugin commands (``eval``).
+
+A plugin command is a function ``add_parser(subparsers)`` that adds its subparser and sets ``func(args, console)
+-> int`` as its default; it is registered under the ``envkit.commands`` entry-point group.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import asyncio
 import json
 import sys
 from collections.abc import Sequence
+from importlib.metadata import entry_points
 from typing import Any
 
 from rich.console import Console
@@ -16,6 +21,7 @@ import envkit
 from envkit.errors import EnvkitError
 
 SPLITS = ("train", "test")
+COMMAND_GROUP = "envkit.commands"
 
 
 def _cmd_list(args: argparse.Namespace, console: Console) -> int:
@@ -94,8 +100,21 @@ def _cmd_info(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser for ``envkit``."""
+def _add_plugin_commands(sub: argparse._SubParsersAction, console: Console) -> None:
+    """Subcommands from other packages (``envkit eval`` lives in ``generators``): envkit imports none of them,
+    they register through the ``envkit.commands`` entry-point group as ``name = "module:add_parser"``."""
+    for ep in entry_points(group=COMMAND_GROUP):
+        try:
+            add_parser = ep.load()
+        except Exception as e:  # a broken plugin must not take the core commands down with it
+            console.print(f"[yellow]warning:[/yellow] envkit command {ep.name!r} failed to load: "
+                          f"{type(e).__name__}: {e}", highlight=False)
+            continue
+        add_parser(sub)
+
+
+def build_parser(console: Console | None = None) -> argparse.ArgumentParser:
+    """The argument parser for ``envkit``, including plugin subcommands."""
     parser = argparse.ArgumentParser(
         prog="envkit",
         description="Environments for training LLM agents with RL. Envs are pip packages found by name.",
@@ -111,13 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
     p_info.add_argument("name", help="env name as shown by `envkit list`, or gym:<gymnasium id>")
     p_info.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p_info.set_defaults(func=_cmd_info)
+    _add_plugin_commands(sub, console or Console(stderr=True))
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``envkit`` console script."""
-    args = build_parser().parse_args(argv)
     console = Console()
+    args = build_parser(Console(stderr=True)).parse_args(argv)
     try:
         return args.func(args, console)
     except EnvkitError as e:

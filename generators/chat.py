@@ -1,0 +1,85 @@
+"""Chat-template tokenization for token-in/token-out rollouts, without ever re-tokenizing earlier turns.
+
+Observation tokens come from the fixed-prefix trick: render a fixed dummy conversation, render it again with the
+new messages appended, and keep the difference. That yields exactly the tokens the template writes for the new
+messages in context (role headers, separators, the next generation prompt), whatever the template.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+_PREFIX: list[dict[str, Any]] = [
+    {"role": "system", "content": "S"},
+    {"role": "user", "content": "U"},
+    {"role": "assistant", "content": "A"},
+]
+
+
+class ChatTokenizer:
+    """An HF tokenizer plus the chat-template arithmetic the rollout loop needs."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        if tokenizer.chat_template is None:
+            raise ValueError("the tokenizer has no chat template; rollouts need one to render messages")
+        if tokenizer.eos_token_id is None:
+            raise ValueError("the tokenizer has no eos token; the rollout loop needs it to close assistant turns")
+        self.tokenizer = tokenizer
+        self.eos_id: int = tokenizer.eos_token_id
+        self.pad_id: int = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
+        self._prefix_cache: dict[str, list[int]] = {}
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ChatTokenizer:
+        """Load the tokenizer (and its chat template) of a checkpoint dir or hub name."""
+        return cls(AutoTokenizer.from_pretrained(str(path)))
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *,
+               generation_prompt: bool = True) -> list[int]:
+        """Token ids of ``messages`` as the chat template renders them."""
+        out = self.tokenizer.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=generation_prompt, tokenize=True, return_dict=True
+        )
+        return list(out["input_ids"])
+
+    def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The opening messages with the generation prompt: what the model continues from."""
+        return self.render(messages, tools)
+
+    def observation_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Tokens for new env messages after an assistant turn, ending with the next generation prompt."""
+        base = self._prefix_ids(tools)
+        full = self.render(_PREFIX + messages, tools)
+        if full[: len(base)] != base:
+            raise ValueError("the chat template is not prefix-consistent: appending messages changed earlier tokens")
+        return full[len(base):]
+
+    def _prefix_ids(self, tools: list[dict[str, Any]] | None) -> list[int]:
+        key = json.dumps(tools, sort_keys=True)
+        if key not in self._prefix_cache:
+            self._prefix_cache[key] = self.render(_PREFIX, tools, generation_prompt=False)
+        return self._prefix_cache[key]
+
+    @cached_property
+    def _turn_suffix(self) -> list[int]:
+        """Tokens the template writes after an assistant message's eos (e.g. a newline)."""
+        base = self._prefix_ids(None)
+        last_eos = len(base) - 1 - base[::-1].index(self.eos_id)
+        return base[last_eos + 1:]
+
+    def close_turn(self, model_ids: list[int]) -> list[int]:
+        """Tokens that close an assistant turn the model produced: the template's suffix after eos, preceded by an
+        eos when the model did not write one (its turn was cut off by max_tokens)."""
+        ended = bool(model_ids) and model_ids[-1] == self.eos_id
+        return ([] if ended else [self.eos_id]) + self._turn_suffix
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ``ids`` with a trailing eos dropped (special tokens inside the text are kept)."""
+        if ids and ids[-1] == self.eos_id:
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids, skip_special_tokens=False)

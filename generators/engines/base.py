@@ -1,0 +1,101 @@
+"""The InferenceEngine interface every backend implements, and its value types."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to sample one completion. ``max_tokens`` bounds one model turn."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """One token-in/token-out generation: the sampled ids and the sampler's logprob of each."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    weight_version: int = 0
+    """The weight version that produced this completion."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChatCompletion:
+    """One chat-mode generation (endpoints that cannot take or return token ids)."""
+
+    content: str | None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: FinishReason = "stop"
+    completion_tokens: int = 0
+    weight_version: int = 0
+
+
+class EngineError(RuntimeError):
+    """The inference engine failed (server down, crashed, or answered with an error)."""
+
+
+class InferenceEngine(abc.ABC):
+    """A model behind an HTTP server. ``supports_token_ids`` engines do token-in/token-out ``generate``; all do
+    ``chat``. Use as ``async with engine:`` or call ``start()``/``stop()``."""
+
+    supports_token_ids: bool = True
+    model_name: str
+    """The name requests use for the served model."""
+
+    @property
+    @abc.abstractmethod
+    def base_url(self) -> str:
+        """The server's root URL, e.g. ``http://127.0.0.1:8000`` (OpenAI routes live under ``/v1``)."""
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights being served (0 = the initial checkpoint)."""
+        return 0
+
+    async def start(self) -> None:  # noqa: B027 - external endpoints have nothing to start
+        """Start (or connect to) the server and wait until it answers."""
+
+    async def stop(self) -> None:  # noqa: B027
+        """Stop the server if this engine owns it; idempotent."""
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Completion:
+        """Sample a continuation of ``prompt_ids``; returns the new token ids and their logprobs."""
+        raise NotImplementedError(f"{type(self).__name__} cannot generate from token ids; use chat()")
+
+    @abc.abstractmethod
+    async def chat(
+        self, messages: list[dict[str, Any]], sampling: SamplingParams, tools: list[dict[str, Any]] | None = None
+    ) -> ChatCompletion:
+        """One chat completion for ``messages`` (and OpenAI ``tools``)."""
+
+    async def load_weights(self, path: str | Path, version: int) -> None:
+        """Serve the HF safetensors checkpoint in ``path`` as weight ``version`` (same architecture)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot load weights")
+
+    async def __aenter__(self) -> InferenceEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()

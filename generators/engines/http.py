@@ -1,0 +1,221 @@
+"""What every engine that owns a model-server subprocess shares: the HTTP client, crash detection with one
+restart-and-retry, restoring the latest weights after a restart, and chat through the server's OpenAI routes.
+
+A backend subclasses :class:`ServerBackedEngine` and supplies the launch command (``_command``), how to load a
+checkpoint into the running server (``_apply_weights``, built only from ``_send``), and ``generate``.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+
+from generators.engines.base import ChatCompletion, EngineError, InferenceEngine, SamplingParams
+from generators.engines.openai_chat import OpenAIChat
+from generators.engines.server import ManagedServer
+from generators.models import resolve_model
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+RETRYABLE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError)
+"""Transport errors that mean "the server may have died"; anything else is the server's answer."""
+
+
+def checkpoint_dir(path: str | Path) -> Path:
+    """``path`` resolved, if it holds an HF safetensors checkpoint."""
+    path = Path(path).resolve()
+    if not any(path.glob("*.safetensors")):
+        raise FileNotFoundError(f"{path} holds no *.safetensors files")
+    return path
+
+
+class ServerBackedEngine(InferenceEngine):
+    """An :class:`InferenceEngine` whose model server is a :class:`ManagedServer` subprocess this engine owns.
+
+    Requests go through ``_request``: if the server died, the first failure restarts it (reloading the latest
+    weights) and the request is sent once more. While a restart is under way every other request waits for it,
+    so none reaches a server that is still serving the initial weights.
+    """
+
+    backend = "server"
+    """The backend's display name in log lines and errors."""
+
+    def __init__(
+        self,
+        model: str | Path | None,
+        *,
+        served_model_name: str,
+        server_name: str,
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        health_path: str = "/health",
+        startup_timeout: float = 600.0,
+        request_timeout: float = 600.0,
+        auto_restart: bool = True,
+    ) -> None:
+        self.model = model
+        self.model_name = served_model_name
+        self.request_timeout = request_timeout
+        self.auto_restart = auto_restart
+        self.restarts = 0
+        self._version = 0
+        self._weights_path: Path | None = None
+        self._client: httpx.AsyncClient | None = None
+        self._chat: OpenAIChat | None = None
+        self._model_path = ""
+        self._started = False
+        self._restart_lock = asyncio.Lock()
+        self._weights_lock = asyncio.Lock()
+        self.server = ManagedServer(server_name, self._command, log_path=log_path, env=env, host=host, port=port,
+                                    health_path=health_path, startup_timeout=startup_timeout)
+
+    # --- what a backend supplies -------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _command(self, port: int) -> list[str]:
+        """The server's argv for ``port`` (``self._model_path`` is resolved by then)."""
+
+    @abc.abstractmethod
+    async def _apply_weights(self, path: Path, version: int) -> None:
+        """Load the checkpoint in ``path`` into the running server as ``version``, using only ``_send`` (it also
+        runs inside a restart, where ``_request`` would wait on that restart)."""
+
+    # --- lifecycle -------------------------------------------------------------------------------------
+
+    @property
+    def base_url(self) -> str:
+        return self.server.base_url
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._model_path = await asyncio.to_thread(resolve_model, self.model)
+        await self.server.start()
+        self._connect()
+        self._started = True
+
+    async def stop(self) -> None:
+        self._started = False
+        await self._disconnect()
+        await self.server.stop()
+
+    def _connect(self) -> None:
+        limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
+        self._client = httpx.AsyncClient(base_url=self.base_url, timeout=self.request_timeout, limits=limits)
+        self._chat = OpenAIChat(self.base_url + "/v1", model_name=self.model_name, timeout=self.request_timeout)
+
+    async def _disconnect(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+        if self._chat is not None:
+            await self._chat.aclose()
+            self._chat = None
+
+    # --- the shared InferenceEngine parts --------------------------------------------------------------
+
+    async def chat(
+        self, messages: list[dict[str, Any]], sampling: SamplingParams, tools: list[dict[str, Any]] | None = None
+    ) -> ChatCompletion:
+        await self._ensure_running()
+        assert self._chat is not None
+        return await self._chat.chat(messages, sampling, tools, weight_version=self._version)
+
+    async def load_weights(self, path: str | Path, version: int) -> None:
+        """Serve the checkpoint in ``path`` as ``version``; if the server dies meanwhile it is restarted (with the
+        previous weights) and the load is retried once."""
+        path = await asyncio.to_thread(checkpoint_dir, path)
+        async with self._weights_lock:
+            await self._with_restart(f"loading weights from {path}", lambda: self._apply_weights(path, version))
+            self._weights_path, self._version = path, version
+
+    # --- requests --------------------------------------------------------------------------------------
+
+    async def _post(self, route: str, body: dict[str, Any] | None = None, params: dict[str, str] | None = None
+                    ) -> dict[str, Any]:
+        return await self._request("POST", route, body, params)
+
+    async def _get(self, route: str, params: dict[str, str] | None = None) -> dict[str, Any]:
+        return await self._request("GET", route, None, params)
+
+    async def _request(self, method: str, route: str, body: dict[str, Any] | None = None,
+                       params: dict[str, str] | None = None) -> dict[str, Any]:
+        """One request to the running server, restarting it once if it died; EngineError on any failure."""
+        return await self._with_restart(f"{method} {route}", lambda: self._send(method, route, body, params))
+
+    async def _send(self, method: str, route: str, body: dict[str, Any] | None = None,
+                    params: dict[str, str] | None = None) -> dict[str, Any]:
+        """One request, no restart: RETRYABLE errors propagate; a non-200 answer is an EngineError. A JSON body
+        is returned as is, an empty one as ``{}``, any other as ``{"text": ...}``."""
+        assert self._client is not None, "not connected"
+        response = await self._client.request(method, route, json=body, params=params)
+        if response.status_code != 200:
+            raise EngineError(f"{self.backend} {method} {route} answered {response.status_code}: "
+                              f"{response.text[:500]}")
+        if not response.content:
+            return {}
+        try:
+            data = response.json()
+        except ValueError:
+            return {"text": response.text}
+        return data if isinstance(data, dict) else {"data": data}
+
+    async def _with_restart(self, what: str, action: Callable[[], Awaitable[T]]) -> T:
+        """Run ``action`` against a running server; if it fails with a transport error because the server died,
+        restart the server and run it once more."""
+        for attempt in (0, 1):
+            await self._ensure_running()
+            try:
+                return await action()
+            except RETRYABLE as e:
+                # A connection error right after a crash can beat the exit status; give the reaper a moment.
+                if attempt == 0 and self.auto_restart and await self.server.exited_within(2.0):
+                    log.warning("%s server died (%s); restarting it", self.backend, e)
+                    continue
+                raise EngineError(f"{self.backend} {what} failed: {type(e).__name__}: {e}") from e
+        raise AssertionError("unreachable: the second attempt returns or raises")
+
+    async def _ensure_running(self) -> None:
+        if not self._started:
+            raise EngineError(f"{type(self).__name__} is not started; use `async with engine:` or "
+                              "`await engine.start()`")
+        if self.server.alive and not self._restart_lock.locked():
+            return
+        if not self.server.alive and not self.auto_restart:
+            raise EngineError(f"the {self.backend} server is not running. Last log lines:\n{self.server.log_tail()}")
+        async with self._restart_lock:
+            if self.server.alive:  # another request restarted it while we waited
+                return
+            if not self._started:
+                raise EngineError(f"{type(self).__name__} was stopped")
+            self.restarts += 1
+            log.warning("restarting %s (restart %d); last log lines:\n%s", self.backend, self.restarts,
+                        self.server.log_tail(10))
+            await self._disconnect()
+            await self.server.stop()
+            try:
+                await self.server.start()
+                self._connect()
+                if self._weights_path is not None:
+                    await self._apply_weights(self._weights_path, self._version)
+            except BaseException as e:
+                # Never leave a server up with the wrong weights: the next request restarts it again.
+                await self._disconnect()
+                await self.server.stop()
+                if isinstance(e, RETRYABLE):
+                    raise EngineError(f"{self.backend} restart failed: {type(e).__name__}: {e}") from e
+                raise

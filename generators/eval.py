@@ -1,0 +1,348 @@
+"""``envkit eval NAME``: evaluate a model on an env's tasks and write trajectories, an HTML report and a summary.
+
+The command is a plugin of the ``envkit`` CLI (entry point ``envkit.commands``). This module is imported by every
+``envkit`` invocation, so the heavy imports (transformers, the engines) happen inside :func:`run_eval` only.
+
+From Python::
+
+    summary, trajectories, out = asyncio.run(run_eval(EvalConfig("arithmetic", num_tasks=16)))
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import math
+import os
+import re
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+import envkit
+from envkit.errors import EnvkitError
+from generators.engines.base import EngineError, SamplingParams
+from generators.models import BUNDLED
+from generators.report import EvalSummary, passed, summarize, write_html_report
+from generators.trajectory import Trajectory, write_jsonl
+
+if TYPE_CHECKING:
+    from envkit import Task
+    from generators.chat import ChatTokenizer
+    from generators.engines.base import InferenceEngine
+
+_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class EvalInputError(ValueError):
+    """Bad evaluation input (split, model, tasks): the user's to fix, reported without a traceback."""
+
+
+@dataclass
+class EvalConfig:
+    """One evaluation run; the fields mirror the ``envkit eval`` options."""
+
+    env: str
+    model: str = BUNDLED
+    """``"bundled"``, an HF checkpoint dir or hub name; with ``base_url``, the endpoint's served model name."""
+    base_url: str | None = None
+    """An external OpenAI-compatible endpoint (chat mode) instead of a managed vLLM server."""
+    api_key: str | None = None
+    """For ``base_url``; defaults to ``$OPENAI_API_KEY``. Never written to the outputs."""
+    num_tasks: int = 64
+    split: str = "test"
+    samples: int = 1
+    """Rollouts per task."""
+    concurrency: int = 64
+    temperature: float = 0.0
+    """Greedy by default: pass rates of a fixed checkpoint should not move between runs."""
+    max_tokens: int = 256
+    """Per model turn."""
+    max_turns: int = 8
+    timeout: float = 300.0
+    """Wall-clock seconds per rollout."""
+    pass_threshold: float = 1.0
+    env_args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for ``envkit.make``."""
+    out: Path | None = None
+    """Output dir; None means ``runs/eval/<env>-<YYYYmmdd-HHMMSS>``."""
+    seed: int | None = None
+    """Sampling seed sent with every request."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_tasks", "samples", "concurrency", "max_tokens", "max_turns"):
+            if getattr(self, name) < 1:
+                raise EvalInputError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.temperature >= 0:
+            raise EvalInputError(f"temperature must be >= 0, got {self.temperature}")
+        if not self.timeout > 0:
+            raise EvalInputError(f"timeout must be > 0 seconds, got {self.timeout}")
+        if not math.isfinite(self.pass_threshold):
+            raise EvalInputError(f"pass_threshold must be a finite number, got {self.pass_threshold}")
+        if self.base_url is not None and self.model == BUNDLED:
+            raise EvalInputError("--base-url needs --model: the model name the endpoint serves (e.g. gpt-4o-mini)")
+        if self.seed is not None and self.samples > 1 and self.temperature > 0:
+            # Every request carries the same seed, so the samples of one task would all be identical.
+            raise EvalInputError("--seed with --samples > 1 would make every sample of a task identical; drop --seed")
+        for key in self.env_args:
+            if not _KEY_RE.match(key):
+                raise EvalInputError(f"env arg name {key!r} is not a valid Python identifier")
+        self.out = Path(self.out) if self.out is not None else default_out_dir(self.env)
+
+    def to_json(self) -> dict[str, Any]:
+        """The config as JSON-able values, without the API key."""
+        data = asdict(self)
+        data.pop("api_key")
+        data["out"] = str(self.out)
+        return data
+
+
+def default_out_dir(env: str) -> Path:
+    """``runs/eval/<env>-<YYYYmmdd-HHMMSS>``, with characters unsafe in a file name (``/``, ``:``) replaced."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", env)
+    return Path("runs") / "eval" / f"{safe}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+async def run_eval(config: EvalConfig, *, console: Console | None = None
+                   ) -> tuple[EvalSummary, list[Trajectory], Path]:
+    """Run the evaluation and write ``trajectories.jsonl``, ``report.html`` and ``summary.json`` into ``out``.
+
+    With a ``console``, progress and notes are shown on it. Raises EnvkitError or EvalInputError for bad input
+    before any model server starts; the managed server is stopped on every exit path.
+    """
+    from generators.rollout import Generator, GeneratorConfig, env_factory
+
+    say = console.print if console is not None else _quiet
+    tasks, task_note = await _load_tasks(config)
+    seeds = list(range(config.num_tasks)) if tasks is None else None
+    say(f"[bold]{config.env}[/bold]: {task_note}, {config.samples} sample(s) each", highlight=False)
+    if config.samples > 1 and config.temperature == 0:
+        say("[yellow]note:[/yellow] --samples > 1 at temperature 0 gives (nearly) identical samples")
+    engine, tokenizer, model_note = await _engine(config)
+    sampling = SamplingParams(temperature=config.temperature, max_tokens=config.max_tokens, seed=config.seed)
+    generator = Generator(engine, tokenizer, GeneratorConfig(
+        sampling=sampling, max_turns=config.max_turns, rollout_timeout_s=config.timeout,
+        concurrency=config.concurrency,
+    ))
+    total = len(tasks or seeds or ()) * config.samples
+    try:
+        t0 = time.perf_counter()
+        with console.status(f"starting {model_note}") if console else contextlib.nullcontext():
+            await engine.start()
+        start_s = time.perf_counter() - t0
+        say(f"{model_note} ready in {start_s:.0f} s", highlight=False)
+        with _progress(console, total, config.pass_threshold) as on_done:
+            t0 = time.perf_counter()
+            trajectories = await generator.generate(env_factory(config.env, **config.env_args), tasks=tasks,
+                                                    seeds=seeds, n_samples=config.samples, env_name=config.env,
+                                                    on_done=on_done)
+            wall_s = time.perf_counter() - t0
+    finally:
+        await engine.stop()
+
+    summary = summarize(trajectories, wall_s=wall_s, pass_threshold=config.pass_threshold)
+    out = config.out
+    assert out is not None  # set by __post_init__
+    meta = {**config.to_json(), "engine": model_note, "tasks": task_note, "engine_start_s": round(start_s, 1)}
+    write_jsonl(trajectories, out / "trajectories.jsonl")
+    write_html_report(trajectories, summary, out / "report.html", title=f"envkit eval: {config.env}", config=meta)
+    _write_json({**summary.to_json(), "config": meta}, out / "summary.json")
+    return summary, trajectories, out
+
+
+def _quiet(*_: Any, **__: Any) -> None:
+    """A stand-in for ``console.print`` when running without a console."""
+
+
+async def _load_tasks(config: EvalConfig) -> tuple[list[Task] | None, str]:
+    """The first ``num_tasks`` tasks of the split (None when the env has no task list) and a note saying which."""
+    env = envkit.make(config.env, **config.env_args)
+    try:
+        try:
+            source = env.tasks(config.split)
+        except ValueError as e:
+            raise EvalInputError(f"env {config.env!r} has no split {config.split!r}: {e}") from e
+        if source is None:
+            return None, f"no task list, so seeds 0..{config.num_tasks - 1} (--split ignored)"
+        tasks: list[Task] = list(itertools.islice(source, config.num_tasks))
+    finally:
+        await env.close()
+    if not tasks:
+        raise EvalInputError(f"env {config.env!r} has no tasks in split {config.split!r}")
+    if len(tasks) < config.num_tasks:
+        return tasks, f"all {len(tasks)} {config.split} tasks (fewer than the {config.num_tasks} asked for)"
+    return tasks, f"the first {len(tasks)} {config.split} tasks"
+
+
+async def _engine(config: EvalConfig) -> tuple[InferenceEngine, ChatTokenizer | None, str]:
+    """The engine (not started), its tokenizer (None in chat mode) and a description for the outputs."""
+    if config.base_url is not None:
+        from generators.engines.openai_chat import OpenAIEndpoint
+
+        api_key = config.api_key or os.environ.get("OPENAI_API_KEY")
+        engine = OpenAIEndpoint(config.base_url, model=config.model, api_key=api_key, timeout=config.timeout)
+        return engine, None, f"{config.model} at {config.base_url} (chat mode)"
+    from generators.engines.vllm import VLLMEngine
+
+    path, tokenizer = await asyncio.to_thread(_load_model, config.model)
+    engine = VLLMEngine(model=path)
+    name = "bundled SmolLM2-135M-Instruct" if config.model == BUNDLED else config.model
+    return engine, tokenizer, f"{name} on a managed vLLM server (log: {engine.server.log_path})"
+
+
+def _load_model(model: str) -> tuple[str, ChatTokenizer]:
+    """The checkpoint dir of ``model`` and its tokenizer (blocking: the bundled model is converted on first use)."""
+    from generators.chat import ChatTokenizer
+    from generators.models import resolve_model
+
+    if model.startswith(("/", ".", "~")) and not Path(model).expanduser().exists():
+        # resolve_model would take it for a hub name and fail with a confusing repo-id message
+        raise EvalInputError(f"model directory {model} does not exist")
+    try:
+        path = resolve_model(model)
+        return path, ChatTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:  # no config.json, unknown hub name, no chat template
+        raise EvalInputError(f"cannot load model {model!r}: {e}") from e
+
+
+@contextlib.contextmanager
+def _progress(console: Console | None, total: int, pass_threshold: float) -> Iterator[Callable[[Trajectory], None]]:
+    """A rich progress bar fed by the generator's ``on_done`` callback (a no-op callback without a console)."""
+    if console is None:
+        yield lambda _: None
+        return
+    bar = Progress(TextColumn("rollouts"), BarColumn(), MofNCompleteColumn(), TextColumn("pass {task.fields[rate]}"),
+                   TextColumn("elapsed"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                   console=console)
+    task = bar.add_task("rollouts", total=total, rate="-")
+    counts = {"done": 0, "passed": 0}
+
+    def on_done(t: Trajectory) -> None:
+        counts["done"] += 1
+        counts["passed"] += passed(t, pass_threshold)
+        bar.update(task, advance=1, rate=f"{counts['passed'] / counts['done']:.1%}")
+
+    with bar:
+        yield on_done
+
+
+def _write_json(data: dict[str, Any], path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    tmp.replace(path)
+
+
+def print_summary(console: Console, summary: EvalSummary, out: Path) -> None:
+    """The summary table and the paths of the written files."""
+    s = summary
+    table = Table(title="eval summary", title_justify="left", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("pass rate", f"{s.pass_rate:.1%} ({s.n_passed}/{s.n} with reward >= {s.pass_threshold:g})")
+    table.add_row("mean reward", f"{s.mean_reward:.3f} ± {s.reward_ci95:.3f} (95% CI)")
+    table.add_row("failed", f"{s.n_failed} (error or timeout; they score 0)")
+    table.add_row("stop reasons", ", ".join(f"{r} {c}" for r, c in s.stop_reasons.items() if c) or "-")
+    table.add_row("mean turns", f"{s.mean_turns:.2f}")
+    tokens = f"{s.tokens_per_s:.1f} ({s.model_tokens} model tokens)" if s.tokens_counted else "n/a (chat mode)"
+    table.add_row("tokens/s", tokens)
+    table.add_row("wall time", f"{s.wall_s:.1f} s (rollouts)")
+    for error in s.errors:
+        table.add_row("error", error)
+    for name in ("trajectories.jsonl", "report.html", "summary.json"):
+        table.add_row(name, str(out / name))
+    console.print(table)
+
+
+def _env_arg(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` with VALUE parsed as JSON when it is JSON (``3``, ``true``, ``[1,2]``), else kept a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not _KEY_RE.match(key):
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE with KEY a Python identifier, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
+
+
+_EPILOG = """\
+examples:
+  envkit eval arithmetic -n 16
+      the bundled SmolLM2-135M-Instruct on 16 test tasks, served by a vLLM server this command starts and stops
+  envkit eval arithmetic --env-arg level=2 --env-arg ops=+- --out runs/eval/arith-l2
+  envkit eval calculator --model ./checkpoints/step-200 --samples 4 --temperature 0.7
+  envkit eval guess-number --base-url http://localhost:8000/v1 --model Qwen/Qwen3-8B
+      an OpenAI-compatible endpoint in chat mode (API key from --api-key or $OPENAI_API_KEY)
+
+writes into --out: trajectories.jsonl (one Trajectory per line), report.html (self-contained, every
+conversation) and summary.json. Exit status: 0 done, 1 engine failure, 2 bad input, 130 interrupted.
+"""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``envkit eval`` on the ``envkit`` CLI."""
+    p = subparsers.add_parser(
+        "eval", help="evaluate a model on an env's tasks: pass rate, HTML report, trajectories",
+        description="Roll out a model on an env's tasks (the first N of a split, or seeds 0..N-1 when the env\n"
+                    "has no task list) and report pass rate, mean reward and stop reasons.",
+        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("name", help="env name as shown by `envkit list`, or gym:<gymnasium id>")
+    p.add_argument("--model", help=f"'{BUNDLED}' (default: SmolLM2-135M-Instruct) or an HF checkpoint dir, served "
+                                   "by a managed vLLM server; with --base-url, the served model name (required)")
+    p.add_argument("--base-url", metavar="URL", help="evaluate an external OpenAI-compatible endpoint in chat mode")
+    p.add_argument("--api-key", help="API key for --base-url (default: $OPENAI_API_KEY)")
+    p.add_argument("-n", "--num-tasks", type=int, default=64, metavar="N", help="tasks to evaluate (default: 64)")
+    p.add_argument("--split", default="test", help="task split (default: test)")
+    p.add_argument("--samples", type=int, default=1, help="rollouts per task (default: 1)")
+    p.add_argument("--concurrency", type=int, default=64, help="rollouts in flight (default: 64)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature (default: 0, greedy, so a checkpoint's score is reproducible)")
+    p.add_argument("--max-tokens", type=int, default=256, help="max tokens per model turn (default: 256)")
+    p.add_argument("--max-turns", type=int, default=8, help="max model turns per rollout (default: 8)")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="wall-clock limit per rollout (default: 300)")
+    p.add_argument("--pass-threshold", type=float, default=1.0, metavar="REWARD",
+                   help="a rollout passes with reward >= this (default: 1.0)")
+    p.add_argument("--env-arg", type=_env_arg, action="append", default=[], metavar="KEY=VALUE",
+                   help="keyword argument for the env, repeatable; VALUE is parsed as JSON if it can be")
+    p.add_argument("--out", type=Path, metavar="DIR", help="output dir (default: runs/eval/<env>-<YYYYmmdd-HHMMSS>)")
+    p.add_argument("--seed", type=int, help="sampling seed sent with every request (default: none)")
+    p.set_defaults(func=_cmd_eval)
+
+
+def config_from_args(args: argparse.Namespace) -> EvalConfig:
+    """The EvalConfig for parsed ``envkit eval`` arguments; raises EvalInputError for invalid combinations."""
+    return EvalConfig(
+        env=args.name, model=args.model or BUNDLED, base_url=args.base_url, api_key=args.api_key,
+        num_tasks=args.num_tasks, split=args.split, samples=args.samples, concurrency=args.concurrency,
+        temperature=args.temperature, max_tokens=args.max_tokens, max_turns=args.max_turns, timeout=args.timeout,
+        pass_threshold=args.pass_threshold, env_args=dict(args.env_arg), out=args.out, seed=args.seed,
+    )
+
+
+def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
+    errors = Console(stderr=True)
+    try:
+        summary, _, out = asyncio.run(run_eval(config_from_args(args), console=console))
+    except KeyboardInterrupt:
+        errors.print("[yellow]interrupted[/yellow]: stopped before writing results")
+        return 130
+    except EngineError as e:
+        errors.print(f"[red]engine error:[/red] {e}", highlight=False, soft_wrap=True)
+        return 1
+    except (EvalInputError, EnvkitError) as e:  # unknown env, bad env args, split or model: the user's to fix
+        errors.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        return 2
+    print_summary(console, summary, out)
+    return 0
+    print_summary(console, summary, out)
+    return 0

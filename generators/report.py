@@ -1,0 +1,285 @@
+"""Evaluation results: summary statistics over trajectories and a single-file HTML report to read them.
+
+The report is one self-contained HTML file (inline CSS and SVG, no scripts, no external resources) so it can be
+attached to an issue or opened from a cluster's scratch dir. Every string in it comes from a model or an env and
+is HTML-escaped.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from generators.trajectory import STOP_REASONS, Trajectory
+
+Z_95 = 1.959964
+MAX_ERRORS = 5
+MAX_BINS = 10
+_BADGES = {"passed": "PASS", "notpassed": "FAIL", "failed": "ERROR"}
+
+
+def passed(trajectory: Trajectory, pass_threshold: float = 1.0) -> bool:
+    """True if the rollout finished (no error or timeout) with reward >= ``pass_threshold``."""
+    return not trajectory.failed and trajectory.reward >= pass_threshold
+
+
+@dataclass(frozen=True)
+class EvalSummary:
+    """Aggregate results of one evaluation run.
+
+    Failed rollouts (error/timeout) count as not passed and score 0 in ``mean_reward``: an eval that loses rollouts
+    must not look better for it. ``reward_ci95`` is the half-width of a normal-approximation 95% interval
+    (1.96 standard errors, sample std); with fewer than 2 rollouts there is no spread to estimate and it is 0.
+    """
+
+    n: int
+    n_passed: int
+    n_failed: int
+    pass_rate: float
+    pass_threshold: float
+    mean_reward: float
+    reward_ci95: float
+    stop_reasons: dict[str, int]
+    model_tokens: int
+    tokens_counted: bool
+    """False when no trajectory carries token ids (chat-mode endpoints): ``model_tokens`` is then 0, not a count."""
+    tokens_per_s: float
+    mean_turns: float
+    wall_s: float
+    """Wall-clock seconds of the rollouts (not of starting the model server)."""
+    errors: list[str]
+    """The first few distinct error messages, in order of appearance."""
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-serializable dict."""
+        return asdict(self)
+
+
+def summarize(trajectories: Sequence[Trajectory], *, wall_s: float, pass_threshold: float = 1.0) -> EvalSummary:
+    """Pass rate, mean reward with a 95% CI, stop reasons, throughput and error samples of ``trajectories``."""
+    n = len(trajectories)
+    scores = [0.0 if t.failed else t.reward for t in trajectories]
+    mean = sum(scores) / n if n else 0.0
+    ci = 0.0
+    if n >= 2:
+        std = math.sqrt(sum((s - mean) ** 2 for s in scores) / (n - 1))
+        ci = Z_95 * std / math.sqrt(n)
+    n_passed = sum(passed(t, pass_threshold) for t in trajectories)
+    reasons = Counter(t.stop_reason for t in trajectories)
+    tokens_counted = any(t.prompt_ids for t in trajectories)
+    tokens = sum(t.num_model_tokens for t in trajectories) if tokens_counted else 0
+    errors = list(dict.fromkeys(t.error for t in trajectories if t.error))[:MAX_ERRORS]
+    return EvalSummary(
+        n=n,
+        n_passed=n_passed,
+        n_failed=sum(t.failed for t in trajectories),
+        pass_rate=n_passed / n if n else 0.0,
+        pass_threshold=pass_threshold,
+        mean_reward=mean,
+        reward_ci95=ci,
+        stop_reasons={r: reasons.get(r, 0) for r in STOP_REASONS},
+        model_tokens=tokens,
+        tokens_counted=tokens_counted,
+        tokens_per_s=tokens / wall_s if wall_s > 0 else 0.0,
+        mean_turns=sum(t.num_turns for t in trajectories) / n if n else 0.0,
+        wall_s=wall_s,
+        errors=errors,
+    )
+
+
+def write_html_report(trajectories: Sequence[Trajectory], summary: EvalSummary, path: str | Path, *, title: str,
+                      config: dict[str, Any]) -> Path:
+    """Write the self-contained HTML report (atomically: a temp file renamed into place)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    counts = Counter(_status(t, summary.pass_threshold) for t in trajectories)
+    body = "\n".join([
+        f"<h1>{_e(title)}</h1>",
+        f"<p class=muted>written {_e(time.strftime('%Y-%m-%d %H:%M:%S'))}</p>",
+        "<h2>Configuration</h2>", _kv_table(config),
+        "<h2>Summary</h2>", _summary_table(summary),
+        "<h2>Reward histogram</h2>", _histogram_svg(trajectories),
+        "<h2>Trajectories</h2>", _filters(counts),
+        '<div id=trajs>', *(_trajectory(i, t, summary.pass_threshold) for i, t in enumerate(trajectories)), "</div>",
+    ])
+    page = f"<!doctype html>\n<html lang=en><head><meta charset=utf-8><title>{_e(title)}</title>" \
+           f"<style>{_CSS}</style></head><body>\n{body}\n</body></html>\n"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(page, encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+def _e(value: object) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.4g}"
+
+
+def _status(t: Trajectory, pass_threshold: float) -> str:
+    if t.failed:
+        return "failed"
+    return "passed" if passed(t, pass_threshold) else "notpassed"
+
+
+def _kv_table(rows: dict[str, Any]) -> str:
+    cells = "".join(
+        f"<tr><th>{_e(k)}</th><td>{_e(v if isinstance(v, str) else json.dumps(v, default=str))}</td></tr>"
+        for k, v in rows.items()
+    )
+    return f"<table class=kv>{cells}</table>"
+
+
+def _summary_table(s: EvalSummary) -> str:
+    tokens = f"{s.model_tokens} ({s.tokens_per_s:.1f} tokens/s)" if s.tokens_counted else \
+        "not counted (chat-mode endpoint: no token ids)"
+    rows: dict[str, Any] = {
+        "rollouts": f"{s.n} ({s.n_failed} failed: error or timeout)",
+        "pass rate": f"{s.pass_rate:.1%} ({s.n_passed}/{s.n}, reward >= {_fmt(s.pass_threshold)})",
+        "mean reward": f"{s.mean_reward:.4f} ± {s.reward_ci95:.4f} (95% CI, failed rollouts score 0)",
+        "stop reasons": ", ".join(f"{r}: {c}" for r, c in s.stop_reasons.items()),
+        "mean turns": f"{s.mean_turns:.2f}",
+        "model tokens": tokens,
+        "wall time": f"{s.wall_s:.1f} s",
+    }
+    if s.errors:
+        rows["errors (first distinct)"] = "\n".join(s.errors)
+    return _kv_table(rows)
+
+
+def _bins(rewards: list[float]) -> list[tuple[str, int]]:
+    """One bin per distinct value when there are few (0/1 rewards read better so), else equal-width bins."""
+    distinct = sorted(set(rewards))
+    if len(distinct) <= MAX_BINS:
+        counts = Counter(rewards)
+        return [(_fmt(v), counts[v]) for v in distinct]
+    lo, hi = distinct[0], distinct[-1]
+    width = (hi - lo) / MAX_BINS
+    binned = [0] * MAX_BINS
+    for r in rewards:
+        binned[min(int((r - lo) / width), MAX_BINS - 1)] += 1
+    return [(f"{_fmt(lo + i * width)}–{_fmt(lo + (i + 1) * width)}", c) for i, c in enumerate(binned)]
+
+
+def _histogram_svg(trajectories: Sequence[Trajectory]) -> str:
+    rewards = [t.reward for t in trajectories if not t.failed]
+    n_failed = len(trajectories) - len(rewards)
+    note = f"<p class=muted>{len(rewards)} finished rollouts; {n_failed} failed (error/timeout) are not shown.</p>"
+    if not rewards:
+        return note
+    bins = _bins(rewards)
+    bar_w, gap, plot_h, top, bottom = 56, 8, 160, 20, 40
+    width, height = len(bins) * (bar_w + gap) + gap, top + plot_h + bottom
+    peak = max(c for _, c in bins)
+    parts = [f'<svg class=hist width="{width}" height="{height}" viewBox="0 0 {width} {height}" role=img '
+             f'aria-label="reward histogram">',
+             f'<line x1="0" y1="{top + plot_h}" x2="{width}" y2="{top + plot_h}" class=axis />']
+    for i, (label, count) in enumerate(bins):
+        x = gap + i * (bar_w + gap)
+        h = round(plot_h * count / peak)
+        y = top + plot_h - h
+        cx = x + bar_w / 2
+        parts.append(f'<rect x="{x}" y="{y}" width="{bar_w}" height="{h}" class=bar><title>reward {_e(label)}: '
+                     f'{count}</title></rect>')
+        parts.append(f'<text x="{cx}" y="{y - 4}" class=count>{count}</text>')
+        parts.append(f'<text x="{cx}" y="{top + plot_h + 16}" class=label>{_e(label)}</text>')
+    parts.append("</svg>")
+    return "".join(parts) + note
+
+
+def _filters(counts: Counter[str]) -> str:
+    """Radio buttons that filter trajectories by status with CSS alone (``:checked ~`` sibling selectors)."""
+    options = [("all", f"all ({sum(counts.values())})"), ("passed", f"passed ({counts['passed']})"),
+               ("notpassed", f"not passed ({counts['notpassed']})"),
+               ("failed", f"error/timeout ({counts['failed']})")]
+    return "".join(
+        f'<input type=radio name=filter id=f-{key}{" checked" if key == "all" else ""}>'
+        f"<label for=f-{key} class=filter>{_e(text)}</label>"
+        for key, text in options
+    )
+
+
+def _trajectory(index: int, t: Trajectory, pass_threshold: float) -> str:
+    status = _status(t, pass_threshold)
+    task = t.task_id if t.task_id is not None else "-"
+    head = (f'<span class="badge {status}">{_BADGES[status]}</span> #{index} task <b>{_e(task)}</b> '
+            f"· group {_e(t.group_id)} sample {t.sample_index} · reward {_fmt(t.reward)} · "
+            f"{_e(t.stop_reason)} · {t.num_turns} turn{'s' if t.num_turns != 1 else ''}")
+    meta: dict[str, Any] = {
+        "seed": t.seed, "stop reason": t.stop_reason, "truncated": t.truncated,
+        "step rewards": [round(r, 6) for r in t.step_rewards], "model tokens": t.num_model_tokens,
+        "template mismatches": t.template_mismatches, "policy version": t.policy_version,
+        "timings (s)": {k: round(v, 3) for k, v in t.timings.items()},
+    }
+    if t.error:
+        meta = {"error": t.error, **meta}
+    messages = "".join(_message(m) for m in t.messages) or "<p class=muted>no messages</p>"
+    return f'<details class="traj {status}"><summary>{head}</summary>{_kv_table(meta)}{messages}</details>'
+
+
+def _message(m: dict[str, Any]) -> str:
+    role = str(m.get("role", "?"))
+    who = role + (f" · {m['name']}" if m.get("name") else "") + \
+        (f" · answers {m['tool_call_id']}" if m.get("tool_call_id") else "")
+    content = m.get("content")
+    parts = [f'<div class="msg role-{_e(role)}"><div class=role>{_e(who)}</div>']
+    if content:
+        parts.append(f"<pre>{_e(content)}</pre>")
+    for call in m.get("tool_calls") or []:
+        fn = call.get("function", {})
+        parts.append(f'<div class=call>tool call <b>{_e(fn.get("name", "?"))}</b> <span class=muted>'
+                     f'{_e(call.get("id", ""))}</span><pre>{_e(_pretty_args(fn.get("arguments")))}</pre></div>')
+    if not content and not m.get("tool_calls"):
+        parts.append("<pre class=muted>(empty)</pre>")
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def _pretty_args(arguments: Any) -> str:
+    """Tool-call arguments as indented JSON; a model's malformed JSON is shown as written."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return arguments
+    return json.dumps(arguments, indent=2, ensure_ascii=False)
+
+
+_CSS = """
+body{font:14px/1.45 system-ui,sans-serif;margin:2em auto;max-width:1100px;padding:0 1em;color:#222}
+h1{font-size:1.5em}h2{font-size:1.2em;margin-top:1.6em;border-bottom:1px solid #ddd}
+.muted{color:#777}
+table.kv{border-collapse:collapse;margin:.4em 0}
+table.kv th,table.kv td{border:1px solid #ddd;padding:3px 8px;text-align:left;vertical-align:top;white-space:pre-wrap}
+table.kv th{background:#f6f6f6;font-weight:600}
+svg.hist .bar{fill:#4a7bd0}svg.hist .axis{stroke:#999}
+svg.hist text{font-size:12px;text-anchor:middle;fill:#333}
+input[name=filter]{display:none}
+label.filter{display:inline-block;padding:3px 10px;margin:0 4px 8px 0;border:1px solid #bbb;border-radius:12px;
+cursor:pointer}
+input[name=filter]:checked+label.filter{background:#333;color:#fff}
+#f-passed:checked~#trajs .traj:not(.passed),#f-notpassed:checked~#trajs .traj:not(.notpassed),
+#f-failed:checked~#trajs .traj:not(.failed){display:none}
+details.traj{border:1px solid #ddd;border-left:6px solid #999;border-radius:4px;margin:6px 0;padding:4px 8px}
+details.traj.passed{border-left-color:#2e9e44}details.traj.notpassed{border-left-color:#d08a1c}
+details.traj.failed{border-left-color:#d0342c;background:#fff6f5}
+summary{cursor:pointer}
+.badge{display:inline-block;min-width:4em;text-align:center;font-weight:700;font-size:12px;border-radius:3px;
+color:#fff;padding:1px 4px}
+.badge.passed{background:#2e9e44}.badge.notpassed{background:#d08a1c}.badge.failed{background:#d0342c}
+.msg{margin:8px 0;padding:6px 10px;border-radius:6px;border:1px solid #e3e3e3}
+.msg .role{font-size:12px;font-weight:700;text-transform:uppercase;letter-spacing:.04em;color:#555}
+.role-system{background:#f3f3f3}.role-user{background:#eef4ff}.role-assistant{background:#effaf0}
+.role-tool{background:#fff7e8}
+pre{white-space:pre-wrap;word-break:break-word;margin:4px 0;font:13px/1.4 ui-monospace,monospace}
+.call{border-left:3px solid #8a6bd1;padding-left:8px;margin:4px 0}
+"""

@@ -1,0 +1,232 @@
+"""The rollout loop: (env, model) → Trajectory, token-in/token-out, one failed rollout never failing the batch.
+
+    messages = env.reset(task)            → prompt_ids (chat template)
+    while not done:
+        completion = engine.generate(ids) → model tokens  (loss_mask 1, sampler logprobs)
+        result = env.step(assistant msg)  → reward, observation
+        ids += close_turn + observation   → env tokens    (loss_mask 0)
+
+Stops: the env ends the episode (``done``), ``max_turns`` model turns, ``max_tokens`` of context, the per-rollout
+wall-clock ``timeout``, or an ``error`` raised by the env or the engine (recorded on the trajectory).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import envkit
+from envkit import Env, Message, Task
+from generators.chat import ChatTokenizer
+from generators.engines.base import Completion, InferenceEngine, SamplingParams
+from generators.trajectory import StopReason, Trajectory
+
+log = logging.getLogger(__name__)
+
+EnvFactory = Callable[[], Env]
+
+
+@dataclass(frozen=True)
+class GeneratorConfig:
+    """Knobs of the rollout loop."""
+
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    """Per-turn sampling; ``sampling.max_tokens`` bounds one model turn."""
+    max_turns: int = 8
+    """Model turns per rollout."""
+    max_total_tokens: int = 2048
+    """Prompt plus response tokens per rollout (keep within the server's max model length)."""
+    rollout_timeout_s: float = 300.0
+    """Wall-clock limit of one rollout, env and model together."""
+    concurrency: int = 64
+    """Rollouts in flight at once."""
+    check_template: bool = True
+    """Count turns where re-rendering the chat would not reproduce the running ids (diagnostic only)."""
+    close_timeout_s: float = 10.0
+    """How long env.close() may take before it is abandoned (logged)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_total_tokens", "concurrency"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GeneratorConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.rollout_timeout_s <= 0:
+            raise ValueError(f"GeneratorConfig.rollout_timeout_s must be > 0, got {self.rollout_timeout_s}")
+
+
+@dataclass
+class _Rollout:
+    """The state of one rollout in progress."""
+
+    traj: Trajectory
+    tools: list[dict[str, Any]] | None = None
+    ids: list[int] = field(default_factory=list)
+    """The running context: prompt plus response so far."""
+    generate_s: float = 0.0
+    env_s: float = 0.0
+
+
+def env_factory(name: str, **kwargs: Any) -> EnvFactory:
+    """A factory making ``envkit.make(name, **kwargs)``: one fresh env per rollout."""
+    return lambda: envkit.make(name, **kwargs)
+
+
+class Generator:
+    """Runs rollouts of ``engine`` in envs. ``tokenizer`` is required for token-in/token-out engines."""
+
+    def __init__(self, engine: InferenceEngine, tokenizer: ChatTokenizer | None,
+                 config: GeneratorConfig | None = None) -> None:
+        if engine.supports_token_ids and tokenizer is None:
+            raise ValueError(f"{type(engine).__name__} generates from token ids; pass its ChatTokenizer")
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.config = config or GeneratorConfig()
+
+    async def generate(
+        self,
+        make_env: EnvFactory,
+        *,
+        tasks: Sequence[Task] | None = None,
+        seeds: Sequence[int] | None = None,
+        n_samples: int = 1,
+        env_name: str = "",
+        on_done: Callable[[Trajectory], None] | None = None,
+    ) -> list[Trajectory]:
+        """``n_samples`` rollouts for each task (or each seed), ``concurrency`` at a time, in request order.
+
+        Samples of one task/seed share a ``group_id`` and the same episode start. ``on_done`` is called as each
+        rollout finishes (progress bars). Failed rollouts come back with ``stop_reason`` error/timeout.
+        """
+        if (tasks is None) == (seeds is None):
+            raise ValueError("pass exactly one of tasks= or seeds=")
+        if n_samples < 1:
+            raise ValueError(f"n_samples must be >= 1, got {n_samples}")
+        starts: list[tuple[Task | None, int | None]] = (
+            [(t, None) for t in tasks] if tasks is not None else [(None, s) for s in seeds or ()]
+        )
+        limit = asyncio.Semaphore(self.config.concurrency)
+
+        async def one(task: Task | None, seed: int | None, group: str, k: int) -> Trajectory:
+            async with limit:
+                traj = await self.rollout(make_env, task=task, seed=seed, group_id=group, sample_index=k,
+                                          env_name=env_name)
+            if on_done is not None:
+                on_done(traj)
+            return traj
+
+        jobs = [
+            one(task, seed, _group_id(task, seed, i), k)
+            for i, (task, seed) in enumerate(starts)
+            for k in range(n_samples)
+        ]
+        return list(await asyncio.gather(*jobs))
+
+    async def rollout(self, make_env: EnvFactory, *, task: Task | None = None, seed: int | None = None,
+                      group_id: str = "", sample_index: int = 0, env_name: str = "") -> Trajectory:
+        """One episode. Never raises for env or engine faults: they end up in ``stop_reason``/``error``."""
+        traj = Trajectory(group_id=group_id, sample_index=sample_index, seed=seed, env_name=env_name,
+                          task_id=(task or {}).get("id"), policy_version=self.engine.weight_version)
+        state = _Rollout(traj)
+        start = time.perf_counter()
+        env: Env | None = None
+        try:
+            async with asyncio.timeout(self.config.rollout_timeout_s):
+                env = make_env()
+                traj.stop_reason = await self._episode(env, state, task, seed)
+        except TimeoutError:
+            traj.stop_reason, traj.error = "timeout", f"rollout exceeded {self.config.rollout_timeout_s:g} s"
+        except Exception as e:
+            traj.stop_reason, traj.error = "error", f"{type(e).__name__}: {e}"
+            log.debug("rollout failed", exc_info=True)
+        finally:
+            if env is not None:
+                await self._close(env, traj)
+            traj.timings = {"generate": state.generate_s, "env": state.env_s, "total": time.perf_counter() - start}
+        return traj
+
+    async def _episode(self, env: Env, state: _Rollout, task: Task | None, seed: int | None) -> StopReason:
+        traj, cfg = state.traj, self.config
+        t0 = time.perf_counter()
+        await env.init()
+        messages, _ = await env.reset(seed=seed, task=task)
+        state.env_s += time.perf_counter() - t0
+        traj.messages = list(messages)
+        state.tools = [t.to_openai() for t in env.tools] or None
+        if self.tokenizer is not None:
+            traj.prompt_ids = self.tokenizer.prompt_ids(traj.messages, state.tools)
+            state.ids = list(traj.prompt_ids)
+        first = True
+        pending: list[int] = []  # env tokens, appended only once another model turn follows them
+        while True:
+            if traj.num_turns >= cfg.max_turns:
+                return "max_turns"
+            budget = cfg.max_total_tokens - len(state.ids) - len(pending)
+            if budget <= 0:
+                return "max_tokens"
+            self._append(state, pending, None)
+            action, completion = await self._model_turn(state, min(cfg.sampling.max_tokens, budget))
+            if first:
+                traj.policy_version, first = completion.weight_version, False
+            traj.messages.append(action)
+            traj.num_turns += 1
+
+            t0 = time.perf_counter()
+            result = await env.step(action)
+            state.env_s += time.perf_counter() - t0
+            traj.step_rewards.append(result.reward)
+            traj.reward += result.reward
+            traj.messages.extend(result.observation)
+            if result.done:
+                traj.truncated = result.truncated and not result.terminated
+                return "done"
+            if self.tokenizer is not None:
+                pending = self.tokenizer.close_turn(completion.token_ids)
+                pending += self.tokenizer.observation_ids(list(result.observation), state.tools)
+                rendered = self.tokenizer.render(_as_text(traj.messages), state.tools)
+                if cfg.check_template and rendered != state.ids + pending:
+                    traj.template_mismatches += 1
+
+    async def _model_turn(self, state: _Rollout, max_tokens: int) -> tuple[Message, Completion]:
+        sampling = replace(self.config.sampling, max_tokens=max_tokens)
+        t0 = time.perf_counter()
+        if self.tokenizer is None:  # chat mode: no token ids, the endpoint's own tool calls
+            chat = await self.engine.chat(state.traj.messages, sampling, state.tools)
+            state.generate_s += time.perf_counter() - t0
+            action = envkit.assistant(chat.content or "", chat.tool_calls or None)
+            return action, Completion([], [], chat.finish_reason, chat.weight_version)
+        completion = await self.engine.generate(state.ids, sampling)
+        state.generate_s += time.perf_counter() - t0
+        self._append(state, completion.token_ids, completion.logprobs)
+        text = self.tokenizer.decode(completion.token_ids)
+        calls, _ = envkit.parse_tool_calls(text)
+        return envkit.assistant(text, calls or None), completion
+
+    @staticmethod
+    def _append(state: _Rollout, ids: list[int], logprobs: list[float] | None) -> None:
+        traj = state.traj
+        state.ids.extend(ids)
+        traj.response_ids.extend(ids)
+        traj.loss_mask.extend([1 if logprobs is not None else 0] * len(ids))
+        traj.rollout_logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+
+    async def _close(self, env: Env, traj: Trajectory) -> None:
+        try:
+            async with asyncio.timeout(self.config.close_timeout_s):
+                await env.close()
+        except Exception as e:  # a failing close must not turn a finished rollout into a failed one
+            log.warning("env.close() failed for %s (task %s): %s: %s", traj.env_name, traj.task_id,
+                        type(e).__name__, e)
+
+
+def _as_text(messages: list[Message]) -> list[Message]:
+    """The chat with assistant turns as the plain text the model wrote (parsed tool calls are ours, not its)."""
+    return [{"role": m["role"], "content": m["content"]} if m["role"] == "assistant" else m for m in messages]
+
+
+def _group_id(task: Task | None, seed: int | None, index: int) -> str:
+    if task is not None:
+        return str(task.get("id", f"task-{index}"))
+    return f"seed-{seed}"

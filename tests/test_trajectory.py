@@ -1,0 +1,72 @@
+"""Trajectory: JSONL round trip, consistency checks, padded and packed tensor views."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from generators.trajectory import Trajectory, read_jsonl, to_packed, to_padded, write_jsonl
+
+
+def _traj(prompt: list[int], response: list[int], mask: list[int], **kw) -> Trajectory:
+    logprobs = [-0.5 * (i + 1) if m else 0.0 for i, m in enumerate(mask)]
+    return Trajectory(prompt_ids=prompt, response_ids=response, loss_mask=mask, rollout_logprobs=logprobs, **kw)
+
+
+def test_jsonl_round_trip_is_exact(tmp_path):
+    trajs = [
+        _traj([1, 2], [3, 4, 5], [1, 0, 1], reward=1.0, step_rewards=[0.0, 1.0], num_turns=2, task_id="t-1",
+              group_id="t-1", messages=[{"role": "user", "content": "hi <b>"}], timings={"total": 0.5}),
+        Trajectory(stop_reason="error", error="EnvError: boom", seed=7),
+    ]
+    path = write_jsonl(trajs, tmp_path / "out" / "t.jsonl")
+    assert list(read_jsonl(path)) == trajs
+    assert not (tmp_path / "out" / "t.jsonl.tmp").exists()
+    assert [json.loads(line)["stop_reason"] for line in path.read_text().splitlines()] == ["done", "error"]
+
+
+def test_from_json_rejects_unknown_fields():
+    with pytest.raises(ValueError, match="unknown Trajectory fields: \\['rewardz'\\]"):
+        Trajectory.from_json({"rewardz": 1.0})
+
+
+def test_failed_and_model_token_count():
+    assert Trajectory(stop_reason="timeout").failed and Trajectory(stop_reason="error").failed
+    assert not Trajectory(stop_reason="max_turns").failed
+    assert _traj([1], [2, 3, 4], [1, 0, 1]).num_model_tokens == 2
+
+
+@pytest.mark.parametrize(
+    ("response", "mask", "logprobs", "match"),
+    [([1, 2], [1], [0.0, 0.0], "same length"), ([1, 2], [1, 1], [0.0], "same length"),
+     ([1], [2], [0.0], "only 0 and 1")],
+)
+def test_check_rejects_inconsistent_lists(response, mask, logprobs, match):
+    with pytest.raises(ValueError, match=match):
+        Trajectory(response_ids=response, loss_mask=mask, rollout_logprobs=logprobs).check()
+
+
+def test_padded_view_aligns_masks_and_logprobs_with_input_ids():
+    a = _traj([10, 11], [12, 13, 14], [1, 0, 1])
+    b = _traj([20], [21], [1])
+    batch = to_padded([a, b], pad_id=0)
+    assert batch["input_ids"].tolist() == [[10, 11, 12, 13, 14], [20, 21, 0, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    assert batch["loss_mask"].tolist() == [[0, 0, 1, 0, 1], [0, 1, 0, 0, 0]]
+    assert batch["rollout_logprobs"].tolist() == [[0.0, 0.0, -0.5, 0.0, -1.5], [0.0, -0.5, 0.0, 0.0, 0.0]]
+
+
+def test_packed_view_concatenates_without_padding():
+    a = _traj([10, 11], [12, 13, 14], [1, 0, 1])
+    b = _traj([20], [21], [1])
+    packed = to_packed([a, b])
+    assert packed["input_ids"].tolist() == [[10, 11, 12, 13, 14, 20, 21]]
+    assert packed["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1]]
+    assert packed["loss_mask"].tolist() == [[0, 0, 1, 0, 1, 0, 1]]
+    assert packed["cu_seqlens"].tolist() == [0, 5, 7] and packed["cu_seqlens"].dtype == torch.int32
+    padded = to_padded([a, b], pad_id=0)
+    # the same model tokens and logprobs, in the same order, in both views
+    assert packed["rollout_logprobs"][packed["loss_mask"] > 0].tolist() == \
+        padded["rollout_logprobs"][padded["loss_mask"] > 0].tolist()
