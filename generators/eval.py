@@ -194,7 +194,9 @@ async def _engine(config: EvalConfig) -> tuple[InferenceEngine, ChatTokenizer | 
     from generators.engines.vllm import VLLMEngine
 
     path, tokenizer = await asyncio.to_thread(_load_model, config.model)
-    engine = VLLMEngine(model=path)
+    assert config.out is not None  # set by __post_init__
+    # Next to the results rather than the shared cache log, which concurrent servers would interleave.
+    engine = VLLMEngine(model=path, log_path=config.out / "vllm.log")
     name = "bundled SmolLM2-135M-Instruct" if config.model == BUNDLED else config.model
     return engine, tokenizer, f"{name} on a managed vLLM server (log: {engine.server.log_path})"
 
@@ -283,7 +285,8 @@ examples:
       an OpenAI-compatible endpoint in chat mode (API key from --api-key or $OPENAI_API_KEY)
 
 writes into --out: trajectories.jsonl (one Trajectory per line), report.html (self-contained, every
-conversation) and summary.json. Exit status: 0 done, 1 engine failure, 2 bad input, 130 interrupted.
+conversation), summary.json, and vllm.log (the managed server's log). Exit status: 0 done, 1 engine
+failure, 2 bad input, 130 interrupted.
 """
 
 

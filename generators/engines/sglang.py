@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from generators.engines.base import Completion, EngineError, FinishReason, SamplingParams
-from generators.engines.http import ServerBackedEngine
+from generators.engines.managed import ServerBackedEngine
 from generators.models import cache_dir
 
 log = logging.getLogger(__name__)
@@ -150,7 +150,8 @@ class SGLangEngine(ServerBackedEngine):
     If the server dies, the next request restarts it (and reloads the latest weights) once.
 
     ``device="cpu"`` runs SGLang's CPU backend (Intel Xeon with AMX; needs an SGLang built for CPU);
-    ``None`` lets SGLang pick the accelerator.
+    ``None`` lets SGLang pick the accelerator. ``python`` is the interpreter that has ``sglang`` (default: this
+    one); SGLang pins its own torch, so it often lives in an environment of its own.
     """
 
     backend = "SGLang"
@@ -166,6 +167,7 @@ class SGLangEngine(ServerBackedEngine):
         dtype: str = "bfloat16",
         mem_fraction_static: float | None = None,
         device: str | None = None,
+        python: str = sys.executable,
         extra_args: tuple[str, ...] = (),
         log_path: Path | None = None,
         startup_timeout: float = 600.0,
@@ -176,6 +178,7 @@ class SGLangEngine(ServerBackedEngine):
         self.dtype = dtype
         self.mem_fraction_static = mem_fraction_static
         self.device = device
+        self.python = python
         self.extra_args = tuple(extra_args)
         super().__init__(
             model,
@@ -195,7 +198,7 @@ class SGLangEngine(ServerBackedEngine):
         return launch_command(
             self._model_path, port=port, host=self.server.host, served_model_name=self.model_name,
             context_length=self.context_length, dtype=self.dtype, mem_fraction_static=self.mem_fraction_static,
-            device=self.device, extra_args=self.extra_args,
+            device=self.device, python=self.python, extra_args=self.extra_args,
         )
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Completion:

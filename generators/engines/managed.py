@@ -62,8 +62,10 @@ class ServerBackedEngine(InferenceEngine):
         startup_timeout: float = 600.0,
         request_timeout: float = 600.0,
         auto_restart: bool = True,
+        max_restarts: int = 3,
     ) -> None:
         self.model = model
+        self.max_restarts = max_restarts
         self.model_name = served_model_name
         self.request_timeout = request_timeout
         self.auto_restart = auto_restart
@@ -84,6 +86,9 @@ class ServerBackedEngine(InferenceEngine):
     @abc.abstractmethod
     def _command(self, port: int) -> list[str]:
         """The server's argv for ``port`` (``self._model_path`` is resolved by then)."""
+
+    async def _on_started(self) -> None:
+        """Runs after every (re)start, before weights are restored (using only ``_send``)."""
 
     @abc.abstractmethod
     async def _apply_weights(self, path: Path, version: int) -> None:
@@ -106,6 +111,11 @@ class ServerBackedEngine(InferenceEngine):
         self._model_path = await asyncio.to_thread(resolve_model, self.model)
         await self.server.start()
         self._connect()
+        try:
+            await self._on_started()
+        except BaseException:
+            await self.stop()
+            raise
         self._started = True
 
     async def stop(self) -> None:
@@ -165,7 +175,7 @@ class ServerBackedEngine(InferenceEngine):
         response = await self._client.request(method, route, json=body, params=params)
         if response.status_code != 200:
             raise EngineError(f"{self.backend} {method} {route} answered {response.status_code}: "
-                              f"{response.text[:500]}")
+                              f"{response.text[:500]}", status=response.status_code)
         if not response.content:
             return {}
         try:
@@ -179,15 +189,30 @@ class ServerBackedEngine(InferenceEngine):
         restart the server and run it once more."""
         for attempt in (0, 1):
             await self._ensure_running()
+            process = self.server.process
             try:
                 return await action()
             except RETRYABLE as e:
-                # A connection error right after a crash can beat the exit status; give the reaper a moment.
-                if attempt == 0 and self.auto_restart and await self.server.exited_within(2.0):
+                if attempt == 0 and self.auto_restart and await self._server_died(process):
                     log.warning("%s server died (%s); restarting it", self.backend, e)
                     continue
                 raise EngineError(f"{self.backend} {what} failed: {type(e).__name__}: {e}") from e
+            except EngineError as e:
+                # A crashing engine answers its in-flight requests with 5xx, then the server exits.
+                if (attempt == 0 and self.auto_restart and (e.status or 0) >= 500
+                        and await self._server_died(process, grace_s=10.0)):
+                    log.warning("%s server crashed (%s); restarting it", self.backend, e)
+                    continue
+                raise
         raise AssertionError("unreachable: the second attempt returns or raises")
+
+    async def _server_died(self, process: object, grace_s: float = 2.0) -> bool:
+        """Whether the server that ``process`` was has gone: another request may already be restarting it (or
+        have restarted it), else wait a moment, since a connection error right after a crash can beat the exit
+        status."""
+        if self.server.process is not process or self._restart_lock.locked():
+            return True
+        return await self.server.exited_within(grace_s)
 
     async def _ensure_running(self) -> None:
         if not self._started:
@@ -202,6 +227,9 @@ class ServerBackedEngine(InferenceEngine):
                 return
             if not self._started:
                 raise EngineError(f"{type(self).__name__} was stopped")
+            if self.restarts >= self.max_restarts:
+                raise EngineError(f"the {self.backend} server died again after {self.restarts} restarts; giving up. "
+                                  f"Last log lines:\n{self.server.log_tail()}")
             self.restarts += 1
             log.warning("restarting %s (restart %d); last log lines:\n%s", self.backend, self.restarts,
                         self.server.log_tail(10))
@@ -210,6 +238,7 @@ class ServerBackedEngine(InferenceEngine):
             try:
                 await self.server.start()
                 self._connect()
+                await self._on_started()
                 if self._weights_path is not None:
                     await self._apply_weights(self._weights_path, self._version)
             except BaseException as e:
