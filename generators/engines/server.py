@@ -119,7 +119,7 @@ class ManagedServer:
             return False
         return True
 
-    async def stop(self, grace_s: float = 20.0) -> None:
+    async def stop(self, grace_s: float = 5.0) -> None:
         """SIGTERM the process group, SIGKILL it after ``grace_s`` seconds; idempotent."""
         process, self.process = self.process, None
         if process is None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -184,7 +185,7 @@ class SGLangEngine(ServerBackedEngine):
             model,
             served_model_name=served_model_name,
             server_name="sglang",
-            log_path=log_path or cache_dir() / "logs" / f"sglang-{served_model_name}.log",
+            log_path=log_path or cache_dir() / "logs" / f"sglang-{served_model_name}-{os.getpid()}.log",
             env=launch_env(device),
             host=host,
             port=port,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,8 @@ class VLLMEngine(ServerBackedEngine):
             model,
             served_model_name=served_model_name,
             server_name="vllm",
-            log_path=log_path or cache_dir() / "logs" / f"vllm-{served_model_name}.log",
+            # one log per process and server name, so concurrent servers never interleave
+            log_path=log_path or cache_dir() / "logs" / f"vllm-{served_model_name}-{os.getpid()}.log",
             env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)},
             host=host,
             port=port,

@@ -1,0 +1,58 @@
+"""`envkit eval` end to end, as a user runs it: a managed vLLM server with the bundled model, and an external
+OpenAI-compatible endpoint (the session's vLLM server) in chat mode."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+
+def _envkit(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "envkit.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          env={**os.environ, "COLUMNS": "160"}, timeout=900)
+
+
+def _outputs(out: Path) -> tuple[dict, list[dict], str]:
+    summary = json.loads((out / "summary.json").read_text())
+    trajectories = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    return summary, trajectories, (out / "report.html").read_text()
+
+
+def test_eval_arithmetic_with_the_bundled_model_on_a_managed_server(tmp_path):
+    out = tmp_path / "run"
+    result = _envkit("eval", "arithmetic", "-n", "64", "--out", str(out), cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary, trajectories, html = _outputs(out)
+    n_test = 19  # level 1 has 100 problems; the test split owns 19 of them, and -n 64 takes them all
+    assert summary["n"] == len(trajectories) == n_test and summary["n_failed"] == 0
+    assert summary["stop_reasons"]["done"] == n_test and 0.0 <= summary["pass_rate"] <= 1.0
+    assert summary["model_tokens"] > 0 and summary["tokens_per_s"] > 0
+    assert all(t["response_ids"] and len(t["rollout_logprobs"]) == len(t["response_ids"]) for t in trajectories)
+    assert html.count("<details") >= n_test and "pass rate" in html
+    assert "pass rate" in result.stdout and str(out / "report.html") in result.stdout.replace("\n", "")
+    assert "arithmetic: all 19 test tasks" in result.stdout
+
+
+async def test_eval_external_endpoint_in_chat_mode(vllm_engine, tmp_path):
+    out = tmp_path / "chat"
+    result = _envkit("eval", "calculator", "-n", "4", "--max-turns", "2", "--max-tokens", "48",
+                     "--base-url", vllm_engine.base_url + "/v1", "--model", vllm_engine.model_name,
+                     "--out", str(out), cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary, trajectories, _ = _outputs(out)
+    assert summary["n"] == 4 and summary["n_failed"] == 0
+    assert all(t["messages"][0]["role"] == "system" and t["response_ids"] == [] for t in trajectories)
+    assert "chat mode" in result.stdout
+
+
+def test_eval_bad_input_exits_2_before_starting_anything(tmp_path):
+    result = _envkit("eval", "arithmetc", cwd=tmp_path)
+    assert result.returncode == 2 and "Did you mean: 'arithmetic'?" in result.stderr
+    assert not (tmp_path / "runs").exists()
