@@ -185,8 +185,8 @@ class Generator:
             if self.tokenizer is not None:
                 pending = self.tokenizer.close_turn(completion.token_ids)
                 pending += self.tokenizer.observation_ids(list(result.observation), state.tools)
-                rendered = self.tokenizer.render(_as_text(traj.messages), state.tools)
-                if cfg.check_template and rendered != state.ids + pending:
+                if cfg.check_template and self.tokenizer.render(_as_text(traj.messages), state.tools) != (
+                        state.ids + pending):
                     traj.template_mismatches += 1
 
     async def _model_turn(self, state: _Rollout, max_tokens: int) -> tuple[Message, Completion]:
