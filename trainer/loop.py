@@ -1,0 +1,414 @@
+"""The RL loop, top to bottom. One training step:
+
+    tasks      = next prompts_per_step tasks of the shuffled train split
+    trajs      = generator.generate(env, tasks, n=samples_per_prompt)    rank 0, on the inference engine
+    trajs      = drop failed rollouts (counted), drop zero-variance groups
+    advantages = ADVANTAGES[algorithm](rewards, groups)                    one scalar per rollout
+    for each mini-batch (epochs × batch / mini_batch_size):
+        for each micro-batch (token budget):
+            logprobs = policy(tokens)                                      trainer's logprobs, with grad
+            loss     = policy_loss(logprobs, old, A) · TIS + kl_coef·KL − entropy_coef·H
+            backward(loss · share of the mini-batch)
+        optimizer step
+    export weights v(step+1) → engine.load_weights(v)                      checkpoint-based weight sync
+
+With N ranks (torchrun) rank 0 generates, every rank trains on its slice of each mini-batch, and FSDP averages
+gradients; losses are scaled so the result equals the single-rank loss on the whole mini-batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import shutil
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import envkit
+from generators import ChatTokenizer, Generator, GeneratorConfig, SamplingParams, Trajectory, env_factory
+from generators.engines.base import InferenceEngine
+from generators.models import resolve_model
+from generators.trajectory import to_packed, to_padded
+from trainer import algorithms as algo
+from trainer.backends.base import BackendConfig, Batch, TrainBackend
+from trainer.checkpoint import CheckpointManager, TrainState
+from trainer.config import Config
+from trainer.distributed import shutdown_distributed
+from trainer.metrics import RunLogger
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepBatch:
+    """One step's training data after filtering: the trajectories and one advantage per trajectory."""
+
+    trajectories: list[Trajectory]
+    advantages: torch.Tensor  # (B,)
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+def train(cfg: Config) -> dict[str, Any]:
+    """Run ``cfg.trainer.steps`` training steps; returns the final metrics (held-out accuracy before/after)."""
+    out = Path(cfg.trainer.output_dir)
+    random.seed(cfg.trainer.seed)
+    torch.manual_seed(cfg.trainer.seed)
+    model_path = resolve_model(cfg.model.path)
+    backend = make_backend(cfg, model_path)
+    is_main = backend.rank == 0
+    tokenizer = ChatTokenizer.from_pretrained(model_path)
+    checkpoints = CheckpointManager(out / "checkpoints", keep_last=cfg.trainer.keep_last)
+    state = TrainState()
+    if cfg.trainer.resume:
+        state = checkpoints.load(checkpoints.resolve(cfg.trainer.resume), backend)
+    train_tasks = _task_list(cfg.env.name, cfg.env.kwargs, cfg.env.train_split)
+    eval_tasks = _task_list(cfg.env.name, cfg.env.kwargs, cfg.env.eval_split)[: cfg.trainer.eval_tasks]
+
+    runner = asyncio.Runner()  # the generator is async; the trainer drives it from this synchronous loop
+    engine = make_engine(cfg, model_path, out) if is_main else None
+    logger = RunLogger(out, cfg, total_steps=cfg.trainer.steps) if is_main else None
+    results: dict[str, Any] = {}
+    try:
+        if engine is not None:
+            runner.run(engine.start())
+        if state.policy_version:  # resumed: serve the checkpoint's policy, not the initial one
+            _sync_weights(backend, engine, runner, out, state.policy_version)
+        generator = Generator(engine, tokenizer, _generator_config(cfg)) if engine is not None else None
+        if generator is not None and logger is not None and state.step == 0:
+            results["accuracy_before"] = _evaluate(generator, runner, cfg, eval_tasks, logger, step=0)
+
+        while state.step < cfg.trainer.steps:
+            t_step = time.perf_counter()
+            tasks, state.data_epoch, state.data_pos = _next_tasks(
+                train_tasks, cfg.generator.prompts_per_step, cfg.trainer.seed, state.data_epoch, state.data_pos)
+
+            t0 = time.perf_counter()
+            trajs = runner.run(generator.generate(
+                env_factory(cfg.env.name, **cfg.env.kwargs), tasks=tasks,
+                n_samples=cfg.generator.samples_per_prompt, env_name=cfg.env.name)) if generator else []
+            trajs = _broadcast(trajs, backend)
+            gen_s = time.perf_counter() - t0
+
+            batch = prepare_batch(trajs, cfg)
+            t0 = time.perf_counter()
+            train_metrics = update_policy(backend, batch, cfg, tokenizer.pad_id)
+            train_s = time.perf_counter() - t0
+
+            t0 = time.perf_counter()
+            state.step += 1
+            state.policy_version = state.step
+            _sync_weights(backend, engine, runner, out, state.policy_version)
+            sync_s = time.perf_counter() - t0
+
+            if state.step % cfg.trainer.save_every == 0 or state.step == cfg.trainer.steps:
+                checkpoints.save(backend, state)
+            if logger is not None:
+                metrics = {
+                    **rollout_metrics(trajs, batch, state.policy_version - 1),
+                    **train_metrics,
+                    "time/generate_s": gen_s, "time/train_s": train_s, "time/sync_s": sync_s,
+                    "time/step_s": time.perf_counter() - t_step,
+                }
+                logger.log_step(state.step, metrics, trajs)
+                every = cfg.trainer.eval_every
+                if generator is not None and every and state.step % every == 0 and state.step < cfg.trainer.steps:
+                    _evaluate(generator, runner, cfg, eval_tasks, logger, step=state.step)
+
+        if generator is not None and logger is not None:
+            results["accuracy_after"] = _evaluate(generator, runner, cfg, eval_tasks, logger, step=state.step)
+            results.update(logger.finish(results))
+    finally:
+        if engine is not None:
+            runner.run(engine.stop())
+        runner.close()
+        if logger is not None:
+            logger.close()
+        shutdown_distributed()
+    return results
+
+
+# ------------------------------------------------------------------------------------------------- the update
+
+
+def prepare_batch(trajs: list[Trajectory], cfg: Config) -> StepBatch:
+    """Drop failed rollouts and (optionally) zero-variance groups; compute one advantage per rollout."""
+    counts = Counter(failed=sum(t.failed for t in trajs))
+    kept = [t for t in trajs if not t.failed and t.response_ids]
+    if cfg.algorithm.filter_zero_variance_groups:
+        by_group: dict[str, list[float]] = {}
+        for t in kept:
+            by_group.setdefault(t.group_id, []).append(t.reward)
+        flat = {g for g, rewards in by_group.items() if max(rewards) == min(rewards)}
+        counts["zero_variance_groups"] = len(flat)
+        kept = [t for t in kept if t.group_id not in flat]
+    group_index = {g: i for i, g in enumerate(dict.fromkeys(t.group_id for t in kept))}
+    rewards = torch.tensor([t.reward for t in kept], dtype=torch.float32)  # (B,)
+    groups = torch.tensor([group_index[t.group_id] for t in kept], dtype=torch.long)  # (B,)
+    advantages = algo.ADVANTAGES[cfg.algorithm.advantage](rewards, groups) if kept else rewards
+    counts["trained"] = len(kept)
+    return StepBatch(kept, advantages, dict(counts))
+
+
+def update_policy(backend: TrainBackend, batch: StepBatch, cfg: Config, pad_id: int) -> dict[str, float]:
+    """The optimizer steps of one training step; returns averaged diagnostics."""
+    a = cfg.algorithm
+    stats: dict[str, list[float]] = {}
+    if not batch.trajectories:
+        return {"train/skipped_empty_batch": 1.0}
+    n = len(batch.trajectories)
+    mini = max(1, round(cfg.mini_batch_size * n / cfg.generator.batch_size))  # filtering shrinks the batch
+    order = torch.randperm(n).tolist()
+    # Several updates per batch: the ratio needs the logprobs of the policy before the first of them.
+    old_logprobs = _logprobs_before_update(backend, batch, cfg, pad_id) if cfg.steps_per_update > 1 else None
+    for _epoch in range(cfg.trainer.epochs):
+        for start in range(0, n, mini):
+            index = order[start:start + mini]
+            # This rank's slice; FSDP averages gradients over ranks, so scale each rank's share by world size.
+            mine = index[backend.rank::backend.world_size]
+            micro_batches = list(_micro_batches(mine, batch, cfg, pad_id))
+            totals = _global_counts([mb for mb, _, _ in micro_batches], backend)
+            for mb, adv, rows in micro_batches:
+                logprobs, entropy = backend.forward(mb)  # (B, T) each
+                mask = mb["loss_mask"]
+                # One update per batch: the policy that sampled is the one being trained, so old = current.
+                old = logprobs.detach() if old_logprobs is None else _rows(old_logprobs, rows, logprobs.shape)
+                loss_tok, diag = algo.POLICY_LOSSES[a.policy_loss](
+                    logprobs, old, adv[:, None].expand_as(logprobs), mask, **_clip_kwargs(cfg))
+                if a.tis_cap is not None:  # correct for sampler/trainer logprob mismatch (vLLM bf16 vs ours)
+                    loss_tok = loss_tok * algo.tis_weights(old, mb["rollout_logprobs"], cap=a.tis_cap)
+                if a.kl_coef > 0:
+                    ref = backend.logprobs(mb, reference=True)
+                    kl = algo.kl_penalty(logprobs, ref, a.kl_kind)
+                    loss_tok = loss_tok + a.kl_coef * kl
+                    _add(stats, "train/kl", algo.masked_mean(kl.detach(), mask))
+                if a.entropy_coef > 0:
+                    loss_tok = loss_tok - a.entropy_coef * entropy
+                share = _share(mask, totals, cfg) * backend.world_size
+                loss = algo.aggregate(loss_tok, mask, a.aggregation, max_tokens=cfg.generator.max_total_tokens)
+                backend.backward(loss * share)
+                _add(stats, "train/loss", loss.detach())
+                _add(stats, "train/entropy", algo.masked_mean(entropy.detach(), mask))
+                _add(stats, "train/clip_fraction", algo.masked_mean(diag["clipped"].float(), mask))
+                for key, value in algo.logprob_mismatch_stats(old.detach(), mb["rollout_logprobs"], mask).items():
+                    _add(stats, f"mismatch/{key}", value)
+            step = backend.step()
+            _add(stats, "train/grad_norm", step.grad_norm)
+            _add(stats, "train/lr", step.lr)
+    out = {k: sum(v) / len(v) for k, v in stats.items()}
+    if "mismatch/max_ratio" in stats:
+        out["mismatch/max_ratio"] = max(stats["mismatch/max_ratio"])
+        out["mismatch/max_abs_diff"] = max(stats["mismatch/max_abs_diff"])
+    return out
+
+
+def _micro_batches(index: list[int], batch: StepBatch, cfg: Config, pad_id: int
+                   ) -> Iterator[tuple[Batch, torch.Tensor, list[int]]]:
+    """Split rollouts into micro-batches within ``micro_batch_tokens`` (longest first, greedy); yields the
+    collated batch, its advantages (B,) and the rollouts' indices."""
+    budget = cfg.trainer.micro_batch_tokens
+    trajs = batch.trajectories
+    length = {i: len(trajs[i].prompt_ids) + len(trajs[i].response_ids) for i in index}
+    current: list[int] = []
+    for i in sorted(index, key=lambda i: -length[i]):
+        # packed: the tokens themselves; padded: rows × the longest row (the first, as they are sorted)
+        cost = sum(length[j] for j in current) + length[i] if cfg.trainer.packing else (
+            (len(current) + 1) * length[current[0] if current else i])
+        if current and cost > budget:
+            yield _collate([trajs[j] for j in current], pad_id, cfg.trainer.packing), batch.advantages[current], current
+            current = []
+        current.append(i)
+    if current:
+        yield _collate([trajs[j] for j in current], pad_id, cfg.trainer.packing), batch.advantages[current], current
+
+
+def _collate(trajs: list[Trajectory], pad_id: int, packing: bool) -> Batch:
+    """Padded (B, T) tensors for the loss; with packing, also the one-row packed model input."""
+    padded = to_padded(trajs, pad_id)
+    if not packing:
+        return padded
+    packed = to_packed(trajs)
+    return {**padded, "packed_input_ids": packed["input_ids"], "position_ids": packed["position_ids"],
+            "cu_seqlens": packed["cu_seqlens"]}
+
+
+def _logprobs_before_update(backend: TrainBackend, batch: StepBatch, cfg: Config, pad_id: int
+                            ) -> dict[int, torch.Tensor]:
+    """Each rollout's per-token logprobs under the current policy, before this step's updates."""
+    out: dict[int, torch.Tensor] = {}
+    for mb, _, rows in _micro_batches(list(range(len(batch.trajectories))), batch, cfg, pad_id):
+        logprobs = backend.logprobs(mb)  # (B, T)
+        for row, i in enumerate(rows):
+            out[i] = logprobs[row]
+    return out
+
+
+def _rows(per_rollout: dict[int, torch.Tensor], rows: list[int], shape: torch.Size) -> torch.Tensor:
+    """Stack per-rollout (T_i,) tensors into a (B, T) tensor shaped like the micro-batch."""
+    out = torch.zeros(shape)
+    for r, i in enumerate(rows):
+        n = min(shape[1], per_rollout[i].shape[0])
+        out[r, :n] = per_rollout[i][:n]
+    return out
+
+
+def _global_counts(micro_batches: list[Batch], backend: TrainBackend) -> dict[str, float]:
+    """Masked tokens and non-empty sequences in the whole mini-batch, over all ranks."""
+    counts = torch.tensor([
+        sum(float(mb["loss_mask"].sum()) for mb in micro_batches),
+        sum(float(mb["loss_mask"].any(-1).sum()) for mb in micro_batches),
+    ])
+    if backend.world_size > 1:
+        dist.all_reduce(counts)
+    return {"tokens": max(float(counts[0]), 1.0), "sequences": max(float(counts[1]), 1.0)}
+
+
+def _share(mask: torch.Tensor, totals: dict[str, float], cfg: Config) -> float:
+    """The weight that makes a micro-batch's mean loss add up to the mini-batch's mean loss."""
+    if cfg.algorithm.aggregation == "token-mean":
+        return float(mask.sum()) / totals["tokens"]
+    return float(mask.any(-1).sum()) / totals["sequences"]
+
+
+def _clip_kwargs(cfg: Config) -> dict[str, Any]:
+    a = cfg.algorithm
+    kwargs: dict[str, Any] = {"clip_low": a.clip_low, "clip_high": a.clip_high}
+    if a.policy_loss == "ppo":
+        kwargs["dual_clip"] = a.dual_clip
+    return kwargs
+
+
+def _add(stats: dict[str, list[float]], key: str, value: float | torch.Tensor) -> None:
+    stats.setdefault(key, []).append(float(value))
+
+
+# ------------------------------------------------------------------------------------------------- plumbing
+
+
+def make_backend(cfg: Config, model_path: str) -> TrainBackend:
+    """The training backend named by ``trainer.backend``."""
+    t = cfg.trainer
+    config = BackendConfig(
+        model_path=model_path, lr=t.lr, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps,
+        total_steps=t.steps * cfg.steps_per_update, lr_schedule=t.lr_schedule, grad_clip=t.grad_clip,
+        temperature=cfg.generator.temperature, dtype=t.dtype, reference=cfg.algorithm.kl_coef > 0,
+        gradient_checkpointing=t.gradient_checkpointing, seed=t.seed,
+    )
+    if t.backend == "deepspeed":
+        from trainer.backends.deepspeed import DeepSpeedBackend
+
+        return DeepSpeedBackend(config, zero_stage=t.zero_stage)
+    from trainer.backends.fsdp import FSDPBackend
+
+    return FSDPBackend(config)
+
+
+def make_engine(cfg: Config, model_path: str, out: Path) -> InferenceEngine:
+    """The inference engine named by ``inference.engine`` (not started)."""
+    i = cfg.inference
+    if i.engine == "sglang":
+        from generators.engines.sglang import SGLangEngine
+
+        return SGLangEngine(model_path, context_length=i.max_model_len, dtype=i.dtype, log_path=out / "sglang.log")
+    from generators.engines.vllm import VLLMEngine
+
+    return VLLMEngine(model_path, max_model_len=i.max_model_len, dtype=i.dtype, kv_cache_gib=i.kv_cache_gib,
+                      log_path=out / "vllm.log")
+
+
+def _generator_config(cfg: Config) -> GeneratorConfig:
+    g = cfg.generator
+    return GeneratorConfig(
+        sampling=SamplingParams(temperature=g.temperature, top_p=g.top_p, max_tokens=g.max_tokens),
+        max_turns=g.max_turns, max_total_tokens=g.max_total_tokens, rollout_timeout_s=g.timeout_s,
+        concurrency=g.concurrency,
+    )
+
+
+def _sync_weights(backend: TrainBackend, engine: InferenceEngine | None, runner: asyncio.Runner, out: Path,
+                  version: int) -> None:
+    """Export the policy as an HF checkpoint and have the engine serve it; keep only the newest export."""
+    path = out / "weights" / f"v{version}"
+    backend.export_weights(path)
+    if engine is not None:
+        runner.run(engine.load_weights(path, version))
+        for old in (out / "weights").glob("v*"):
+            if old != path and old.name[1:].isdigit():
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def _broadcast(trajs: list[Trajectory], backend: TrainBackend) -> list[Trajectory]:
+    if backend.world_size == 1:
+        return trajs
+    box: list[Any] = [trajs if backend.rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _task_list(name: str, kwargs: dict[str, Any], split: str) -> list[envkit.Task]:
+    env = envkit.make(name, **kwargs)
+    try:
+        tasks = env.tasks(split)
+        if tasks is None:
+            raise ValueError(f"env {name!r} does not enumerate tasks; the trainer needs a task list per split")
+        return list(tasks)
+    finally:
+        asyncio.run(env.close())
+
+
+def _next_tasks(tasks: list[envkit.Task], k: int, seed: int, epoch: int, pos: int
+                ) -> tuple[list[envkit.Task], int, int]:
+    """The next ``k`` tasks of a per-epoch shuffle; the (epoch, pos) pair is the resumable data position."""
+    chosen: list[envkit.Task] = []
+    while len(chosen) < k:
+        order = list(range(len(tasks)))
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+        take = order[pos:pos + k - len(chosen)]
+        chosen.extend(tasks[i] for i in take)
+        pos += len(take)
+        if pos >= len(tasks):
+            epoch, pos = epoch + 1, 0
+    return chosen, epoch, pos
+
+
+def rollout_metrics(trajs: list[Trajectory], batch: StepBatch, version: int) -> dict[str, float]:
+    """Reward, pass rate, lengths, stop reasons and staleness of one step's rollouts."""
+    done = [t for t in trajs if not t.failed] or trajs
+    n = max(len(done), 1)
+    metrics = {
+        "reward/mean": sum(t.reward for t in done) / n,
+        "reward/pass_rate": sum(t.reward >= 1.0 for t in done) / n,
+        "rollout/response_tokens": sum(t.num_model_tokens for t in done) / n,
+        "rollout/turns": sum(t.num_turns for t in done) / n,
+        "rollout/staleness": max((version - t.policy_version for t in trajs), default=0),
+        "rollout/trained": batch.counts.get("trained", 0),
+        "rollout/failed": batch.counts.get("failed", 0),
+        "rollout/zero_variance_groups": batch.counts.get("zero_variance_groups", 0),
+    }
+    for reason, count in Counter(t.stop_reason for t in trajs).items():
+        metrics[f"stop/{reason}"] = count
+    gen_s = sum(t.timings.get("generate", 0.0) for t in trajs)
+    metrics["rollout/model_tokens"] = sum(t.num_model_tokens for t in trajs)
+    metrics["rollout/tokens_per_rollout_s"] = metrics["rollout/model_tokens"] / gen_s if gen_s else 0.0
+    return metrics
+
+
+def _evaluate(generator: Generator, runner: asyncio.Runner, cfg: Config, tasks: list[envkit.Task],
+              logger: RunLogger, *, step: int) -> float:
+    """Held-out accuracy (fraction of rollouts with reward >= 1) at the eval temperature."""
+    eval_gen = Generator(generator.engine, generator.tokenizer, GeneratorConfig(
+        sampling=SamplingParams(temperature=cfg.trainer.eval_temperature, max_tokens=cfg.generator.max_tokens),
+        max_turns=cfg.generator.max_turns, max_total_tokens=cfg.generator.max_total_tokens,
+        rollout_timeout_s=cfg.generator.timeout_s, concurrency=cfg.generator.concurrency))
+    trajs = runner.run(eval_gen.generate(env_factory(cfg.env.name, **cfg.env.kwargs), tasks=tasks,
+                                         n_samples=cfg.trainer.eval_samples, env_name=cfg.env.name))
+    accuracy = sum(t.reward >= 1.0 and not t.failed for t in trajs) / max(len(trajs), 1)
+    logger.log_eval(step, accuracy, trajs)
+    return accuracy

@@ -1,0 +1,129 @@
+"""Run logging: a rich progress line, TensorBoard events, optional wandb, metrics.jsonl, and at the end a
+reward-curve PNG and the HTML trajectory report."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from torch.utils.tensorboard import SummaryWriter
+
+from generators.report import summarize, write_html_report
+from generators.trajectory import Trajectory, write_jsonl
+from trainer.config import Config
+
+
+class RunLogger:
+    """Everything a run reports, written under ``out`` (rank 0 only)."""
+
+    def __init__(self, out: Path, cfg: Config, *, total_steps: int) -> None:
+        self.out = out
+        self.cfg = cfg
+        out.mkdir(parents=True, exist_ok=True)
+        self.console = Console(stderr=True)
+        self.history: list[dict[str, float]] = []
+        self.evals: list[tuple[int, float]] = []
+        self.last_trajectories: list[Trajectory] = []
+        self.eval_trajectories: list[Trajectory] = []
+        self._metrics_file = (out / "metrics.jsonl").open("a")
+        self.tb = SummaryWriter(str(out / "tensorboard")) if cfg.logging.tensorboard else None
+        self.wandb = self._init_wandb() if cfg.logging.wandb else None
+        self.progress = Progress(
+            TextColumn("[bold]train[/bold]"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("reward {task.fields[reward]}"), TextColumn("{task.fields[tps]} tok/s"),
+            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+            console=self.console, disable=not cfg.logging.progress,
+        )
+        self.task = self.progress.add_task("train", total=total_steps, reward="-", tps="-")
+        self.progress.start()
+        self._t0 = time.perf_counter()
+
+    def _init_wandb(self) -> Any:
+        os.environ.setdefault("WANDB_MODE", self.cfg.logging.wandb_mode)
+        import wandb  # optional dependency, only with logging.wandb=true
+
+        return wandb.init(project=self.cfg.logging.wandb_project, dir=str(self.out), config=asdict(self.cfg))
+
+    def log_step(self, step: int, metrics: dict[str, float], trajectories: list[Trajectory]) -> None:
+        """Record one training step's metrics."""
+        self.history.append({"step": step, **metrics})
+        self.last_trajectories = trajectories
+        self._metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self._metrics_file.flush()
+        self._scalars(step, metrics)
+        step_s = metrics.get("time/step_s", 0.0)
+        tps = metrics.get("rollout/model_tokens", 0.0) / step_s if step_s else 0.0
+        self.progress.update(self.task, completed=step, reward=f"{metrics.get('reward/mean', 0.0):.3f}",
+                             tps=f"{tps:.0f}")
+        if not self.cfg.logging.progress:
+            self.console.print(f"step {step}: reward {metrics.get('reward/mean', 0.0):.3f}, "
+                               f"loss {metrics.get('train/loss', 0.0):.4f}, {step_s:.1f} s")
+
+    def log_eval(self, step: int, accuracy: float, trajectories: list[Trajectory]) -> None:
+        """Record a held-out evaluation."""
+        self.evals.append((step, accuracy))
+        self.eval_trajectories = trajectories
+        self._metrics_file.write(json.dumps({"step": step, "eval/accuracy": accuracy}) + "\n")
+        self._metrics_file.flush()
+        self._scalars(step, {"eval/accuracy": accuracy})
+        self.progress.console.print(f"held-out accuracy at step {step}: {accuracy:.1%} "
+                                    f"({len(trajectories)} rollouts)")
+
+    def _scalars(self, step: int, metrics: dict[str, float]) -> None:
+        if self.tb is not None:
+            for key, value in metrics.items():
+                self.tb.add_scalar(key, value, step)
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+
+    def finish(self, results: dict[str, Any]) -> dict[str, Any]:
+        """Write the reward curve, the HTML report and summary.json; returns their paths."""
+        self.progress.stop()
+        curve = self._reward_curve(self.out / "reward_curve.png")
+        report_trajs = self.eval_trajectories + self.last_trajectories
+        summary = summarize(self.eval_trajectories, wall_s=time.perf_counter() - self._t0)
+        report = write_html_report(report_trajs, summary, self.out / "report.html",
+                                   title=f"envkit train: {self.cfg.env.name}",
+                                   config={**results, "output_dir": str(self.out)})
+        write_jsonl(report_trajs, self.out / "final_trajectories.jsonl")
+        paths = {"reward_curve": str(curve), "report": str(report), "metrics": str(self.out / "metrics.jsonl"),
+                 "tensorboard": str(self.out / "tensorboard")}
+        (self.out / "summary.json").write_text(json.dumps({**results, **paths}, indent=2) + "\n")
+        return paths
+
+    def _reward_curve(self, path: Path) -> Path:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display on servers
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        steps = [h["step"] for h in self.history]
+        ax.plot(steps, [h.get("reward/mean", 0.0) for h in self.history], label="train reward (mean)")
+        if self.evals:
+            ax.plot([s for s, _ in self.evals], [a for _, a in self.evals], "o--", label="held-out accuracy")
+        ax.set_xlabel("step")
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_title(f"{self.cfg.env.name}: {self.cfg.algorithm.advantage} on {self.cfg.model.path}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return path
+
+    def close(self) -> None:
+        """Flush and close every sink."""
+        self.progress.stop()
+        self._metrics_file.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
