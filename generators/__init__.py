@@ -16,6 +16,7 @@ _EXPORTS = {
     "EngineError": "generators.engines.base",
     "InferenceEngine": "generators.engines.base",
     "SamplingParams": "generators.engines.base",
+    "HFEngine": "generators.engines.hf",
     "OpenAIEndpoint": "generators.engines.openai_chat",
     "SGLangEngine": "generators.engines.sglang",
     "VLLMEngine": "generators.engines.vllm",
@@ -38,6 +39,7 @@ __all__ = [
     "EngineError",
     "Generator",
     "GeneratorConfig",
+    "HFEngine",
     "InferenceEngine",
     "OpenAIEndpoint",
     "SGLangEngine",
@@ -56,6 +58,7 @@ __all__ = [
 if TYPE_CHECKING:
     from generators.chat import ChatTokenizer
     from generators.engines.base import ChatCompletion, Completion, EngineError, InferenceEngine, SamplingParams
+    from generators.engines.hf import HFEngine
     from generators.engines.openai_chat import OpenAIEndpoint
     from generators.engines.sglang import SGLangEngine
     from generators.engines.vllm import VLLMEngine

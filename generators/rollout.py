@@ -13,6 +13,7 @@ wall-clock ``timeout``, or an ``error`` raised by the env or the engine (recorde
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -35,7 +36,8 @@ class GeneratorConfig:
     """Knobs of the rollout loop."""
 
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    """Per-turn sampling; ``sampling.max_tokens`` bounds one model turn."""
+    """Per-turn sampling; ``sampling.max_tokens`` bounds one model turn. With ``sampling.seed`` set, each
+    request gets its own seed derived from it (rollout, turn, weight version), for engines that honour seeds."""
     max_turns: int = 8
     """Model turns per rollout."""
     max_total_tokens: int = 2048
@@ -191,6 +193,8 @@ class Generator:
 
     async def _model_turn(self, state: _Rollout, max_tokens: int) -> tuple[Message, Completion]:
         sampling = replace(self.config.sampling, max_tokens=max_tokens)
+        if sampling.seed is not None:  # one seed per request, so samples of a group differ yet reproduce
+            sampling = replace(sampling, seed=_request_seed(sampling.seed, state.traj, self.engine.weight_version))
         t0 = time.perf_counter()
         if self.tokenizer is None:  # chat mode: no token ids; the endpoint's tool calls, else ones in the text
             chat = await self.engine.chat(state.traj.messages, sampling, state.tools)
@@ -220,6 +224,12 @@ class Generator:
         except Exception as e:  # a failing close must not turn a finished rollout into a failed one
             log.warning("env.close() failed for %s (task %s): %s: %s", traj.env_name, traj.task_id,
                         type(e).__name__, e)
+
+
+def _request_seed(base: int, traj: Trajectory, version: int) -> int:
+    """A stable per-request seed from the base seed, the rollout's identity, its turn and the weight version."""
+    key = f"{base}:{traj.group_id}:{traj.sample_index}:{traj.num_turns}:{version}".encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:4], "big")
 
 
 def _as_text(messages: list[Message]) -> list[Message]:

@@ -30,8 +30,16 @@ def main(raw: DictConfig) -> None:
     from trainer.loop import train  # heavy imports only once the config is valid
 
     results = train(cfg)
-    if results:
-        print(json.dumps(results, indent=2))
+    if not results:
+        return
+    print(json.dumps(results, indent=2))
+    before, after = results.get("accuracy_before"), results.get("accuracy_after")
+    if before is not None and after is not None:
+        print(f"\nheld-out accuracy on {cfg.env.name} ({cfg.env.eval_split} split): {before:.1%} -> {after:.1%} "
+              f"({(after - before) * 100:+.1f} points)")
+    for key in ("reward_curve", "report", "tensorboard"):
+        if key in results:
+            print(f"{key.replace('_', ' ')}: {results[key]}")
 
 
 if __name__ == "__main__":

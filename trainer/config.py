@@ -94,6 +94,8 @@ class RolloutConfig:
     max_total_tokens: int = 1024
     timeout_s: float = 120.0
     concurrency: int = 128
+    seed: int | None = None
+    """Per-request sampling seeds derived from this (engines that honour seeds: hf, sglang, vLLM on GPU)."""
 
     @property
     def batch_size(self) -> int:
@@ -113,13 +115,13 @@ class InferenceConfig:
     """The inference server the rollouts use."""
 
     engine: str = "vllm"
-    """vllm or sglang."""
+    """vllm, sglang, or hf (in-process transformers: slow, but reproducible with generator.seed)."""
     max_model_len: int = 2048
     dtype: str = "bfloat16"
     kv_cache_gib: int = 2
 
     def __post_init__(self) -> None:
-        _one_of("inference.engine", self.engine, ("vllm", "sglang"))
+        _one_of("inference.engine", self.engine, ("vllm", "sglang", "hf"))
 
 
 @dataclass
@@ -155,6 +157,7 @@ class TrainerConfig:
     eval_every: int = 0
     """Held-out evaluation every k steps (0: only before and after training)."""
     eval_tasks: int = 64
+    """Held-out tasks per evaluation (0: no evaluation)."""
     eval_samples: int = 1
     eval_temperature: float = 0.0
 

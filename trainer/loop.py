@@ -82,7 +82,8 @@ def train(cfg: Config) -> dict[str, Any]:
         if state.policy_version:  # resumed: serve the checkpoint's policy, not the initial one
             _sync_weights(backend, engine, runner, out, state.policy_version)
         generator = Generator(engine, tokenizer, _generator_config(cfg)) if engine is not None else None
-        if generator is not None and logger is not None and state.step == 0:
+        evaluate = generator is not None and logger is not None and bool(eval_tasks)
+        if evaluate and state.step == 0:
             results["accuracy_before"] = _evaluate(generator, runner, cfg, eval_tasks, logger, step=0)
 
         while state.step < cfg.trainer.steps:
@@ -119,11 +120,12 @@ def train(cfg: Config) -> dict[str, Any]:
                 }
                 logger.log_step(state.step, metrics, trajs)
                 every = cfg.trainer.eval_every
-                if generator is not None and every and state.step % every == 0 and state.step < cfg.trainer.steps:
+                if evaluate and every and state.step % every == 0 and state.step < cfg.trainer.steps:
                     _evaluate(generator, runner, cfg, eval_tasks, logger, step=state.step)
 
-        if generator is not None and logger is not None:
+        if evaluate:
             results["accuracy_after"] = _evaluate(generator, runner, cfg, eval_tasks, logger, step=state.step)
+        if logger is not None:
             results.update(logger.finish(results))
     finally:
         if engine is not None:
@@ -162,7 +164,7 @@ def update_policy(backend: TrainBackend, batch: StepBatch, cfg: Config, pad_id: 
     a = cfg.algorithm
     stats: dict[str, list[float]] = {}
     if not batch.trajectories:
-        return {"train/skipped_empty_batch": 1.0}
+        return {"train/skipped_update": 1.0}
     n = len(batch.trajectories)
     mini = max(1, round(cfg.mini_batch_size * n / cfg.generator.batch_size))  # filtering shrinks the batch
     order = torch.randperm(n).tolist()
@@ -175,37 +177,43 @@ def update_policy(backend: TrainBackend, batch: StepBatch, cfg: Config, pad_id: 
             mine = index[backend.rank::backend.world_size]
             micro_batches = list(_micro_batches(mine, batch, cfg, pad_id))
             totals = _global_counts([mb for mb, _, _ in micro_batches], backend)
+            weighted: dict[str, float] = {}  # share-weighted sums: all-reduced, they are mini-batch means
+            peaks: dict[str, float] = {}
             for mb, adv, rows in micro_batches:
-                logprobs, entropy = backend.forward(mb)  # (B, T) each
+                logprobs, entropy = backend.forward(mb, entropy_grad=a.entropy_coef > 0)  # (B, T) each
                 mask = mb["loss_mask"]
                 # One update per batch: the policy that sampled is the one being trained, so old = current.
                 old = logprobs.detach() if old_logprobs is None else _rows(old_logprobs, rows, logprobs.shape)
                 loss_tok, diag = algo.POLICY_LOSSES[a.policy_loss](
                     logprobs, old, adv[:, None].expand_as(logprobs), mask, **_clip_kwargs(cfg))
+                share = _share(mask, totals, cfg)
                 if a.tis_cap is not None:  # correct for sampler/trainer logprob mismatch (vLLM bf16 vs ours)
                     loss_tok = loss_tok * algo.tis_weights(old, mb["rollout_logprobs"], cap=a.tis_cap)
                 if a.kl_coef > 0:
                     ref = backend.logprobs(mb, reference=True)
                     kl = algo.kl_penalty(logprobs, ref, a.kl_kind)
                     loss_tok = loss_tok + a.kl_coef * kl
-                    _add(stats, "train/kl", algo.masked_mean(kl.detach(), mask))
+                    _accumulate(weighted, "train/kl", algo.masked_mean(kl.detach(), mask), share)
                 if a.entropy_coef > 0:
                     loss_tok = loss_tok - a.entropy_coef * entropy
-                share = _share(mask, totals, cfg) * backend.world_size
                 loss = algo.aggregate(loss_tok, mask, a.aggregation, max_tokens=cfg.generator.max_total_tokens)
-                backend.backward(loss * share)
-                _add(stats, "train/loss", loss.detach())
-                _add(stats, "train/entropy", algo.masked_mean(entropy.detach(), mask))
-                _add(stats, "train/clip_fraction", algo.masked_mean(diag["clipped"].float(), mask))
-                for key, value in algo.logprob_mismatch_stats(old.detach(), mb["rollout_logprobs"], mask).items():
-                    _add(stats, f"mismatch/{key}", value)
+                backend.backward(loss * share * backend.world_size)
+                _accumulate(weighted, "train/loss", loss.detach(), share)
+                _accumulate(weighted, "train/entropy", algo.masked_mean(entropy.detach(), mask), share)
+                _accumulate(weighted, "train/clip_fraction", algo.masked_mean(diag["clipped"].float(), mask), share)
+                mismatch = algo.logprob_mismatch_stats(old.detach(), mb["rollout_logprobs"], mask)
+                _accumulate(weighted, "mismatch/mean_abs_diff", mismatch["mean_abs_diff"], share)
+                for key in ("max_abs_diff", "max_ratio"):
+                    peaks[f"mismatch/{key}"] = max(peaks.get(f"mismatch/{key}", 0.0), mismatch[key])
+            for key, value in {**_all_reduce(weighted, backend, dist.ReduceOp.SUM),
+                               **_all_reduce(peaks, backend, dist.ReduceOp.MAX)}.items():
+                _add(stats, key, value)
             step = backend.step()
             _add(stats, "train/grad_norm", step.grad_norm)
             _add(stats, "train/lr", step.lr)
     out = {k: sum(v) / len(v) for k, v in stats.items()}
-    if "mismatch/max_ratio" in stats:
-        out["mismatch/max_ratio"] = max(stats["mismatch/max_ratio"])
-        out["mismatch/max_abs_diff"] = max(stats["mismatch/max_abs_diff"])
+    for key in ("mismatch/max_ratio", "mismatch/max_abs_diff"):
+        out[key] = max(stats[key])
     return out
 
 
@@ -277,6 +285,19 @@ def _share(mask: torch.Tensor, totals: dict[str, float], cfg: Config) -> float:
     return float(mask.any(-1).sum()) / totals["sequences"]
 
 
+def _accumulate(weighted: dict[str, float], key: str, value: float | torch.Tensor, share: float) -> None:
+    weighted[key] = weighted.get(key, 0.0) + float(value) * share
+
+
+def _all_reduce(values: dict[str, float], backend: TrainBackend, op: dist.ReduceOp) -> dict[str, float]:
+    if backend.world_size == 1 or not values:
+        return values
+    keys = sorted(values)
+    tensor = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(tensor, op=op)
+    return dict(zip(keys, tensor.tolist(), strict=True))
+
+
 def _clip_kwargs(cfg: Config) -> dict[str, Any]:
     a = cfg.algorithm
     kwargs: dict[str, Any] = {"clip_low": a.clip_low, "clip_high": a.clip_high}
@@ -313,6 +334,10 @@ def make_backend(cfg: Config, model_path: str) -> TrainBackend:
 def make_engine(cfg: Config, model_path: str, out: Path) -> InferenceEngine:
     """The inference engine named by ``inference.engine`` (not started)."""
     i = cfg.inference
+    if i.engine == "hf":
+        from generators.engines.hf import HFEngine
+
+        return HFEngine(model_path)
     if i.engine == "sglang":
         from generators.engines.sglang import SGLangEngine
 
@@ -326,7 +351,7 @@ def make_engine(cfg: Config, model_path: str, out: Path) -> InferenceEngine:
 def _generator_config(cfg: Config) -> GeneratorConfig:
     g = cfg.generator
     return GeneratorConfig(
-        sampling=SamplingParams(temperature=g.temperature, top_p=g.top_p, max_tokens=g.max_tokens),
+        sampling=SamplingParams(temperature=g.temperature, top_p=g.top_p, max_tokens=g.max_tokens, seed=g.seed),
         max_turns=g.max_turns, max_total_tokens=g.max_total_tokens, rollout_timeout_s=g.timeout_s,
         concurrency=g.concurrency,
     )
@@ -396,6 +421,7 @@ def rollout_metrics(trajs: list[Trajectory], batch: StepBatch, version: int) -> 
         metrics[f"stop/{reason}"] = count
     gen_s = sum(t.timings.get("generate", 0.0) for t in trajs)
     metrics["rollout/model_tokens"] = sum(t.num_model_tokens for t in trajs)
+    metrics["train/tokens"] = sum(len(t.prompt_ids) + len(t.response_ids) for t in batch.trajectories)
     metrics["rollout/tokens_per_rollout_s"] = metrics["rollout/model_tokens"] / gen_s if gen_s else 0.0
     return metrics
 

@@ -88,7 +88,7 @@ class RunLogger:
         self.progress.stop()
         curve = self._reward_curve(self.out / "reward_curve.png")
         report_trajs = self.eval_trajectories + self.last_trajectories
-        summary = summarize(self.eval_trajectories, wall_s=time.perf_counter() - self._t0)
+        summary = summarize(self.eval_trajectories or self.last_trajectories, wall_s=time.perf_counter() - self._t0)
         report = write_html_report(report_trajs, summary, self.out / "report.html",
                                    title=f"envkit train: {self.cfg.env.name}",
                                    config={**results, "output_dir": str(self.out)})

@@ -75,8 +75,9 @@ class TrainBackend(abc.ABC):
     world_size: int = 1
 
     @abc.abstractmethod
-    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token logprobs of ``input_ids`` and per-token entropy under the policy, with grad; (B, T) each."""
+    def forward(self, batch: Batch, *, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token logprobs of ``input_ids`` (with grad) and per-token entropy (with grad only if
+        ``entropy_grad``) under the policy; (B, T) each."""
 
     @abc.abstractmethod
     def backward(self, loss: torch.Tensor) -> None:

@@ -19,19 +19,39 @@ _CHECKPOINT_FILES = ("config.json", "generation_config.json", "tokenizer.json", 
                      "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt")
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, *, entropy_grad: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token logprobs and entropies aligned with ``input_ids``: (B, T) each, position 0 zero.
 
-    ``logits`` (B, T, V) at position t predict token t+1, hence the shift. Computed in fp32: bf16 log-softmax
-    over a 49k vocabulary loses the precision logprob ratios need.
+    ``logits`` (B, T, V) at position t predict token t+1, hence the shift. Computed in fp32 (bf16 over a 49k
+    vocabulary loses the precision logprob ratios need) as ``logit[token] - logsumexp(logits)``, which never keeps
+    a (B, T, V) log-softmax for backward. The entropy is only differentiable with ``entropy_grad``: most losses
+    just log it, and its graph would double the memory of the vocabulary-sized tensors.
     """
-    logits = logits[:, :-1].float() / temperature
-    logp = torch.log_softmax(logits, dim=-1)  # (B, T-1, V)
-    picked = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # (B, T-1)
-    entropy = -(logp.exp() * logp).sum(-1)  # (B, T-1)
+    logits = logits[:, :-1].float() / temperature  # (B, T-1, V)
+    lse = torch.logsumexp(logits, dim=-1)  # (B, T-1)
+    picked = logits.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1) - lse  # (B, T-1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # (B, T-1)
     zero = picked.new_zeros(picked.shape[0], 1)
     return torch.cat([zero, picked], dim=1), torch.cat([zero, entropy], dim=1)
+
+
+def model_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device, temperature: float,
+                   *, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run ``model`` on a padded or packed batch; per-token logprobs and entropies in the padded (B, T) layout."""
+    if "cu_seqlens" in batch:  # packed: one row, sequences kept apart by restarting position ids
+        packed = batch["packed_input_ids"].to(device)
+        logits = model(input_ids=packed, position_ids=batch["position_ids"].to(device),
+                       use_cache=False).logits  # (1, N, V)
+        logprobs, entropy = token_logprobs(logits, packed, temperature, entropy_grad=entropy_grad)  # (1, N)
+        width, cu = batch["input_ids"].shape[1], batch["cu_seqlens"]
+        return unpack(logprobs.cpu(), cu, width), unpack(entropy.cpu(), cu, width)  # (B, T)
+    input_ids = batch["input_ids"].to(device)
+    logits = model(input_ids=input_ids, attention_mask=batch["attention_mask"].to(device),
+                   use_cache=False).logits  # (B, T, V)
+    logprobs, entropy = token_logprobs(logits, input_ids, temperature, entropy_grad=entropy_grad)
+    return logprobs.cpu(), entropy.cpu()
 
 
 def unpack(packed: torch.Tensor, cu_seqlens: torch.Tensor, width: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from trainer.backends.base import BackendConfig, Batch, StepStats, TrainBackend
-from trainer.backends.common import lr_lambda, token_logprobs, unpack, write_hf_checkpoint
+from trainer.backends.common import lr_lambda, model_logprobs, write_hf_checkpoint
 from trainer.distributed import init_distributed
 
 
@@ -54,29 +54,15 @@ class FSDPBackend(TrainBackend):
             model.requires_grad_(False)
         return model
 
-    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._logprobs(self.model, batch)
+    def forward(self, batch: Batch, *, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        return model_logprobs(self.model, batch, self.device, self.config.temperature, entropy_grad=entropy_grad)
 
     @torch.no_grad()
     def logprobs(self, batch: Batch, *, reference: bool = False) -> torch.Tensor:
         if reference and self.reference is None:
             raise ValueError("this backend was built without a reference model (BackendConfig.reference=False)")
-        return self._logprobs(self.reference if reference else self.model, batch)[0]
-
-    def _logprobs(self, model: PreTrainedModel, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        if "cu_seqlens" in batch:  # packed: one row, sequences kept apart by restarting position ids
-            packed = batch["packed_input_ids"].to(self.device)
-            logits = model(input_ids=packed, position_ids=batch["position_ids"].to(self.device),
-                           use_cache=False).logits  # (1, N, V)
-            logprobs, entropy = token_logprobs(logits, packed, self.config.temperature)  # (1, N)
-            width = batch["input_ids"].shape[1]
-            cu = batch["cu_seqlens"]
-            return unpack(logprobs.cpu(), cu, width), unpack(entropy.cpu(), cu, width)  # (B, T)
-        input_ids = batch["input_ids"].to(self.device)
-        logits = model(input_ids=input_ids, attention_mask=batch["attention_mask"].to(self.device),
-                       use_cache=False).logits  # (B, T, V)
-        logprobs, entropy = token_logprobs(logits, input_ids, self.config.temperature)
-        return logprobs.cpu(), entropy.cpu()
+        model = self.reference if reference else self.model
+        return model_logprobs(model, batch, self.device, self.config.temperature)[0]
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()

@@ -1,0 +1,76 @@
+"""One training update on a fixed synthetic batch, for backend parity tests; run directly or under torchrun.
+
+    python tests/dist_update.py --backend fsdp --out result.json
+    torchrun --nproc_per_node 2 tests/dist_update.py --backend fsdp --out result.json
+
+Writes (rank 0) the update's metrics and the policy's logprob sum on the batch after the update, so runs with
+different world sizes or backends can be compared number for number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+import torch
+
+from generators.models import bundled_model_dir
+from generators.trajectory import Trajectory, to_padded
+from trainer.config import AlgorithmConfig, Config, RolloutConfig, TrainerConfig
+from trainer.distributed import shutdown_distributed
+from trainer.loop import make_backend, prepare_batch, update_policy
+
+
+def synthetic_trajectories(n_groups: int = 4, group_size: int = 4, seed: int = 0) -> list[Trajectory]:
+    """Rollouts with varied lengths, env tokens inside responses, and rewards that differ within groups."""
+    rng = random.Random(seed)
+    trajs = []
+    for g in range(n_groups):
+        prompt = [rng.randrange(100, 40000) for _ in range(rng.randrange(12, 30))]
+        for k in range(group_size):
+            model_a = [rng.randrange(100, 40000) for _ in range(rng.randrange(4, 20))]
+            env = [rng.randrange(100, 40000) for _ in range(rng.randrange(2, 8))]
+            model_b = [rng.randrange(100, 40000) for _ in range(rng.randrange(4, 12))]
+            mask = [1] * len(model_a) + [0] * len(env) + [1] * len(model_b)
+            trajs.append(Trajectory(
+                prompt_ids=prompt, response_ids=model_a + env + model_b, loss_mask=mask,
+                rollout_logprobs=[-rng.uniform(0.5, 3.0) if m else 0.0 for m in mask],
+                reward=float((g + k) % 2), group_id=f"g{g}", sample_index=k,
+            ))
+    return trajs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", choices=["fsdp", "deepspeed"], default="fsdp")
+    parser.add_argument("--zero-stage", type=int, default=2)
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="fp32")
+    parser.add_argument("--packing", action="store_true")
+    parser.add_argument("--micro-batch-tokens", type=int, default=4096)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+
+    cfg = Config(
+        generator=RolloutConfig(prompts_per_step=4, samples_per_prompt=4),
+        algorithm=AlgorithmConfig(advantage="grpo", tis_cap=2.0),
+        trainer=TrainerConfig(backend=args.backend, zero_stage=args.zero_stage, dtype=args.dtype, lr=1e-5,
+                              warmup_steps=0, packing=args.packing, micro_batch_tokens=args.micro_batch_tokens),
+    )
+    torch.manual_seed(0)
+    backend = make_backend(cfg, str(bundled_model_dir()))
+    trajs = synthetic_trajectories()
+    batch = prepare_batch(trajs, cfg)
+    metrics = update_policy(backend, batch, cfg, pad_id=2)
+    after = to_padded(trajs, pad_id=2)
+    logprobs = backend.logprobs(after)
+    result = {**metrics, "logprob_sum_after": float((logprobs * after["loss_mask"]).sum()),
+              "world_size": backend.world_size}
+    if backend.rank == 0:
+        args.out.write_text(json.dumps(result))
+    shutdown_distributed()
+
+
+if __name__ == "__main__":
+    main()
