@@ -42,9 +42,11 @@ test: install model  ## run the whole test suite (starts real vLLM servers; ~10 
 lint: install  ## ruff
 	$(VENV)/bin/ruff check .
 
-bench: install model  ## run the benchmarks
+bench: install model  ## run the benchmarks (installs the peers they compare against, e.g. TRL)
+	$(PIP) install -q -e '.[bench]'
 	$(PY) benchmarks/env_overhead.py
 	$(PY) benchmarks/generator_overhead.py
+	$(PY) benchmarks/grpo_vs_trl.py
 
 train: install model  ## the main job: GRPO on arithmetic with the bundled model; held-out accuracy before -> after
 	$(PY) -m trainer trainer.output_dir=runs/train-$$(date +%Y%m%d-%H%M%S) $(ARGS)

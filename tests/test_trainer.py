@@ -63,7 +63,7 @@ def test_two_step_run_with_vllm_and_weight_sync(tmp_path):
             assert m["train/skipped_update"] == 1.0
         assert "time/sync_s" in m
     results, _ = json.JSONDecoder().raw_decode(result.stdout[result.stdout.index("{"):])
-    assert "held-out accuracy on arithmetic (test split):" in result.stdout
+    assert "held-out accuracy on arithmetic (test split, 8 samples per task" in result.stdout
     assert 0 <= results["accuracy_before"] <= 1 and 0 <= results["accuracy_after"] <= 1
     assert Path(results["reward_curve"]).stat().st_size > 10_000 and "<html" in Path(results["report"]).read_text()
     assert (out / "checkpoints" / "step-000002" / "state.json").is_file()

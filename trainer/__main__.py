@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 
 import hydra
@@ -19,9 +20,14 @@ from trainer.config import Config, ConfigError, register_configs
 register_configs()
 
 
+def _exit(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds like Ctrl-C: the inference server and process group are released
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(raw: DictConfig) -> None:
     """Validate the composed config and run the loop."""
+    signal.signal(signal.SIGTERM, _exit)
     try:
         cfg: Config = OmegaConf.to_object(raw)  # type: ignore[assignment]
     except ConfigError as e:
@@ -33,10 +39,13 @@ def main(raw: DictConfig) -> None:
     if not results:
         return
     print(json.dumps(results, indent=2))
-    before, after = results.get("accuracy_before"), results.get("accuracy_after")
-    if before is not None and after is not None:
-        print(f"\nheld-out accuracy on {cfg.env.name} ({cfg.env.eval_split} split): {before:.1%} -> {after:.1%} "
-              f"({(after - before) * 100:+.1f} points)")
+    t = cfg.trainer
+    for name, how in (("accuracy", f"{t.eval_samples} samples per task at temperature {t.eval_temperature:g}"),
+                      ("greedy_accuracy", "greedy, one per task")):
+        before, after = results.get(f"{name}_before"), results.get(f"{name}_after")
+        if before is not None and after is not None:
+            print(f"held-out {name.replace('_', ' ')} on {cfg.env.name} ({cfg.env.eval_split} split, {how}): "
+                  f"{before:.1%} -> {after:.1%} ({(after - before) * 100:+.1f} points)")
     for key in ("reward_curve", "report", "tensorboard"):
         if key in results:
             print(f"{key.replace('_', ' ')}: {results[key]}")

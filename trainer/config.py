@@ -133,7 +133,7 @@ class TrainerConfig:
     zero_stage: int = 2
     """DeepSpeed only: 2 or 3."""
     steps: int = 20
-    lr: float = 2e-6
+    lr: float = 1e-5
     weight_decay: float = 0.0
     warmup_steps: int = 2
     lr_schedule: str = "constant"
@@ -158,8 +158,12 @@ class TrainerConfig:
     """Held-out evaluation every k steps (0: only before and after training)."""
     eval_tasks: int = 64
     """Held-out tasks per evaluation (0: no evaluation)."""
-    eval_samples: int = 1
-    eval_temperature: float = 0.0
+    eval_samples: int = 8
+    """Samples per held-out task for the sampled accuracy."""
+    eval_temperature: float = 1.0
+    """Temperature of the sampled accuracy (the training temperature measures what GRPO optimizes)."""
+    eval_greedy: bool = True
+    """Also measure greedy accuracy (one sample per task at temperature 0)."""
 
     def __post_init__(self) -> None:
         _one_of("trainer.backend", self.backend, ("fsdp", "deepspeed"))

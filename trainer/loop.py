@@ -25,7 +25,7 @@ import shutil
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +84,8 @@ def train(cfg: Config) -> dict[str, Any]:
         generator = Generator(engine, tokenizer, _generator_config(cfg)) if engine is not None else None
         evaluate = generator is not None and logger is not None and bool(eval_tasks)
         if evaluate and state.step == 0:
-            results["accuracy_before"] = _evaluate(generator, runner, cfg, eval_tasks, logger, step=0)
+            before = _evaluate(generator, runner, cfg, eval_tasks, logger, step=0)
+            results.update({f"{k}_before": v for k, v in before.items()})
 
         while state.step < cfg.trainer.steps:
             t_step = time.perf_counter()
@@ -124,7 +125,8 @@ def train(cfg: Config) -> dict[str, Any]:
                     _evaluate(generator, runner, cfg, eval_tasks, logger, step=state.step)
 
         if evaluate:
-            results["accuracy_after"] = _evaluate(generator, runner, cfg, eval_tasks, logger, step=state.step)
+            after = _evaluate(generator, runner, cfg, eval_tasks, logger, step=state.step)
+            results.update({f"{k}_after": v for k, v in after.items()})
         if logger is not None:
             results.update(logger.finish(results))
     finally:
@@ -427,14 +429,18 @@ def rollout_metrics(trajs: list[Trajectory], batch: StepBatch, version: int) -> 
 
 
 def _evaluate(generator: Generator, runner: asyncio.Runner, cfg: Config, tasks: list[envkit.Task],
-              logger: RunLogger, *, step: int) -> float:
-    """Held-out accuracy (fraction of rollouts with reward >= 1) at the eval temperature."""
-    eval_gen = Generator(generator.engine, generator.tokenizer, GeneratorConfig(
-        sampling=SamplingParams(temperature=cfg.trainer.eval_temperature, max_tokens=cfg.generator.max_tokens),
-        max_turns=cfg.generator.max_turns, max_total_tokens=cfg.generator.max_total_tokens,
-        rollout_timeout_s=cfg.generator.timeout_s, concurrency=cfg.generator.concurrency))
-    trajs = runner.run(eval_gen.generate(env_factory(cfg.env.name, **cfg.env.kwargs), tasks=tasks,
-                                         n_samples=cfg.trainer.eval_samples, env_name=cfg.env.name))
-    accuracy = sum(t.reward >= 1.0 and not t.failed for t in trajs) / max(len(trajs), 1)
-    logger.log_eval(step, accuracy, trajs)
-    return accuracy
+              logger: RunLogger, *, step: int) -> dict[str, float]:
+    """Held-out accuracy (fraction of rollouts with reward >= 1): sampled at the eval temperature with
+    ``eval_samples`` per task, and greedy (one per task) when ``eval_greedy``."""
+    settings = {"accuracy": (cfg.trainer.eval_temperature, cfg.trainer.eval_samples)}
+    if cfg.trainer.eval_greedy:
+        settings["greedy_accuracy"] = (0.0, 1)
+    results: dict[str, float] = {}
+    for name, (temperature, samples) in settings.items():
+        eval_gen = Generator(generator.engine, generator.tokenizer, replace(
+            generator.config, sampling=replace(generator.config.sampling, temperature=temperature, seed=None)))
+        trajs = runner.run(eval_gen.generate(env_factory(cfg.env.name, **cfg.env.kwargs), tasks=tasks,
+                                             n_samples=samples, env_name=cfg.env.name))
+        results[name] = sum(t.reward >= 1.0 and not t.failed for t in trajs) / max(len(trajs), 1)
+        logger.log_eval(step, name, results[name], trajs)
+    return results

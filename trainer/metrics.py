@@ -65,14 +65,15 @@ class RunLogger:
             self.console.print(f"step {step}: reward {metrics.get('reward/mean', 0.0):.3f}, "
                                f"loss {metrics.get('train/loss', 0.0):.4f}, {step_s:.1f} s")
 
-    def log_eval(self, step: int, accuracy: float, trajectories: list[Trajectory]) -> None:
-        """Record a held-out evaluation."""
-        self.evals.append((step, accuracy))
-        self.eval_trajectories = trajectories
-        self._metrics_file.write(json.dumps({"step": step, "eval/accuracy": accuracy}) + "\n")
+    def log_eval(self, step: int, name: str, accuracy: float, trajectories: list[Trajectory]) -> None:
+        """Record one held-out evaluation (``name``: accuracy or greedy_accuracy)."""
+        if name == "accuracy":
+            self.evals.append((step, accuracy))
+            self.eval_trajectories = trajectories
+        self._metrics_file.write(json.dumps({"step": step, f"eval/{name}": accuracy}) + "\n")
         self._metrics_file.flush()
-        self._scalars(step, {"eval/accuracy": accuracy})
-        self.progress.console.print(f"held-out accuracy at step {step}: {accuracy:.1%} "
+        self._scalars(step, {f"eval/{name}": accuracy})
+        self.progress.console.print(f"held-out {name.replace('_', ' ')} at step {step}: {accuracy:.1%} "
                                     f"({len(trajectories)} rollouts)")
 
     def _scalars(self, step: int, metrics: dict[str, float]) -> None:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import os
 import signal
 import socket
+import sys
 import time
 import weakref
 from collections.abc import Callable
@@ -19,12 +21,21 @@ from generators.engines.base import EngineError
 
 log = logging.getLogger(__name__)
 
+_PR_SET_PDEATHSIG = 1
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that is free on ``host`` right now."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: ask Linux to SIGKILL it when its parent dies, even by SIGKILL, so a
+    killed trainer never leaves a model server holding memory and a port."""
+    if sys.platform == "linux":
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _kill_group(pid: int, sig: int) -> None:
@@ -86,7 +97,7 @@ class ManagedServer:
             log_file.flush()
             self.process = await asyncio.create_subprocess_exec(
                 *argv, stdout=log_file, stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL,
-                env={**os.environ, **self.env}, start_new_session=True,
+                env={**os.environ, **self.env}, start_new_session=True, preexec_fn=_die_with_parent,
             )
         self._finalizer = weakref.finalize(self, _kill_group, self.process.pid, signal.SIGKILL)
         try:

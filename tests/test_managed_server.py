@@ -1,0 +1,75 @@
+"""ManagedServer with a real HTTP server process: health wait, clean stop, crash detection, and no orphan when
+its owner is killed with SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from generators.engines.base import EngineError
+from generators.engines.server import ManagedServer
+
+
+def _http_server(port: int) -> list[str]:
+    return [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+async def test_start_health_stop_and_crash_detection(tmp_path):
+    server = ManagedServer("http", _http_server, log_path=tmp_path / "http.log", health_path="/")
+    await server.start()
+    pid = server.process.pid
+    assert server.alive and server.base_url.startswith("http://127.0.0.1:")
+    os.kill(pid, signal.SIGKILL)
+    assert await server.exited_within(5.0) and not server.alive
+    await server.stop()
+    await server.stop()  # idempotent
+    assert not _alive(pid)
+
+
+async def test_a_server_that_exits_while_starting_reports_its_log(tmp_path):
+    def crashing(port: int) -> list[str]:
+        return [sys.executable, "-c", "import sys; print('bad flag --nope'); sys.exit(3)"]
+
+    server = ManagedServer("crashy", crashing, log_path=tmp_path / "crashy.log", health_path="/")
+    with pytest.raises(EngineError, match=r"(?s)exited with code 3 while starting.*bad flag --nope"):
+        await server.start()
+
+
+def test_server_dies_with_its_owner_even_on_sigkill(tmp_path):
+    owner = textwrap.dedent(f"""
+        import asyncio, sys, time
+        from pathlib import Path
+        from generators.engines.server import ManagedServer
+        def cmd(port):
+            return [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"]
+        async def main():
+            server = ManagedServer("http", cmd, log_path=Path({str(tmp_path)!r}) / "h.log", health_path="/")
+            await server.start()
+            print(server.process.pid, flush=True)
+            time.sleep(600)
+        asyncio.run(main())
+    """)
+    process = subprocess.Popen([sys.executable, "-c", owner], stdout=subprocess.PIPE, text=True)
+    child = int(process.stdout.readline())
+    assert _alive(child)
+    process.kill()
+    process.wait()
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child), "the server outlived its SIGKILLed owner"
