@@ -75,8 +75,9 @@ def test_two_step_run_with_vllm_and_weight_sync(tmp_path):
 
 def _update(*args: str, ranks: int = 1, tmp: Path) -> dict:
     out = tmp / f"update-{ranks}-{'-'.join(a.strip('-') for a in args) or 'default'}.json"
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks)] if ranks > 1 else [
-        sys.executable]
+    launcher = [sys.executable]
+    if ranks > 1:  # --standalone: a free rendezvous port, so concurrent jobs never collide on 29500
+        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
     result = subprocess.run([*launcher, str(REPO / "tests" / "dist_update.py"), "--out", str(out), *args],
                             capture_output=True, text=True, cwd=REPO, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
