@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Literal
+from typing import Any, Literal
 
 _NUMBER = r"[-−]?\s*\$?\s*\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?"
 _FORMATS: list[tuple[str, re.Pattern[str]]] = [
@@ -58,3 +59,16 @@ def extract_answer(text: str | None) -> Answer | None:
         if value is not None:
             return Answer(bare[-1].strip(), value, "bare")
     return None
+
+
+def grade_number(text: str | None, expected: float) -> dict[str, Any]:
+    """Grade the final number of ``text`` against ``expected``: ``correct``, ``parsed_answer``, ``expected``,
+    ``format`` (None when no number was found) and ``explicit`` (the answer was marked)."""
+    answer = extract_answer(text)
+    return {
+        "correct": answer is not None and math.isclose(answer.value, expected, rel_tol=1e-9, abs_tol=1e-9),
+        "parsed_answer": None if answer is None else answer.value,
+        "expected": expected,
+        "format": None if answer is None else answer.format,
+        "explicit": answer is not None and answer.explicit,
+    }

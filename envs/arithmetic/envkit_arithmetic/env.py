@@ -10,8 +10,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
-from envkit import Env, Message, StepResult, Task, extract_answer, system, user
+from envkit import Env, Message, StepResult, Task, system, user
 from envkit.errors import ResetNeededError
+from envkit.parsing import grade_number
 from envkit.tasks import TaskList, check_split, check_task, pick_task, stable_split
 
 DEFAULT_SYSTEM_PROMPT = 'Solve the math problem. End your reply with "The answer is N." where N is the result.'
@@ -204,20 +205,10 @@ class ArithmeticEnv(Env):
         if self._task is None:
             raise ResetNeededError("step() needs an active episode; call reset() first.")
         expected, self._task = self._task["answer"], None
-        answer = extract_answer(action.get("content"))
-        correct = answer is not None and math.isclose(answer.value, expected, rel_tol=1e-9, abs_tol=1e-9)
-        explicit = answer is not None and answer.explicit
-        return StepResult(
-            [],
-            reward=float(correct) + (self.format_bonus if explicit else 0.0),
-            terminated=True,
-            info={
-                "correct": correct,
-                "parsed_answer": None if answer is None else answer.value,
-                "expected": expected,
-                "format": None if answer is None else answer.format,
-            },
-        )
+        info = grade_number(action.get("content"), expected)
+        explicit = info.pop("explicit")
+        reward = float(info["correct"]) + (self.format_bonus if explicit else 0.0)
+        return StepResult([], reward=reward, terminated=True, info=info)
 
     def spaces(self) -> dict[str, Any]:
         return {

@@ -10,8 +10,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from envkit import Message, Task, ToolEnv, extract_answer, system, tool, user
+from envkit import Message, Task, ToolEnv, system, tool, user
 from envkit.errors import ResetNeededError
+from envkit.parsing import grade_number
 from envkit.tasks import TaskList, check_split, check_task, pick_task, stable_split
 
 DEFAULT_SYSTEM_PROMPT = """\
@@ -204,15 +205,9 @@ class CalculatorEnv(ToolEnv):
     async def grade(self, answer: str) -> tuple[float, dict[str, Any]]:
         if self._task is None:
             raise ResetNeededError("step() needs an active episode; call reset() first.")
-        expected = self._task["answer"]
-        parsed = extract_answer(answer)
-        correct = parsed is not None and math.isclose(parsed.value, expected, rel_tol=1e-9, abs_tol=1e-9)
-        return float(correct), {
-            "correct": correct,
-            "parsed_answer": None if parsed is None else parsed.value,
-            "expected": expected,
-            "format": None if parsed is None else parsed.format,
-        }
+        info = grade_number(answer, self._task["answer"])
+        info.pop("explicit")
+        return float(info["correct"]), info
 
     def spaces(self) -> dict[str, Any]:
         return {
