@@ -1,10 +1,11 @@
-"""One training update on a fixed synthetic batch, for backend parity tests; run directly or under torchrun.
+"""Training updates on a fixed synthetic batch, for backend parity tests; run directly or under torchrun.
 
     python tests/dist_update.py --backend fsdp --out result.json
     torchrun --nproc_per_node 2 tests/dist_update.py --backend fsdp --out result.json
+    python tests/dist_update.py --algorithm ppo --updates 3 --export DIR --out result.json
 
-Writes (rank 0) the update's metrics and the policy's logprob sum on the batch after the update, so runs with
-different world sizes or backends can be compared number for number.
+Writes (rank 0) the last update's metrics, every update's ``history`` and the policy's logprob sum on the batch
+after the updates, so runs with different world sizes or backends can be compared number for number.
 """
 
 from __future__ import annotations
@@ -49,24 +50,30 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="fp32")
     parser.add_argument("--packing", action="store_true")
     parser.add_argument("--micro-batch-tokens", type=int, default=4096)
+    parser.add_argument("--algorithm", choices=["grpo", "ppo"], default="grpo")
+    parser.add_argument("--updates", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--export", type=Path, help="export the weights for serving into this dir afterwards")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
     cfg = Config(
         generator=RolloutConfig(prompts_per_step=4, samples_per_prompt=4),
-        algorithm=AlgorithmConfig(advantage="grpo", tis_cap=2.0),
-        trainer=TrainerConfig(backend=args.backend, zero_stage=args.zero_stage, dtype=args.dtype, lr=1e-5,
+        algorithm=AlgorithmConfig(advantage="grpo" if args.algorithm == "grpo" else "gae", tis_cap=2.0),
+        trainer=TrainerConfig(backend=args.backend, zero_stage=args.zero_stage, dtype=args.dtype, lr=args.lr,
                               warmup_steps=0, packing=args.packing, micro_batch_tokens=args.micro_batch_tokens),
     )
     torch.manual_seed(0)
     backend = make_backend(cfg, str(bundled_model_dir()))
     trajs = synthetic_trajectories()
     batch = prepare_batch(trajs, cfg)
-    metrics = update_policy(backend, batch, cfg, pad_id=2)
+    history = [update_policy(backend, batch, cfg, pad_id=2) for _ in range(args.updates)]
     after = to_padded(trajs, pad_id=2)
     logprobs = backend.logprobs(after)
-    result = {**metrics, "logprob_sum_after": float((logprobs * after["loss_mask"]).sum()),
+    result = {**history[-1], "history": history, "logprob_sum_after": float((logprobs * after["loss_mask"]).sum()),
               "world_size": backend.world_size}
+    if args.export:
+        backend.export_weights(args.export)
     if backend.rank == 0:
         args.out.write_text(json.dumps(result))
     shutdown_distributed()

@@ -24,6 +24,8 @@ from trainer.algorithms import (
     reinforce_pp_advantages,
     rloo_advantages,
     tis_weights,
+    value_loss,
+    whiten,
 )
 
 D = torch.float64
@@ -413,3 +415,19 @@ def test_clip_fraction_and_approx_kl():
     # approx_kl with ratios [2, 1]: ((2 - 1) - ln 2 + 0) / 2 = (1 - 0.6931472) / 2 = 0.1534264
     close(approx_kl(torch.log(t([[2.0, 1.0]])), torch.zeros(1, 2, dtype=D), torch.ones(1, 2, dtype=D)),
           (1 - math.log(2)) / 2)
+
+
+def test_value_loss_hand_computed():
+    values, old, returns = t([1.5, 0.0, -0.1]), t([1.0, 0.0, 0.0]), t([1.0, 1.0, 0.0])
+    # token 0: V moved +0.5 past the 0.2 clip: max((1.5-1)^2, (1.2-1)^2) = 0.25; token 1: 1; token 2: 0.01
+    close(value_loss(values, old, returns, clip=0.2), t([0.125, 0.5, 0.005]))
+    # moving toward the return by more than the clip: the pessimistic max keeps the clipped error, max(0.25, 0.64)
+    close(value_loss(t([1.5]), t([2.0]), t([1.0]), clip=0.2), t([0.32]))
+    close(value_loss(values, old, returns, clip=None), t([0.125, 0.5, 0.005]))
+
+
+def test_whiten_over_masked_entries_only():
+    x = t([1.0, 3.0, 100.0], [5.0, 7.0, -50.0])
+    mask = t([1, 1, 0], [1, 1, 0])
+    out = whiten(x, mask)  # masked entries 1, 3, 5, 7: mean 4, population std sqrt(5)
+    close(out, t([-3 / math.sqrt(5), -1 / math.sqrt(5), 0.0], [1 / math.sqrt(5), 3 / math.sqrt(5), 0.0]), atol=1e-6)

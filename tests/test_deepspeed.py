@@ -155,7 +155,7 @@ def _round_trip(zero_stage: int, dtype: str, tmp: Path) -> dict:
     def update(backend) -> tuple[float, float]:
         """One optimizer step raising the batch's mean token logprob, accumulated over two micro-batches."""
         for mb in micro_batches:
-            logprobs, _ = backend.forward(mb)
+            logprobs = backend.forward(mb).logprobs
             backend.backward(-(logprobs * mb["loss_mask"]).sum() / mask.sum())
         stats = backend.step()
         return stats.grad_norm, stats.lr
@@ -194,7 +194,8 @@ def _round_trip(zero_stage: int, dtype: str, tmp: Path) -> dict:
     r["export_files"] = sorted(p.name for p in (tmp / "export").iterdir())
     r["leftover_tmp"] = [p.name for p in tmp.iterdir() if p.name.endswith(".tmp")]
     lap("export_weights")
-    model = AutoModelForCausalLM.from_pretrained(tmp / "export", dtype=torch.float32)
+    # The attention kernel the backend uses on CPU (attention=auto), so only the weights can differ.
+    model = AutoModelForCausalLM.from_pretrained(tmp / "export", dtype=torch.float32, attn_implementation="eager")
     if dtype == "bf16":  # compute weights in bf16, buffers (rotary frequencies) in fp32, as the backend runs
         for param in model.parameters():
             param.data = param.data.to(torch.bfloat16)

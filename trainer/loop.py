@@ -4,10 +4,11 @@
     trajs      = generator.generate(env, tasks, n=samples_per_prompt)    rank 0, on the inference engine
     trajs      = drop failed rollouts (counted), drop zero-variance groups
     advantages = ADVANTAGES[algorithm](rewards, groups)                    one scalar per rollout
+                 (PPO: GAE per token from the value head's values before the update)
     for each mini-batch (epochs × batch / mini_batch_size):
         for each micro-batch (token budget):
             logprobs = policy(tokens)                                      trainer's logprobs, with grad
-            loss     = policy_loss(logprobs, old, A) · TIS + kl_coef·KL − entropy_coef·H
+            loss     = policy_loss(logprobs, old, A) · TIS + kl_coef·KL − entropy_coef·H (+ vf_coef·value_loss)
             backward(loss · share of the mini-batch)
         optimizer step
     export weights v(step+1) → engine.load_weights(v)                      checkpoint-based weight sync
@@ -52,7 +53,7 @@ class StepBatch:
     """One step's training data after filtering: the trajectories and one advantage per trajectory."""
 
     trajectories: list[Trajectory]
-    advantages: torch.Tensor  # (B,)
+    advantages: torch.Tensor  # (B,); zeros with a critic, whose advantages are per token
     counts: dict[str, int] = field(default_factory=dict)
 
 
@@ -156,7 +157,10 @@ def prepare_batch(trajs: list[Trajectory], cfg: Config) -> StepBatch:
     group_index = {g: i for i, g in enumerate(dict.fromkeys(t.group_id for t in kept))}
     rewards = torch.tensor([t.reward for t in kept], dtype=torch.float32)  # (B,)
     groups = torch.tensor([group_index[t.group_id] for t in kept], dtype=torch.long)  # (B,)
-    advantages = algo.ADVANTAGES[cfg.algorithm.advantage](rewards, groups) if kept else rewards
+    if kept and not cfg.algorithm.critic:
+        advantages = algo.ADVANTAGES[cfg.algorithm.advantage](rewards, groups)
+    else:  # GAE needs the critic's values: update_policy computes it per token
+        advantages = torch.zeros_like(rewards)
     counts["trained"] = len(kept)
     return StepBatch(kept, advantages, dict(counts))
 
@@ -170,8 +174,10 @@ def update_policy(backend: TrainBackend, batch: StepBatch, cfg: Config, pad_id: 
     n = len(batch.trajectories)
     mini = max(1, round(cfg.mini_batch_size * n / cfg.generator.batch_size))  # filtering shrinks the batch
     order = torch.randperm(n).tolist()
-    # Several updates per batch: the ratio needs the logprobs of the policy before the first of them.
-    old_logprobs = _logprobs_before_update(backend, batch, cfg, pad_id) if cfg.steps_per_update > 1 else None
+    # Several updates per batch: the ratio needs the logprobs of the policy before the first of them. A critic's
+    # values before the update give GAE its advantages and the value loss its clipping anchor.
+    before = _before_update(backend, batch, cfg, pad_id) if cfg.steps_per_update > 1 or a.critic else None
+    targets = _gae_targets(batch, before, cfg, pad_id) if a.critic else None
     for _epoch in range(cfg.trainer.epochs):
         for start in range(0, n, mini):
             index = order[start:start + mini]
@@ -187,12 +193,13 @@ def update_policy(backend: TrainBackend, batch: StepBatch, cfg: Config, pad_id: 
             for k in range(passes):
                 mb, adv, rows = micro_batches[k] if k < len(micro_batches) else micro_batches[0]
                 weight = 1.0 if k < len(micro_batches) else 0.0
-                logprobs, entropy = backend.forward(mb, entropy_grad=a.entropy_coef > 0)  # (B, T) each
-                mask = mb["loss_mask"]
+                out = backend.forward(mb, entropy_grad=a.entropy_coef > 0)
+                logprobs, entropy, mask = out.logprobs, out.entropy, mb["loss_mask"]  # (B, T) each
                 # One update per batch: the policy that sampled is the one being trained, so old = current.
-                old = logprobs.detach() if old_logprobs is None else _rows(old_logprobs, rows, logprobs.shape)
-                loss_tok, diag = algo.POLICY_LOSSES[a.policy_loss](
-                    logprobs, old, adv[:, None].expand_as(logprobs), mask, **_clip_kwargs(cfg))
+                old = logprobs.detach() if before is None else _rows(before["logprobs"], rows, logprobs.shape)
+                adv_tok = (adv[:, None].expand_as(logprobs) if targets is None
+                           else _rows(targets["advantages"], rows, logprobs.shape))
+                loss_tok, diag = algo.POLICY_LOSSES[a.policy_loss](logprobs, old, adv_tok, mask, **_clip_kwargs(cfg))
                 share = _share(mask, totals, cfg) * weight
                 if a.tis_cap is not None:  # correct for sampler/trainer logprob mismatch (vLLM bf16 vs ours)
                     loss_tok = loss_tok * algo.tis_weights(old, mb["rollout_logprobs"], cap=a.tis_cap)
@@ -203,6 +210,11 @@ def update_policy(backend: TrainBackend, batch: StepBatch, cfg: Config, pad_id: 
                     _accumulate(weighted, "train/kl", algo.masked_mean(kl.detach(), mask), share)
                 if a.entropy_coef > 0:
                     loss_tok = loss_tok - a.entropy_coef * entropy
+                if targets is not None:
+                    value_loss = algo.value_loss(out.values, _rows(before["values"], rows, logprobs.shape),
+                                                 _rows(targets["returns"], rows, logprobs.shape), clip=a.value_clip)
+                    loss_tok = loss_tok + a.vf_coef * value_loss
+                    _accumulate(weighted, "train/value_loss", algo.masked_mean(value_loss.detach(), mask), share)
                 loss = algo.aggregate(loss_tok, mask, a.aggregation, max_tokens=cfg.generator.max_total_tokens)
                 backend.backward(loss * share * backend.world_size)
                 _accumulate(weighted, "train/loss", loss.detach(), share)
@@ -254,15 +266,35 @@ def _collate(trajs: list[Trajectory], pad_id: int, packing: bool) -> Batch:
             "cu_seqlens": packed["cu_seqlens"]}
 
 
-def _logprobs_before_update(backend: TrainBackend, batch: StepBatch, cfg: Config, pad_id: int
-                            ) -> dict[int, torch.Tensor]:
-    """Each rollout's per-token logprobs under the current policy, before this step's updates."""
-    out: dict[int, torch.Tensor] = {}
+def _before_update(backend: TrainBackend, batch: StepBatch, cfg: Config, pad_id: int
+                   ) -> dict[str, dict[int, torch.Tensor]]:
+    """Each rollout's per-token ``logprobs`` (and, with a critic, ``values``) before this step's updates."""
+    out: dict[str, dict[int, torch.Tensor]] = {"logprobs": {}, "values": {}}
     for mb, _, rows in _micro_batches(list(range(len(batch.trajectories))), batch, cfg, pad_id):
-        logprobs = backend.logprobs(mb)  # (B, T)
+        with torch.no_grad():
+            result = backend.forward(mb)  # (B, T) each
         for row, i in enumerate(rows):
-            out[i] = logprobs[row]
+            out["logprobs"][i] = result.logprobs[row]
+            if result.values is not None:
+                out["values"][i] = result.values[row]
     return out
+
+
+def _gae_targets(batch: StepBatch, before: dict[str, dict[int, torch.Tensor]], cfg: Config, pad_id: int
+                 ) -> dict[str, dict[int, torch.Tensor]]:
+    """Per-token ``advantages`` (GAE, whitened over the batch's model tokens) and ``returns`` for each rollout,
+    from the critic's values before the update; the outcome reward sits on each rollout's last model token."""
+    trajs = batch.trajectories
+    mask = to_padded(trajs, pad_id)["loss_mask"]  # (B, T)
+    index = list(range(len(trajs)))
+    values = _rows(before["values"], index, mask.shape)  # (B, T)
+    rewards = torch.zeros_like(mask)  # (B, T)
+    last = mask.shape[1] - 1 - mask.flip(1).argmax(1)  # (B,)
+    rewards[torch.arange(len(trajs)), last] = torch.tensor([t.reward for t in trajs], dtype=rewards.dtype)
+    a = cfg.algorithm
+    advantages, returns = algo.gae_advantages(rewards, values, mask, gamma=a.gamma, lam=a.lam)
+    advantages = algo.whiten(advantages, mask)
+    return {"advantages": dict(enumerate(advantages)), "returns": dict(enumerate(returns))}
 
 
 def _rows(per_rollout: dict[int, torch.Tensor], rows: list[int], shape: torch.Size) -> torch.Tensor:
@@ -335,7 +367,8 @@ def make_backend(cfg: Config, model_path: str) -> TrainBackend:
         model_path=model_path, lr=t.lr, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps,
         total_steps=t.steps * cfg.steps_per_update, lr_schedule=t.lr_schedule, grad_clip=t.grad_clip,
         temperature=cfg.generator.temperature, dtype=t.dtype, reference=cfg.algorithm.kl_coef > 0,
-        gradient_checkpointing=t.gradient_checkpointing, seed=t.seed,
+        value_head=cfg.algorithm.critic,
+        gradient_checkpointing=t.gradient_checkpointing, attention=t.attention, seed=t.seed,
     )
     if t.backend == "deepspeed":
         from trainer.backends.deepspeed import DeepSpeedBackend

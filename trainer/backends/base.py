@@ -3,7 +3,7 @@
 One optimizer step of the loop, whatever the backend::
 
     for mb in micro_batches:                      # gradient accumulation
-        logprobs, entropy = backend.forward(mb)   # (B, T) each, grad-enabled, aligned with mb["input_ids"]
+        logprobs = backend.forward(mb).logprobs   # (B, T), grad-enabled, aligned with mb["input_ids"]
         loss = policy_loss(logprobs, ...) / len(micro_batches)
         backend.backward(loss)
     stats = backend.step()                        # clip, optimizer + scheduler step, zero grads
@@ -18,9 +18,12 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
+
+if TYPE_CHECKING:
+    from trainer.backends.common import TokenOutputs
 
 Batch = dict[str, torch.Tensor]
 
@@ -47,7 +50,12 @@ class BackendConfig:
     """Compute dtype; parameters and optimizer state stay fp32."""
     reference: bool = False
     """Keep a frozen copy of the initial policy for KL."""
+    value_head: bool = False
+    """Add PPO's critic (:class:`trainer.backends.common.ValueHead`); ``forward`` then also returns values."""
     gradient_checkpointing: bool = False
+    attention: Literal["auto", "eager", "sdpa", "flash_attention_2"] = "auto"
+    """transformers' attention kernel; ``auto`` is eager on CPU (faster than SDPA's CPU kernels on rollout-length
+    sequences, ~20% per training step here) and SDPA on GPU."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -75,9 +83,9 @@ class TrainBackend(abc.ABC):
     world_size: int = 1
 
     @abc.abstractmethod
-    def forward(self, batch: Batch, *, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token logprobs of ``input_ids`` (with grad) and per-token entropy (with grad only if
-        ``entropy_grad``) under the policy; (B, T) each."""
+    def forward(self, batch: Batch, *, entropy_grad: bool = False) -> TokenOutputs:
+        """Per-token logprobs of ``input_ids`` (with grad), entropy (with grad only if ``entropy_grad``) and, with a
+        value head, values (with grad) under the policy; (B, T) each."""
 
     @abc.abstractmethod
     def backward(self, loss: torch.Tensor) -> None:

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import os
 import shutil
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from trainer.backends.base import BackendConfig
 
@@ -19,50 +20,104 @@ _CHECKPOINT_FILES = ("config.json", "generation_config.json", "tokenizer.json", 
                      "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt")
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, *, entropy_grad: bool = False
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token logprobs and entropies aligned with ``input_ids``: (B, T) each, position 0 zero.
+def load_model(config: BackendConfig, device: torch.device) -> PreTrainedModel:
+    """The initial policy in fp32 (master weights) with the configured attention kernel."""
+    attention = config.attention
+    if attention == "auto":
+        attention = "sdpa" if device.type == "cuda" else "eager"
+    return AutoModelForCausalLM.from_pretrained(config.model_path, dtype=torch.float32, attn_implementation=attention)
 
-    ``logits`` (B, T, V) at position t predict token t+1, hence the shift. Computed in fp32 (bf16 over a 49k
-    vocabulary loses the precision logprob ratios need) as ``logit[token] - logsumexp(logits)``, which never keeps
-    a (B, T, V) log-softmax for backward. The entropy is only differentiable with ``entropy_grad``: most losses
-    just log it, and its graph would double the memory of the vocabulary-sized tensors.
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, *, entropy_grad: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprobs of ``targets`` under ``logits`` (..., V) and the entropies of those distributions, shape (...) each.
+
+    Computed in fp32 (bf16 over a 49k vocabulary loses the precision logprob ratios need) as
+    ``logit[target] - logsumexp(logits)``, which never keeps a vocabulary-sized log-softmax for backward. The
+    entropy is only differentiable with ``entropy_grad``: most losses just log it, and its graph would double the
+    memory of the vocabulary-sized tensors.
     """
-    logits = logits[:, :-1].float() / temperature  # (B, T-1, V)
-    lse = torch.logsumexp(logits, dim=-1)  # (B, T-1)
-    picked = logits.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1) - lse  # (B, T-1)
+    logits = logits.float() / temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # (B, T-1)
-    zero = picked.new_zeros(picked.shape[0], 1)
-    return torch.cat([zero, picked], dim=1), torch.cat([zero, entropy], dim=1)
+        entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return picked, entropy
+
+
+class ValueHead(torch.nn.Module):
+    """PPO's critic: a scalar per position read off the policy's final hidden states (a trunk shared with it).
+
+    Registered as the submodule ``value_head`` of the model, so sharding, optimizer and checkpoints include it. It
+    runs inside the model's forward (a hook on the final norm), where a sharded backend has its parameters gathered.
+    Zero-initialized: V = 0 before training.
+    """
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        super().__init__()
+        self.score = torch.nn.Linear(model.config.hidden_size, 1)
+        torch.nn.init.zeros_(self.score.weight)
+        torch.nn.init.zeros_(self.score.bias)
+        self.values: torch.Tensor | None = None  # (B, T) from the latest forward
+        model.get_decoder().norm.register_forward_hook(self._capture)
+
+    def _capture(self, module: torch.nn.Module, args: tuple, hidden: torch.Tensor) -> None:
+        self.values = self.score(hidden).squeeze(-1).float()
+
+
+def add_value_head(model: PreTrainedModel) -> None:
+    """Give ``model`` a zero-initialized :class:`ValueHead` (before sharding, so it is sharded with the root)."""
+    model.value_head = ValueHead(model)
+
+
+class TokenOutputs(NamedTuple):
+    """Per-token values of a batch in the padded (B, T) layout, 0 off the loss mask."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+    values: torch.Tensor | None
+    """The critic's V(state before each token); None without a value head."""
 
 
 def model_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device, temperature: float,
-                   *, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run ``model`` on a padded or packed batch; per-token logprobs and entropies in the padded (B, T) layout."""
+                   *, entropy_grad: bool = False) -> TokenOutputs:
+    """Per-token logprobs, entropies and (with a value head) values of a padded or packed batch.
+
+    Logits are computed only at the positions that predict a loss-mask token (``logits_to_keep``): prompts and
+    environment turns never reach the vocabulary-sized head, which is most of the tokens of a typical rollout.
+    """
+    mask = batch["loss_mask"].bool().clone()  # (B, T)
+    mask[:, 0] = False  # the first token is not predicted by anything
+    rows, cols = mask.nonzero(as_tuple=True)  # (M,) each: the predicted tokens
     if "cu_seqlens" in batch:  # packed: one row, sequences kept apart by restarting position ids
-        packed = batch["packed_input_ids"].to(device)
-        logits = model(input_ids=packed, position_ids=batch["position_ids"].to(device),
-                       use_cache=False).logits  # (1, N, V)
-        logprobs, entropy = token_logprobs(logits, packed, temperature, entropy_grad=entropy_grad)  # (1, N)
-        width, cu = batch["input_ids"].shape[1], batch["cu_seqlens"]
-        return unpack(logprobs.cpu(), cu, width), unpack(entropy.cpu(), cu, width)  # (B, T)
-    input_ids = batch["input_ids"].to(device)
-    logits = model(input_ids=input_ids, attention_mask=batch["attention_mask"].to(device),
-                   use_cache=False).logits  # (B, T, V)
-    logprobs, entropy = token_logprobs(logits, input_ids, temperature, entropy_grad=entropy_grad)
-    return logprobs.cpu(), entropy.cpu()
+        packed = batch["packed_input_ids"].to(device)  # (1, N)
+        keep = batch["cu_seqlens"][rows] + cols - 1  # (M,) packed positions predicting those tokens
+        logits = model(input_ids=packed, position_ids=batch["position_ids"].to(device), use_cache=False,
+                       logits_to_keep=keep.to(device)).logits[0]  # (M, V)
+        targets = packed[0, (keep + 1).to(device)]  # (M,)
+        where = (torch.zeros_like(keep), keep)  # (M,) each: the predicting positions in the model's output
+    else:
+        input_ids = batch["input_ids"].to(device)  # (B, T)
+        # One window of columns for every row: from the earliest predicting position to the last one.
+        first = int(cols.min()) if len(cols) else input_ids.shape[1] - 1
+        window = torch.arange(first - 1, input_ids.shape[1] - 1)  # (K,)
+        logits = model(input_ids=input_ids, attention_mask=batch["attention_mask"].to(device), use_cache=False,
+                       logits_to_keep=window.to(device)).logits  # (B, K, V)
+        logits = logits[rows.to(device), (cols - first).to(device)]  # (M, V)
+        targets = input_ids[rows.to(device), cols.to(device)]  # (M,)
+        where = (rows, cols - 1)
+    picked, entropy = token_logprobs(logits, targets, temperature, entropy_grad=entropy_grad)  # (M,) each
+    head = getattr(getattr(model, "module", model), "value_head", None)  # DeepSpeed wraps the model in .module
+    values = None
+    if head is not None:
+        values = _scatter(head.values[where[0].to(device), where[1].to(device)], rows, cols, mask.shape)
+        head.values = None
+    return TokenOutputs(_scatter(picked, rows, cols, mask.shape), _scatter(entropy, rows, cols, mask.shape), values)
 
 
-def unpack(packed: torch.Tensor, cu_seqlens: torch.Tensor, width: int) -> torch.Tensor:
-    """(1, N) per-token values of packed sequences → (B, width) right-padded rows; each row's first position is
-    zeroed (in the packed row it was predicted from the previous sequence's last token)."""
-    bounds = cu_seqlens.tolist()
-    rows = []
-    for start, end in itertools.pairwise(bounds):
-        row = packed[0, start:end]
-        rows.append(torch.nn.functional.pad(row[1:], (1, width - (end - start)), value=0.0))
-    return torch.stack(rows)
+def _scatter(values: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """(M,) values at (rows, cols) → a (B, T) tensor, zero elsewhere, differentiable in ``values``."""
+    return torch.zeros(shape, dtype=values.dtype).index_put((rows, cols), values.cpu())
 
 
 def lr_lambda(config: BackendConfig):
@@ -90,8 +145,9 @@ def write_hf_checkpoint(state_dict: dict[str, torch.Tensor], source: Path, path:
         if (source / name).exists():
             shutil.copy2(source / name, tmp / name)
     # Tied weights share storage; safetensors refuses shared tensors, and HF reloads ties from the config.
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items() if k != "lm_head.weight"
-               or not _tied(source)}
+    # The critic is the trainer's own: inference engines serve the language model alone.
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()
+               if not k.startswith("value_head.") and (k != "lm_head.weight" or not _tied(source))}
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     if path.exists():
         shutil.rmtree(path)

@@ -33,11 +33,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 from generators.models import cache_dir
 from trainer.backends.base import BackendConfig, Batch, StepStats, TrainBackend
-from trainer.backends.common import lr_lambda, model_logprobs, write_hf_checkpoint
+from trainer.backends.common import (
+    TokenOutputs,
+    add_value_head,
+    load_model,
+    lr_lambda,
+    model_logprobs,
+    write_hf_checkpoint,
+)
 from trainer.distributed import init_distributed
 
 # Before importing deepspeed: its op builder reads the variable when it compiles.
@@ -97,6 +104,8 @@ class DeepSpeedBackend(TrainBackend):
         model = self._load()
         if config.gradient_checkpointing:
             model.gradient_checkpointing_enable()
+        if config.value_head:
+            add_value_head(model)
         model.train()
         # bf16: DeepSpeed casts the module to bf16, then seeds its fp32 master weights from those bf16 values,
         # which rounds the checkpoint's weights away for good (and updates smaller than half a bf16 ulp then never
@@ -125,9 +134,9 @@ class DeepSpeedBackend(TrainBackend):
     def _load(self) -> PreTrainedModel:
         # A plain fp32 load: DeepSpeed casts to bf16 and (ZeRO-3) partitions at initialize. Wrapping this in
         # deepspeed.zero.Init fails inside transformers' _init_weights.
-        return AutoModelForCausalLM.from_pretrained(self.config.model_path, dtype=torch.float32)
+        return load_model(self.config, self.device)
 
-    def forward(self, batch: Batch, *, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, batch: Batch, *, entropy_grad: bool = False) -> TokenOutputs:
         device = self.engine.device
         return model_logprobs(self.engine, batch, device, self.config.temperature, entropy_grad=entropy_grad)
 
@@ -136,7 +145,7 @@ class DeepSpeedBackend(TrainBackend):
         if reference and self.reference is None:
             raise ValueError("this backend was built without a reference model (BackendConfig.reference=False)")
         model = self.reference if reference else self.engine
-        return model_logprobs(model, batch, self.engine.device, self.config.temperature)[0]
+        return model_logprobs(model, batch, self.engine.device, self.config.temperature).logprobs
 
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss)  # divides by gradient_accumulation_steps == 1: the loss as given

@@ -18,10 +18,17 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 from trainer.backends.base import BackendConfig, Batch, StepStats, TrainBackend
-from trainer.backends.common import lr_lambda, model_logprobs, write_hf_checkpoint
+from trainer.backends.common import (
+    TokenOutputs,
+    add_value_head,
+    load_model,
+    lr_lambda,
+    model_logprobs,
+    write_hf_checkpoint,
+)
 from trainer.distributed import init_distributed
 
 
@@ -41,20 +48,25 @@ class FSDPBackend(TrainBackend):
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
 
     def _load(self, *, train: bool) -> PreTrainedModel:
-        model = AutoModelForCausalLM.from_pretrained(self.config.model_path, dtype=torch.float32)
+        model = load_model(self.config, self.device)
         model.to(self.device)
         if train and self.config.gradient_checkpointing:
             model.gradient_checkpointing_enable()
+        if train and self.config.value_head:
+            add_value_head(model)
         # Shard every decoder layer, then the root (embeddings, final norm, tied head): one all-gather per layer.
+        # One rank has nothing to free between forward and backward: keeping the gathered (bf16) parameters saves
+        # the backward's second gather and cast, a third of FSDP's copies.
+        reshard = self.world_size > 1
         for layer in model.model.layers:
-            fully_shard(layer, mp_policy=self._mp)
-        fully_shard(model, mp_policy=self._mp)
+            fully_shard(layer, mp_policy=self._mp, reshard_after_forward=reshard)
+        fully_shard(model, mp_policy=self._mp, reshard_after_forward=reshard)
         model.train(train)
         if not train:
             model.requires_grad_(False)
         return model
 
-    def forward(self, batch: Batch, *, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, batch: Batch, *, entropy_grad: bool = False) -> TokenOutputs:
         return model_logprobs(self.model, batch, self.device, self.config.temperature, entropy_grad=entropy_grad)
 
     @torch.no_grad()
@@ -62,7 +74,7 @@ class FSDPBackend(TrainBackend):
         if reference and self.reference is None:
             raise ValueError("this backend was built without a reference model (BackendConfig.reference=False)")
         model = self.reference if reference else self.model
-        return model_logprobs(model, batch, self.device, self.config.temperature)[0]
+        return model_logprobs(model, batch, self.device, self.config.temperature).logprobs
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
