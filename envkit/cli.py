@@ -1,4 +1,4 @@
-"""The ``envkit`` command line: list installed environments, inspect one, and plugin commands (``eval``).
+"""The ``envkit`` command line: list installed environments, inspect one, serve one, and plugin commands (``eval``).
 
 A plugin command is a function ``add_parser(subparsers)`` that adds its subparser and sets ``func(args, console)
 -> int`` as its default; it is registered under the ``envkit.commands`` entry-point group.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
@@ -19,8 +20,8 @@ from rich.table import Table
 
 import envkit
 from envkit.errors import EnvkitError
+from envkit.tasks import task_counts
 
-SPLITS = ("train", "test")
 COMMAND_GROUP = "envkit.commands"
 
 
@@ -43,19 +44,6 @@ def _cmd_list(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _count_tasks(env: envkit.Env) -> dict[str, Any]:
-    counts: dict[str, Any] = {}
-    for split in SPLITS:
-        try:
-            tasks = env.tasks(split)
-        except ValueError:
-            continue
-        if tasks is None:
-            return {}
-        counts[split] = len(tasks) if hasattr(tasks, "__len__") else "unsized"
-    return counts
-
-
 def _env_info(name: str) -> dict[str, Any]:
     env = envkit.make(name)
     spec = env.spec
@@ -69,7 +57,7 @@ def _env_info(name: str) -> dict[str, Any]:
             "version": spec.version,
             "kwargs": spec.kwargs,
             "tools": [t.to_openai()["function"] for t in env.tools],
-            "tasks": _count_tasks(env),
+            "tasks": task_counts(env),
             "spaces": env.spaces(),
         }
     finally:
@@ -98,6 +86,71 @@ def _cmd_info(args: argparse.Namespace, console: Console) -> int:
     else:
         console.print("tools: none")
     return 0
+
+
+def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
+    try:
+        from envkit.server import TOKEN_ENV, ServeConfig, ServerLimits, serve
+    except ImportError as e:
+        console.print(f"[red]error:[/red] envkit serve needs the server extra: pip install 'envkit[server]' ({e})")
+        return 2
+    try:
+        env_kwargs = json.loads(args.kwargs)
+    except json.JSONDecodeError as e:
+        console.print(f"[red]error:[/red] --kwargs is not JSON: {e}", highlight=False)
+        return 2
+    if not isinstance(env_kwargs, dict):
+        console.print("[red]error:[/red] --kwargs must be a JSON object, e.g. '{\"level\": 2}'", highlight=False)
+        return 2
+    try:
+        limits = ServerLimits(max_sessions=args.max_sessions, session_ttl_s=args.session_ttl,
+                              step_timeout_s=args.step_timeout, max_request_bytes=args.max_request_bytes)
+    except ValueError as e:
+        console.print(f"[red]error:[/red] {e}", highlight=False)
+        return 2
+    config = ServeConfig(env=args.name, env_kwargs=env_kwargs, host=args.host, port=args.port,
+                         token=args.token or os.environ.get(TOKEN_ENV) or None, limits=limits,
+                         workers=args.workers, log_level=args.log_level)
+    auth = "bearer token" if config.token else "no auth"
+    Console(stderr=True).print(f"envkit serve {args.name} on http://{args.host}:{args.port} ({auth}, "
+                               f"{args.workers} worker(s)); Ctrl-C to stop", highlight=False, soft_wrap=True)
+    serve(config)
+    return 0
+
+
+def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve", help="serve an environment over REST and WebSocket (sessions, auth, limits, /metrics)",
+        description="Serve one environment to remote clients: envkit.make('http://HOST:PORT/NAME') or "
+                    "'ws://HOST:PORT/NAME' gives a RemoteEnv. Each session owns its env instance. Routes: "
+                    "/health, /info, /metrics, /docs, /sessions (REST) and /ws (one session per WebSocket).",
+        epilog="examples:\n  envkit serve arithmetic --port 8000\n"
+               "  ENVKIT_TOKEN=secret envkit serve calculator --host 0.0.0.0 --max-sessions 512\n"
+               "  envkit serve my_pkg.envs:MyEnv --kwargs '{\"level\": 2}'",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("name", help="env name as shown by `envkit list`, or a package.module:EnvClass entry point")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1: this machine only; other addresses need --token)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
+    p.add_argument("--token", default=None,
+                   help="bearer token required on every route but /health (default: $ENVKIT_TOKEN; prefer the "
+                        "variable, command lines are visible to other users)")
+    p.add_argument("--kwargs", default="{}", help="JSON object of env constructor defaults for every session")
+    p.add_argument("--max-sessions", type=int, default=256,
+                   help="concurrent sessions; one more answers 503 capacity (default 256)")
+    p.add_argument("--session-ttl", type=float, default=600.0, metavar="SECONDS",
+                   help="close a session (and its env) after this long idle (default 600)")
+    p.add_argument("--step-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="longest env init/reset/step/close; past it the request answers 504 env_timeout (default 60)")
+    p.add_argument("--max-request-bytes", type=int, default=1 << 20,
+                   help="largest request body or WebSocket frame (default 1 MiB)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="worker processes sharing the port; sessions live in one process, so with more than one "
+                        "only WebSocket sessions are served (default 1)")
+    p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
+                   help="server log level (default warning; env crashes are logged as errors)")
+    p.set_defaults(func=_cmd_serve)
 
 
 def _add_plugin_commands(sub: argparse._SubParsersAction, console: Console) -> None:
@@ -130,6 +183,7 @@ def build_parser(console: Console | None = None) -> argparse.ArgumentParser:
     p_info.add_argument("name", help="env name as shown by `envkit list`, or gym:<gymnasium id>")
     p_info.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p_info.set_defaults(func=_cmd_info)
+    _add_serve_parser(sub)
     _add_plugin_commands(sub, console or Console(stderr=True))
     return parser
 

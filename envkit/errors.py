@@ -14,9 +14,19 @@ fault inside one environment (record it on that rollout, keep the batch), a regi
     │   ├── ResetNeededError     step() before reset()
     │   ├── EpisodeDoneError     step() after terminated/truncated
     │   ├── EnvClosedError       reset()/step() after close()
-    │   └── InvalidActionError   the action is not an assistant message
-    └── EnvError                 the environment itself misbehaved
-        └── InvalidStepResultError  step()/reset() returned the wrong shape
+    │   ├── InvalidActionError   the action is not an assistant message
+    │   └── InvalidTaskError     reset(task=...) got a task the env cannot use
+    ├── EnvError                 the environment itself misbehaved
+    │   └── InvalidStepResultError  step()/reset() returned the wrong shape
+    └── RemoteEnvError           an env server (envkit serve, OpenEnv) refused a request or could not be reached;
+        │                        ``.code`` is the server's error code, ``.status`` the HTTP status (None: no answer)
+        ├── RemoteConnectionError       no connection after the retries (nothing was sent)
+        ├── RemoteResetNeededError      also a ResetNeededError     (code reset_needed)
+        ├── RemoteEpisodeDoneError      also an EpisodeDoneError    (code episode_done)
+        ├── RemoteInvalidActionError    also an InvalidActionError  (code invalid_action)
+        ├── RemoteInvalidTaskError      also an InvalidTaskError    (code invalid_task)
+        └── RemoteEnvCrashError         also an EnvError: the env raised or hung on the server
+                                        (codes env_error, env_timeout)
 """
 
 from __future__ import annotations
@@ -81,9 +91,54 @@ class InvalidActionError(ContractError, ValueError):
     """The action passed to step() is not a well-formed assistant message."""
 
 
+class InvalidTaskError(ContractError, ValueError):
+    """reset(task=...) got a task that does not have the fields and types the env needs."""
+
+
 class EnvError(EnvkitError):
     """The environment implementation itself failed or misbehaved."""
 
 
 class InvalidStepResultError(EnvError, TypeError):
     """reset() or step() returned a value that does not follow the contract."""
+
+
+class RemoteEnvError(EnvkitError):
+    """An env server answered a request with an error, or could not be reached.
+
+    ``code`` is the server's machine-readable error code (``capacity``, ``session_not_found``, ...), ``status`` the
+    HTTP status of the answer, or None when there was none (connection failures, timeouts).
+    """
+
+    def __init__(self, message: str, *, code: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.status = status
+
+    def __str__(self) -> str:
+        where = f"HTTP {self.status}, " if self.status is not None else ""
+        return f"{self.args[0]} ({where}code {self.code})"
+
+
+class RemoteConnectionError(RemoteEnvError, ConnectionError):
+    """The env server could not be reached, even after retrying with backoff; the request was never sent."""
+
+
+class RemoteResetNeededError(RemoteEnvError, ResetNeededError):
+    """The server refused step(): the session has no active episode (never reset, or its last step failed)."""
+
+
+class RemoteEpisodeDoneError(RemoteEnvError, EpisodeDoneError):
+    """The server refused step(): the episode already terminated or was truncated."""
+
+
+class RemoteInvalidActionError(RemoteEnvError, InvalidActionError):
+    """The server refused the action: it is not a well-formed assistant message."""
+
+
+class RemoteInvalidTaskError(RemoteEnvError, InvalidTaskError):
+    """The server's env refused the task passed to reset()."""
+
+
+class RemoteEnvCrashError(RemoteEnvError, EnvError):
+    """The env raised, hung past the step timeout, or broke the contract on the server; the server stays up."""

@@ -1,8 +1,14 @@
 """Environments by name: ``register``, ``make``, ``list_envs``, and discovery of pip-installed env packages.
 
 Name grammar: ``[namespace/]name`` where each part is letters, digits, ``.``, ``_`` or ``-`` and starts with a
-letter or digit (``arithmetic``, ``guess-number``, ``acme/sokoban-v2``). ``gym:<gymnasium id>`` (e.g.
-``gym:Blackjack-v1``) wraps any installed gymnasium env with the text bridge.
+letter or digit (``arithmetic``, ``guess-number``, ``acme/sokoban-v2``). ``make`` also takes:
+
+- ``gym:<gymnasium id>`` (e.g. ``gym:Blackjack-v1``): any installed gymnasium env through the text bridge;
+- ``package.module:EnvClass``: an env class by entry point, registered or not;
+- ``http://host:port/NAME`` or ``ws://host:port/NAME``: env NAME served by ``envkit serve`` on that host, as a
+  :class:`envkit.remote.RemoteEnv` over REST or WebSocket (``remote=RemoteConfig(...)`` sets the token and
+  timeouts; the other kwargs go to the server's env);
+- ``openenv:http://host:port``: an OpenEnv environment server, through :class:`envkit.openenv.OpenEnvEnv`.
 
 Env packages register through the entry-point group ``envkit.envs`` in their ``pyproject.toml``::
 
@@ -30,6 +36,8 @@ from envkit.errors import DuplicateEnvError, EnvLoadError, EnvNotFoundError, Inv
 
 ENTRY_POINT_GROUP = "envkit.envs"
 GYM_PREFIX = "gym:"
+OPENENV_PREFIX = "openenv:"
+REMOTE_SCHEMES = ("http://", "https://", "ws://", "wss://")
 _NAME_RE = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 EnvFactory = Callable[..., Env]
@@ -158,15 +166,24 @@ class Registry:
 
         The result is wrapped in :class:`ContractChecker` unless ``checked=False``.
         """
-        if name.startswith(GYM_PREFIX):
+        if name.startswith(REMOTE_SCHEMES):
+            from envkit.remote import RemoteEnv  # imported only here: it needs the `server` extra
+
+            env: Env = RemoteEnv(name, remote=kwargs.pop("remote", None), env_kwargs=kwargs)
+        elif name.startswith(OPENENV_PREFIX):
+            from envkit.openenv import OpenEnvEnv
+
+            env = OpenEnvEnv(name[len(OPENENV_PREFIX):], **kwargs)
+        elif name.startswith(GYM_PREFIX):
             from envkit.gym_bridge import GymTextEnv
 
             gym_kwargs = {"gym_env": name[len(GYM_PREFIX):], **kwargs}
-            env: Env = GymTextEnv(**gym_kwargs)
+            env = GymTextEnv(**gym_kwargs)
             env.spec = EnvSpec(name=name, entry_point="envkit.gym_bridge:GymTextEnv", kwargs=gym_kwargs,
                                description=_first_doc_line(GymTextEnv), source="gymnasium bridge")
         else:
-            spec = self.spec(name)
+            spec = self.spec(name) if ":" not in name else EnvSpec(
+                name=name, entry_point=name, source="entry point string given to make()")
             factory = spec.load()
             merged = {**spec.kwargs, **kwargs}
             try:

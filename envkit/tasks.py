@@ -7,7 +7,8 @@ import random
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, overload
 
-from envkit.core import Task
+from envkit.core import Env, Task
+from envkit.errors import InvalidTaskError
 
 SPLITS = ("train", "test")
 
@@ -66,17 +67,34 @@ def pick_task(tasks: Sequence[Task], seed: int | None, rng: random.Random) -> Ta
 
 
 def check_task(task: Any, **fields: type | tuple[type, ...]) -> Mapping[str, Any]:
-    """Return ``task`` if it is a mapping whose ``fields`` have the given types, else raise ValueError."""
+    """Return ``task`` if it is a mapping whose ``fields`` have the given types, else raise InvalidTaskError.
+
+    InvalidTaskError is a ValueError; an env server answers it with 422 ``invalid_task`` rather than an env crash.
+    """
     if not isinstance(task, Mapping):
-        raise ValueError(f"task must be a dict, got {type(task).__name__}: {task!r:.120}")
+        raise InvalidTaskError(f"task must be a dict, got {type(task).__name__}: {task!r:.120}")
     for name, kind in fields.items():
         value = task.get(name)
         if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
             value = None  # bool is an int subclass, but True is no answer
         if not isinstance(value, kind):
-            raise ValueError(f"task must have a {name!r} of type {_type_names(kind)}, got {task.get(name)!r:.80}")
+            raise InvalidTaskError(f"task must have a {name!r} of type {_type_names(kind)}, got {task.get(name)!r:.80}")
     return task
 
 
 def _type_names(kind: type | tuple[type, ...]) -> str:
     return " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+
+
+def task_counts(env: Env) -> dict[str, int | None]:
+    """Tasks per split (None for an unsized split); {} for an env without task lists."""
+    counts: dict[str, int | None] = {}
+    for split in SPLITS:
+        try:
+            tasks = env.tasks(split)
+        except ValueError:
+            continue
+        if tasks is None:
+            return {}
+        counts[split] = len(tasks) if hasattr(tasks, "__len__") else None
+    return counts

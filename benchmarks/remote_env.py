@@ -1,0 +1,174 @@
+"""Remote env throughput: envkit serve (REST and WebSocket) against OpenEnv's own server and client, same env logic.
+
+For each concurrency level, every session steps an echo env (observation = the message, reward = 0.1 x its length,
+never done) as fast as it can for a fixed window; the table gives steps/s over all sessions and the p50/p99 latency
+of one step as the client sees it:
+  envkit REST   RemoteEnv over httpx (one keep-alive connection per session) -> `envkit serve`
+  envkit WS     RemoteEnv over one WebSocket per session                      -> `envkit serve`
+  OpenEnv       openenv-core 0.3.0 GenericEnvClient (its WebSocket client)    -> OpenEnv's create_app server
+Each server is its own process on loopback with uvloop + httptools, and each client runs in a process of its own;
+on a 2-core machine the client and server share the cores, so read ratios, not absolute numbers.
+Target: envkit WS >= 3x OpenEnv steps/s at 64 sessions.
+
+    python benchmarks/remote_env.py [--sessions 1,16,64,256] [--seconds 3] [--warmup 0.5]
+
+Needs the server extra in this venv and openenv-core in .venv-openenv (``make install`` sets up both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from openenv_peer import MESSAGE, drive  # a sibling module in benchmarks/
+
+import envkit
+from envkit import Env, Message, StepResult
+
+HERE = Path(__file__).resolve().parent
+OPENENV_PYTHON = HERE.parent / ".venv-openenv" / "bin" / "python"
+
+
+class EchoEnv(Env):
+    """Echoes the assistant's message; reward 0.1 x its length; never done (as openenv_peer's echo env)."""
+
+    async def reset(self, *, seed: int | None = None, task: envkit.Task | None = None) -> tuple[list[Message], dict]:
+        self.count = 0
+        return [envkit.user("Echo environment ready!")], {}
+
+    async def step(self, action: Message) -> StepResult:
+        self.count += 1
+        text = action["content"] or ""
+        return StepResult([envkit.user(text)], reward=0.1 * len(text), info={"message_length": len(text)})
+
+
+class _EnvkitSession:
+    def __init__(self, env: Env) -> None:
+        self.env = env
+
+    async def step(self) -> None:
+        result = await self.env.step(envkit.assistant(MESSAGE))
+        assert result.observation[0]["content"] == MESSAGE
+
+    async def close(self) -> None:
+        await self.env.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(argv: list[str], port: int) -> subprocess.Popen[bytes]:
+    """Start a server in its own process group with benchmarks/ importable; wait for /health."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
+    # OpenEnv's server prints a traceback for every client that disconnects: keep server output out of the table.
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            time.sleep(0.1)
+    _stop(proc)
+    raise RuntimeError(f"server {argv} did not become healthy (exit code {proc.returncode})")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def run_envkit(scheme: str, port: int, sessions: int, seconds: float, warmup: float) -> dict[str, Any]:
+    """Drive `sessions` RemoteEnvs in a fresh process (like the OpenEnv client gets) and return its numbers."""
+    code = ("import asyncio, json, remote_env as b; "
+            f"print(json.dumps(asyncio.run(b.envkit_client({scheme!r}, {port}, {sessions}, {seconds}, {warmup}))))")
+    return _json_from([sys.executable, "-c", code])
+
+
+async def envkit_client(scheme: str, port: int, sessions: int, seconds: float, warmup: float) -> dict[str, Any]:
+    """The envkit client side of one cell: `sessions` RemoteEnvs over `scheme` (http or ws)."""
+    async def open_session() -> _EnvkitSession:
+        env = envkit.make(f"{scheme}://127.0.0.1:{port}/remote_env:EchoEnv")
+        await env.reset()
+        return _EnvkitSession(env)
+
+    return await drive(open_session, sessions=sessions, seconds=seconds, warmup=warmup)
+
+
+def run_openenv(port: int, sessions: int, seconds: float, warmup: float) -> dict[str, Any]:
+    """Drive OpenEnv's own client in the OpenEnv venv and return its numbers."""
+    return _json_from([str(OPENENV_PYTHON), str(HERE / "openenv_peer.py"), "--url", f"http://127.0.0.1:{port}",
+                       "--sessions", str(sessions), "--seconds", str(seconds), "--warmup", str(warmup)])
+
+
+def _json_from(argv: list[str]) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(f"{argv[:3]} failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sessions", default="1,16,64,256", help="comma-separated concurrency levels")
+    parser.add_argument("--seconds", type=float, default=3.0, help="timed window per cell")
+    parser.add_argument("--warmup", type=float, default=0.5, help="untimed stepping before each window")
+    args = parser.parse_args()
+    levels = [int(n) for n in args.sessions.split(",")]
+    if not OPENENV_PYTHON.exists():
+        sys.exit(f"{OPENENV_PYTHON} is missing: run `make install` (it creates the OpenEnv venv)")
+
+    envkit_port, openenv_port = _free_port(), _free_port()
+    servers = []
+    try:
+        servers.append(_start([sys.executable, "-m", "envkit.cli", "serve", "remote_env:EchoEnv", "--port",
+                               str(envkit_port), "--max-sessions", "1024"], envkit_port))
+        servers.append(_start([str(OPENENV_PYTHON), "-m", "uvicorn", "--factory", "openenv_peer:create_app",
+                               "--port", str(openenv_port), "--log-level", "warning", "--no-access-log",
+                               "--loop", "uvloop", "--http", "httptools"], openenv_port))
+        rows: dict[tuple[str, int], dict[str, Any]] = {}
+        for n in levels:
+            rows["envkit REST", n] = run_envkit("http", envkit_port, n, args.seconds, args.warmup)
+            rows["envkit WS", n] = run_envkit("ws", envkit_port, n, args.seconds, args.warmup)
+            rows["OpenEnv", n] = run_openenv(openenv_port, n, args.seconds, args.warmup)
+    finally:
+        for proc in servers:
+            _stop(proc)
+
+    print(f"{'variant':<12} {'sessions':>8} {'steps/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'errors':>6}")
+    for (name, n), r in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        print(f"{name:<12} {n:>8} {r['steps_per_s']:>9.0f} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} {r['errors']:>6}")
+        if r["first_error"]:
+            print(f"{'':<12} first error: {r['first_error']}")
+    print("\nenvkit / OpenEnv steps/s:")
+    for n in levels:
+        base = rows["OpenEnv", n]["steps_per_s"] or float("nan")
+        print(f"  {n:>3} sessions: WS {rows['envkit WS', n]['steps_per_s'] / base:.2f}x   "
+              f"REST {rows['envkit REST', n]['steps_per_s'] / base:.2f}x")
+    if 64 in levels:
+        ratio = rows["envkit WS", 64]["steps_per_s"] / (rows["OpenEnv", 64]["steps_per_s"] or float("nan"))
+        verdict = "meets" if ratio >= 3 else "MISSES"
+        print(f"\nenvkit WS / OpenEnv at 64 sessions: {ratio:.2f}x ({verdict} the >= 3x target)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""OpenEnvEnv: an OpenEnv environment server (PyPI ``openenv-core``) used as an envkit env, over its own wire protocol.
+
+OpenEnv (0.3) keeps an episode's state only on its WebSocket: each connection to ``/ws`` gets its own environment
+instance (its REST ``/reset`` and ``/step`` make a fresh one per request, so they cannot carry an episode). Frames:
+
+    -> {"type": "reset", "data": {"seed": 0, "episode_id": ..., **task}}
+    -> {"type": "step", "data": {<action fields>}}
+    <- {"type": "observation", "data": {"observation": {...}, "reward": r, "done": d}}
+    <- {"type": "error", "data": {"message": ..., "code": "VALIDATION_ERROR" | "EXECUTION_ERROR" | ...}}
+    -> {"type": "close"}
+
+The mapping: the assistant's text becomes the action field ``action_key``; the observation field ``observation_key``
+(or, without one, the observation as JSON) becomes a user message; ``reward`` None counts as 0; ``done`` is
+``terminated``. Both keys are read from the server's ``/schema`` when not given: the action's one string field, the
+observation's first string field. ``to_action``/``to_messages`` replace the mapping for richer envs. openenv-core
+itself is not imported: the wire protocol is all this needs.
+
+    env = envkit.make("openenv:http://127.0.0.1:8001")        # e.g. OpenEnv's echo env under uvicorn
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import websockets
+from websockets.asyncio.client import ClientConnection
+from websockets.asyncio.client import connect as ws_connect
+
+from envkit.core import Env, StepResult, Task
+from envkit.errors import InvalidActionError, RemoteEnvCrashError, RemoteEnvError, RemoteInvalidActionError
+from envkit.messages import Message, user
+from envkit.registry import EnvSpec
+from envkit.remote import RemoteConfig, retry_connect
+
+_RESERVED = {"metadata", "done", "reward"}  # fields every OpenEnv Action/Observation has; never the payload
+
+
+def _string_fields(schema: dict[str, Any]) -> list[str]:
+    props = schema.get("properties", {})
+    return [k for k, v in props.items() if k not in _RESERVED and isinstance(v, dict) and v.get("type") == "string"]
+
+
+class OpenEnvEnv(Env):
+    """An OpenEnv server at ``url`` (``http://host:port``) as an envkit env; one WebSocket session per env."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        action_key: str | None = None,
+        observation_key: str | None = None,
+        to_action: Callable[[Message], dict[str, Any]] | None = None,
+        to_messages: Callable[[dict[str, Any]], list[Message]] | None = None,
+        remote: RemoteConfig | None = None,
+    ) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https", "ws", "wss") or not parts.netloc:
+            raise ValueError(f"OpenEnvEnv needs the server's URL, like http://127.0.0.1:8000, got {url!r}")
+        secure = parts.scheme in ("https", "wss")
+        self.http_url = f"{'https' if secure else 'http'}://{parts.netloc}{parts.path.rstrip('/')}"
+        self.ws_url = f"{'wss' if secure else 'ws'}://{parts.netloc}{parts.path.rstrip('/')}/ws"
+        self.action_key, self.observation_key = action_key, observation_key
+        self._to_action, self._to_messages = to_action, to_messages
+        self.config = remote or RemoteConfig()
+        self._ws: ClientConnection | None = None
+        self.spec = EnvSpec(name=f"openenv:{url}", entry_point="envkit.openenv:OpenEnvEnv",
+                            kwargs={"action_key": action_key, "observation_key": observation_key},
+                            description=f"OpenEnv server at {self.http_url}", source="openenv")
+
+    async def init(self) -> None:
+        """Read the server's schemas (unless both keys are given) and open the WebSocket session."""
+        if self._ws is not None:
+            return
+        if (self.action_key is None and self._to_action is None) or (
+                self.observation_key is None and self._to_messages is None):
+            await self._infer_keys()
+        self._ws = await retry_connect(
+            lambda: ws_connect(self.ws_url, open_timeout=self.config.connect_timeout_s, compression=None,
+                               max_size=None, ping_interval=None),
+            self.config, self.ws_url)
+
+    async def _infer_keys(self) -> None:
+        async def get() -> httpx.Response:
+            async with httpx.AsyncClient(timeout=self.config.connect_timeout_s) as client:
+                return await client.get(f"{self.http_url}/schema")
+
+        response = await retry_connect(get, self.config, self.http_url)
+        if response.status_code != 200:
+            raise RemoteEnvError(f"{self.http_url}/schema answered {response.status_code}: {response.text[:200]}",
+                                 code="schema_unavailable", status=response.status_code)
+        schemas = response.json()
+        if self.action_key is None and self._to_action is None:
+            fields = _string_fields(schemas.get("action", {}))
+            if len(fields) != 1:
+                raise RemoteEnvError(f"cannot tell which action field takes the assistant's text (string fields: "
+                                     f"{fields or 'none'}); pass action_key= or to_action=", code="schema_mismatch")
+            self.action_key = fields[0]
+        if self.observation_key is None and self._to_messages is None:
+            fields = _string_fields(schemas.get("observation", {}))
+            self.observation_key = fields[0] if fields else None  # None: the observation is sent as JSON
+
+    async def _exchange(self, frame: dict[str, Any]) -> dict[str, Any]:
+        if self._ws is None:
+            raise RemoteEnvError("the OpenEnv session is closed", code="connection_lost")
+        try:
+            await self._ws.send(json.dumps(frame))
+            async with asyncio.timeout(self.config.timeout_s):  # cheaper than wait_for: no task per frame
+                raw = await self._ws.recv()
+        except TimeoutError as e:
+            raise RemoteEnvError(f"no answer from {self.ws_url} within {self.config.timeout_s:g} s",
+                                 code="timeout") from e
+        except websockets.ConnectionClosed as e:
+            self._ws = None
+            raise RemoteEnvError(f"the OpenEnv WebSocket closed ({e})", code="connection_lost") from e
+        answer = json.loads(raw)
+        if answer.get("type") == "error":
+            data = answer.get("data", {})
+            code, message = str(data.get("code", "UNKNOWN")).lower(), str(data.get("message", ""))
+            if code == "validation_error":
+                raise RemoteInvalidActionError(f"the OpenEnv server refused the action: {message} "
+                                               f"{data.get('errors', '')}", code=code)
+            if code == "execution_error":
+                raise RemoteEnvCrashError(f"the OpenEnv env raised: {message}", code=code)
+            raise RemoteEnvError(f"the OpenEnv server answered an error: {message}", code=code)
+        return answer.get("data", {})
+
+    def _messages(self, observation: dict[str, Any]) -> list[Message]:
+        if self._to_messages is not None:
+            return self._to_messages(observation)
+        text = observation.get(self.observation_key) if self.observation_key else None
+        return [user(text if isinstance(text, str) else json.dumps(observation))]
+
+    async def reset(self, *, seed: int | None = None, task: Task | None = None) -> tuple[list[Message], dict]:
+        """OpenEnv reset; ``task`` fields go along as reset parameters (``task["id"]`` as the ``episode_id``)."""
+        await self.init()
+        data: dict[str, Any] = dict(task or {})
+        if "id" in data:
+            data["episode_id"] = str(data.pop("id"))
+        if seed is not None:
+            data["seed"] = seed
+        answer = await self._exchange({"type": "reset", "data": data})
+        observation = answer.get("observation", {})
+        return self._messages(observation), {"observation": observation}
+
+    async def step(self, action: Message) -> StepResult:
+        """OpenEnv step with the assistant's text as the action field; reward None counts as 0."""
+        if self._to_action is not None:
+            payload = self._to_action(action)
+        else:
+            if action.get("content") is None:
+                raise InvalidActionError(f"OpenEnvEnv sends the assistant's text as {self.action_key!r}; "
+                                         "this action has none (pass to_action= to map tool calls)")
+            payload = {self.action_key: action["content"]}
+        answer = await self._exchange({"type": "step", "data": payload})
+        observation = answer.get("observation", {})
+        reward = answer.get("reward")
+        return StepResult(self._messages(observation), float(reward) if reward is not None else 0.0,
+                          terminated=bool(answer.get("done", False)), info={"observation": observation})
+
+    async def close(self) -> None:
+        """End the OpenEnv session (idempotent)."""
+        ws, self._ws = self._ws, None
+        if ws is None:
+            return
+        with contextlib.suppress(websockets.ConnectionClosed):
+            await ws.send(json.dumps({"type": "close"}))
+        await ws.close()

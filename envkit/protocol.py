@@ -1,0 +1,186 @@
+"""The wire format of ``envkit serve``: request and response bodies shared by the server and RemoteEnv.
+
+Sessions are explicit. Over REST::
+
+    POST   /sessions                  {"kwargs": {...}}           -> 201 SessionCreated
+    POST   /sessions/{id}/reset       {"seed": 0, "task": null}   -> ResetResult
+    POST   /sessions/{id}/step        {"action": {assistant msg}} -> StepResultBody
+    GET    /sessions/{id}                                         -> SessionState
+    DELETE /sessions/{id}                                         -> 204
+
+Over one WebSocket per session (``/ws``), each text frame is one request ``{"op": ..., ...}`` with the same fields
+as the REST body, answered in order by one frame holding the REST response body: ``create`` (``kwargs``), ``reset``
+(``seed``, ``task``), ``step`` (``action``), ``state``, ``delete``. Closing the socket deletes its session.
+
+Every error, REST or WebSocket, is ``{"error": {"code": ..., "message": ..., "status": ...}}``; :data:`ERROR_STATUS`
+gives the HTTP status of each code (a WebSocket error frame carries it too).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+PROTOCOL_VERSION = 1
+"""Bumped on any incompatible change to these bodies or routes; ``/info`` reports it."""
+
+ERROR_STATUS: dict[str, int] = {
+    "bad_request": 400,  # the body is not JSON (or not UTF-8)
+    "unauthorized": 401,  # missing or wrong bearer token
+    "not_found": 404,  # no such route
+    "session_not_found": 404,  # unknown, deleted or expired session id
+    "method_not_allowed": 405,
+    "reset_needed": 409,  # step before reset, or after a step that failed
+    "episode_done": 409,  # step after terminated/truncated
+    "rest_unavailable": 409,  # REST sessions on a multi-worker server (use the WebSocket transport)
+    "payload_too_large": 413,
+    "validation_error": 422,  # the body does not fit the schema
+    "invalid_action": 422,  # not a well-formed assistant message
+    "invalid_task": 422,  # the env refused the task passed to reset
+    "invalid_kwargs": 422,  # the env could not be constructed with the session's kwargs
+    "internal_error": 500,  # a bug in the server itself
+    "env_error": 500,  # the env raised or broke the contract: reported, contained, the session lives on
+    "capacity": 503,  # max concurrent sessions reached
+    "env_timeout": 504,  # the env did not answer within the step timeout
+}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ErrorDetail(_Body):
+    """What went wrong: a stable machine-readable ``code``, a human-readable ``message``, the HTTP ``status``."""
+
+    code: str
+    message: str
+    status: int
+
+
+class ErrorBody(_Body):
+    """The body of every error answer."""
+
+    error: ErrorDetail
+
+
+class FunctionCallBody(BaseModel):
+    """The function part of a tool call (``arguments`` is a JSON-encoded string, as in the OpenAI API)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCallBody(BaseModel):
+    """One tool call of an assistant message."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCallBody
+
+
+class ActionBody(BaseModel):
+    """An assistant message: the action of ``step``. Extra keys (e.g. ``reasoning_content``) are passed through."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["assistant"]
+    content: str | None = None
+    tool_calls: list[ToolCallBody] | None = None
+
+
+class CreateSession(_Body):
+    """``POST /sessions``: make a new env, with ``kwargs`` over the served defaults."""
+
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class SessionCreated(_Body):
+    """A new session: its id, the env it runs, and the tools the model may call (OpenAI function schemas)."""
+
+    session_id: str
+    env: str
+    tools: list[dict[str, Any]]
+
+
+class ResetRequest(_Body):
+    """``POST /sessions/{id}/reset``: the same seed or task gives the same episode start."""
+
+    seed: int | None = None
+    task: dict[str, Any] | None = None
+
+
+class ResetResult(_Body):
+    """The opening messages of an episode and the env's info dict."""
+
+    observation: list[dict[str, Any]]
+    info: dict[str, Any]
+
+
+class StepRequest(_Body):
+    """``POST /sessions/{id}/step``."""
+
+    action: ActionBody
+
+
+class StepResultBody(_Body):
+    """``envkit.StepResult`` on the wire."""
+
+    observation: list[dict[str, Any]]
+    reward: float
+    terminated: bool
+    truncated: bool
+    info: dict[str, Any]
+
+
+class SessionState(_Body):
+    """Where a session stands."""
+
+    session_id: str
+    env: str
+    episode_active: bool
+    episodes: int
+    steps: int
+    idle_s: float
+    age_s: float
+
+
+class Health(_Body):
+    """``GET /health``; needs no token."""
+
+    status: Literal["ok"] = "ok"
+
+
+class ServerInfo(_Body):
+    """``GET /info``: what this server runs and how full it is."""
+
+    env: str
+    description: str
+    env_version: str | None
+    envkit_version: str
+    protocol_version: int
+    tools: list[dict[str, Any]]
+    tasks: dict[str, int | None]
+    spaces: dict[str, Any]
+    sessions: int
+    max_sessions: int
+    session_ttl_s: float
+    step_timeout_s: float
+    max_request_bytes: int
+    rest_sessions: bool
+
+
+class WsRequest(BaseModel):
+    """One WebSocket request frame; ``op`` picks which of the other fields are read."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    op: Literal["create", "reset", "step", "state", "delete"]
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    seed: int | None = None
+    task: dict[str, Any] | None = None
+    action: ActionBody | None = None

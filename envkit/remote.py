@@ -1,0 +1,287 @@
+"""RemoteEnv: an env served by ``envkit serve`` on another process or host, behind the same async Env contract.
+
+::
+
+    env = envkit.make("http://127.0.0.1:8000/arithmetic", level=2)   # REST; kwargs go to the server's env
+    env = envkit.make("ws://127.0.0.1:8000/arithmetic")              # one WebSocket per session: less overhead
+
+``init`` opens a session (``make`` defers it to the first reset), ``close`` deletes it. Failures raise
+:class:`envkit.errors.RemoteEnvError` subclasses carrying the server's ``code`` and HTTP ``status``; codes with an
+envkit meaning raise an exception that is both (``episode_done`` is a RemoteEpisodeDoneError, so also an
+EpisodeDoneError). Only connection attempts are retried, with exponential backoff: a request that may have reached
+the server, a step above all, is never sent twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+from urllib.parse import quote, urlsplit
+
+import httpx
+import websockets
+from websockets.asyncio.client import ClientConnection
+from websockets.asyncio.client import connect as ws_connect
+
+from envkit.core import Env, StepResult, Task
+from envkit.errors import (
+    RemoteConnectionError,
+    RemoteEnvCrashError,
+    RemoteEnvError,
+    RemoteEpisodeDoneError,
+    RemoteInvalidActionError,
+    RemoteInvalidTaskError,
+    RemoteResetNeededError,
+)
+from envkit.messages import Message
+from envkit.registry import EnvSpec
+from envkit.tools import Tool
+
+TOKEN_ENV = "ENVKIT_TOKEN"
+
+_ERRORS: dict[str, type[RemoteEnvError]] = {
+    "reset_needed": RemoteResetNeededError,
+    "episode_done": RemoteEpisodeDoneError,
+    "invalid_action": RemoteInvalidActionError,
+    "invalid_task": RemoteInvalidTaskError,
+    "env_error": RemoteEnvCrashError,
+    "env_timeout": RemoteEnvCrashError,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RemoteConfig:
+    """How a RemoteEnv talks to its server."""
+
+    token: str | None = None
+    """Bearer token; None reads ``$ENVKIT_TOKEN`` (no auth when that is unset too)."""
+    transport: Literal["rest", "ws"] | None = None
+    """None picks by the URL scheme: http(s) -> REST, ws(s) -> WebSocket."""
+    connect_timeout_s: float = 5.0
+    timeout_s: float = 300.0
+    """Longest wait for one answer; keep it above the server's step timeout. An expired wait is not retried."""
+    connect_retries: int = 3
+    """Further connection attempts after a refused or timed-out connect (the request was never sent)."""
+    backoff_s: float = 0.2
+    """Wait before the first retry; doubles after each."""
+    http_client: httpx.AsyncClient | None = None
+    """A client to share between RemoteEnvs of one event loop (REST); RemoteEnv leaves it open."""
+
+
+def error_from_body(body: Any, status: int | None) -> RemoteEnvError:
+    """The exception for a server's error answer (``{"error": {"code", "message"}}``)."""
+    detail = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(detail, dict) or not isinstance(detail.get("code"), str):
+        return RemoteEnvError(f"unexpected answer from the env server: {str(body)[:200]}", code="http_error",
+                              status=status)
+    code = detail["code"]
+    return _ERRORS.get(code, RemoteEnvError)(str(detail.get("message", "")), code=code,
+                                             status=status if status is not None else detail.get("status"))
+
+
+async def retry_connect(attempt: Any, config: RemoteConfig, where: str) -> Any:
+    """Await ``attempt()`` again (with backoff) while it fails to connect; the last failure raises."""
+    delay = config.backoff_s
+    for tries_left in range(config.connect_retries, -1, -1):
+        try:
+            return await attempt()
+        except (httpx.ConnectError, httpx.ConnectTimeout, OSError, TimeoutError) as e:
+            if tries_left == 0:
+                raise RemoteConnectionError(f"cannot connect to {where} after {config.connect_retries + 1} "
+                                            f"attempts: {type(e).__name__}: {e}", code="connect_error") from e
+            await asyncio.sleep(delay)
+            delay *= 2
+    raise AssertionError("unreachable")
+
+
+class _Rest:
+    """REST transport: one pooled httpx client; a session is an id in the URL."""
+
+    def __init__(self, base: str, config: RemoteConfig, headers: dict[str, str]) -> None:
+        self.base, self.config = base, config
+        self.client = config.http_client or httpx.AsyncClient(
+            timeout=httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s))
+        self.headers = headers
+        self.session_url = ""
+
+    async def _request(self, method: str, url: str, body: Any = None) -> Any:
+        async def send() -> httpx.Response:
+            return await self.client.request(method, url, json=body, headers=self.headers)
+
+        try:
+            response = await retry_connect(send, self.config, self.base)
+        except httpx.TimeoutException as e:
+            raise RemoteEnvError(f"no answer from {url} within {self.config.timeout_s:g} s (not retried: the "
+                                 "server may have acted on it)", code="timeout") from e
+        except httpx.TransportError as e:
+            raise RemoteEnvError(f"{method} {url} failed: {type(e).__name__}: {e}", code="connection_lost") from e
+        if response.status_code == 204:
+            return None
+        try:
+            payload = response.json()
+        except json.JSONDecodeError:
+            payload = response.text
+        if response.status_code >= 400:
+            raise error_from_body(payload, response.status_code)
+        return payload
+
+    async def open(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        created = await self._request("POST", f"{self.base}/sessions", {"kwargs": kwargs})
+        self.session_url = f"{self.base}/sessions/{quote(created['session_id'], safe='')}"
+        return created
+
+    async def call(self, op: str, body: dict[str, Any]) -> dict[str, Any]:
+        if op == "state":
+            return await self._request("GET", self.session_url)
+        return await self._request("POST", f"{self.session_url}/{op}", body)
+
+    async def close(self) -> None:
+        try:
+            if self.session_url:
+                await self._request("DELETE", self.session_url)
+        except RemoteEnvError as e:
+            if e.code not in ("session_not_found", "connect_error", "connection_lost"):
+                raise
+        finally:
+            if self.config.http_client is None:
+                await self.client.aclose()
+
+
+class _WebSocket:
+    """WebSocket transport: one connection per session, one frame per request, answers in order."""
+
+    def __init__(self, base: str, config: RemoteConfig, headers: dict[str, str]) -> None:
+        self.url, self.config, self.headers = f"{base}/ws", config, headers
+        self.ws: ClientConnection | None = None
+
+    async def _connect(self) -> ClientConnection:
+        try:
+            # Compression off: frames are small JSON, and deflate costs more CPU than it saves on a LAN.
+            # No keepalive pings either: a busy server must not lose sessions to missed pongs; requests time out.
+            return await ws_connect(self.url, additional_headers=self.headers, compression=None, max_size=None,
+                                    open_timeout=self.config.connect_timeout_s, ping_interval=None)
+        except websockets.InvalidStatus as e:
+            try:
+                body: Any = json.loads(e.response.body or b"")
+            except json.JSONDecodeError:
+                body = (e.response.body or b"").decode(errors="replace")
+            raise error_from_body(body, e.response.status_code) from e
+
+    async def _exchange(self, frame: dict[str, Any]) -> dict[str, Any]:
+        if self.ws is None:
+            raise RemoteEnvError("the WebSocket session is closed", code="connection_lost")
+        try:
+            await self.ws.send(json.dumps(frame))
+            async with asyncio.timeout(self.config.timeout_s):  # cheaper than wait_for: no task per frame
+                raw = await self.ws.recv()
+        except TimeoutError as e:
+            # The late answer would be read as the next request's: drop the connection (and so the session).
+            ws, self.ws = self.ws, None
+            await ws.close()
+            raise RemoteEnvError(f"no answer from {self.url} within {self.config.timeout_s:g} s (not retried: the "
+                                 "server may have acted on it; the WebSocket session is closed)", code="timeout") from e
+        except websockets.ConnectionClosed as e:
+            self.ws = None
+            raise RemoteEnvError(f"the WebSocket to {self.url} closed ({e}); its session is gone",
+                                 code="connection_lost") from e
+        answer = json.loads(raw)
+        if "error" in answer:
+            raise error_from_body(answer, None)
+        return answer
+
+    async def open(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        self.ws = await retry_connect(self._connect, self.config, self.url)
+        return await self._exchange({"op": "create", "kwargs": kwargs})
+
+    async def call(self, op: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._exchange({"op": op, **body})
+
+    async def close(self) -> None:
+        if self.ws is None:
+            return
+        try:
+            await self._exchange({"op": "delete"})
+        except RemoteEnvError as e:
+            if e.code not in ("session_not_found", "connection_lost"):
+                raise
+        finally:
+            if self.ws is not None:
+                await self.ws.close()
+                self.ws = None
+
+
+class RemoteEnv(Env):
+    """An env on an ``envkit serve`` server: ``url`` is ``http(s)://host:port/NAME`` or ``ws(s)://host:port/NAME``."""
+
+    def __init__(self, url: str, *, remote: RemoteConfig | None = None, env_kwargs: dict[str, Any] | None = None
+                 ) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https", "ws", "wss") or not parts.netloc:
+            raise ValueError(f"RemoteEnv needs a URL like http://host:port/NAME or ws://host:port/NAME, got {url!r}")
+        self.url = url
+        self.name = parts.path.strip("/")
+        self.config = remote or RemoteConfig()
+        self.env_kwargs = dict(env_kwargs or {})
+        transport = self.config.transport or ("ws" if parts.scheme in ("ws", "wss") else "rest")
+        secure = parts.scheme in ("https", "wss")
+        scheme = {"rest": "https" if secure else "http", "ws": "wss" if secure else "ws"}[transport]
+        self.base_url = f"{scheme}://{parts.netloc}"
+        token = self.config.token or os.environ.get(TOKEN_ENV)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._transport_cls = _WebSocket if transport == "ws" else _Rest
+        self._headers = headers
+        self._transport: _Rest | _WebSocket | None = None
+        self.session_id: str | None = None
+        self.tools = []  # type: ignore[misc]  # the server's, once the session exists
+        self.spec = EnvSpec(name=url, entry_point="envkit.remote:RemoteEnv", kwargs=self.env_kwargs,
+                            description=f"{self.name or 'env'} served at {self.base_url}", source="remote")
+
+    async def init(self) -> None:
+        """Open the session on the server (idempotent)."""
+        if self._transport is not None:
+            return
+        transport = self._transport_cls(self.base_url, self.config, self._headers)
+        try:
+            created = await transport.open(self.env_kwargs)
+            if self.name and created["env"] != self.name:
+                raise RemoteEnvError(f"{self.base_url} serves {created['env']!r}, not {self.name!r}",
+                                     code="env_mismatch")
+        except BaseException:
+            await transport.close()
+            raise
+        self._transport, self.session_id = transport, created["session_id"]
+        self.tools = [Tool(name=t["function"]["name"], description=t["function"].get("description", ""),  # type: ignore[misc]
+                           parameters=t["function"].get("parameters", {})) for t in created["tools"]]
+
+    async def reset(self, *, seed: int | None = None, task: Task | None = None) -> tuple[list[Message], dict]:
+        """Start an episode on the server."""
+        await self.init()
+        assert self._transport is not None
+        body = await self._transport.call("reset", {"seed": seed, "task": task})
+        return body["observation"], body["info"]
+
+    async def step(self, action: Message) -> StepResult:
+        """Send one assistant message; never retried."""
+        if self._transport is None:
+            raise RemoteResetNeededError("step() before reset(): the remote session is not open", code="reset_needed")
+        body = await self._transport.call("step", {"action": action})
+        return StepResult(body["observation"], body["reward"], terminated=body["terminated"],
+                          truncated=body["truncated"], info=body["info"])
+
+    async def state(self) -> dict[str, Any]:
+        """The server's view of this session (episode active, counts, idle time)."""
+        await self.init()
+        assert self._transport is not None
+        return await self._transport.call("state", {})
+
+    async def close(self) -> None:
+        """Delete the session (idempotent)."""
+        transport, self._transport = self._transport, None
+        if transport is not None:
+            await transport.close()
+
+    def __repr__(self) -> str:
+        return f"<RemoteEnv {self.url!r} session={self.session_id}>"

@@ -1,0 +1,153 @@
+"""Test envs for `envkit serve` (served as `remote_envs:ScriptedEnv` with tests/ on PYTHONPATH), and a server runner.
+
+ScriptedEnv echoes the assistant's text back and does what special actions say:
+  "bye"        terminates the episode
+  "crash"      raises RuntimeError (an env crash the server must contain)
+  "hang"       never answers (the server's step timeout must end it)
+  "sleep:S"    answers after S seconds
+  "bad"        returns a malformed StepResult (the ContractChecker on the server must catch it)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+import httpx
+
+import envkit
+from envkit import Env, Message, StepResult, Task, Tool
+from envkit.tasks import check_task
+
+TESTS = Path(__file__).resolve().parent
+CLOSE_LOG_ENV = "ENVKIT_TEST_CLOSE_LOG"
+
+
+class ScriptedEnv(Env):
+    """Echoes the assistant's text with a per-session prefix; special actions crash, hang, sleep or end it."""
+
+    tools: ClassVar[list[Tool]] = [
+        Tool("echo", "Repeat a text.",
+             {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]})
+    ]
+
+    def __init__(self, prefix: str = "", max_turns: int = 1000) -> None:
+        self.prefix, self.max_turns = prefix, max_turns
+        self.turns = 0
+        self.word = ""
+        self.initialized = False
+
+    async def init(self) -> None:
+        self.initialized = True
+
+    async def reset(self, *, seed: int | None = None, task: Task | None = None) -> tuple[list[Message], dict]:
+        if task is not None:
+            self.word = check_task(task, word=str)["word"]
+        else:
+            self.word = f"w{seed}"
+        self.turns = 0
+        return [envkit.user(f"{self.prefix}say {self.word}")], {"seed": seed, "word": self.word}
+
+    async def step(self, action: Message) -> StepResult:
+        text = action.get("content") or ""
+        self.turns += 1
+        if text == "crash":
+            raise RuntimeError("deliberate crash")
+        if text == "hang":
+            await asyncio.sleep(3600)
+        if text.startswith("sleep:"):
+            await asyncio.sleep(float(text.split(":", 1)[1]))
+        if text == "bad":
+            return StepResult("not a list of messages", 0.0)  # type: ignore[arg-type]
+        done = text == "bye" or self.word in text
+        return StepResult([envkit.user(f"{self.prefix}{text}")], reward=float(self.word in text),
+                          terminated=done, truncated=self.turns >= self.max_turns and not done,
+                          info={"turn": self.turns})
+
+    async def close(self) -> None:
+        log = os.environ.get(CLOSE_LOG_ENV)
+        if log and self.initialized:  # a session's env, not the server's probe instance
+            await asyncio.to_thread(_append_line, Path(log), self.prefix or "-")
+
+
+def _append_line(path: Path, line: str) -> None:
+    with path.open("a") as f:
+        f.write(line + "\n")
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A real server subprocess on loopback (`envkit serve ...` or any command), stopped by ``stop()``."""
+
+    def __init__(self, argv: list[str], *, port: int, env: dict[str, str] | None = None, health: str = "/health",
+                 startup_s: float = 60.0) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = tempfile.NamedTemporaryFile(prefix="envkit-server-", suffix=".log", delete=False)  # noqa: SIM115
+        full_env = {**os.environ, **(env or {})}
+        full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), full_env.get("PYTHONPATH")]))
+        # Its own process group: stop() reaches worker processes too.
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=full_env,
+                                     start_new_session=True)
+        deadline = time.monotonic() + startup_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.output()}")
+            try:
+                if httpx.get(self.url + health, timeout=1.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"server not healthy after {startup_s} s: {self.output()}")
+            time.sleep(0.1)
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def output(self) -> str:
+        """What the server printed so far."""
+        return Path(self.log.name).read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
+        """Signal the server's process group, wait, kill if it lingers; returns the exit code."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+            except ProcessLookupError:
+                pass
+        return self.proc.returncode
+
+
+def envkit_serve(name: str, *args: str, env: dict[str, str] | None = None, port: int | None = None) -> Server:
+    """Start `python -m envkit.cli serve NAME --port P ARGS...` and wait until /health answers."""
+    port = port or free_port()
+    return Server([sys.executable, "-m", "envkit.cli", "serve", name, "--port", str(port), *args], port=port,
+                  env=env)
+
+
+def error_code(response: httpx.Response) -> Any:
+    """The structured error code of an error answer (fails loudly if the body is not structured)."""
+    return response.json()["error"]["code"]

@@ -1,0 +1,113 @@
+"""OpenEnvEnv against a real OpenEnv server process (openenv-core 0.3.0's own server, serving its echo env)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from remote_envs import Server, free_port
+
+import envkit
+from envkit.errors import EpisodeDoneError, RemoteInvalidActionError
+from envkit.openenv import OpenEnvEnv
+
+REPO = Path(__file__).resolve().parent.parent
+OPENENV_PYTHON = REPO / ".venv-openenv" / "bin" / "python"
+
+
+def openenv_server() -> Server:
+    """OpenEnv's own server with the echo env of the remote-env benchmark (benchmarks/openenv_peer.py), run by
+    uvicorn from the OpenEnv venv (`make install` creates it; openenv-core stays out of .venv)."""
+    if not OPENENV_PYTHON.exists():
+        pytest.fail(f"{OPENENV_PYTHON} is missing: run `make install` (it creates the OpenEnv venv)")
+    port = free_port()
+    return Server([str(OPENENV_PYTHON), "-m", "uvicorn", "--factory", "openenv_peer:create_app", "--port", str(port),
+                   "--log-level", "warning"], port=port, env={"PYTHONPATH": str(REPO / "benchmarks")})
+
+
+@pytest.fixture(scope="module")
+def echo_server() -> Iterator[Server]:
+    srv = openenv_server()
+    yield srv
+    srv.stop()
+
+
+async def test_reset_and_step_map_to_the_env_contract(echo_server: Server):
+    env = envkit.make(f"openenv:{echo_server.url}")
+    assert isinstance(env.unwrapped, OpenEnvEnv)
+    async with env:
+        messages, info = await env.reset(seed=3, task={"id": "episode-7"})
+        assert messages == [{"role": "user", "content": "Echo environment ready! seed=3"}]
+        assert info["observation"]["message_length"] == 0
+        assert env.unwrapped.action_key == "message" and env.unwrapped.observation_key == "echoed_message"
+        result = await env.step(envkit.assistant("hello"))
+        assert result.observation == [{"role": "user", "content": "hello"}]
+        assert result.reward == pytest.approx(0.5) and not result.done
+        assert result.info["observation"] == {"echoed_message": "hello", "message_length": 5}
+        last = await env.step(envkit.assistant("bye"))
+        assert last.terminated and last.reward == pytest.approx(0.3)
+        with pytest.raises(EpisodeDoneError):
+            await env.step(envkit.assistant("more"))
+        await env.reset()  # the same session starts over
+        assert (await env.step(envkit.assistant("again"))).reward == pytest.approx(0.5)
+
+
+async def test_concurrent_sessions_are_isolated(echo_server: Server):
+    async def episode(i: int) -> list[str]:
+        async with envkit.make(f"openenv:{echo_server.url}") as env:
+            await env.reset(seed=i)
+            return [(await env.step(envkit.assistant(f"{i}-{k}"))).observation[0]["content"] for k in range(3)]
+
+    got = await asyncio.gather(*(episode(i) for i in range(16)))
+    assert got == [[f"{i}-{k}" for k in range(3)] for i in range(16)]
+
+
+async def test_custom_mapping_and_refused_actions(echo_server: Server):
+    env = OpenEnvEnv(echo_server.url, to_action=lambda a: {"message": a["content"].upper()},
+                     to_messages=lambda obs: [envkit.user(f"{obs['echoed_message']} ({obs['message_length']})")])
+    try:
+        await env.reset()
+        assert (await env.step(envkit.assistant("abc"))).observation[0]["content"] == "ABC (3)"
+    finally:
+        await env.close()
+    wrong = OpenEnvEnv(echo_server.url, action_key="text", observation_key="echoed_message")
+    try:
+        await wrong.reset()
+        with pytest.raises(RemoteInvalidActionError) as caught:
+            await wrong.step(envkit.assistant("hi"))
+        assert caught.value.code == "validation_error"
+    finally:
+        await wrong.close()
+
+
+def test_sync_facade(echo_server: Server):
+    with envkit.SyncEnv(envkit.make(f"openenv:{echo_server.url}")) as env:
+        env.reset(seed=0)
+        assert env.step("four").reward == pytest.approx(0.4)
+
+
+@pytest.mark.e2e
+async def test_the_generator_rolls_out_in_an_openenv_env(echo_server: Server, bundled_model: Path, chat_tokenizer):
+    """The bundled model (in-process transformers engine) plays OpenEnv's echo env through the Generator."""
+    from generators import Generator, GeneratorConfig, SamplingParams, env_factory
+    from generators.engines.hf import HFEngine
+
+    async with HFEngine(bundled_model) as engine:
+        generator = Generator(engine, chat_tokenizer,
+                              GeneratorConfig(sampling=SamplingParams(max_tokens=8, seed=0), max_turns=2))
+        trajectories = await generator.generate(env_factory(f"openenv:{echo_server.url}"), seeds=[0, 1])
+    assert len(trajectories) == 2
+    for t in trajectories:
+        assert t.stop_reason in ("done", "max_turns"), (t.stop_reason, t.error)
+        replies = [m["content"] for m in t.messages if m["role"] == "assistant"]
+        echoes = [m["content"] for m in t.messages[1:] if m["role"] == "user"]
+        assert replies and echoes == replies[:len(echoes)]  # every reply came back as the env's observation
+        assert t.reward == pytest.approx(sum(0.1 * len(r) for r in replies), abs=1e-6)
+        assert len(t.response_ids) == len(t.loss_mask)
+
+
+def test_openenv_core_is_not_needed_in_the_main_venv():
+    assert "openenv" not in sys.modules

@@ -1,0 +1,192 @@
+"""RemoteEnv against a real `envkit serve` subprocess: the Env contract over REST and WebSocket, errors, retries."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from remote_envs import Server, envkit_serve, free_port
+
+import envkit
+from envkit.errors import (
+    EnvError,
+    EpisodeDoneError,
+    InvalidTaskError,
+    RemoteConnectionError,
+    RemoteEnvCrashError,
+    RemoteEnvError,
+    RemoteEpisodeDoneError,
+    RemoteInvalidTaskError,
+    ResetNeededError,
+)
+from envkit.remote import RemoteConfig, RemoteEnv
+
+TOKEN = "remote-token"
+SCRIPTED = "remote_envs:ScriptedEnv"
+CONFIG = RemoteConfig(token=TOKEN)
+TRANSPORTS = ["http", "ws"]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    srv = envkit_serve(SCRIPTED, "--step-timeout", "2", env={"ENVKIT_TOKEN": TOKEN})
+    yield srv
+    srv.stop()
+
+
+def url(server: Server, scheme: str) -> str:
+    return f"{scheme}://127.0.0.1:{server.port}/{SCRIPTED}"
+
+
+def say(text: str | None) -> envkit.Message:
+    return envkit.assistant(text)
+
+
+@pytest.mark.parametrize("scheme", TRANSPORTS)
+async def test_make_with_a_url_gives_a_checked_remote_env(server: Server, scheme: str):
+    env = envkit.make(url(server, scheme), remote=CONFIG, prefix="~")
+    assert isinstance(env, envkit.ContractChecker) and isinstance(env.unwrapped, RemoteEnv)
+    async with env:
+        assert [t.name for t in env.tools] == ["echo"]  # the server's tools, once the session is open
+        messages, info = await env.reset(seed=4)
+        assert messages == [{"role": "user", "content": "~say w4"}] and info == {"seed": 4, "word": "w4"}
+        result = await env.step(say("no"))
+        assert result == envkit.StepResult([{"role": "user", "content": "~no"}], 0.0, info={"turn": 1})
+        result = await env.step(say("w4"))
+        assert (result.reward, result.terminated, result.done) == (1.0, True, True)
+        with pytest.raises(EpisodeDoneError):  # the local ContractChecker stops it before it leaves
+            await env.step(say("more"))
+        state = await env.unwrapped.state()
+        assert (state["episodes"], state["steps"]) == (1, 2)
+        session_id = env.unwrapped.session_id
+    assert env.unwrapped.session_id == session_id
+    await env.close()  # idempotent
+
+
+def test_sync_facade_over_a_remote_env(server: Server):
+    with envkit.SyncEnv(envkit.make(url(server, "http"), remote=CONFIG)) as env:
+        messages, _ = env.reset(task={"word": "kiwi"})
+        assert messages[0]["content"] == "say kiwi"
+        assert env.step("kiwi").reward == 1.0
+    with envkit.SyncEnv(envkit.make(url(server, "ws"), remote=CONFIG)) as env:
+        env.reset(seed=1)
+        assert env.step("w1").terminated
+
+
+@pytest.mark.parametrize("scheme", TRANSPORTS)
+async def test_server_errors_raise_envkit_exceptions_with_the_code(server: Server, scheme: str):
+    env = envkit.make(url(server, scheme), remote=CONFIG, checked=False)  # let the server do the checking
+    try:
+        await env.init()
+        with pytest.raises(ResetNeededError) as caught:
+            await env.step(say("early"))
+        assert (caught.value.code, caught.value.status) == ("reset_needed", 409)
+        with pytest.raises(RemoteInvalidTaskError) as bad_task:
+            await env.reset(task={"word": 1})
+        assert isinstance(bad_task.value, InvalidTaskError) and bad_task.value.status == 422
+        await env.reset(seed=0)
+        await env.step(say("bye"))
+        with pytest.raises(RemoteEpisodeDoneError) as done:
+            await env.step(say("again"))
+        assert isinstance(done.value, EpisodeDoneError) and done.value.code == "episode_done"
+        await env.reset(seed=0)
+        with pytest.raises(RemoteEnvCrashError) as crash:
+            await env.step(say("crash"))
+        assert isinstance(crash.value, EnvError) and (crash.value.code, crash.value.status) == ("env_error", 500)
+        assert "deliberate crash" in str(crash.value) and "code env_error" in str(crash.value)
+        await env.reset(seed=0)
+        with pytest.raises(RemoteEnvCrashError) as hang:
+            await env.step(say("hang"))
+        assert (hang.value.code, hang.value.status) == ("env_timeout", 504)
+        await env.reset(seed=0)  # the session survives both
+        assert (await env.step(say("w0"))).reward == 1.0
+    finally:
+        await env.close()
+
+
+@pytest.mark.parametrize("scheme", TRANSPORTS)
+async def test_wrong_token_wrong_env_and_bad_kwargs_fail_at_init(server: Server, scheme: str):
+    with pytest.raises(RemoteEnvError) as denied:
+        await envkit.make(url(server, scheme), remote=RemoteConfig(token="wrong")).reset()
+    assert (denied.value.code, denied.value.status) == ("unauthorized", 401)
+    with pytest.raises(RemoteEnvError) as mismatch:
+        await envkit.make(f"{scheme}://127.0.0.1:{server.port}/arithmetic", remote=CONFIG).reset()
+    assert mismatch.value.code == "env_mismatch" and SCRIPTED in str(mismatch.value)
+    with pytest.raises(RemoteEnvError) as bad:
+        await envkit.make(url(server, scheme), remote=CONFIG, no_such_kwarg=1).reset()
+    assert (bad.value.code, bad.value.status) == ("invalid_kwargs", 422)
+
+
+@pytest.mark.parametrize("scheme", TRANSPORTS)
+async def test_a_timed_out_step_is_never_sent_again(server: Server, scheme: str):
+    env = RemoteEnv(url(server, scheme), remote=RemoteConfig(token=TOKEN, timeout_s=0.2))
+    await env.reset(seed=0)
+    start = time.perf_counter()
+    with pytest.raises(RemoteEnvError) as caught:
+        await env.step(say("sleep:0.6"))
+    assert caught.value.code == "timeout" and time.perf_counter() - start < 0.5
+    if scheme == "http":  # the session outlives the client's timeout: the step ran exactly once
+        await asyncio.sleep(0.8)
+        assert (await env.state())["steps"] == 1
+    else:  # a late WebSocket answer would be mistaken for the next one's: the session ends instead
+        with pytest.raises(RemoteEnvError) as gone:
+            await env.step(say("w0"))
+        assert gone.value.code == "connection_lost"
+    await env.close()
+
+
+async def test_connection_errors_are_retried_with_backoff_then_reported():
+    port = free_port()
+    config = RemoteConfig(connect_retries=2, backoff_s=0.1)
+    for scheme in TRANSPORTS:
+        start = time.perf_counter()
+        with pytest.raises(RemoteConnectionError) as caught:
+            await RemoteEnv(f"{scheme}://127.0.0.1:{port}/x", remote=config).reset()
+        assert time.perf_counter() - start >= 0.3  # waited 0.1 s, then 0.2 s, between the three attempts
+        assert caught.value.code == "connect_error" and "after 3 attempts" in str(caught.value)
+
+
+@pytest.mark.parametrize("scheme", TRANSPORTS)
+def test_a_server_that_comes_up_late_is_reached_by_retrying(scheme: str):
+    port = free_port()
+    started: list[Server] = []
+    starter = threading.Timer(0.5, lambda: started.append(envkit_serve(SCRIPTED, port=port)))
+    starter.start()
+    try:
+        config = RemoteConfig(connect_retries=8, backoff_s=0.2)
+        with envkit.SyncEnv(envkit.make(f"{scheme}://127.0.0.1:{port}/{SCRIPTED}", remote=config)) as env:
+            env.reset(seed=2)
+            assert env.step("w2").reward == 1.0
+    finally:
+        starter.join()
+        for srv in started:
+            srv.stop()
+
+
+async def test_many_remote_envs_in_one_loop(server: Server):
+    async def episode(i: int, scheme: str) -> float:
+        async with envkit.make(url(server, scheme), remote=CONFIG, prefix=f"{i}:") as env:
+            messages, _ = await env.reset(seed=i)
+            assert messages[0]["content"] == f"{i}:say w{i}"
+            return (await env.step(say(f"w{i}"))).reward
+
+    rewards = await asyncio.gather(*(episode(i, TRANSPORTS[i % 2]) for i in range(32)))
+    assert rewards == [1.0] * 32
+
+
+def test_bad_urls_are_refused():
+    with pytest.raises(ValueError, match="http://host:port/NAME"):
+        RemoteEnv("ftp://somewhere/x")
+
+
+def test_import_envkit_stays_light_and_make_imports_only_the_client():
+    code = ("import sys, envkit; heavy = ('fastapi', 'uvicorn', 'httpx', 'websockets', 'pydantic'); "
+            "assert not [m for m in heavy if m in sys.modules], sys.modules.keys(); "
+            "envkit.make('ws://127.0.0.1:1/x'); "
+            "assert 'envkit.remote' in sys.modules and 'fastapi' not in sys.modules and 'uvicorn' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
