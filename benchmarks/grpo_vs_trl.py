@@ -56,7 +56,9 @@ def run_ours(args: argparse.Namespace, out: Path) -> list[dict]:
     train(cfg)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [{"wall_s": r["time/step_s"], "generate_s": r["time/generate_s"], "gen_tokens": r["rollout/model_tokens"],
-             "train_tokens": r["train/tokens"], "reward": r["reward/mean"]} for r in rows if "time/step_s" in r]
+             "train_tokens": r["train/tokens"], "reward": r["reward/mean"],
+             "detail": f"train {r['time/train_s']:5.2f} s, weight sync {r['time/sync_s']:4.2f} s"}
+            for r in rows if "time/step_s" in r]
 
 
 def run_trl(args: argparse.Namespace) -> list[dict]:
@@ -74,7 +76,8 @@ def summarize(name: str, steps: list[dict]) -> dict[str, float]:
     warm = steps[1:] or steps
     for i, s in enumerate(steps, 1):
         print(f"  {name} step {i}: {s['wall_s']:6.2f} s  (generate {s['generate_s']:5.2f} s)  "
-              f"{s['gen_tokens']:5d} gen tok  {s['train_tokens']:6d} train tok  reward {s['reward']:.3f}")
+              f"{s['gen_tokens']:5d} gen tok  {s['train_tokens']:6d} train tok  reward {s['reward']:.3f}"
+              + (f"  ({s['detail']})" if "detail" in s else ""))
     return {
         "step_s": statistics.median(s["wall_s"] for s in warm),
         "gen_tok_s": statistics.median(s["gen_tokens"] / s["generate_s"] for s in warm),
