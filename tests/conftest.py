@@ -40,3 +40,41 @@ async def vllm_engine(bundled_model: Path) -> AsyncIterator:
         yield engine
     finally:
         await engine.stop()
+
+
+@pytest.fixture(scope="session")
+def docker_client():
+    """The real Docker engine (brought up once, as `make docker-up` does) and, at session end, the check that no
+    container this test process started is left (`docker ps -a --filter label=org.envkit.owner=<this process>`)."""
+    from sandboxes.base import owner_id
+    from sandboxes.docker import OWNER_LABEL
+    from sandboxes.engine import docker_client as make_client
+    from sandboxes.engine import up
+
+    try:
+        up()
+    except SystemExit as e:  # no engine and no way to install one (not root, not Debian): nothing to test against
+        pytest.skip(f"Docker cannot run here: {e}")
+    client = make_client(timeout_s=600)
+    yield client
+    left = client.containers.list(all=True, filters={"label": f"{OWNER_LABEL}={owner_id()}"})
+    for container in left:
+        container.remove(force=True)
+    client.close()
+    assert not left, f"containers left behind by this test session: {[c.name for c in left]}"
+
+
+@pytest.fixture(scope="session")
+def arithmetic_image(docker_client) -> str:
+    """The `arithmetic` env image, built once per session (a no-op when its inputs did not change)."""
+    from sandboxes.images import build
+
+    return build("arithmetic", client=docker_client).tag
+
+
+@pytest.fixture(scope="session")
+def code_image(docker_client) -> str:
+    """The `code` env image, built once per session (a no-op when its inputs did not change)."""
+    from sandboxes.images import build
+
+    return build("code", client=docker_client).tag

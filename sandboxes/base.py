@@ -1,0 +1,205 @@
+"""The Sandbox interface shared by the Docker and local-process runtimes, its limits, results and errors.
+
+A sandbox runs one ``envkit serve`` server (for an env image or an installed env) and can run commands next to it.
+Its lifecycle is explicit: ``created -> running -> closed``; ``start`` twice, ``exec`` before ``start`` or anything
+after ``close`` raises :class:`SandboxStateError`. ``close`` is idempotent and removes everything ``start`` made,
+also after a failed or cancelled start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+from envkit.errors import EnvkitError
+
+SANDBOX_ENV = "ENVKIT_SANDBOX"
+"""Set inside every sandbox to its kind (``docker`` or ``local``); envs that run model code check it."""
+SERVER_PORT = 8000
+"""Port ``envkit serve`` listens on inside an env image (OpenEnv's providers expect the same)."""
+
+
+class SandboxError(EnvkitError):
+    """A sandbox could not be started, used or cleaned up (infrastructure fault)."""
+
+
+class SandboxStartError(SandboxError):
+    """The sandbox's server did not come up: the container or process failed, or missed the health deadline."""
+
+
+class SandboxStateError(SandboxError):
+    """A sandbox method was called in the wrong lifecycle state (e.g. ``exec`` before ``start``)."""
+
+
+class SandboxUnavailableError(SandboxError):
+    """The requested runtime is not usable here (no Docker engine, no docker SDK)."""
+
+
+class State(Enum):
+    """Where a sandbox is in its lifecycle."""
+
+    CREATED = "created"
+    STARTING = "starting"
+    RUNNING = "running"
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SandboxLimits:
+    """Resource limits of one sandbox (the local runtime applies only ``output_limit_bytes``)."""
+
+    cpus: float = 1.0
+    memory_mb: int = 512
+    """Memory and swap together: a process past it is OOM-killed inside the sandbox."""
+    pids: int = 128
+    """Processes and threads together: a fork bomb stops here."""
+    network: bool = False
+    """False: an internal bridge whose traffic this host never forwards, names resolve nowhere; only the host reaches
+    the server. True: the default bridge, the server port published on 127.0.0.1."""
+    tmpfs_mb: int = 64
+    """Size of the writable ``/work`` and ``/tmp`` (the root filesystem is read-only)."""
+    output_limit_bytes: int = 64 * 1024
+    """Largest stdout and stderr kept per ``exec``; the rest is read and dropped."""
+
+    def __post_init__(self) -> None:
+        if self.cpus <= 0 or self.memory_mb < 16 or self.pids < 8 or self.tmpfs_mb < 1 or self.output_limit_bytes < 0:
+            raise ValueError(f"SandboxLimits out of range: {self}")
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """What one ``Sandbox.exec`` produced."""
+
+    stdout: str
+    stderr: str
+    exit_code: int
+    """The process's exit status; -1 when it was killed for running past its timeout."""
+    timed_out: bool
+    truncated: bool
+    """True when stdout or stderr went past ``output_limit_bytes`` and was cut."""
+    duration_s: float
+
+
+def exec_argv(code_or_cmd: str | Sequence[str]) -> list[str]:
+    """A string is Python source run with ``python3 -c``; a sequence is an argv run as is."""
+    if isinstance(code_or_cmd, str):
+        return ["python3", "-I", "-c", code_or_cmd]
+    argv = list(code_or_cmd)
+    if not argv or not all(isinstance(a, str) for a in argv):
+        raise ValueError(f"exec needs Python source (str) or a non-empty argv (list of str), got {code_or_cmd!r}")
+    return argv
+
+
+def owner_id() -> str:
+    """This process's owner id ``host:pid:start``, carried by every container it starts (see the reaper)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{process_start_ticks(os.getpid())}"
+
+
+def process_start_ticks(pid: int) -> int:
+    """When ``pid`` started (clock ticks since boot, from /proc), so a reused pid is not taken for its owner."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # The command name (field 2) may hold spaces and parentheses: split after its closing one.
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+# ``exec(..., timeout=)`` is the sandbox's own kill deadline, enforced where the code runs (ASYNC109 is about
+# callers' deadlines, which asyncio.timeout around the call still gives them).
+class Sandbox(ABC):
+    """One isolated ``envkit serve`` server plus command execution next to it; an async context manager."""
+
+    kind: str = ""
+    limits: SandboxLimits
+    url: str = ""
+    """``http://host:port`` of the server once running."""
+    token: str | None = None
+    """Bearer token the server requires (None: none)."""
+
+    def __init__(self) -> None:
+        self.state = State.CREATED
+        self.started_at = 0.0
+        self.uses = 0
+        """How many times a pool handed this sandbox out."""
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Start the server and wait until ``/health`` answers; on any failure nothing is left behind."""
+
+    @abstractmethod
+    async def exec(self, code_or_cmd: str | Sequence[str], *, timeout: float = 10.0,  # noqa: ASYNC109
+                   stdin: str | bytes = b"") -> ExecResult:
+        """Run Python source (str) or an argv (list) in the sandbox; killed after ``timeout`` seconds."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Stop and remove everything the sandbox made (idempotent)."""
+
+    async def alive(self) -> bool:
+        """True when the server still answers ``/health``."""
+        if self.state is not State.RUNNING:
+            return False
+        try:
+            async with httpx.AsyncClient(timeout=2.0) as client:
+                return (await client.get(f"{self.url}/health")).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    @property
+    def age_s(self) -> float:
+        """Seconds since the server became healthy (0 before)."""
+        return time.monotonic() - self.started_at if self.started_at else 0.0
+
+    def _require(self, *states: State) -> None:
+        if self.state not in states:
+            wanted = " or ".join(s.value for s in states)
+            raise SandboxStateError(f"{type(self).__name__} is {self.state.value}, this needs it {wanted}")
+
+    async def __aenter__(self) -> Sandbox:
+        await self.start()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()
+
+
+async def wait_healthy(url: str, *, deadline: float, failed: Any = None, poll_s: float = 0.02) -> None:
+    """Poll ``url/health`` until it answers 200 or ``deadline`` (a ``time.monotonic()`` value) passes.
+
+    ``failed`` is an optional async callable returning an error message once the server can never come up (its
+    process exited); it is asked every 0.5 s so a crashed server fails fast instead of at the deadline.
+    """
+    next_check = time.monotonic() + 0.5
+    async with httpx.AsyncClient(timeout=httpx.Timeout(1.0, connect=0.5)) as client:
+        while True:
+            try:
+                if (await client.get(f"{url}/health")).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            now = time.monotonic()
+            if failed is not None and now >= next_check:
+                next_check = now + 0.5
+                reason = await failed()
+                if reason:
+                    raise SandboxStartError(reason)
+            if now >= deadline:
+                raise SandboxStartError(f"{url}/health did not answer before the start deadline")
+            await asyncio.sleep(poll_s)
+
+
+def cap(data: bytes, limit: int) -> tuple[str, bool]:
+    """Decode at most ``limit`` bytes; the flag says whether anything was cut."""
+    return data[:limit].decode(errors="replace"), len(data) > limit

@@ -1,0 +1,310 @@
+"""DockerSandbox: an env image's ``envkit serve`` in its own locked-down container; and the orphan reaper.
+
+Every docker SDK call is blocking, so each runs in a worker thread (``asyncio.to_thread``); the event loop only
+polls ``/health`` with httpx. A container is created under a name chosen beforehand, so cleanup can find it even
+when the call that creates it was still in flight when the start failed or was cancelled.
+
+Isolation per container: CPU, memory (no swap) and pids limits, read-only root with tmpfs ``/work`` and ``/tmp``,
+all capabilities dropped, ``no-new-privileges``, user ``nobody``, an init process that reaps zombies. Without
+``network`` the container sits on an internal bridge whose packets this host does not forward, whose DNS answers
+nothing, and from which this host's firewall drops every new connection (TCP SYN, UDP): the host reaches the
+container's server on the bridge address, the container reaches nothing, not even services on this host. With
+``network`` it joins the default bridge and the server port is published on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import struct
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from sandboxes.base import (
+    SANDBOX_ENV,
+    SERVER_PORT,
+    ExecResult,
+    Sandbox,
+    SandboxError,
+    SandboxLimits,
+    SandboxStartError,
+    SandboxUnavailableError,
+    State,
+    cap,
+    exec_argv,
+    owner_id,
+    process_start_ticks,
+    wait_healthy,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+SANDBOX_LABEL = "org.envkit.sandbox"
+OWNER_LABEL = "org.envkit.owner"
+"""``host:pid:start`` of the process that started the container; the reaper removes those whose owner died."""
+INTERNAL_NETWORK = "envkit-sandbox-internal"
+EXEC_KILL_GRACE_S = 5.0
+"""How much longer than its timeout the host waits for an exec before giving up on the stream."""
+
+_reaped = False
+_shared: dict[str, Any] = {}
+
+
+def connect() -> Any:
+    """The process's docker SDK client (one connection pool for all sandboxes), or SandboxUnavailableError."""
+    try:
+        import docker
+    except ImportError as e:
+        raise SandboxUnavailableError("the docker SDK is missing: pip install 'envkit[docker]'") from e
+    host = os.environ.get("DOCKER_HOST", "")
+    if host not in _shared:
+        try:
+            client = docker.from_env(timeout=60, max_pool_size=32)
+            client.ping()
+        except Exception as e:
+            raise SandboxUnavailableError(f"no Docker engine reachable ({type(e).__name__}: {e}); start one with "
+                                          "`python -m sandboxes.engine up`") from e
+        _shared[host] = client
+    return _shared[host]
+
+
+def _owner_alive(owner: str) -> bool:
+    host, _, rest = owner.partition(":")
+    pid_text, _, start_text = rest.partition(":")
+    if host != socket.gethostname() or not pid_text.isdigit():
+        return True  # another host's (or a malformed) owner: not ours to judge
+    pid = int(pid_text)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, another user's
+    return not start_text.isdigit() or process_start_ticks(pid) == int(start_text)
+
+
+def reap_orphans(client: Any) -> list[str]:
+    """Remove sandbox containers on this engine whose owner process on this host is gone; returns their names."""
+    import docker.errors
+
+    removed = []
+    for container in client.containers.list(all=True, filters={"label": SANDBOX_LABEL}):
+        owner = container.labels.get(OWNER_LABEL, "")
+        if _owner_alive(owner):
+            continue
+        with contextlib.suppress(docker.errors.NotFound):
+            container.remove(force=True)
+            removed.append(container.name)
+            log.info("reaped sandbox container %s (owner %s is gone)", container.name, owner)
+    return removed
+
+
+def _internal_network(client: Any) -> str:
+    """The bridge no-network sandboxes join (created once per engine), with forwarding off on this host."""
+    import docker.errors
+
+    try:
+        network = client.networks.get(INTERNAL_NETWORK)
+    except docker.errors.NotFound:
+        with contextlib.suppress(docker.errors.APIError):  # another process made it first
+            client.networks.create(INTERNAL_NETWORK, driver="bridge", internal=True,
+                                   labels={SANDBOX_LABEL: "network"})
+        network = client.networks.get(INTERNAL_NETWORK)
+    # Docker isolates internal networks with iptables rules, which a dockerd started with --iptables=false never
+    # installs: the containers keep a default route. With forwarding off on the bridge the kernel routes nothing
+    # they send beyond this host, whatever the firewall. Best effort: it needs root and a local engine.
+    bridge = f"br-{network.id[:12]}"
+    forwarding = Path(f"/proc/sys/net/ipv4/conf/{bridge}/forwarding")
+    with contextlib.suppress(OSError):
+        if forwarding.read_text().strip() != "0":
+            forwarding.write_text("0")
+    # Forwarding off still lets containers open connections to this host itself (every service listening on all
+    # interfaces, at the gateway address). Drop what they initiate; the host's own connections to their servers
+    # (SYN outbound, replies inbound without SYN) pass.
+    for rule in (["-p", "tcp", "--syn"], ["-p", "udp"]):
+        spec = ["INPUT", "-i", bridge, *rule, "-j", "DROP"]
+        with contextlib.suppress(OSError):
+            if subprocess.run(["iptables", "-C", *spec], capture_output=True).returncode != 0:
+                subprocess.run(["iptables", "-I", *spec], capture_output=True, check=False)
+    return INTERNAL_NETWORK
+
+
+class DockerSandbox(Sandbox):
+    """An env image's server in a container of its own: ``await start()``, use ``url``/``exec``, ``await close()``."""
+
+    kind = "docker"
+
+    def __init__(self, image: str, *, limits: SandboxLimits | None = None, start_timeout_s: float = 30.0,
+                 environment: dict[str, str] | None = None, command: Sequence[str] | None = None,
+                 client: Any = None) -> None:
+        super().__init__()
+        self.image = image
+        self.limits = limits or SandboxLimits()
+        self.start_timeout_s = start_timeout_s
+        self.environment = dict(environment or {})
+        self.command = list(command) if command is not None else None
+        """Overrides the image's command (tests use it to make a server that never becomes healthy)."""
+        self.name = f"envkit-sb-{secrets.token_hex(6)}"
+        self.owner = owner_id()
+        self.token = secrets.token_urlsafe(24)
+        self._client = client
+        self._container: Any = None
+        self._inflight: asyncio.Future[Any] | None = None
+
+    async def _thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a blocking SDK call in a thread; a cancelled caller leaves it running, and cleanup awaits it."""
+        future: asyncio.Future[T] = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        self._inflight = future
+        return await asyncio.shield(future)
+
+    async def start(self) -> None:
+        """Create and start the container, then wait for its server's ``/health`` within ``start_timeout_s``."""
+        self._require(State.CREATED)
+        self.state = State.STARTING
+        deadline = time.monotonic() + self.start_timeout_s
+        try:
+            await self._thread(self._create_and_start)
+            await wait_healthy(self.url, deadline=deadline, failed=self._exit_reason)
+        except BaseException as e:
+            # Shielded: a second cancellation must not interrupt the removal.
+            await asyncio.shield(self._remove())
+            if isinstance(e, SandboxError) or not isinstance(e, Exception):
+                raise
+            raise SandboxStartError(f"container {self.name} from {self.image} failed to start: "
+                                    f"{type(e).__name__}: {e}") from e
+        self.state = State.RUNNING
+        self.started_at = time.monotonic()
+
+    def _create_and_start(self) -> None:
+        global _reaped
+        client = self._client = self._client or connect()
+        if not _reaped:  # once per process: containers left by owners that were killed before their cleanup
+            _reaped = True
+            reap_orphans(client)
+        limits = self.limits
+        network: dict[str, Any]
+        if limits.network:
+            network = {"ports": {f"{SERVER_PORT}/tcp": ("127.0.0.1", None)}}
+        else:
+            # Names resolve nowhere: without this the engine's DNS forwards queries out, a channel to the world.
+            network = {"network": _internal_network(client), "dns": ["127.0.0.1"]}
+        tmpfs = f"rw,nosuid,nodev,size={limits.tmpfs_mb}m"
+        self._container = client.containers.create(
+            self.image, command=self.command, name=self.name, detach=True,
+            labels={SANDBOX_LABEL: "1", OWNER_LABEL: self.owner},
+            environment={**self.environment, "ENVKIT_TOKEN": self.token, SANDBOX_ENV: self.kind},
+            nano_cpus=int(limits.cpus * 1e9), mem_limit=f"{limits.memory_mb}m",
+            memswap_limit=f"{limits.memory_mb}m", pids_limit=limits.pids,
+            read_only=True, tmpfs={"/work": f"{tmpfs},uid=65534,gid=65534,mode=0700", "/tmp": f"{tmpfs},mode=1777"},
+            working_dir="/work",
+            security_opt=["no-new-privileges"], cap_drop=["ALL"], user="65534:65534", init=True,
+            **network,
+        )
+        self._container.start()
+        self._container.reload()
+        settings = self._container.attrs["NetworkSettings"]
+        if limits.network:
+            host_port = settings["Ports"][f"{SERVER_PORT}/tcp"][0]["HostPort"]
+            self.url = f"http://127.0.0.1:{host_port}"
+        else:
+            self.url = f"http://{settings['Networks'][INTERNAL_NETWORK]['IPAddress']}:{SERVER_PORT}"
+
+    async def _exit_reason(self) -> str | None:
+        """Why the container can never serve (it exited), with the tail of its log; None while it runs."""
+        def probe() -> str | None:
+            self._container.reload()
+            if self._container.status in ("created", "running"):
+                return None
+            tail = self._container.logs(tail=20).decode(errors="replace").strip()
+            code = self._container.attrs["State"].get("ExitCode")
+            return f"container {self.name} ({self.image}) exited with status {code} before serving:\n{tail}"
+
+        return await asyncio.to_thread(probe)
+
+    async def _remove(self) -> None:
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            with contextlib.suppress(BaseException):
+                await inflight  # the container may exist only once this returns
+        self.state = State.CLOSED
+        if self._client is None:
+            return
+        await asyncio.to_thread(self._remove_by_name)
+
+    def _remove_by_name(self) -> None:
+        import docker.errors
+
+        with contextlib.suppress(docker.errors.NotFound):
+            self._client.api.remove_container(self.name, force=True, v=True)
+        self._container = None
+
+    async def close(self) -> None:
+        """Remove the container (killing whatever runs in it); idempotent."""
+        if self.state is State.CLOSED:
+            return
+        await self._remove()
+
+    async def exec(self, code_or_cmd: str | Sequence[str], *, timeout: float = 10.0,  # noqa: ASYNC109
+                   stdin: str | bytes = b"") -> ExecResult:
+        """Run Python source or an argv in the container as ``nobody`` in ``/work``; killed after ``timeout`` s."""
+        self._require(State.RUNNING)
+        argv = exec_argv(code_or_cmd)
+        data = stdin.encode() if isinstance(stdin, str) else stdin
+        # coreutils `timeout` kills the whole process group inside the container, so nothing outlives the call.
+        wrapped = ["timeout", "--signal=KILL", f"{timeout:g}", *argv]
+        started = time.monotonic()
+        code, out, err = await asyncio.to_thread(self._exec_blocking, wrapped, data, timeout + EXEC_KILL_GRACE_S)
+        duration = time.monotonic() - started
+        limit = self.limits.output_limit_bytes
+        stdout, cut_out = cap(out, limit)
+        stderr, cut_err = cap(err, limit)
+        timed_out = code == 137 and duration >= timeout
+        return ExecResult(stdout, stderr, -1 if timed_out else code, timed_out, cut_out or cut_err, duration)
+
+    def _exec_blocking(self, argv: list[str], stdin: bytes, wait_s: float) -> tuple[int, bytes, bytes]:
+        api = self._client.api
+        exec_id = api.exec_create(self.name, argv, stdin=True, workdir="/work", user="65534:65534")["Id"]
+        sock = api.exec_start(exec_id, socket=True)
+        raw: socket.socket = getattr(sock, "_sock", sock)
+        raw.settimeout(wait_s)
+        limit = self.limits.output_limit_bytes
+        streams: dict[int, bytearray] = {1: bytearray(), 2: bytearray()}
+        try:
+            if stdin:
+                raw.sendall(stdin)
+            raw.shutdown(socket.SHUT_WR)
+            # The stream is multiplexed: an 8-byte header (stream id, size) before each chunk.
+            while header := _read_exact(raw, 8):
+                stream, size = struct.unpack(">BxxxL", header)
+                chunk = _read_exact(raw, size)
+                buf = streams.get(stream)
+                if buf is not None and len(buf) <= limit:
+                    buf += chunk[: limit + 1 - len(buf)]  # one byte past the limit marks it truncated
+        except TimeoutError:
+            pass  # the in-container timeout failed to end it; report what came
+        finally:
+            sock.close()
+        code = api.exec_inspect(exec_id).get("ExitCode")
+        return (code if code is not None else 137), bytes(streams[1]), bytes(streams[2])
+
+    def __repr__(self) -> str:
+        return f"<DockerSandbox {self.name} image={self.image} {self.state.value} url={self.url or '-'}>"
+
+
+def _read_exact(sock: socket.socket, size: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < size:
+        chunk = sock.recv(size - len(buf))
+        if not chunk:
+            return bytes(buf) if len(buf) == size else b""
+        buf += chunk
+    return bytes(buf)
+

@@ -1,0 +1,151 @@
+"""``envkit.make(NAME, sandbox=...)``: an env that runs inside a sandbox of its own, RemoteEnv underneath.
+
+envkit finds these providers through the ``envkit.sandboxes`` entry-point group (it never imports this package):
+
+- ``sandbox="docker"``: the env's image (built by ``envkit build NAME`` on first use, rebuilt when its inputs
+  change) in a fresh container; ``close`` removes the container. Fails when no engine is reachable.
+- ``sandbox="local"``: ``envkit serve NAME`` as a child process; no isolation.
+- ``sandbox="auto"``: docker when an engine answers, else local, saying so in the log.
+
+``sandbox_options`` (a dict) tunes it: ``limits`` (SandboxLimits), ``pool`` (a SandboxPool of this env's image:
+containers are borrowed and given back instead of started and removed), ``start_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from envkit.core import Env, StepResult, Task
+from envkit.messages import Message
+from envkit.registry import EnvSpec
+from envkit.remote import RemoteConfig, RemoteEnv
+from sandboxes.base import Sandbox, SandboxLimits
+from sandboxes.docker import DockerSandbox
+from sandboxes.engine import engine_reachable
+from sandboxes.local import LocalSandbox
+from sandboxes.pool import SandboxPool
+
+log = logging.getLogger(__name__)
+_image_tags: dict[str, str] = {}
+
+
+class SandboxedEnv(Env):
+    """The env ``name`` served from a sandbox: ``init`` gets the sandbox and opens a session, ``close`` ends both."""
+
+    def __init__(self, name: str, *, acquire: Callable[[], Awaitable[Sandbox]],
+                 release: Callable[[Sandbox], Awaitable[None]], env_kwargs: dict[str, Any] | None = None,
+                 remote: RemoteConfig | None = None, kind: str = "") -> None:
+        self.name = name
+        self._acquire, self._release = acquire, release
+        self.env_kwargs = dict(env_kwargs or {})
+        self.remote_config = remote or RemoteConfig(transport="ws")
+        self.sandbox: Sandbox | None = None
+        """The sandbox serving this env once ``init`` ran (use its ``exec`` to run code next to the env)."""
+        self._remote: RemoteEnv | None = None
+        self.tools = []  # type: ignore[misc]  # the server's, once the session exists
+        self.spec = EnvSpec(name=name, entry_point="sandboxes.env:SandboxedEnv", kwargs=self.env_kwargs,
+                            description=f"{name} in a {kind or 'sandbox'}", source=f"sandbox={kind!r}")
+
+    async def init(self) -> None:
+        """Get a running sandbox and open a session on its server (idempotent)."""
+        if self._remote is not None:
+            return
+        sandbox = await self._acquire()
+        try:
+            scheme = "ws" if (self.remote_config.transport or "ws") == "ws" else "http"
+            config = dataclasses.replace(self.remote_config, token=sandbox.token)
+            remote = RemoteEnv(f"{sandbox.url.replace('http', scheme, 1)}/{self.name}", remote=config,
+                               env_kwargs=self.env_kwargs)
+            await remote.init()
+        except BaseException:
+            await asyncio.shield(self._release(sandbox))
+            raise
+        self.sandbox, self._remote = sandbox, remote
+        self.tools = remote.tools  # type: ignore[misc]
+
+    async def reset(self, *, seed: int | None = None, task: Task | None = None) -> tuple[list[Message], dict]:
+        """Start an episode in the sandbox."""
+        await self.init()
+        assert self._remote is not None
+        return await self._remote.reset(seed=seed, task=task)
+
+    async def step(self, action: Message) -> StepResult:
+        """One assistant message to the sandboxed env."""
+        assert self._remote is not None, "ContractChecker runs reset before step"
+        return await self._remote.step(action)
+
+    async def close(self) -> None:
+        """Delete the session, then give the sandbox back (its container is removed unless pooled); idempotent."""
+        remote, self._remote = self._remote, None
+        sandbox, self.sandbox = self.sandbox, None
+        try:
+            if remote is not None:
+                await remote.close()
+        finally:
+            if sandbox is not None:
+                await self._release(sandbox)
+
+
+async def _image_for(name: str) -> str:
+    """The up-to-date image of env ``name``, built once per process when missing or stale."""
+    if name not in _image_tags:
+        from sandboxes.images import build
+
+        _image_tags[name] = (await asyncio.to_thread(build, name)).tag
+    return _image_tags[name]
+
+
+def docker(name: str, *, remote: RemoteConfig | None = None, sandbox_options: dict[str, Any] | None = None,
+           **env_kwargs: Any) -> Env:
+    """``sandbox="docker"``: env ``name`` in a container of its own (or one borrowed from ``pool``)."""
+    options = dict(sandbox_options or {})
+    pool: SandboxPool | None = options.pop("pool", None)
+    limits: SandboxLimits | None = options.pop("limits", None)
+    start_timeout_s: float = options.pop("start_timeout_s", 30.0)
+    if options:
+        raise TypeError(f"unknown sandbox_options {sorted(options)}; known: pool, limits, start_timeout_s")
+    if pool is not None:
+        return SandboxedEnv(name, acquire=pool.acquire, release=pool.release, env_kwargs=env_kwargs, remote=remote,
+                            kind="docker pool")
+
+    async def acquire() -> Sandbox:
+        sandbox = DockerSandbox(await _image_for(name), limits=limits, start_timeout_s=start_timeout_s)
+        await sandbox.start()
+        return sandbox
+
+    return SandboxedEnv(name, acquire=acquire, release=_close, env_kwargs=env_kwargs, remote=remote, kind="docker")
+
+
+def local(name: str, *, remote: RemoteConfig | None = None, sandbox_options: dict[str, Any] | None = None,
+          **env_kwargs: Any) -> Env:
+    """``sandbox="local"``: env ``name`` behind ``envkit serve`` in a child process (no isolation)."""
+    options = dict(sandbox_options or {})
+    options.pop("pool", None)  # pools hold containers; a local server is cheap to start
+    limits: SandboxLimits | None = options.pop("limits", None)
+    start_timeout_s: float = options.pop("start_timeout_s", 30.0)
+    if options:
+        raise TypeError(f"unknown sandbox_options {sorted(options)}; known: limits, start_timeout_s")
+
+    async def acquire() -> Sandbox:
+        sandbox = LocalSandbox(name, limits=limits, start_timeout_s=start_timeout_s)
+        await sandbox.start()
+        return sandbox
+
+    return SandboxedEnv(name, acquire=acquire, release=_close, env_kwargs=env_kwargs, remote=remote, kind="local")
+
+
+def auto(name: str, **kwargs: Any) -> Env:
+    """``sandbox="auto"``: docker when an engine is reachable, else the local-process sandbox (logged)."""
+    if engine_reachable():
+        return docker(name, **kwargs)
+    log.warning("no Docker engine reachable: env %r runs in a local process sandbox (no isolation); start one with "
+                "`python -m sandboxes.engine up`", name)
+    return local(name, **kwargs)
+
+
+async def _close(sandbox: Sandbox) -> None:
+    await sandbox.close()

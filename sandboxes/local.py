@@ -1,0 +1,136 @@
+"""LocalSandbox: the Sandbox interface without Docker. ``envkit serve NAME`` runs as a child process on loopback.
+
+It isolates nothing: it is for machines without a Docker engine, where an env should still run out of process
+behind the same interface. ``exec`` runs on the host (with a timeout and the output cap, nothing more), and envs
+that run model-written code refuse to, because ``ENVKIT_SANDBOX`` says ``local``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import IO
+
+from sandboxes.base import (
+    SANDBOX_ENV,
+    ExecResult,
+    Sandbox,
+    SandboxError,
+    SandboxLimits,
+    SandboxStartError,
+    State,
+    cap,
+    exec_argv,
+    wait_healthy,
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _kill_group(proc: asyncio.subprocess.Process) -> None:
+    """SIGKILL the child's whole process group and reap it."""
+    # Also after the leader exited: children it left in the group die with it.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    await proc.wait()
+
+
+class LocalSandbox(Sandbox):
+    """``envkit serve`` for env ``env`` as a child process of this one, on a free loopback port."""
+
+    kind = "local"
+
+    def __init__(self, env: str, *, limits: SandboxLimits | None = None, start_timeout_s: float = 30.0) -> None:
+        super().__init__()
+        self.env = env
+        self.limits = limits or SandboxLimits()
+        self.start_timeout_s = start_timeout_s
+        self.token = secrets.token_urlsafe(24)
+        self._proc: asyncio.subprocess.Process | None = None
+        self._log: IO[bytes] | None = None
+
+    def _child_env(self) -> dict[str, str]:
+        return {**os.environ, "ENVKIT_TOKEN": self.token, SANDBOX_ENV: self.kind}
+
+    async def start(self) -> None:
+        """Start ``envkit serve`` and wait for ``/health`` within ``start_timeout_s``."""
+        self._require(State.CREATED)
+        self.state = State.STARTING
+        port = _free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        # A file, not a pipe: nobody reads the server's log while it runs, and a full pipe would block it.
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115  # lives as long as the server; close() closes it
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "envkit.cli", "serve", self.env, "--port", str(port),
+                env=self._child_env(), stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL, stderr=self._log, start_new_session=True)
+            await wait_healthy(self.url, deadline=time.monotonic() + self.start_timeout_s, failed=self._exit_reason)
+        except BaseException as e:
+            await asyncio.shield(self.close())
+            if isinstance(e, SandboxError) or not isinstance(e, Exception):
+                raise
+            raise SandboxStartError(f"envkit serve {self.env} failed to start: {type(e).__name__}: {e}") from e
+        self.state = State.RUNNING
+        self.started_at = time.monotonic()
+
+    async def _exit_reason(self) -> str | None:
+        proc = self._proc
+        if proc is None or proc.returncode is None:
+            return None
+        assert self._log is not None
+        self._log.seek(0)
+        tail = self._log.read()[-2000:].decode(errors="replace").strip()
+        return f"envkit serve {self.env} exited with status {proc.returncode} before serving:\n{tail}"
+
+    async def close(self) -> None:
+        """Kill the server's process group (idempotent)."""
+        self.state = State.CLOSED
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            await _kill_group(proc)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    async def exec(self, code_or_cmd: str | Sequence[str], *, timeout: float = 10.0,  # noqa: ASYNC109
+                   stdin: str | bytes = b"") -> ExecResult:
+        """Run Python source or an argv on the host (no isolation!) in its own process group; killed at timeout."""
+        self._require(State.RUNNING)
+        argv = exec_argv(code_or_cmd)
+        if argv[0] == "python3":
+            argv[0] = sys.executable
+        data = stdin.encode() if isinstance(stdin, str) else stdin
+        started = time.monotonic()
+        proc = await asyncio.create_subprocess_exec(
+            *argv, env=self._child_env(), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, start_new_session=True)
+        timed_out = False
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(data), timeout)
+        except TimeoutError:
+            timed_out = True
+            await _kill_group(proc)
+            out, err = b"", b""
+        finally:
+            await _kill_group(proc)
+        limit = self.limits.output_limit_bytes
+        stdout, cut_out = cap(out, limit)
+        stderr, cut_err = cap(err, limit)
+        code = -1 if timed_out else (proc.returncode if proc.returncode is not None else -1)
+        return ExecResult(stdout, stderr, code, timed_out, cut_out or cut_err, time.monotonic() - started)
+
+    def __repr__(self) -> str:
+        return f"<LocalSandbox {self.env} {self.state.value} url={self.url or '-'}>"

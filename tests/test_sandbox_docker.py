@@ -1,0 +1,231 @@
+"""DockerSandbox against the real engine: an env in a container, cleanup on every failure path, the reaper, the
+warm pool, exec, and the code env whose submissions run only in containers."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import time
+
+import pytest
+
+import envkit
+from envkit.errors import EnvLoadError
+
+pytest.importorskip("docker", reason="the docker SDK is not installed: pip install 'envkit[docker]'")
+
+from sandboxes.base import SandboxStartError, SandboxStateError
+from sandboxes.docker import DockerSandbox, reap_orphans
+from sandboxes.pool import SandboxPool
+
+
+def _exists(client, name: str) -> bool:
+    return bool(client.containers.list(all=True, filters={"name": f"^{name}$"}))
+
+
+async def test_env_runs_in_its_own_container(docker_client, arithmetic_image) -> None:
+    env = envkit.make("arithmetic", sandbox="docker", level=1)
+    try:
+        messages, _ = await env.reset(seed=0)
+        assert messages[-1]["content"] == "What is 4 + 5?"
+        result = await env.step(envkit.assistant("The answer is 9."))
+        assert (result.reward, result.terminated) == (1.0, True)
+        sandbox = env.env.sandbox  # ContractChecker -> SandboxedEnv
+        assert _exists(docker_client, sandbox.name)
+        container = docker_client.containers.get(sandbox.name)
+        host = container.attrs["HostConfig"]
+        assert host["ReadonlyRootfs"] and host["CapDrop"] == ["ALL"] and host["PidsLimit"] == 128
+        assert container.attrs["Config"]["User"] == "65534:65534"
+        assert container.image.labels["org.envkit.env"] == "arithmetic"
+    finally:
+        await env.close()
+    assert not _exists(docker_client, sandbox.name)
+
+
+async def test_unchanged_env_is_not_rebuilt(docker_client, arithmetic_image) -> None:
+    from sandboxes.images import build
+
+    started = time.monotonic()
+    again = build("arithmetic", client=docker_client)
+    assert (again.tag, again.built) == (arithmetic_image, False)
+    assert time.monotonic() - started < 10
+
+
+async def test_health_timeout_leaves_no_container(docker_client, arithmetic_image) -> None:
+    sandbox = DockerSandbox(arithmetic_image, command=["sleep", "60"], start_timeout_s=1.5)
+    started = time.monotonic()
+    with pytest.raises(SandboxStartError, match="did not answer"):
+        await sandbox.start()
+    assert time.monotonic() - started < 10
+    assert not _exists(docker_client, sandbox.name)
+    with pytest.raises(SandboxStateError):
+        await sandbox.exec("print(1)")
+
+
+async def test_server_that_exits_fails_fast_with_its_log(docker_client, arithmetic_image) -> None:
+    sandbox = DockerSandbox(arithmetic_image, command=["python3", "-c", "import sys; sys.exit('boom')"],
+                            start_timeout_s=30)
+    started = time.monotonic()
+    with pytest.raises(SandboxStartError, match=r"exited with status 1[\s\S]*boom"):
+        await sandbox.start()
+    assert time.monotonic() - started < 5
+    assert not _exists(docker_client, sandbox.name)
+
+
+@pytest.mark.parametrize("after_s", [0.0, 0.05, 0.4])
+async def test_cancelled_start_leaves_no_container(docker_client, arithmetic_image, after_s: float) -> None:
+    sandbox = DockerSandbox(arithmetic_image)
+    task = asyncio.create_task(sandbox.start())
+    await asyncio.sleep(after_s)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not _exists(docker_client, sandbox.name)
+
+
+ORPHAN_SCRIPT = """
+import asyncio, sys
+from sandboxes.docker import DockerSandbox
+
+async def main():
+    sandbox = DockerSandbox(sys.argv[1])
+    await sandbox.start()
+    print(sandbox.name, flush=True)
+    await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+async def test_reaper_removes_containers_of_dead_owners(docker_client, arithmetic_image) -> None:
+    owner = await asyncio.create_subprocess_exec(sys.executable, "-c", ORPHAN_SCRIPT, arithmetic_image,
+                                                 stdout=asyncio.subprocess.PIPE)
+    try:
+        name = (await asyncio.wait_for(owner.stdout.readline(), 60)).decode().strip()
+        assert _exists(docker_client, name)
+        assert name not in reap_orphans(docker_client)  # its owner is alive
+    finally:
+        owner.send_signal(signal.SIGKILL)  # no cleanup runs: the container is orphaned
+        await owner.wait()
+    assert _exists(docker_client, name)
+    assert name in await asyncio.to_thread(reap_orphans, docker_client)
+    assert not _exists(docker_client, name)
+
+
+async def test_pool_acquire_is_a_handoff_and_release_recycles_or_replaces(docker_client, arithmetic_image) -> None:
+    pool = SandboxPool(lambda: DockerSandbox(arithmetic_image), size=2, max_lifetime_s=300)
+    try:
+        await pool.start()
+        assert pool.idle == 2
+        started = time.perf_counter()
+        first = await pool.acquire()
+        second = await pool.acquire()
+        assert time.perf_counter() - started < 0.05
+        assert first is not second and pool.idle == 0
+        waiting = asyncio.create_task(pool.acquire())  # all leased: waits for a release
+        await asyncio.sleep(0.1)
+        assert not waiting.done()
+        await pool.release(first)  # clean and healthy: recycled
+        assert await asyncio.wait_for(waiting, 5) is first and first.uses == 2
+        await pool.release(second, dirty=True)  # replaced by a fresh container
+        await pool.wait_ready()
+        third = await pool.acquire()
+        assert third is not second and not _exists(docker_client, second.name)
+        result = await third.exec("print('warm')")
+        assert result.stdout == "warm\n"
+        await pool.release(third)
+        await pool.release(first)
+        names = [first.name, third.name]
+    finally:
+        await pool.close()
+    assert not any(_exists(docker_client, n) for n in names)
+    with pytest.raises(SandboxStateError):
+        await pool.acquire()
+
+
+async def test_make_with_a_pool_borrows_a_container(docker_client, arithmetic_image) -> None:
+    async with SandboxPool(lambda: DockerSandbox(arithmetic_image), size=1) as pool:
+        for seed in (0, 1):
+            env = envkit.make("arithmetic", sandbox="docker", sandbox_options={"pool": pool}, level=1)
+            messages, _ = await env.reset(seed=seed)
+            assert "What is" in messages[-1]["content"]
+            name = env.env.sandbox.name
+            await env.close()
+            assert _exists(docker_client, name) and pool.idle == 1  # back in the pool, not removed
+
+
+@pytest.fixture(scope="module")
+async def sandbox(docker_client, arithmetic_image):
+    """One running container for the exec tests."""
+    async with DockerSandbox(arithmetic_image) as sb:
+        yield sb
+
+
+async def test_exec_python_and_argv(sandbox) -> None:
+    result = await sandbox.exec("import sys; print(sys.stdin.read().upper()); sys.exit(3)", stdin="hi")
+    assert (result.stdout, result.exit_code, result.timed_out) == ("HI\n", 3, False)
+    result = await sandbox.exec(["sh", "-c", "echo out; echo err >&2; pwd; id -u"], timeout=5)
+    assert result.stdout.split() == ["out", "/work", "65534"] and result.stderr == "err\n"
+    started = time.monotonic()
+    result = await sandbox.exec("import time\nwhile True: time.sleep(0.01)", timeout=1)
+    assert result.timed_out and result.exit_code == -1
+    assert time.monotonic() - started < 4
+
+
+async def test_exec_output_is_capped(sandbox) -> None:
+    result = await sandbox.exec("print('x' * 1_000_000)")
+    assert result.truncated and len(result.stdout) == sandbox.limits.output_limit_bytes and result.exit_code == 0
+
+
+async def test_code_env_runs_submissions_in_its_container(code_image) -> None:
+    env = envkit.make("code", sandbox="docker")
+    try:
+        messages, _ = await env.reset(task={"id": "add"})
+        assert "add(a, b)" in messages[-1]["content"]
+        result = await env.step(envkit.assistant("```python\ndef add(a, b):\n    return a + b\n```"))
+        assert result.reward == 1.0 and result.info["passed"] == 4
+        await env.reset(task={"id": "gcd"})
+        result = await env.step(envkit.assistant("def gcd(a, b):\n    return 6"))  # passes one of four
+        assert result.reward == 0.25
+        await env.reset(task={"id": "add"})
+        cheat = "print('\\x00{\"results\": [{\"ok\": 3}, {\"ok\": 0}, {\"ok\": 123}, {\"ok\": 0}]}'); exit()"
+        assert (await env.step(envkit.assistant(cheat))).reward == 0.0
+        await env.reset(task={"id": "add"})
+        result = await env.step(envkit.assistant("while True: pass"))
+        assert result.reward == 0.0 and "timed out" in result.info["error"]
+    finally:
+        await env.close()
+
+
+def test_code_env_refuses_to_run_outside_a_sandbox(monkeypatch) -> None:
+    monkeypatch.delenv("ENVKIT_SANDBOX", raising=False)
+    monkeypatch.delenv("ENVKIT_CODE_UNSAFE", raising=False)
+    with pytest.raises(EnvLoadError, match="runs only inside a container"):
+        envkit.make("code")
+
+
+async def test_code_env_refuses_the_local_sandbox() -> None:
+    env = envkit.make("code", sandbox="local")  # its server refuses to start: the env will not construct there
+    with pytest.raises(SandboxStartError, match="executes model-written code"):
+        await env.reset(task={"id": "add"})
+    await env.close()
+
+
+async def test_pool_replaces_expired_sandboxes_and_reports_failed_starts(docker_client, arithmetic_image) -> None:
+    async with SandboxPool(lambda: DockerSandbox(arithmetic_image), size=1, max_lifetime_s=1.0) as pool:
+        old = await pool.acquire()
+        await asyncio.sleep(1.1)
+        await pool.release(old)  # past its lifetime: closed and replaced
+        await pool.wait_ready()
+        new = await pool.acquire()
+        assert new is not old and not _exists(docker_client, old.name)
+        await pool.release(new)
+    broken = SandboxPool(lambda: DockerSandbox(arithmetic_image, command=["false"]), size=1)
+    try:
+        with pytest.raises(SandboxStartError, match="exited with status 1"):
+            await broken.start()
+        with pytest.raises(SandboxStartError):
+            await broken.acquire()
+    finally:
+        await broken.close()
