@@ -20,7 +20,6 @@ itself is not imported: the wire protocol is all this needs.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 from collections.abc import Callable
@@ -36,7 +35,7 @@ from envkit.core import Env, StepResult, Task
 from envkit.errors import InvalidActionError, RemoteEnvCrashError, RemoteEnvError, RemoteInvalidActionError
 from envkit.messages import Message, user
 from envkit.registry import EnvSpec
-from envkit.remote import RemoteConfig, retry_connect
+from envkit.remote import RemoteConfig, retry_connect, ws_exchange
 
 _RESERVED = {"metadata", "done", "reward"}  # fields every OpenEnv Action/Observation has; never the payload
 
@@ -109,16 +108,10 @@ class OpenEnvEnv(Env):
         if self._ws is None:
             raise RemoteEnvError("the OpenEnv session is closed", code="connection_lost")
         try:
-            await self._ws.send(json.dumps(frame))
-            async with asyncio.timeout(self.config.timeout_s):  # cheaper than wait_for: no task per frame
-                raw = await self._ws.recv()
-        except TimeoutError as e:
-            raise RemoteEnvError(f"no answer from {self.ws_url} within {self.config.timeout_s:g} s",
-                                 code="timeout") from e
-        except websockets.ConnectionClosed as e:
-            self._ws = None
-            raise RemoteEnvError(f"the OpenEnv WebSocket closed ({e})", code="connection_lost") from e
-        answer = json.loads(raw)
+            answer = await ws_exchange(self._ws, frame, self.config.timeout_s, self.ws_url)
+        except RemoteEnvError:
+            self._ws = None  # timed out (closed) or gone: so is the session
+            raise
         if answer.get("type") == "error":
             data = answer.get("data", {})
             code, message = str(data.get("code", "UNKNOWN")).lower(), str(data.get("message", ""))

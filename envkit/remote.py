@@ -150,6 +150,26 @@ class _Rest:
                 await self.client.aclose()
 
 
+async def ws_exchange(ws: ClientConnection, frame: dict[str, Any], timeout_s: float, url: str) -> Any:
+    """Send one JSON frame and return the decoded answer; RemoteEnvError ``timeout`` or ``connection_lost`` if none.
+
+    A timed-out connection is closed: its late answer would otherwise be read as the next request's. Nothing is
+    retried, since the server may have acted on the request.
+    """
+    try:
+        await ws.send(json.dumps(frame))
+        async with asyncio.timeout(timeout_s):  # cheaper than wait_for: no task per frame
+            raw = await ws.recv()
+    except TimeoutError as e:
+        await ws.close()
+        raise RemoteEnvError(f"no answer from {url} within {timeout_s:g} s (not retried: the server may have acted "
+                             "on it; the WebSocket session is closed)", code="timeout") from e
+    except websockets.ConnectionClosed as e:
+        raise RemoteEnvError(f"the WebSocket to {url} closed ({e}); its session is gone",
+                             code="connection_lost") from e
+    return json.loads(raw)
+
+
 class _WebSocket:
     """WebSocket transport: one connection per session, one frame per request, answers in order."""
 
@@ -174,20 +194,10 @@ class _WebSocket:
         if self.ws is None:
             raise RemoteEnvError("the WebSocket session is closed", code="connection_lost")
         try:
-            await self.ws.send(json.dumps(frame))
-            async with asyncio.timeout(self.config.timeout_s):  # cheaper than wait_for: no task per frame
-                raw = await self.ws.recv()
-        except TimeoutError as e:
-            # The late answer would be read as the next request's: drop the connection (and so the session).
-            ws, self.ws = self.ws, None
-            await ws.close()
-            raise RemoteEnvError(f"no answer from {self.url} within {self.config.timeout_s:g} s (not retried: the "
-                                 "server may have acted on it; the WebSocket session is closed)", code="timeout") from e
-        except websockets.ConnectionClosed as e:
-            self.ws = None
-            raise RemoteEnvError(f"the WebSocket to {self.url} closed ({e}); its session is gone",
-                                 code="connection_lost") from e
-        answer = json.loads(raw)
+            answer = await ws_exchange(self.ws, frame, self.config.timeout_s, self.url)
+        except RemoteEnvError:
+            self.ws = None  # timed out (closed) or gone: so is the session
+            raise
         if "error" in answer:
             raise error_from_body(answer, None)
         return answer
