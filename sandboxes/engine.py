@@ -75,10 +75,16 @@ def ensure_docker_installed() -> None:
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
         raise SystemExit("dockerd is not installed and this is not a root Debian/Ubuntu shell: install Docker Engine "
                          "(https://docs.docker.com/engine/install/), then rerun `python -m sandboxes.engine up`")
-    _say("installing docker.io with apt-get (once)")
+    # iptables: the sandboxes' firewall rules (sandboxes.docker) need it whatever docker.io itself pulls in.
+    _apt_install("docker.io", "iptables")
+
+
+def _apt_install(*packages: str) -> None:
+    """``apt-get update`` then install ``packages`` (a fresh machine may have empty package lists)."""
+    _say(f"installing {', '.join(packages)} with apt-get (once)")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     _run(["apt-get", "update", "-q"], env=env, stdout=subprocess.DEVNULL)
-    _run(["apt-get", "install", "-y", "-q", "docker.io"], env=env, stdout=subprocess.DEVNULL)
+    _run(["apt-get", "install", "-y", "-q", *packages], env=env, stdout=subprocess.DEVNULL)
 
 
 def ensure_daemon_running(timeout_s: float = 60.0) -> None:
@@ -139,9 +145,7 @@ def ensure_base_image(client: Any | None = None) -> str:
     if shutil.which("debootstrap") is None:
         if os.geteuid() != 0 or shutil.which("apt-get") is None:
             raise SystemExit("building the base image needs debootstrap (apt-get install debootstrap) as root")
-        _say("installing debootstrap with apt-get (once)")
-        _run(["apt-get", "install", "-y", "-q", "debootstrap"], stdout=subprocess.DEVNULL,
-             env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+        _apt_install("debootstrap")
     mirror = _apt_mirror()
     work = cache_dir() / "docker"
     work.mkdir(parents=True, exist_ok=True)
