@@ -20,22 +20,19 @@ itself is not imported: the wire protocol is all this needs.
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
-import websockets
-from websockets.asyncio.client import ClientConnection
-from websockets.asyncio.client import connect as ws_connect
 
 from envkit.core import Env, StepResult, Task
 from envkit.errors import InvalidActionError, RemoteEnvCrashError, RemoteEnvError, RemoteInvalidActionError
 from envkit.messages import Message, user
 from envkit.registry import EnvSpec
 from envkit.remote import RemoteConfig, retry_connect, ws_exchange
+from envkit.wsclient import WsConnection
 
 _RESERVED = {"metadata", "done", "reward"}  # fields every OpenEnv Action/Observation has; never the payload
 
@@ -67,7 +64,7 @@ class OpenEnvEnv(Env):
         self.action_key, self.observation_key = action_key, observation_key
         self._to_action, self._to_messages = to_action, to_messages
         self.config = remote or RemoteConfig()
-        self._ws: ClientConnection | None = None
+        self._ws: WsConnection | None = None
         self.spec = EnvSpec(name=f"openenv:{url}", entry_point="envkit.openenv:OpenEnvEnv",
                             kwargs={"action_key": action_key, "observation_key": observation_key},
                             description=f"OpenEnv server at {self.http_url}", source="openenv")
@@ -80,9 +77,8 @@ class OpenEnvEnv(Env):
                 self.observation_key is None and self._to_messages is None):
             await self._infer_keys()
         self._ws = await retry_connect(
-            lambda: ws_connect(self.ws_url, open_timeout=self.config.connect_timeout_s, compression=None,
-                               max_size=None, ping_interval=None),
-            self.config, self.ws_url)
+            lambda: WsConnection.connect(self.ws_url, timeout_s=self.config.connect_timeout_s), self.config,
+            self.ws_url)
 
     async def _infer_keys(self) -> None:
         async def get() -> httpx.Response:
@@ -108,7 +104,7 @@ class OpenEnvEnv(Env):
         if self._ws is None:
             raise RemoteEnvError("the OpenEnv session is closed", code="connection_lost")
         try:
-            answer = await ws_exchange(self._ws, frame, self.config.timeout_s, self.ws_url)
+            answer = await ws_exchange(self._ws, frame, self.config.timeout_s)
         except RemoteEnvError:
             self._ws = None  # timed out (closed) or gone: so is the session
             raise
@@ -161,6 +157,6 @@ class OpenEnvEnv(Env):
         ws, self._ws = self._ws, None
         if ws is None:
             return
-        with contextlib.suppress(websockets.ConnectionClosed):
-            await ws.send(json.dumps({"type": "close"}))
+        if not ws.closed:
+            ws.send(json.dumps({"type": "close"}))
         await ws.close()

@@ -23,8 +23,6 @@ from urllib.parse import quote, urlsplit
 
 import httpx
 import websockets
-from websockets.asyncio.client import ClientConnection
-from websockets.asyncio.client import connect as ws_connect
 
 from envkit.core import Env, StepResult, Task
 from envkit.errors import (
@@ -39,6 +37,7 @@ from envkit.errors import (
 from envkit.messages import Message
 from envkit.registry import EnvSpec
 from envkit.tools import Tool
+from envkit.wsclient import WsClosedError, WsConnection
 
 TOKEN_ENV = "ENVKIT_TOKEN"
 
@@ -150,23 +149,19 @@ class _Rest:
                 await self.client.aclose()
 
 
-async def ws_exchange(ws: ClientConnection, frame: dict[str, Any], timeout_s: float, url: str) -> Any:
+async def ws_exchange(ws: WsConnection, frame: dict[str, Any], timeout_s: float) -> Any:
     """Send one JSON frame and return the decoded answer; RemoteEnvError ``timeout`` or ``connection_lost`` if none.
 
-    A timed-out connection is closed: its late answer would otherwise be read as the next request's. Nothing is
-    retried, since the server may have acted on the request.
+    Either failure leaves the connection closed (see :meth:`WsConnection.request`). Nothing is retried, since the
+    server may have acted on the request.
     """
     try:
-        await ws.send(json.dumps(frame))
-        async with asyncio.timeout(timeout_s):  # cheaper than wait_for: no task per frame
-            raw = await ws.recv()
+        raw = await ws.request(json.dumps(frame), timeout_s)
     except TimeoutError as e:
-        await ws.close()
-        raise RemoteEnvError(f"no answer from {url} within {timeout_s:g} s (not retried: the server may have acted "
-                             "on it; the WebSocket session is closed)", code="timeout") from e
-    except websockets.ConnectionClosed as e:
-        raise RemoteEnvError(f"the WebSocket to {url} closed ({e}); its session is gone",
-                             code="connection_lost") from e
+        raise RemoteEnvError(f"no answer from {ws.url} within {timeout_s:g} s (not retried: the server may have "
+                             "acted on it; the WebSocket session is closed)", code="timeout") from e
+    except WsClosedError as e:
+        raise RemoteEnvError(f"{e}; its session is gone", code="connection_lost") from e
     return json.loads(raw)
 
 
@@ -175,14 +170,13 @@ class _WebSocket:
 
     def __init__(self, base: str, config: RemoteConfig, headers: dict[str, str]) -> None:
         self.url, self.config, self.headers = f"{base}/ws", config, headers
-        self.ws: ClientConnection | None = None
+        self.ws: WsConnection | None = None
 
-    async def _connect(self) -> ClientConnection:
+    async def _connect(self) -> WsConnection:
+        # No compression (frames are small JSON; deflate costs more CPU than it saves on a LAN) and no keepalive
+        # pings of our own (a busy server must not lose sessions to missed pongs; requests time out instead).
         try:
-            # Compression off: frames are small JSON, and deflate costs more CPU than it saves on a LAN.
-            # No keepalive pings either: a busy server must not lose sessions to missed pongs; requests time out.
-            return await ws_connect(self.url, additional_headers=self.headers, compression=None, max_size=None,
-                                    open_timeout=self.config.connect_timeout_s, ping_interval=None)
+            return await WsConnection.connect(self.url, headers=self.headers, timeout_s=self.config.connect_timeout_s)
         except websockets.InvalidStatus as e:
             try:
                 body: Any = json.loads(e.response.body or b"")
@@ -194,7 +188,7 @@ class _WebSocket:
         if self.ws is None:
             raise RemoteEnvError("the WebSocket session is closed", code="connection_lost")
         try:
-            answer = await ws_exchange(self.ws, frame, self.config.timeout_s, self.url)
+            answer = await ws_exchange(self.ws, frame, self.config.timeout_s)
         except RemoteEnvError:
             self.ws = None  # timed out (closed) or gone: so is the session
             raise

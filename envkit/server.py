@@ -42,6 +42,7 @@ from starlette.websockets import WebSocketDisconnect
 
 import envkit
 from envkit.core import Env
+from envkit.deadlines import Deadlines
 from envkit.errors import (
     EnvError,
     EnvLoadError,
@@ -258,6 +259,7 @@ class EnvServer:
         self.metrics = _Metrics()
         self._reserved = 0  # sessions whose env is being made: counted against capacity before they exist
         self._closing: set[asyncio.Task[None]] = set()
+        self._deadlines = Deadlines()  # the step timeouts: a timer per call would cost more than a fast env's step
         self._probe = envkit.make(env, **self.env_kwargs)  # fail fast on a bad name or kwargs; describes the env
         spec = self._probe.spec
         self.info = {
@@ -314,14 +316,23 @@ class EnvServer:
 
     async def _call(self, coro: Awaitable[T]) -> T:
         """Await an env call under the step timeout; classify what it raises."""
+        task = asyncio.current_task()
+        assert task is not None
+        expired = False
+
+        def expire() -> None:
+            nonlocal expired
+            expired = True
+            task.cancel()
+
+        self._deadlines.add(expire, self.limits.step_timeout_s, expire)
         try:
-            async with asyncio.timeout(self.limits.step_timeout_s) as deadline:
-                return await coro
-        except TimeoutError as e:
-            if deadline.expired():
-                raise ApiError("env_timeout", f"the env did not answer within {self.limits.step_timeout_s:g} s "
-                                              "(ServerLimits.step_timeout_s)") from e
-            raise self._env_crash(e) from e
+            return await coro
+        except asyncio.CancelledError as e:
+            if not expired:
+                raise
+            raise ApiError("env_timeout", f"the env did not answer within {self.limits.step_timeout_s:g} s "
+                                          "(ServerLimits.step_timeout_s)") from e
         except InvalidTaskError as e:
             raise ApiError("invalid_task", str(e)) from e
         except InvalidActionError as e:
@@ -334,6 +345,10 @@ class EnvServer:
             raise
         except Exception as e:
             raise self._env_crash(e) from e
+        finally:
+            self._deadlines.discard(expire)
+            if expired:
+                task.uncancel()
 
     def _env_crash(self, e: BaseException) -> ApiError:
         log.error("env %s raised", self.env_name, exc_info=e)

@@ -140,6 +140,21 @@ async def test_a_timed_out_step_is_never_sent_again(server: Server, scheme: str)
     await env.close()
 
 
+async def test_a_cancelled_websocket_step_ends_the_session_instead_of_misreading_its_answer(server: Server):
+    env = RemoteEnv(url(server, "ws"), remote=CONFIG)
+    await env.reset(seed=0)
+    step = asyncio.create_task(env.step(say("sleep:0.3")))  # a rollout cancelled mid-step
+    await asyncio.sleep(0.1)
+    step.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await step
+    await asyncio.sleep(0.4)  # the cancelled step's answer would have arrived by now
+    with pytest.raises(RemoteEnvError) as gone:
+        await env.step(say("w0"))
+    assert gone.value.code == "connection_lost"
+    await env.close()
+
+
 async def test_connection_errors_are_retried_with_backoff_then_reported():
     port = free_port()
     config = RemoteConfig(connect_retries=2, backoff_s=0.1)

@@ -1,0 +1,81 @@
+"""Deadlines on a real event loop: expiry at the right time, discards, one timer for a stream of waits."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from envkit.deadlines import Deadlines
+
+
+async def test_each_deadline_fires_on_time_unless_discarded():
+    deadlines = Deadlines()
+    fired: dict[str, float] = {}
+    start = time.monotonic()
+    for key, timeout in (("a", 0.05), ("b", 0.1), ("c", 0.2)):
+        deadlines.add(key, timeout, lambda key=key: fired.setdefault(key, time.monotonic() - start))
+    deadlines.discard("b")
+    await asyncio.sleep(0.3)
+    assert set(fired) == {"a", "c"}
+    assert 0.05 <= fired["a"] < fired["c"] and fired["c"] >= 0.2
+    assert len(deadlines) == 0
+
+
+async def test_a_shorter_deadline_added_later_fires_first():
+    deadlines = Deadlines()
+    fired: list[str] = []
+    deadlines.add("long", 0.3, lambda: fired.append("long"))
+    deadlines.add("short", 0.05, lambda: fired.append("short"))
+    await asyncio.sleep(0.1)
+    assert fired == ["short"]
+    await asyncio.sleep(0.3)
+    assert fired == ["short", "long"]
+
+
+async def test_a_stream_of_short_waits_schedules_one_timer_not_one_each():
+    loop = asyncio.get_running_loop()
+    scheduled: list[float] = []
+    call_at = loop.call_at
+
+    def counting_call_at(when, callback, *args, **kwargs):  # the real call_at, counted
+        scheduled.append(when)
+        return call_at(when, callback, *args, **kwargs)
+
+    loop.call_at = counting_call_at  # type: ignore[method-assign]
+    try:
+        deadlines = Deadlines()
+        expired: list[int] = []
+        for i in range(1000):
+            deadlines.add(i, 10.0, lambda i=i: expired.append(i))
+            await asyncio.sleep(0)
+            deadlines.discard(i)
+    finally:
+        del loop.call_at
+    assert len(scheduled) == 1 and expired == []
+    deadlines.clear()
+
+
+async def test_the_timer_rearms_for_waits_added_after_it_was_set():
+    deadlines = Deadlines()
+    fired: list[int] = []
+    deadlines.add(0, 0.1, lambda: fired.append(0))
+    deadlines.discard(0)
+    await asyncio.sleep(0.05)
+    deadlines.add(1, 0.3, lambda: fired.append(1))  # due 250 ms after the armed timer
+    await asyncio.sleep(0.15)
+    assert fired == []  # the timer fired for key 0, found nothing due, and re-armed for key 1
+    await asyncio.sleep(0.25)
+    assert fired == [1]
+
+
+def test_a_new_event_loop_starts_afresh():
+    deadlines = Deadlines()
+    fired: list[str] = []
+
+    async def wait(key: str, seconds: float) -> None:
+        deadlines.add(key, seconds, lambda: fired.append(key))
+        await asyncio.sleep(seconds + 0.05)
+
+    asyncio.run(wait("first", 0.01))
+    asyncio.run(wait("second", 0.01))
+    assert fired == ["first", "second"]
