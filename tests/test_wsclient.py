@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import ssl
 import time
 from collections.abc import AsyncIterator
 
 import pytest
+import trustme
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.datastructures import Headers
 from websockets.exceptions import InvalidStatus
@@ -145,6 +147,21 @@ async def test_one_request_at_a_time(url: str):
     with pytest.raises(RuntimeError, match="one request at a time"):
         await conn.request("echo:x", 5)
     assert await first == b"late"
+
+
+async def test_wss_verifies_the_server_against_the_trusted_cas(tmp_path, monkeypatch):
+    ca = trustme.CA()
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ca.issue_cert("127.0.0.1").configure_cert(context)
+    async with serve(handler, "127.0.0.1", 0, ssl=context) as server:
+        port = next(iter(server.sockets)).getsockname()[1]
+        with pytest.raises(ssl.SSLCertVerificationError):  # an unknown CA is refused
+            await WsConnection.connect(f"wss://127.0.0.1:{port}/ws")
+        ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+        monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "ca.pem"))  # how users trust a private CA
+        conn = await WsConnection.connect(f"wss://127.0.0.1:{port}/ws")
+        assert await conn.request("echo:secure", 5) == b"secure"
+        await conn.close()
 
 
 async def test_a_refused_handshake_carries_the_status_and_body(url: str):
