@@ -7,10 +7,12 @@ of one step as the client sees it:
   envkit WS     RemoteEnv over one WebSocket per session                      -> `envkit serve`
   OpenEnv       openenv-core 0.3.0 GenericEnvClient (its WebSocket client)    -> OpenEnv's create_app server
 Each server is its own process on loopback with uvloop + httptools, and each client runs in a process of its own;
-on a 2-core machine the client and server share the cores, so read ratios, not absolute numbers.
+on a 2-core machine the client and server share the cores, so read ratios, not absolute numbers. A small VM's speed
+also drifts by tens of percent over minutes, so the cells run in rounds (REST, WS, OpenEnv, then again): the table
+gives each variant's median over rounds, and each ratio is the median of the rounds' own WS/OpenEnv ratios.
 Target: envkit WS >= 3x OpenEnv steps/s at 64 sessions.
 
-    python benchmarks/remote_env.py [--sessions 1,16,64,256] [--seconds 3] [--warmup 0.5]
+    python benchmarks/remote_env.py [--sessions 1,16,64,256] [--seconds 3] [--warmup 0.5] [--rounds 3]
 
 Needs the server extra in this venv and openenv-core in .venv-openenv (``make install`` sets up both).
 """
@@ -22,6 +24,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -132,6 +135,7 @@ def main() -> None:
     parser.add_argument("--sessions", default="1,16,64,256", help="comma-separated concurrency levels")
     parser.add_argument("--seconds", type=float, default=3.0, help="timed window per cell")
     parser.add_argument("--warmup", type=float, default=0.5, help="untimed stepping before each window")
+    parser.add_argument("--rounds", type=int, default=3, help="measurements of each cell, interleaved")
     args = parser.parse_args()
     levels = [int(n) for n in args.sessions.split(",")]
     if not OPENENV_PYTHON.exists():
@@ -145,27 +149,43 @@ def main() -> None:
         servers.append(_start([str(OPENENV_PYTHON), "-m", "uvicorn", "--factory", "openenv_peer:create_app",
                                "--port", str(openenv_port), "--log-level", "warning", "--no-access-log",
                                "--loop", "uvloop", "--http", "httptools"], openenv_port))
-        rows: dict[tuple[str, int], dict[str, Any]] = {}
+        def measure(variant: str, n: int) -> dict[str, Any]:
+            if variant == "OpenEnv":
+                return run_openenv(openenv_port, n, args.seconds, args.warmup)
+            scheme = "http" if variant == "envkit REST" else "ws"
+            return run_envkit(scheme, envkit_port, n, args.seconds, args.warmup)
+
+        runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
         for n in levels:
-            rows["envkit REST", n] = run_envkit("http", envkit_port, n, args.seconds, args.warmup)
-            rows["envkit WS", n] = run_envkit("ws", envkit_port, n, args.seconds, args.warmup)
-            rows["OpenEnv", n] = run_openenv(openenv_port, n, args.seconds, args.warmup)
+            for _ in range(args.rounds):
+                for variant in ("envkit REST", "envkit WS", "OpenEnv"):
+                    runs.setdefault((variant, n), []).append(measure(variant, n))
     finally:
         for proc in servers:
             _stop(proc)
 
-    print(f"{'variant':<12} {'sessions':>8} {'steps/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'errors':>6}")
-    for (name, n), r in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        print(f"{name:<12} {n:>8} {r['steps_per_s']:>9.0f} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} {r['errors']:>6}")
-        if r["first_error"]:
-            print(f"{'':<12} first error: {r['first_error']}")
-    print("\nenvkit / OpenEnv steps/s:")
+    print(f"{'variant':<12} {'sessions':>8} {'steps/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'errors':>6}   (medians of "
+          f"{args.rounds} rounds)")
+    for (name, n), cell in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        med = {k: statistics.median(r[k] for r in cell) for k in ("steps_per_s", "p50_ms", "p99_ms")}
+        print(f"{name:<12} {n:>8} {med['steps_per_s']:>9.0f} {med['p50_ms']:>8.2f} {med['p99_ms']:>8.2f} "
+              f"{sum(r['errors'] for r in cell):>6}")
+        for r in cell:
+            if r["first_error"]:
+                print(f"{'':<12} first error: {r['first_error']}")
+                break
+
+    def ratios(variant: str, n: int) -> list[float]:
+        return [r["steps_per_s"] / (o["steps_per_s"] or float("nan"))
+                for r, o in zip(runs[variant, n], runs["OpenEnv", n], strict=True)]
+
+    print("\nenvkit / OpenEnv steps/s (median of the rounds' ratios; each round's in brackets):")
     for n in levels:
-        base = rows["OpenEnv", n]["steps_per_s"] or float("nan")
-        print(f"  {n:>3} sessions: WS {rows['envkit WS', n]['steps_per_s'] / base:.2f}x   "
-              f"REST {rows['envkit REST', n]['steps_per_s'] / base:.2f}x")
+        ws, rest = ratios("envkit WS", n), ratios("envkit REST", n)
+        print(f"  {n:>3} sessions: WS {statistics.median(ws):.2f}x [{', '.join(f'{x:.2f}' for x in ws)}]   "
+              f"REST {statistics.median(rest):.2f}x")
     if 64 in levels:
-        ratio = rows["envkit WS", 64]["steps_per_s"] / (rows["OpenEnv", 64]["steps_per_s"] or float("nan"))
+        ratio = statistics.median(ratios("envkit WS", 64))
         verdict = "meets" if ratio >= 3 else "MISSES"
         print(f"\nenvkit WS / OpenEnv at 64 sessions: {ratio:.2f}x ({verdict} the >= 3x target)")
 

@@ -162,7 +162,7 @@ async def ws_exchange(ws: WsConnection, frame: dict[str, Any], timeout_s: float)
                              "acted on it; the WebSocket session is closed)", code="timeout") from e
     except WsClosedError as e:
         raise RemoteEnvError(f"{e}; its session is gone", code="connection_lost") from e
-    return json.loads(raw)
+    return json.loads(raw.decode())  # decoding first is faster than json.loads(bytes), which sniffs the encoding
 
 
 class _WebSocket:

@@ -33,12 +33,12 @@ from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, TypeVar
 
-from fastapi import FastAPI, Request, WebSocket
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.websockets import WebSocketDisconnect
+from starlette.routing import WebSocketRoute
 
 import envkit
 from envkit.core import Env
@@ -681,24 +681,33 @@ def create_app(env: str, *, env_kwargs: dict[str, Any] | None = None, token: str
         """Close the session's env and forget the session."""
         return await timed("delete", server.delete(session_id))
 
-    @app.websocket("/ws")
-    async def websocket_session(ws: WebSocket) -> None:
-        """One session per connection: frames ``{"op": "create"|"reset"|"step"|"state"|"delete", ...}``."""
-        await ws.accept()
-        handler = _WsSession(server)
+    app.router.routes.append(WebSocketRoute("/ws", _WsEndpoint(server)))
+    app.add_middleware(_Guard, server=server, token=token)
+    return app
+
+
+class _WsEndpoint:
+    """``/ws``: one session per connection, frames ``{"op": "create"|"reset"|"step"|"state"|"delete", ...}``.
+
+    A plain ASGI app rather than a FastAPI route: Starlette's WebSocket wrapper (state checks on every frame) and the
+    route's exception-handling send wrapper took about 3 µs of the server's 31 µs of CPU per step of a fast env.
+    """
+
+    def __init__(self, server: EnvServer) -> None:
+        self.server = server
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (await receive())["type"] != "websocket.connect":
+            return
+        await send({"type": "websocket.accept"})
+        handler = _WsSession(self.server)
         try:
-            while True:
-                message = await ws.receive()
-                if message["type"] == "websocket.disconnect":
-                    break
-                await ws.send_text(await handler.handle(message.get("text")))
-        except WebSocketDisconnect:
+            while (message := await receive())["type"] == "websocket.receive":
+                await send({"type": "websocket.send", "text": await handler.handle(message.get("text"))})
+        except OSError:  # the client went away while we answered
             pass
         finally:
             await handler.close()
-
-    app.add_middleware(_Guard, server=server, token=token)
-    return app
 
 
 class _WsSession:
