@@ -7,12 +7,15 @@ of one step as the client sees it:
   envkit WS     RemoteEnv over one WebSocket per session                      -> `envkit serve`
   OpenEnv       openenv-core 0.3.0 GenericEnvClient (its WebSocket client)    -> OpenEnv's create_app server
 Each server is its own process on loopback with uvloop + httptools, and each client runs in a process of its own;
-on a 2-core machine the client and server share the cores, so read ratios, not absolute numbers. A small VM's speed
-also drifts by tens of percent over minutes, so the cells run in rounds (REST, WS, OpenEnv, then again): the table
-gives each variant's median over rounds, and each ratio is the median of the rounds' own WS/OpenEnv ratios.
+on a 2-core machine the client and server share the cores, so read ratios, not absolute numbers. The cells run in
+rounds (REST, WS, OpenEnv, then again); the table gives each variant's median over rounds, and each ratio is the
+median of the rounds' own WS/OpenEnv ratios. Each round also pads the client processes' environment by a different
+length (the same for every variant in the round): on this 2-vCPU VM the size of the environment block alone, which
+shifts the memory layout of a new process, moved a client's steps/s by up to 25%, so a fixed environment would
+bias a run toward whichever client happened to land on a fast layout.
 Target: envkit WS >= 3x OpenEnv steps/s at 64 sessions.
 
-    python benchmarks/remote_env.py [--sessions 1,16,64,256] [--seconds 3] [--warmup 0.5] [--rounds 3]
+    python benchmarks/remote_env.py [--sessions 1,16,64,256] [--seconds 3] [--warmup 0.5] [--rounds 5] [--seed 0]
 
 Needs the server extra in this venv and openenv-core in .venv-openenv (``make install`` sets up both).
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import socket
 import statistics
@@ -99,11 +103,11 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-def run_envkit(scheme: str, port: int, sessions: int, seconds: float, warmup: float) -> dict[str, Any]:
+def run_envkit(scheme: str, port: int, sessions: int, seconds: float, warmup: float, pad: int = 0) -> dict[str, Any]:
     """Drive `sessions` RemoteEnvs in a fresh process (like the OpenEnv client gets) and return its numbers."""
     code = ("import asyncio, json, remote_env as b; "
             f"print(json.dumps(asyncio.run(b.envkit_client({scheme!r}, {port}, {sessions}, {seconds}, {warmup}))))")
-    return _json_from([sys.executable, "-c", code])
+    return _json_from([sys.executable, "-c", code], pad)
 
 
 async def envkit_client(scheme: str, port: int, sessions: int, seconds: float, warmup: float) -> dict[str, Any]:
@@ -116,14 +120,15 @@ async def envkit_client(scheme: str, port: int, sessions: int, seconds: float, w
     return await drive(open_session, sessions=sessions, seconds=seconds, warmup=warmup)
 
 
-def run_openenv(port: int, sessions: int, seconds: float, warmup: float) -> dict[str, Any]:
+def run_openenv(port: int, sessions: int, seconds: float, warmup: float, pad: int = 0) -> dict[str, Any]:
     """Drive OpenEnv's own client in the OpenEnv venv and return its numbers."""
     return _json_from([str(OPENENV_PYTHON), str(HERE / "openenv_peer.py"), "--url", f"http://127.0.0.1:{port}",
-                       "--sessions", str(sessions), "--seconds", str(seconds), "--warmup", str(warmup)])
+                       "--sessions", str(sessions), "--seconds", str(seconds), "--warmup", str(warmup)], pad)
 
 
-def _json_from(argv: list[str]) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
+def _json_from(argv: list[str], pad: int) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),
+           "ENVKIT_BENCH_PAD": "x" * pad}
     out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         raise RuntimeError(f"{argv[:3]} failed: {out.stderr[-2000:]}")
@@ -135,7 +140,8 @@ def main() -> None:
     parser.add_argument("--sessions", default="1,16,64,256", help="comma-separated concurrency levels")
     parser.add_argument("--seconds", type=float, default=3.0, help="timed window per cell")
     parser.add_argument("--warmup", type=float, default=0.5, help="untimed stepping before each window")
-    parser.add_argument("--rounds", type=int, default=3, help="measurements of each cell, interleaved")
+    parser.add_argument("--rounds", type=int, default=5, help="measurements of each cell, interleaved")
+    parser.add_argument("--seed", type=int, default=0, help="picks each round's environment padding")
     args = parser.parse_args()
     levels = [int(n) for n in args.sessions.split(",")]
     if not OPENENV_PYTHON.exists():
@@ -149,17 +155,19 @@ def main() -> None:
         servers.append(_start([str(OPENENV_PYTHON), "-m", "uvicorn", "--factory", "openenv_peer:create_app",
                                "--port", str(openenv_port), "--log-level", "warning", "--no-access-log",
                                "--loop", "uvloop", "--http", "httptools"], openenv_port))
-        def measure(variant: str, n: int) -> dict[str, Any]:
+        def measure(variant: str, n: int, pad: int) -> dict[str, Any]:
             if variant == "OpenEnv":
-                return run_openenv(openenv_port, n, args.seconds, args.warmup)
+                return run_openenv(openenv_port, n, args.seconds, args.warmup, pad)
             scheme = "http" if variant == "envkit REST" else "ws"
-            return run_envkit(scheme, envkit_port, n, args.seconds, args.warmup)
+            return run_envkit(scheme, envkit_port, n, args.seconds, args.warmup, pad)
 
+        pick = random.Random(args.seed)
         runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
         for n in levels:
             for _ in range(args.rounds):
+                pad = pick.randrange(4096)
                 for variant in ("envkit REST", "envkit WS", "OpenEnv"):
-                    runs.setdefault((variant, n), []).append(measure(variant, n))
+                    runs.setdefault((variant, n), []).append(measure(variant, n, pad))
     finally:
         for proc in servers:
             _stop(proc)
