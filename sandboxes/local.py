@@ -122,10 +122,9 @@ class LocalSandbox(Sandbox):
             out, err = await asyncio.wait_for(proc.communicate(data), timeout)
         except TimeoutError:
             timed_out = True
-            await _kill_group(proc)
             out, err = b"", b""
         finally:
-            await _kill_group(proc)
+            await _kill_group(proc)  # after a timeout, and after a normal exit for what it left in its group
         limit = self.limits.output_limit_bytes
         stdout, cut_out = cap(out, limit)
         stderr, cut_err = cap(err, limit)
