@@ -281,7 +281,8 @@ class DockerSandbox(Sandbox):
             if stdin:
                 raw.sendall(stdin)
             raw.shutdown(socket.SHUT_WR)
-            # The stream is multiplexed: an 8-byte header (stream id, size) before each chunk.
+            # The stream is multiplexed: an 8-byte header (stream id, size) before each chunk. Not the SDK's
+            # docker.utils.socket.frames_iter: it polls with no timeout, so a stuck exec would hang this thread.
             while header := _read_exact(raw, 8):
                 stream, size = struct.unpack(">BxxxL", header)
                 chunk = _read_exact(raw, size)
