@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import uvloop
 from remote_envs import Server, envkit_serve, free_port
 
 import envkit
@@ -192,6 +193,21 @@ async def test_many_remote_envs_in_one_loop(server: Server):
 
     rewards = await asyncio.gather(*(episode(i, TRANSPORTS[i % 2]) for i in range(32)))
     assert rewards == [1.0] * 32
+
+
+def test_remote_envs_run_on_uvloop_too(server: Server):
+    """Rollout drivers often run uvloop, whose transports do not subclass asyncio's."""
+    async def episodes() -> list[float]:
+        rewards = []
+        for scheme in TRANSPORTS:
+            async with envkit.make(url(server, scheme), remote=CONFIG) as env:
+                await env.reset(seed=7)
+                assert (await env.step(say("no"))).observation == [{"role": "user", "content": "no"}]
+                rewards.append((await env.step(say("w7"))).reward)
+        return rewards
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        assert runner.run(episodes()) == [1.0, 1.0]
 
 
 def test_bad_urls_are_refused():

@@ -4,6 +4,7 @@ closes, refused handshakes, and frames nobody asked for."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import ssl
@@ -12,6 +13,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 import trustme
+import uvloop
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.datastructures import Headers
 from websockets.exceptions import InvalidStatus
@@ -56,11 +58,17 @@ def refuse_bad_tokens(ws: ServerConnection, request: Request) -> Response | None
     return None
 
 
-@pytest.fixture
-async def url() -> AsyncIterator[str]:
+@contextlib.asynccontextmanager
+async def ws_server() -> AsyncIterator[str]:
     async with serve(handler, "127.0.0.1", 0, process_request=refuse_bad_tokens, max_size=None) as server:
         port = next(iter(server.sockets)).getsockname()[1]
         yield f"ws://127.0.0.1:{port}/ws"
+
+
+@pytest.fixture
+async def url() -> AsyncIterator[str]:
+    async with ws_server() as address:
+        yield address
 
 
 async def test_requests_get_their_answers_including_fragmented_ones_and_after_pings(url: str):
@@ -73,6 +81,22 @@ async def test_requests_get_their_answers_including_fragmented_ones_and_after_pi
     await conn.close()
     assert conn.closed
     await conn.close()  # idempotent
+
+
+def test_it_runs_on_uvloop_too():
+    """uvloop's transports do not subclass asyncio.Transport, and they fill the protocol's read buffer themselves."""
+    async def scenario() -> None:
+        async with ws_server() as address:
+            conn = await WsConnection.connect(address)
+            assert await conn.request("echo:hello", 5) == b"hello"
+            assert await conn.request("parts:abcdef", 5) == b"abcdef"
+            assert await conn.request("echo:" + "x" * 3_000_000, 5) == b"x" * 3_000_000
+            with pytest.raises(TimeoutError):
+                await conn.request("sleep:1", 0.1)
+            assert conn.closed
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(scenario())
 
 
 async def test_a_timeout_closes_the_connection_so_a_late_answer_is_never_misread(url: str):
