@@ -53,8 +53,8 @@ model: install  ## convert the bundled SmolLM2-135M-Instruct into an HF checkpoi
 docker-up: install  ## Docker for sandboxes: install docker.io, start dockerd, build the base image (idempotent)
 	$(PY) -m sandboxes.engine up
 
-test: install model docker-up  ## run the whole test suite (starts real vLLM servers and containers; ~15 min)
-	$(VENV)/bin/pytest -q
+test: install model docker-up  ## run the whole test suite (starts real vLLM servers and containers; ~25 min)
+	$(VENV)/bin/pytest -q --durations=15
 
 lint: install  ## ruff
 	$(VENV)/bin/ruff check .

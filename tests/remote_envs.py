@@ -98,6 +98,7 @@ class Server:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log = tempfile.NamedTemporaryFile(prefix="envkit-server-", suffix=".log", delete=False)  # noqa: SIM115
+        self.final_output: str | None = None  # the log's text once stopped (the file is then removed)
         full_env = {**os.environ, **(env or {})}
         full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), full_env.get("PYTHONPATH")]))
         # Its own process group: stop() reaches worker processes too.
@@ -125,6 +126,8 @@ class Server:
 
     def output(self) -> str:
         """What the server printed so far."""
+        if self.final_output is not None:
+            return self.final_output
         return Path(self.log.name).read_text(errors="replace")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
@@ -138,6 +141,10 @@ class Server:
                 self.proc.wait()
             except ProcessLookupError:
                 pass
+        if self.final_output is None:
+            self.final_output = self.output()
+            self.log.close()
+            Path(self.log.name).unlink(missing_ok=True)
         return self.proc.returncode
 
 
