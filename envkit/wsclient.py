@@ -24,13 +24,13 @@ from envkit.deadlines import Deadlines
 
 _DATA = (Opcode.TEXT, Opcode.BINARY)
 _READ_SIZE = 256 * 1024
-_thread = threading.local()  # its read buffer, shared by the thread's connections: each read is consumed at once
+_per_thread = threading.local()  # holds the read buffer its connections share: each read is consumed at once
 
 
 def _read_buffer() -> memoryview:
-    buffer: memoryview | None = getattr(_thread, "read_buffer", None)
+    buffer: memoryview | None = getattr(_per_thread, "read_buffer", None)
     if buffer is None:
-        buffer = _thread.read_buffer = memoryview(bytearray(_READ_SIZE))
+        buffer = _per_thread.read_buffer = memoryview(bytearray(_READ_SIZE))
     return buffer
 
 
