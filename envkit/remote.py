@@ -24,6 +24,7 @@ from urllib.parse import quote, urlsplit
 import httpx
 import websockets
 
+from envkit import wire
 from envkit.core import Env, StepResult, Task
 from envkit.errors import (
     RemoteConnectionError,
@@ -156,13 +157,13 @@ async def ws_exchange(ws: WsConnection, frame: dict[str, Any], timeout_s: float)
     server may have acted on the request.
     """
     try:
-        raw = await ws.request(json.dumps(frame), timeout_s)
+        raw = await ws.request(wire.dumps(frame), timeout_s)
     except TimeoutError as e:
         raise RemoteEnvError(f"no answer from {ws.url} within {timeout_s:g} s (not retried: the server may have "
                              "acted on it; the WebSocket session is closed)", code="timeout") from e
     except WsClosedError as e:
         raise RemoteEnvError(f"{e}; its session is gone", code="connection_lost") from e
-    return json.loads(raw.decode())  # decoding first is faster than json.loads(bytes), which sniffs the encoding
+    return wire.loads(raw)
 
 
 class _WebSocket:

@@ -92,8 +92,8 @@ class WsConnection(asyncio.BufferedProtocol):
         """True once no further answer can arrive."""
         return self._ws.state is not State.OPEN or self._transport is None or self._transport.is_closing()
 
-    async def request(self, text: str, timeout_s: float) -> bytes:
-        """Send ``text`` as one frame and return the next data message.
+    async def request(self, text: str | bytes, timeout_s: float) -> bytes:
+        """Send ``text`` (str or UTF-8 bytes) as one text frame and return the next data message.
 
         Raises TimeoutError after ``timeout_s`` and WsClosedError if the connection ends first. Either way, and on
         cancellation, the connection is closed, since a late answer would otherwise be read as the next one's.
@@ -104,7 +104,7 @@ class WsConnection(asyncio.BufferedProtocol):
             raise WsClosedError(f"the WebSocket to {self.url} is closed{self._why_closed}")
         answer = self._answer = self._loop.create_future()
         self._deadlines.add(self, timeout_s, self._expire)
-        self._ws.send_text(text.encode())
+        self._ws.send_text(text.encode() if isinstance(text, str) else text)
         self._flush()
         try:
             return await answer

@@ -6,11 +6,13 @@ ScriptedEnv echoes the assistant's text back and does what special actions say:
   "hang"       never answers (the server's step timeout must end it)
   "sleep:S"    answers after S seconds
   "bad"        returns a malformed StepResult (the ContractChecker on the server must catch it)
+  "odd info"   puts values JSON lacks in info (NaN, an int key, a set, a tuple); "big info" a 71-bit integer
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import signal
 import socket
@@ -67,6 +69,11 @@ class ScriptedEnv(Env):
             await asyncio.sleep(float(text.split(":", 1)[1]))
         if text == "bad":
             return StepResult("not a list of messages", 0.0)  # type: ignore[arg-type]
+        if text == "odd info":  # values JSON lacks or carries only with help
+            return StepResult([envkit.user(text)], 0.0,
+                              info={"loss": math.nan, 3: "int key", "tags": {"a"}, "pair": (1, 2)})
+        if text == "big info":
+            return StepResult([envkit.user(text)], 0.0, info={"big": 2**70})
         done = text == "bye" or self.word in text
         return StepResult([envkit.user(f"{self.prefix}{text}")], reward=float(self.word in text),
                           terminated=done, truncated=self.turns >= self.max_turns and not done,

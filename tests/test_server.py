@@ -82,6 +82,9 @@ def test_websocket_handshake_needs_the_token(server: Server):
         ws_open(server, headers={})
     assert caught.value.response.status_code == 401
     assert json.loads(caught.value.response.body)["error"]["code"] == "unauthorized"
+    with pytest.raises(InvalidStatus) as caught:
+        ws_connect(server.url.replace("http", "ws") + "/elsewhere", additional_headers=AUTH)
+    assert caught.value.response.status_code == 403  # /ws is the only WebSocket route
 
 
 def test_info_describes_env_protocol_and_limits(http: httpx.Client):
@@ -264,6 +267,17 @@ def test_websocket_and_rest_give_identical_episodes_and_errors(server: Server, h
     assert [outcome(r) for r in rest] == [outcome(r) for r in ws_answers]
     assert [r["error"]["code"] if "error" in r else None for r in rest] == [
         "reset_needed", None, None, None, "episode_done", "episode_done", "validation_error"]
+
+
+def test_info_values_json_lacks_arrive_the_same_way_over_rest_and_websocket(server: Server, http: httpx.Client):
+    sid = new_session(http)
+    http.post(f"/sessions/{sid}/reset", json={"seed": 1})
+    rest = [http.post(f"/sessions/{sid}/step", json=say(text)).json()["info"] for text in ("odd info", "big info")]
+    with ws_open(server) as ws:
+        ws_call(ws, op="create")
+        ws_call(ws, op="reset", seed=1)
+        ws_answers = [ws_call(ws, op="step", **say(text))["info"] for text in ("odd info", "big info")]
+    assert rest == ws_answers == [{"loss": None, "3": "int key", "tags": "{'a'}", "pair": [1, 2]}, {"big": 2**70}]
 
 
 def test_websocket_malformed_frames_get_errors_and_the_connection_lives_on(server: Server):
