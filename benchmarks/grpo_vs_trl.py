@@ -2,8 +2,9 @@
 
 Both train the bundled SmolLM2-135M-Instruct on the same arithmetic prompts in the same order, GRPO with
 group-normalized advantages, no KL, one optimizer step per generation round, constant LR. Ours generates with
-vLLM (the default path) and trains with FSDP2 (bf16 compute); TRL generates with HF ``generate`` (its default
-path) and trains with its Trainer (bf16 autocast). Zero-variance-group filtering is off on our side so both
+vLLM (the default path) and trains with FSDP2; TRL generates with HF ``generate`` (its default path) and trains
+with its Trainer. Both compute in the precision our ``auto`` picks for this machine: bf16 (TRL: bf16 autocast) on a
+GPU or a CPU with native bfloat16, fp32 elsewhere. Zero-variance-group filtering is off on our side so both
 train on every rollout. Per step it prints wall time, generated tokens/s and training tokens/s, then the ratios.
 Target: ours >= 5x faster per step.
 
@@ -25,7 +26,7 @@ from trl_peer import run_trl_grpo  # a sibling module in benchmarks/
 import envkit
 from generators.models import bundled_model_dir
 from trainer.config import AlgorithmConfig, Config, EnvConfig, LoggingConfig, RolloutConfig, TrainerConfig
-from trainer.loop import _next_tasks, train
+from trainer.loop import _next_tasks, train, train_dtype
 
 
 def step_prompts(steps: int, per_step: int, seed: int) -> tuple[list[list[dict]], list[int]]:
@@ -65,7 +66,8 @@ def run_trl(args: argparse.Namespace) -> list[dict]:
     prompts, answers = step_prompts(args.steps, args.prompts_per_step, args.seed)
     r = run_trl_grpo(str(bundled_model_dir()), prompts, answers, num_generations=args.group_size,
                      prompts_per_step=args.prompts_per_step, max_completion_length=args.max_tokens,
-                     steps=args.steps, learning_rate=args.lr, temperature=1.0, seed=args.seed, bf16=True)
+                     steps=args.steps, learning_rate=args.lr, temperature=1.0, seed=args.seed,
+                     bf16=train_dtype("auto") == "bf16")
     return [{"wall_s": w, "generate_s": g, "gen_tokens": c, "train_tokens": t, "reward": m}
             for w, g, c, t, m in zip(r["step_wall_s"], r["generate_s"], r["completion_tokens"], r["train_tokens"],
                                      r["reward_mean"], strict=True)]

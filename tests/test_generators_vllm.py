@@ -19,6 +19,7 @@ from generators.chat import ChatTokenizer
 from generators.engines.base import EngineError, SamplingParams
 from generators.engines.openai_chat import OpenAIEndpoint
 from generators.engines.vllm import VLLMEngine
+from generators.precision import auto_dtype, cpu_has_bf16
 from generators.rollout import Generator, GeneratorConfig, env_factory
 from generators.trajectory import Trajectory
 
@@ -137,8 +138,10 @@ async def test_tool_env_rollout_with_calculator(vllm_engine, chat_tokenizer):
 
 
 async def test_failed_rollouts_are_recorded_and_the_batch_completes(vllm_engine, chat_tokenizer):
-    gen = Generator(vllm_engine, chat_tokenizer, _config(rollout_timeout_s=20))
-    trajs = await gen.generate(FlakyEnv, seeds=range(20))
+    # FlakyEnv ignores what the model says: 4 tokens keep generation far inside the timeout on a slow CPU, so only
+    # the hanging env reaches it.
+    config = GeneratorConfig(sampling=SamplingParams(temperature=1.0, max_tokens=4), rollout_timeout_s=20)
+    trajs = await Generator(vllm_engine, chat_tokenizer, config).generate(FlakyEnv, seeds=range(20))
     reasons = [t.stop_reason for t in trajs]
     assert reasons.count("error") == 4 and reasons.count("timeout") == 1 and reasons.count("done") == 15
     assert all("RuntimeError: env crashed on seed" in t.error for t in trajs if t.stop_reason == "error")
@@ -225,6 +228,18 @@ async def test_engine_refuses_requests_before_start(chat_tokenizer):
     engine = VLLMEngine()
     with pytest.raises(EngineError, match="not started"):
         await engine.generate([1, 2, 3], SamplingParams())
+
+
+def test_dtype_and_compilation_follow_the_hardware_unless_given():
+    engine = VLLMEngine()
+    argv = engine._command(8000)
+    on_gpu = not engine.cpu_build
+    assert argv[argv.index("--dtype") + 1] == auto_dtype(on_gpu=on_gpu) == ("bfloat16" if on_gpu or cpu_has_bf16()
+                                                                             else "float32")
+    assert ("--enforce-eager" in argv) == engine.cpu_build
+    argv = VLLMEngine(dtype="bfloat16", compile=True)._command(8000)
+    assert argv[argv.index("--dtype") + 1] == "bfloat16" and "--enforce-eager" not in argv
+    assert "--enforce-eager" in VLLMEngine(compile=False)._command(8000)
 
 
 async def test_per_request_seed_is_refused_on_vllm_cpu_instead_of_crashing_the_server(vllm_engine):

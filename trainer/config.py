@@ -133,7 +133,8 @@ class InferenceConfig:
     engine: str = "vllm"
     """vllm, sglang, or hf (in-process transformers: slow, but reproducible with generator.seed)."""
     max_model_len: int = 2048
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
+    """auto (bfloat16 on a GPU or a CPU with native bfloat16, else float32), bfloat16, float32, ..."""
     kv_cache_gib: int = 2
 
     def __post_init__(self) -> None:
@@ -164,7 +165,8 @@ class TrainerConfig:
     """Pack sequences into one row per micro-batch instead of padding them. Pays off with a varlen attention kernel
     (``attention=flash_attention_2`` on GPU); eager and SDPA attend over the whole packed row, which costs more than
     the padding it saves."""
-    dtype: str = "bf16"
+    dtype: str = "auto"
+    """Compute dtype over fp32 parameters: auto (bf16 on a GPU or a CPU with native bfloat16, else fp32), bf16, fp32."""
     attention: str = "auto"
     """transformers attention kernel: auto (eager on CPU, sdpa on GPU), eager, sdpa, flash_attention_2."""
     gradient_checkpointing: bool = False
@@ -188,7 +190,7 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         _one_of("trainer.backend", self.backend, ("fsdp", "deepspeed"))
         _one_of("trainer.lr_schedule", self.lr_schedule, ("constant", "cosine"))
-        _one_of("trainer.dtype", self.dtype, ("bf16", "fp32"))
+        _one_of("trainer.dtype", self.dtype, ("auto", "bf16", "fp32"))
         _one_of("trainer.attention", self.attention, ("auto", "eager", "sdpa", "flash_attention_2"))
         if self.zero_stage not in (2, 3):
             raise ConfigError(f"trainer.zero_stage must be 2 or 3, got {self.zero_stage}")

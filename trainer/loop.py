@@ -28,7 +28,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,7 @@ import envkit
 from generators import ChatTokenizer, Generator, GeneratorConfig, SamplingParams, Trajectory, env_factory
 from generators.engines.base import InferenceEngine
 from generators.models import resolve_model
+from generators.precision import auto_dtype
 from generators.trajectory import to_packed, to_padded
 from trainer import algorithms as algo
 from trainer.backends.base import BackendConfig, Batch, TrainBackend
@@ -366,7 +367,7 @@ def make_backend(cfg: Config, model_path: str) -> TrainBackend:
     config = BackendConfig(
         model_path=model_path, lr=t.lr, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps,
         total_steps=t.steps * cfg.steps_per_update, lr_schedule=t.lr_schedule, grad_clip=t.grad_clip,
-        temperature=cfg.generator.temperature, dtype=t.dtype, reference=cfg.algorithm.kl_coef > 0,
+        temperature=cfg.generator.temperature, dtype=train_dtype(t.dtype), reference=cfg.algorithm.kl_coef > 0,
         value_head=cfg.algorithm.critic,
         gradient_checkpointing=t.gradient_checkpointing, attention=t.attention, seed=t.seed,
     )
@@ -379,6 +380,13 @@ def make_backend(cfg: Config, model_path: str) -> TrainBackend:
     return FSDPBackend(config)
 
 
+def train_dtype(dtype: str) -> Literal["bf16", "fp32"]:
+    """``trainer.dtype`` with ``auto`` resolved for this machine (see :mod:`generators.precision`)."""
+    if dtype == "auto":
+        return "bf16" if auto_dtype(on_gpu=torch.cuda.is_available()) == "bfloat16" else "fp32"
+    return "bf16" if dtype == "bf16" else "fp32"
+
+
 def make_engine(cfg: Config, model_path: str, out: Path) -> InferenceEngine:
     """The inference engine named by ``inference.engine`` (not started)."""
     i = cfg.inference
@@ -389,7 +397,8 @@ def make_engine(cfg: Config, model_path: str, out: Path) -> InferenceEngine:
     if i.engine == "sglang":
         from generators.engines.sglang import SGLangEngine
 
-        return SGLangEngine(model_path, context_length=i.max_model_len, dtype=i.dtype, log_path=out / "sglang.log")
+        dtype = auto_dtype(on_gpu=torch.cuda.is_available()) if i.dtype == "auto" else i.dtype
+        return SGLangEngine(model_path, context_length=i.max_model_len, dtype=dtype, log_path=out / "sglang.log")
     from generators.engines.vllm import VLLMEngine
 
     return VLLMEngine(model_path, max_model_len=i.max_model_len, dtype=i.dtype, kv_cache_gib=i.kv_cache_gib,
