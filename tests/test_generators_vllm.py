@@ -19,7 +19,7 @@ from generators.chat import ChatTokenizer
 from generators.engines.base import EngineError, SamplingParams
 from generators.engines.openai_chat import OpenAIEndpoint
 from generators.engines.vllm import VLLMEngine
-from generators.precision import auto_dtype, cpu_has_bf16
+from generators.precision import cpu_has_bf16
 from generators.rollout import Generator, GeneratorConfig, env_factory
 from generators.trajectory import Trajectory
 
@@ -234,8 +234,7 @@ def test_dtype_and_compilation_follow_the_hardware_unless_given():
     engine = VLLMEngine()
     argv = engine._command(8000)
     on_gpu = not engine.cpu_build
-    assert argv[argv.index("--dtype") + 1] == auto_dtype(on_gpu=on_gpu) == ("bfloat16" if on_gpu or cpu_has_bf16()
-                                                                             else "float32")
+    assert argv[argv.index("--dtype") + 1] == ("bfloat16" if on_gpu or cpu_has_bf16() else "float32")
     assert ("--enforce-eager" in argv) == engine.cpu_build
     argv = VLLMEngine(dtype="bfloat16", compile=True)._command(8000)
     assert argv[argv.index("--dtype") + 1] == "bfloat16" and "--enforce-eager" not in argv
