@@ -23,6 +23,7 @@ from generators.engines.sglang import (
     launch_env,
     sglang_available,
 )
+from generators.precision import cpu_has_bf16
 
 SGLANG_MISSING = sglang_available()
 # Only the real-server tests need sglang; the reason shows in the skip summary (`-rs`/`-ra`).
@@ -91,6 +92,11 @@ def test_engine_builds_its_command_and_env_from_its_options(tmp_path):
     assert engine.server.env == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false", "SGLANG_USE_CPU_ENGINE": "1"}
     assert engine.server.health_path == "/health_generate"
     assert launch_env(None) == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false"}
+
+
+def test_auto_dtype_is_bfloat16_on_an_accelerator_and_follows_the_cpu_on_the_cpu_backend():
+    assert SGLangEngine("/ckpt", dtype="auto").dtype == "bfloat16"
+    assert SGLangEngine("/ckpt", dtype="auto", device="cpu").dtype == ("bfloat16" if cpu_has_bf16() else "float32")
 
 
 def test_generate_body_maps_the_sampling_params():

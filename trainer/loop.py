@@ -397,8 +397,7 @@ def make_engine(cfg: Config, model_path: str, out: Path) -> InferenceEngine:
     if i.engine == "sglang":
         from generators.engines.sglang import SGLangEngine
 
-        dtype = auto_dtype(on_gpu=torch.cuda.is_available()) if i.dtype == "auto" else i.dtype
-        return SGLangEngine(model_path, context_length=i.max_model_len, dtype=dtype, log_path=out / "sglang.log")
+        return SGLangEngine(model_path, context_length=i.max_model_len, dtype=i.dtype, log_path=out / "sglang.log")
     from generators.engines.vllm import VLLMEngine
 
     return VLLMEngine(model_path, max_model_len=i.max_model_len, dtype=i.dtype, kv_cache_gib=i.kv_cache_gib,

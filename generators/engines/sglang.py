@@ -32,6 +32,7 @@ from typing import Any
 from generators.engines.base import Completion, EngineError, FinishReason, SamplingParams
 from generators.engines.managed import ServerBackedEngine
 from generators.models import cache_dir
+from generators.precision import auto_dtype
 
 log = logging.getLogger(__name__)
 
@@ -151,8 +152,9 @@ class SGLangEngine(ServerBackedEngine):
     If the server dies, the next request restarts it (and reloads the latest weights) once.
 
     ``device="cpu"`` runs SGLang's CPU backend (Intel Xeon with AMX; needs an SGLang built for CPU);
-    ``None`` lets SGLang pick the accelerator. ``python`` is the interpreter that has ``sglang`` (default: this
-    one); SGLang pins its own torch, so it often lives in an environment of its own.
+    ``None`` lets SGLang pick the accelerator. ``dtype="auto"`` is bfloat16 on an accelerator or a CPU with native
+    bfloat16 and float32 on other CPUs (:mod:`generators.precision`). ``python`` is the interpreter that has
+    ``sglang`` (default: this one); SGLang pins its own torch, so it often lives in an environment of its own.
     """
 
     backend = "SGLang"
@@ -176,7 +178,8 @@ class SGLangEngine(ServerBackedEngine):
         auto_restart: bool = True,
     ) -> None:
         self.context_length = context_length
-        self.dtype = dtype
+        # "auto" is ours, not SGLang's (which would take the checkpoint's dtype): see generators.precision.
+        self.dtype = auto_dtype(on_gpu=device != "cpu") if dtype == "auto" else dtype
         self.mem_fraction_static = mem_fraction_static
         self.device = device
         self.python = python
