@@ -66,8 +66,8 @@ class LongPromptEnv(Env):
         return StepResult([], terminated=True)
 
 
-def _config(**kw) -> GeneratorConfig:
-    return GeneratorConfig(sampling=SamplingParams(temperature=1.0, max_tokens=48), **kw)
+def _config(max_tokens: int = 48, **kw) -> GeneratorConfig:
+    return GeneratorConfig(sampling=SamplingParams(temperature=1.0, max_tokens=max_tokens), **kw)
 
 
 def _assert_token_exact(traj: Trajectory, tok: ChatTokenizer) -> None:
@@ -140,8 +140,8 @@ async def test_tool_env_rollout_with_calculator(vllm_engine, chat_tokenizer):
 async def test_failed_rollouts_are_recorded_and_the_batch_completes(vllm_engine, chat_tokenizer):
     # FlakyEnv ignores what the model says: 4 tokens keep generation far inside the timeout on a slow CPU, so only
     # the hanging env reaches it.
-    config = GeneratorConfig(sampling=SamplingParams(temperature=1.0, max_tokens=4), rollout_timeout_s=20)
-    trajs = await Generator(vllm_engine, chat_tokenizer, config).generate(FlakyEnv, seeds=range(20))
+    gen = Generator(vllm_engine, chat_tokenizer, _config(max_tokens=4, rollout_timeout_s=20))
+    trajs = await gen.generate(FlakyEnv, seeds=range(20))
     reasons = [t.stop_reason for t in trajs]
     assert reasons.count("error") == 4 and reasons.count("timeout") == 1 and reasons.count("done") == 15
     assert all("RuntimeError: env crashed on seed" in t.error for t in trajs if t.stop_reason == "error")
