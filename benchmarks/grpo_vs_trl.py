@@ -16,6 +16,7 @@ Needs ``trl==1.16.0`` in the venv (``make bench`` installs it).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import tempfile
@@ -26,18 +27,19 @@ from trl_peer import run_trl_grpo  # a sibling module in benchmarks/
 import envkit
 from generators.models import bundled_model_dir
 from trainer.config import AlgorithmConfig, Config, EnvConfig, LoggingConfig, RolloutConfig, TrainerConfig
-from trainer.loop import _next_tasks, train, train_dtype
+from trainer.loop import train, train_dtype
+from trainer.sources import EnvStream
 
 
 def step_prompts(steps: int, per_step: int, seed: int) -> tuple[list[list[dict]], list[int]]:
     """The chat prompts and answers our trainer uses for its first ``steps`` steps, in order."""
-    env = envkit.SyncEnv(envkit.make("arithmetic", level=1))
-    tasks = list(env.tasks("train") or [])
-    epoch = pos = 0
+    stream = EnvStream(EnvConfig(name="arithmetic", kwargs={"level": 1}), "arithmetic")
+    asyncio.run(stream.open(pool_size=1))
+    env = envkit.SyncEnv(stream.make())
     prompts, answers = [], []
     for _ in range(steps):
-        chosen, epoch, pos = _next_tasks(tasks, per_step, seed, epoch, pos)
-        for task in chosen:
+        for task, _seed in stream.next_starts(per_step, seed):
+            assert task is not None
             prompts.append([dict(m) for m in env.reset(task=task)[0]])
             answers.append(int(task["answer"]))
     env.close()

@@ -7,6 +7,7 @@ Sessions are explicit. Over REST::
     POST   /sessions/{id}/step        {"action": {assistant msg}} -> StepResultBody
     GET    /sessions/{id}                                         -> SessionState
     DELETE /sessions/{id}                                         -> 204
+    GET    /tasks?split=train&offset=0&limit=256                  -> TaskPage (the served env's task list)
 
 Over one WebSocket per session (``/ws``), each text frame is one request ``{"op": ..., ...}`` with the same fields
 as the REST body, answered in order by one frame holding the REST response body: ``create`` (``kwargs``), ``reset``
@@ -39,6 +40,8 @@ ERROR_STATUS: dict[str, int] = {
     "invalid_action": 422,  # not a well-formed assistant message
     "invalid_task": 422,  # the env refused the task passed to reset
     "invalid_kwargs": 422,  # the env could not be constructed with the session's kwargs
+    "invalid_split": 422,  # /tasks for a split the env does not have
+    "no_tasks": 404,  # /tasks of an env that does not list its tasks (draw episodes by seed)
     "internal_error": 500,  # a bug in the server itself
     "env_error": 500,  # the env raised or broke the contract: reported, contained, the session lives on
     "capacity": 503,  # max concurrent sessions reached
@@ -135,6 +138,16 @@ class StepResultBody(_Body):
     terminated: bool
     truncated: bool
     info: dict[str, Any]
+
+
+class TaskPage(_Body):
+    """``GET /tasks``: tasks ``offset .. offset + len(tasks)`` of the ``total`` in ``split``, as the env lists them
+    with the served kwargs."""
+
+    split: str
+    total: int
+    offset: int
+    tasks: list[dict[str, Any]]
 
 
 class SessionState(_Body):

@@ -5,7 +5,9 @@
     env = envkit.make("http://127.0.0.1:8000/arithmetic", level=2)   # REST; kwargs go to the server's env
     env = envkit.make("ws://127.0.0.1:8000/arithmetic")              # one WebSocket per session: less overhead
 
-``init`` opens a session (``make`` defers it to the first reset), ``close`` deletes it. Failures raise
+``init`` opens a session (``make`` defers it to the first reset), ``close`` deletes it. ``tasks(split)`` is the
+server's task list (``GET /tasks``, fetched a page at a time as it is read), so a trainer draws remote tasks as it
+draws local ones. Failures raise
 :class:`envkit.errors.RemoteEnvError` subclasses carrying the server's ``code`` and HTTP ``status``; codes with an
 envkit meaning raise an exception that is both (``episode_done`` is a RemoteEpisodeDoneError, so also an
 EpisodeDoneError). Only connection attempts are retried, with exponential backoff: a request that may have reached
@@ -17,8 +19,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, overload
 from urllib.parse import quote, urlsplit
 
 import httpx
@@ -218,6 +221,49 @@ class _WebSocket:
                 self.ws = None
 
 
+class RemoteTaskList(Sequence[Task]):
+    """A server's task list for one split, fetched in pages of ``page_size`` on first access (blocking HTTP: read it
+    from a thread in async code)."""
+
+    def __init__(self, base_url: str, split: str, *, headers: dict[str, str], config: RemoteConfig,
+                 page_size: int = 256) -> None:
+        self.url, self.split, self.page_size = f"{base_url}/tasks", split, page_size
+        self._headers = headers
+        self._timeout = httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s)
+        self._pages: dict[int, list[Task]] = {}
+        self._total = self._page(0)
+
+    def _page(self, index: int) -> int:
+        try:
+            response = httpx.get(self.url, headers=self._headers, timeout=self._timeout,
+                                 params={"split": self.split, "offset": index * self.page_size,
+                                         "limit": self.page_size})
+        except httpx.HTTPError as e:
+            raise RemoteConnectionError(f"GET {self.url} failed: {type(e).__name__}: {e}", code="connect_error") from e
+        body = response.json()
+        if response.status_code != 200:
+            raise error_from_body(body, response.status_code)
+        self._pages[index] = body["tasks"]
+        return int(body["total"])
+
+    def __len__(self) -> int:
+        return self._total
+
+    @overload
+    def __getitem__(self, i: int) -> Task: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[Task]: ...
+    def __getitem__(self, i: int | slice) -> Task | list[Task]:
+        if isinstance(i, slice):
+            return [self[k] for k in range(self._total)[i]]
+        if not -self._total <= i < self._total:
+            raise IndexError(f"task index {i} out of range for {self.url} split {self.split!r} ({self._total} tasks)")
+        page, k = divmod(i % self._total, self.page_size)
+        if page not in self._pages:
+            self._page(page)
+        return self._pages[page][k]
+
+
 class RemoteEnv(Env):
     """An env on an ``envkit serve`` server: ``url`` is ``http(s)://host:port/NAME`` or ``ws(s)://host:port/NAME``."""
 
@@ -275,6 +321,20 @@ class RemoteEnv(Env):
         body = await self._transport.call("step", {"action": action})
         return StepResult(body["observation"], body["reward"], terminated=body["terminated"],
                           truncated=body["truncated"], info=body["info"])
+
+    def tasks(self, split: str = "train") -> Sequence[Task] | None:
+        """The server env's task list for ``split`` (with the served kwargs), or None when it does not list tasks.
+
+        Blocking HTTP, paged lazily: in async code call it through ``asyncio.to_thread``."""
+        http = self.base_url.replace("ws", "http", 1) if self.base_url.startswith("ws") else self.base_url
+        try:
+            return RemoteTaskList(http, split, headers=self._headers, config=self.config)
+        except RemoteEnvError as e:
+            if e.code == "no_tasks":
+                return None
+            if e.code == "invalid_split":
+                raise ValueError(str(e)) from e
+            raise
 
     async def state(self) -> dict[str, Any]:
         """The server's view of this session (episode active, counts, idle time)."""

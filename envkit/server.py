@@ -28,12 +28,12 @@ import os
 import secrets
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response
 from pydantic import ValidationError
@@ -64,9 +64,12 @@ from envkit.protocol import (
     SessionState,
     StepRequest,
     StepResultBody,
+    TaskPage,
     WsRequest,
 )
 from envkit.tasks import task_counts
+
+MAX_TASK_PAGE = 1024
 
 log = logging.getLogger("envkit.server")
 T = TypeVar("T")
@@ -258,6 +261,7 @@ class EnvServer:
         self._closing: set[asyncio.Task[None]] = set()
         self._deadlines = Deadlines()  # the step timeouts: a timer per call would cost more than a fast env's step
         self._probe = envkit.make(env, **self.env_kwargs)  # fail fast on a bad name or kwargs; describes the env
+        self._task_lists: dict[str, Sequence[dict[str, Any]]] = {}
         spec = self._probe.spec
         self.info = {
             "env": env,
@@ -448,6 +452,21 @@ class EnvServer:
         if s.episode == "failed":
             return ApiError("reset_needed", "the last reset or step of this session failed; reset to go on")
         return ApiError("reset_needed", "step() before reset(); reset the session first")
+
+    def tasks(self, split: str, offset: int, limit: int) -> dict[str, Any]:
+        """One page of the served env's task list for ``split`` (the ``/tasks`` body)."""
+        if split not in self._task_lists:
+            try:
+                tasks = self._probe.tasks(split)
+            except ValueError as e:
+                raise ApiError("invalid_split", str(e)) from e
+            if tasks is None:
+                raise ApiError("no_tasks", f"env {self.env_name!r} does not list its tasks; draw its episodes by "
+                                           "seed instead")
+            self._task_lists[split] = tasks if isinstance(tasks, Sequence) else list(tasks)
+        tasks = self._task_lists[split]
+        page = [dict(tasks[i]) for i in range(min(offset, len(tasks)), min(offset + limit, len(tasks)))]
+        return {"split": split, "total": len(tasks), "offset": offset, "tasks": page}
 
     def server_info(self) -> dict[str, Any]:
         """The ``/info`` body."""
@@ -646,6 +665,15 @@ def create_app(env: str, *, env_kwargs: dict[str, Any] | None = None, token: str
     async def metrics() -> PlainTextResponse:
         """Prometheus text format: sessions, requests, errors by code, latency histograms."""
         return PlainTextResponse(server.metrics.render(len(server.sessions), server.limits.max_sessions))
+
+    @app.get("/tasks", response_model=TaskPage, responses=_responses("invalid_split", "no_tasks"), tags=["server"])
+    async def tasks(split: str = "train", offset: int = Query(0, ge=0),
+                    limit: int = Query(256, ge=1, le=MAX_TASK_PAGE)) -> Response:
+        """A page of the served env's tasks for ``split``; 404 ``no_tasks`` when the env does not list them."""
+        try:
+            return answer(server.tasks(split, offset, limit))
+        except ApiError as e:
+            return error(e)
 
     @app.post("/sessions", status_code=201, response_model=SessionCreated,
               responses=_responses("invalid_kwargs", "capacity", "rest_unavailable", *_ENV_FAULTS), tags=["sessions"])

@@ -8,7 +8,8 @@ envkit finds these providers through the ``envkit.sandboxes`` entry-point group 
 - ``sandbox="auto"``: docker when an engine answers, else local, saying so in the log.
 
 ``sandbox_options`` (a dict) tunes it: ``limits`` (SandboxLimits), ``pool`` (a SandboxPool of this env's image:
-containers are borrowed and given back instead of started and removed), ``start_timeout_s``.
+containers are borrowed and given back instead of started and removed; :func:`open_pool` makes one),
+``start_timeout_s``.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from envkit.core import Env, StepResult, Task
+from envkit.errors import ResetNeededError
 from envkit.messages import Message
 from envkit.registry import EnvSpec
 from envkit.remote import RemoteConfig, RemoteEnv
@@ -78,6 +80,12 @@ class SandboxedEnv(Env):
         assert self._remote is not None, "ContractChecker runs reset before step"
         return await self._remote.step(action)
 
+    def tasks(self, split: str = "train") -> Sequence[Task] | None:
+        """The sandboxed env's task list (see :meth:`RemoteEnv.tasks`); the sandbox must be up: ``init`` first."""
+        if self._remote is None:
+            raise ResetNeededError(f"{self.name}'s task list lives in its sandbox: await init() before tasks()")
+        return self._remote.tasks(split)
+
     async def close(self) -> None:
         """Delete the session, then give the sandbox back (its container is removed unless pooled); idempotent."""
         remote, self._remote = self._remote, None
@@ -124,11 +132,14 @@ def local(name: str, *, remote: RemoteConfig | None = None, sandbox_options: dic
           **env_kwargs: Any) -> Env:
     """``sandbox="local"``: env ``name`` behind ``envkit serve`` in a child process (no isolation)."""
     options = dict(sandbox_options or {})
-    options.pop("pool", None)  # pools hold containers; a local server is cheap to start
+    pool: SandboxPool | None = options.pop("pool", None)
     limits: SandboxLimits | None = options.pop("limits", None)
     start_timeout_s: float = options.pop("start_timeout_s", 30.0)
     if options:
-        raise TypeError(f"unknown sandbox_options {sorted(options)}; known: limits, start_timeout_s")
+        raise TypeError(f"unknown sandbox_options {sorted(options)}; known: pool, limits, start_timeout_s")
+    if pool is not None:
+        return SandboxedEnv(name, acquire=pool.acquire, release=pool.release, env_kwargs=env_kwargs, remote=remote,
+                            kind="local pool")
 
     async def acquire() -> Sandbox:
         sandbox = LocalSandbox(name, limits=limits, start_timeout_s=start_timeout_s)
@@ -145,6 +156,27 @@ def auto(name: str, **kwargs: Any) -> Env:
     log.warning("no Docker engine reachable: env %r runs in a local process sandbox (no isolation); start one with "
                 "`python -m sandboxes.engine up`", name)
     return local(name, **kwargs)
+
+
+async def open_pool(name: str, kind: str, *, size: int, limits: SandboxLimits | None = None) -> SandboxPool:
+    """A started warm pool of ``size`` sandboxes serving env ``name``, for ``sandbox_options={"pool": pool}``:
+    containers of its image (``docker``, building the image if needed), ``envkit serve`` child processes
+    (``local``), or either as ``sandbox="auto"`` picks. The caller closes it."""
+    if kind == "auto":
+        kind = "docker" if engine_reachable() else "local"
+    if kind == "docker":
+        image = await _image_for(name)
+        pool = SandboxPool(lambda: DockerSandbox(image, limits=limits), size=size)
+    elif kind == "local":
+        pool = SandboxPool(lambda: LocalSandbox(name, limits=limits), size=size)
+    else:
+        raise ValueError(f"unknown sandbox kind {kind!r}; known: docker, local, auto")
+    try:
+        await pool.start()
+    except BaseException:
+        await pool.close()
+        raise
+    return pool
 
 
 async def _close(sandbox: Sandbox) -> None:

@@ -30,6 +30,8 @@ from envkit import Env, Message, StepResult, Task, Tool
 from envkit.tasks import check_task
 
 TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+OPENENV_PYTHON = REPO / ".venv-openenv" / "bin" / "python"
 CLOSE_LOG_ENV = "ENVKIT_TEST_CLOSE_LOG"
 
 
@@ -165,3 +167,13 @@ def envkit_serve(name: str, *args: str, env: dict[str, str] | None = None, port:
 def error_code(response: httpx.Response) -> Any:
     """The structured error code of an error answer (fails loudly if the body is not structured)."""
     return response.json()["error"]["code"]
+
+
+def openenv_server() -> Server:
+    """OpenEnv's own server with the echo env of the remote-env benchmark (benchmarks/openenv_peer.py), run by
+    uvicorn from the OpenEnv venv (`make install` creates it; openenv-core stays out of .venv)."""
+    if not OPENENV_PYTHON.exists():
+        raise RuntimeError(f"{OPENENV_PYTHON} is missing: run `make install` (it creates the OpenEnv venv)")
+    port = free_port()
+    return Server([str(OPENENV_PYTHON), "-m", "uvicorn", "--factory", "openenv_peer:create_app", "--port", str(port),
+                   "--log-level", "warning"], port=port, env={"PYTHONPATH": str(REPO / "benchmarks")})

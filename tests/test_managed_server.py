@@ -50,13 +50,20 @@ async def test_a_server_that_exits_while_starting_reports_its_log(tmp_path):
         await server.start()
 
 
-def test_server_dies_with_its_owner_even_on_sigkill(tmp_path):
+def test_server_and_what_it_forks_die_with_their_owner_even_on_sigkill(tmp_path):
+    """The server forks a helper into a session of its own (out of reach of a process-group kill, as a daemonizing
+    engine would); a SIGKILLed owner takes both along, through the watchdog."""
+    helper_pid = tmp_path / "helper.pid"
+    server_code = (f"import subprocess, sys; h = subprocess.Popen(['sleep', '600'], start_new_session=True); "
+                   f"open({str(helper_pid)!r}, 'w').write(str(h.pid)); "
+                   f"import runpy; sys.argv = ['http.server', sys.argv[1], '--bind', '127.0.0.1']; "
+                   f"runpy.run_module('http.server', run_name='__main__')")
     owner = textwrap.dedent(f"""
         import asyncio, sys, time
         from pathlib import Path
         from generators.engines.server import ManagedServer
         def cmd(port):
-            return [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"]
+            return [sys.executable, "-c", {server_code!r}, str(port)]
         async def main():
             server = ManagedServer("http", cmd, log_path=Path({str(tmp_path)!r}) / "h.log", health_path="/")
             await server.start()
@@ -65,11 +72,13 @@ def test_server_dies_with_its_owner_even_on_sigkill(tmp_path):
         asyncio.run(main())
     """)
     process = subprocess.Popen([sys.executable, "-c", owner], stdout=subprocess.PIPE, text=True)
-    child = int(process.stdout.readline())
-    assert _alive(child)
+    watchdog = int(process.stdout.readline())
+    helper = int(helper_pid.read_text())
+    assert _alive(watchdog) and _alive(helper) and os.getpgid(helper) != os.getpgid(watchdog)
     process.kill()
     process.wait()
-    deadline = time.monotonic() + 10
-    while _alive(child) and time.monotonic() < deadline:
+    deadline = time.monotonic() + 15
+    while (_alive(watchdog) or _alive(helper)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(child), "the server outlived its SIGKILLed owner"
+    assert not _alive(helper), "a process the server forked outlived its SIGKILLed owner"
+    assert not _alive(watchdog), "the server outlived its SIGKILLed owner"

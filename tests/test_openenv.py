@@ -8,24 +8,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from remote_envs import Server, free_port
+from remote_envs import Server, openenv_server
 
 import envkit
 from envkit.errors import EpisodeDoneError, RemoteInvalidActionError
 from envkit.openenv import OpenEnvEnv
-
-REPO = Path(__file__).resolve().parent.parent
-OPENENV_PYTHON = REPO / ".venv-openenv" / "bin" / "python"
-
-
-def openenv_server() -> Server:
-    """OpenEnv's own server with the echo env of the remote-env benchmark (benchmarks/openenv_peer.py), run by
-    uvicorn from the OpenEnv venv (`make install` creates it; openenv-core stays out of .venv)."""
-    if not OPENENV_PYTHON.exists():
-        pytest.fail(f"{OPENENV_PYTHON} is missing: run `make install` (it creates the OpenEnv venv)")
-    port = free_port()
-    return Server([str(OPENENV_PYTHON), "-m", "uvicorn", "--factory", "openenv_peer:create_app", "--port", str(port),
-                   "--log-level", "warning"], port=port, env={"PYTHONPATH": str(REPO / "benchmarks")})
 
 
 @pytest.fixture(scope="module")

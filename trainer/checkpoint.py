@@ -1,8 +1,8 @@
 """Training checkpoints: backend state (model, optimizer, scheduler), loop state, RNG states; atomic; keep-last-k.
 
-Layout: ``<root>/step-000010/`` holding the backend's files, ``state.json`` (step, policy version, data position)
-and ``rng.pt``. A checkpoint is written into a temp dir and renamed into place, so a crash mid-save leaves the
-previous checkpoint as the latest.
+Layout: ``<root>/step-000010/`` holding the backend's files, ``state.json`` (step, policy version, every env's
+data position) and ``rng.pt``. A checkpoint is written into a temp dir and renamed into place, so a crash mid-save
+leaves the previous checkpoint as the latest.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -30,9 +30,8 @@ class TrainState:
     """Training steps completed."""
     policy_version: int = 0
     """Version of the weights the inference engine serves."""
-    data_epoch: int = 0
-    data_pos: int = 0
-    """Next index into this epoch's shuffled task order."""
+    data: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Each env's data position (epoch, position in the epoch's order, prompts drawn), by label."""
 
 
 class CheckpointManager:

@@ -23,16 +23,102 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and the fix."""
 
 
+TASK_SOURCES = ("auto", "env", "seeds", "dataset")
+SANDBOXES = ("docker", "local", "auto")
+
+
+@dataclass
+class TaskSourceConfig:
+    """Where an env's episodes come from, per split (see ``trainer/sources.py``)."""
+
+    source: str = "auto"
+    """auto (the env's own task lists when it has them, else seeds), env, seeds, or dataset."""
+    train_seeds: list[int] = field(default_factory=lambda: [0, 1_000_000])
+    """``[start, stop)``: the seeds training episodes are reset with (source seeds)."""
+    eval_seeds: list[int] = field(default_factory=lambda: [1_000_000, 1_001_000])
+    """``[start, stop)`` of the held-out episodes; must not overlap ``train_seeds``."""
+    dataset: str | None = None
+    """A JSONL/JSON/Parquet/CSV file or a ``datasets`` ``save_to_disk`` dir whose rows are the tasks."""
+    eval_dataset: str | None = None
+    """The held-out rows' file (else ``eval_rows`` rows of ``dataset`` are held out)."""
+    eval_rows: int = 0
+    """Rows of ``dataset`` held out for evaluation (a seeded split) when there is no ``eval_dataset``."""
+    columns: dict[str, str] = field(default_factory=dict)
+    """Task field -> dataset column, e.g. ``{question: problem, answer: solution}``; other columns pass through."""
+    shuffle: bool = True
+    """Shuffle the train tasks every epoch (seeds are drawn in order: each is a fresh episode)."""
+
+    def __post_init__(self) -> None:
+        _one_of("env.tasks.source", self.source, TASK_SOURCES)
+        for name in ("train_seeds", "eval_seeds"):
+            seeds = getattr(self, name)
+            if len(seeds) != 2 or not seeds[0] < seeds[1]:
+                raise ConfigError(f"env.tasks.{name} must be [start, stop) with start < stop, got {list(seeds)}")
+        (a, b), (c, d) = self.train_seeds, self.eval_seeds
+        if a < d and c < b:
+            raise ConfigError(f"env.tasks.train_seeds {[a, b]} and env.tasks.eval_seeds {[c, d]} overlap: the "
+                              "held-out evaluation must never see a training seed")
+        if self.source == "dataset" and not self.dataset:
+            raise ConfigError("env.tasks.source=dataset needs env.tasks.dataset=PATH (a JSONL, JSON, Parquet or CSV "
+                              "file, or a datasets save_to_disk dir)")
+        if self.eval_rows < 0:
+            raise ConfigError(f"env.tasks.eval_rows must be >= 0, got {self.eval_rows}")
+
+
 @dataclass
 class EnvConfig:
-    """Which environment to train on, and its task splits."""
+    """An environment to train on, where it runs, and where its episodes come from; or a weighted ``mixture``."""
 
     name: str = "arithmetic"
-    """A registered env name (``envkit list``)."""
+    """A registered env name (``envkit list``), ``ws://host:port/NAME`` or ``http://...`` (an ``envkit serve``
+    server), ``openenv:http://host:port``, ``gym:ID``, or ``package.module:EnvClass``."""
     kwargs: dict[str, Any] = field(default_factory=dict)
-    """Constructor arguments for ``envkit.make``."""
+    """Constructor arguments for ``envkit.make`` (for a server: its session's kwargs)."""
+    sandbox: str | None = None
+    """Run each rollout's env in a sandbox: docker, local (an ``envkit serve`` child process) or auto."""
+    pool_size: int = 0
+    """Sandboxes kept warm for the run (0: one per concurrent rollout)."""
     train_split: str = "train"
     eval_split: str = "test"
+    tasks: TaskSourceConfig = field(default_factory=TaskSourceConfig)
+    weight: float = 1.0
+    """Share of each step's prompts in a mixture."""
+    label: str | None = None
+    """The env's name in metrics and reports (default: derived from ``name``)."""
+    mixture: list[EnvConfig] = field(default_factory=list)
+    """Train on these envs instead, each step drawing prompts in proportion to their ``weight``."""
+
+    @property
+    def members(self) -> list[EnvConfig]:
+        """The envs of the run: the mixture's, or this one."""
+        return list(self.mixture) or [self]
+
+    @property
+    def display_name(self) -> str:
+        """The label, else a short name: a gym id, ``openenv``, a URL's env name, an entry point's class."""
+        if self.label:
+            return self.label
+        if self.name.startswith("gym:"):
+            return self.name[4:]
+        if self.name.startswith("openenv:"):
+            return "openenv"
+        if "://" in self.name:
+            return self.name.split("://", 1)[1].rstrip("/").partition("/")[2] or "remote"
+        return self.name.rpartition(":")[2]
+
+    def __post_init__(self) -> None:
+        if self.sandbox is not None:
+            _one_of("env.sandbox", self.sandbox, SANDBOXES)
+        if self.pool_size < 0:
+            raise ConfigError(f"env.pool_size must be >= 0, got {self.pool_size}")
+        if not self.weight > 0:
+            raise ConfigError(f"env.weight must be > 0, got {self.weight}")
+        labels = [m.display_name for m in self.mixture]
+        if len(set(labels)) < len(labels):
+            raise ConfigError(f"env.mixture has envs with the same label ({', '.join(labels)}): give each a "
+                              "distinct `label`")
+        if any(m.mixture for m in self.mixture):
+            raise ConfigError("env.mixture entries cannot hold mixtures themselves")
 
 
 @dataclass
@@ -136,9 +222,15 @@ class InferenceConfig:
     dtype: str = "auto"
     """auto (bfloat16 on a GPU or a CPU with native bfloat16, else float32), bfloat16, float32, ..."""
     kv_cache_gib: int = 2
+    url: str | None = None
+    """Attach to a vLLM server that is already running at this URL (started with ``VLLM_SERVER_DEV_MODE=1``,
+    serving the model as ``policy``) instead of starting one; the run loads its weights into it."""
 
     def __post_init__(self) -> None:
         _one_of("inference.engine", self.engine, ("vllm", "sglang", "hf"))
+        if self.url and self.engine != "vllm":
+            raise ConfigError(f"inference.url attaches to a vLLM server; inference.engine={self.engine!r} starts its "
+                              "own")
 
 
 @dataclass

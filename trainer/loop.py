@@ -33,8 +33,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-import envkit
-from generators import ChatTokenizer, Generator, GeneratorConfig, SamplingParams, Trajectory, env_factory
+from generators import ChatTokenizer, Generator, GeneratorConfig, SamplingParams, Trajectory
 from generators.engines.base import InferenceEngine
 from generators.models import resolve_model
 from generators.precision import auto_dtype
@@ -45,6 +44,7 @@ from trainer.checkpoint import CheckpointManager, TrainState
 from trainer.config import Config
 from trainer.distributed import shutdown_distributed
 from trainer.metrics import RunLogger
+from trainer.sources import Mixture
 
 log = logging.getLogger(__name__)
 
@@ -71,33 +71,34 @@ def train(cfg: Config) -> dict[str, Any]:
     state = TrainState()
     if cfg.trainer.resume:
         state = checkpoints.load(checkpoints.resolve(cfg.trainer.resume), backend)
-    train_tasks = _task_list(cfg.env.name, cfg.env.kwargs, cfg.env.train_split)
-    eval_tasks = _task_list(cfg.env.name, cfg.env.kwargs, cfg.env.eval_split)[: cfg.trainer.eval_tasks]
 
     runner = asyncio.Runner()  # the generator is async; the trainer drives it from this synchronous loop
+    envs = Mixture(cfg.env, seed=cfg.trainer.seed) if is_main else None  # rank 0 generates
     engine = make_engine(cfg, model_path, out) if is_main else None
     logger = RunLogger(out, cfg, total_steps=cfg.trainer.steps) if is_main else None
     results: dict[str, Any] = {}
     try:
+        if envs is not None:  # first: a wrong env or task source fails before the inference server starts
+            runner.run(envs.open(pool_size=min(cfg.generator.concurrency, cfg.generator.batch_size)))
+            if state.data:
+                envs.load_state(state.data)
         if engine is not None:
             runner.run(engine.start())
         if state.policy_version:  # resumed: serve the checkpoint's policy, not the initial one
             _sync_weights(backend, engine, runner, out, state.policy_version)
         generator = Generator(engine, tokenizer, _generator_config(cfg)) if engine is not None else None
-        evaluate = generator is not None and logger is not None and bool(eval_tasks)
+        evaluate = (generator is not None and envs is not None and logger is not None and cfg.trainer.eval_tasks > 0
+                    and any(s.eval for s in envs.streams))
         if evaluate and state.step == 0:
-            before = _evaluate(generator, runner, cfg, eval_tasks, logger, step=0)
+            before = _evaluate(generator, envs, runner, cfg, logger, step=0)
             results.update({f"{k}_before": v for k, v in before.items()})
 
         while state.step < cfg.trainer.steps:
             t_step = time.perf_counter()
-            tasks, state.data_epoch, state.data_pos = _next_tasks(
-                train_tasks, cfg.generator.prompts_per_step, cfg.trainer.seed, state.data_epoch, state.data_pos)
-
             t0 = time.perf_counter()
-            trajs = runner.run(generator.generate(
-                env_factory(cfg.env.name, **cfg.env.kwargs), tasks=tasks,
-                n_samples=cfg.generator.samples_per_prompt, env_name=cfg.env.name)) if generator else []
+            trajs = runner.run(envs.rollouts(generator, cfg.generator.prompts_per_step,
+                                             cfg.generator.samples_per_prompt)) if generator and envs else []
+            state.data = envs.state() if envs is not None else {}
             trajs = _broadcast(trajs, backend)
             gen_s = time.perf_counter() - t0
 
@@ -124,16 +125,18 @@ def train(cfg: Config) -> dict[str, Any]:
                 logger.log_step(state.step, metrics, trajs)
                 every = cfg.trainer.eval_every
                 if evaluate and every and state.step % every == 0 and state.step < cfg.trainer.steps:
-                    _evaluate(generator, runner, cfg, eval_tasks, logger, step=state.step)
+                    _evaluate(generator, envs, runner, cfg, logger, step=state.step)
 
         if evaluate:
-            after = _evaluate(generator, runner, cfg, eval_tasks, logger, step=state.step)
+            after = _evaluate(generator, envs, runner, cfg, logger, step=state.step)
             results.update({f"{k}_after": v for k, v in after.items()})
         if logger is not None:
             results.update(logger.finish(results))
     finally:
         if engine is not None:
             runner.run(engine.stop())
+        if envs is not None:
+            runner.run(envs.close())
         runner.close()
         if logger is not None:
             logger.close()
@@ -284,18 +287,33 @@ def _before_update(backend: TrainBackend, batch: StepBatch, cfg: Config, pad_id:
 def _gae_targets(batch: StepBatch, before: dict[str, dict[int, torch.Tensor]], cfg: Config, pad_id: int
                  ) -> dict[str, dict[int, torch.Tensor]]:
     """Per-token ``advantages`` (GAE, whitened over the batch's model tokens) and ``returns`` for each rollout,
-    from the critic's values before the update; the outcome reward sits on each rollout's last model token."""
+    from the critic's values before the update; each turn's reward sits on that turn's last model token."""
     trajs = batch.trajectories
     mask = to_padded(trajs, pad_id)["loss_mask"]  # (B, T)
     index = list(range(len(trajs)))
     values = _rows(before["values"], index, mask.shape)  # (B, T)
     rewards = torch.zeros_like(mask)  # (B, T)
-    last = mask.shape[1] - 1 - mask.flip(1).argmax(1)  # (B,)
-    rewards[torch.arange(len(trajs)), last] = torch.tensor([t.reward for t in trajs], dtype=rewards.dtype)
+    for row, traj in enumerate(trajs):
+        for position, reward in turn_rewards(traj):
+            rewards[row, position] += reward
     a = cfg.algorithm
     advantages, returns = algo.gae_advantages(rewards, values, mask, gamma=a.gamma, lam=a.lam)
     advantages = algo.whiten(advantages, mask)
     return {"advantages": dict(enumerate(advantages)), "returns": dict(enumerate(returns))}
+
+
+def turn_rewards(traj: Trajectory) -> list[tuple[int, float]]:
+    """(response position, reward) pairs: each model turn's ``step_rewards`` entry on its last model token.
+
+    A rollout whose model turns and step rewards do not pair up one to one (a turn cut to no tokens) gets its
+    total reward on its last model token, as outcome-only algorithms see it."""
+    mask = traj.loss_mask
+    ends = [i for i, m in enumerate(mask) if m and (i + 1 == len(mask) or not mask[i + 1])]
+    if not ends:
+        return []
+    if len(ends) == len(traj.step_rewards):
+        return list(zip(ends, traj.step_rewards, strict=True))
+    return [(ends[-1], traj.reward)]
 
 
 def _rows(per_rollout: dict[int, torch.Tensor], rows: list[int], shape: torch.Size) -> torch.Tensor:
@@ -401,7 +419,7 @@ def make_engine(cfg: Config, model_path: str, out: Path) -> InferenceEngine:
     from generators.engines.vllm import VLLMEngine
 
     return VLLMEngine(model_path, max_model_len=i.max_model_len, dtype=i.dtype, kv_cache_gib=i.kv_cache_gib,
-                      log_path=out / "vllm.log")
+                      log_path=out / "vllm.log", url=i.url)
 
 
 def _generator_config(cfg: Config) -> GeneratorConfig:
@@ -433,48 +451,23 @@ def _broadcast(trajs: list[Trajectory], backend: TrainBackend) -> list[Trajector
     return box[0]
 
 
-def _task_list(name: str, kwargs: dict[str, Any], split: str) -> list[envkit.Task]:
-    env = envkit.make(name, **kwargs)
-    try:
-        tasks = env.tasks(split)
-        if tasks is None:
-            raise ValueError(f"env {name!r} does not enumerate tasks; the trainer needs a task list per split")
-        return list(tasks)
-    finally:
-        asyncio.run(env.close())
-
-
-def _next_tasks(tasks: list[envkit.Task], k: int, seed: int, epoch: int, pos: int
-                ) -> tuple[list[envkit.Task], int, int]:
-    """The next ``k`` tasks of a per-epoch shuffle; the (epoch, pos) pair is the resumable data position."""
-    chosen: list[envkit.Task] = []
-    while len(chosen) < k:
-        order = list(range(len(tasks)))
-        random.Random(seed * 1_000_003 + epoch).shuffle(order)
-        take = order[pos:pos + k - len(chosen)]
-        chosen.extend(tasks[i] for i in take)
-        pos += len(take)
-        if pos >= len(tasks):
-            epoch, pos = epoch + 1, 0
-    return chosen, epoch, pos
-
-
 def rollout_metrics(trajs: list[Trajectory], batch: StepBatch, version: int) -> dict[str, float]:
-    """Reward, pass rate, lengths, stop reasons and staleness of one step's rollouts."""
-    done = [t for t in trajs if not t.failed] or trajs
-    n = max(len(done), 1)
-    metrics = {
-        "reward/mean": sum(t.reward for t in done) / n,
-        "reward/pass_rate": sum(t.reward >= 1.0 for t in done) / n,
-        "rollout/response_tokens": sum(t.num_model_tokens for t in done) / n,
-        "rollout/turns": sum(t.num_turns for t in done) / n,
+    """Reward, pass rate, lengths, stop reasons and staleness of one step's rollouts; per env for a mixture."""
+    metrics = _outcomes(trajs)
+    metrics.update({
+        "rollout/response_tokens": _mean([t.num_model_tokens for t in trajs if not t.failed]),
+        "rollout/turns": _mean([t.num_turns for t in trajs if not t.failed]),
         "rollout/staleness": max((version - t.policy_version for t in trajs), default=0),
         "rollout/trained": batch.counts.get("trained", 0),
         "rollout/failed": batch.counts.get("failed", 0),
         "rollout/zero_variance_groups": batch.counts.get("zero_variance_groups", 0),
-    }
-    for reason, count in Counter(t.stop_reason for t in trajs).items():
-        metrics[f"stop/{reason}"] = count
+    })
+    labels = sorted({t.env_name for t in trajs})
+    if len(labels) > 1:
+        for label in labels:
+            mine = [t for t in trajs if t.env_name == label]
+            metrics.update({f"env/{label}/{k}": v for k, v in _outcomes(mine).items()})
+            metrics[f"env/{label}/rollouts"] = len(mine)
     gen_s = sum(t.timings.get("generate", 0.0) for t in trajs)
     metrics["rollout/model_tokens"] = sum(t.num_model_tokens for t in trajs)
     metrics["train/tokens"] = sum(len(t.prompt_ids) + len(t.response_ids) for t in batch.trajectories)
@@ -482,10 +475,25 @@ def rollout_metrics(trajs: list[Trajectory], batch: StepBatch, version: int) -> 
     return metrics
 
 
-def _evaluate(generator: Generator, runner: asyncio.Runner, cfg: Config, tasks: list[envkit.Task],
-              logger: RunLogger, *, step: int) -> dict[str, float]:
-    """Held-out accuracy (fraction of rollouts with reward >= 1): sampled at the eval temperature with
-    ``eval_samples`` per task, and greedy (one per task) when ``eval_greedy``."""
+def _outcomes(trajs: list[Trajectory]) -> dict[str, float]:
+    """Mean reward and pass rate of the rollouts that finished, and a count per stop reason."""
+    done = [t for t in trajs if not t.failed]
+    metrics = {"reward/mean": _mean([t.reward for t in done]),
+               "reward/pass_rate": _mean([t.reward >= 1.0 for t in done])}
+    for reason, count in Counter(t.stop_reason for t in trajs).items():
+        metrics[f"stop/{reason}"] = count
+    return metrics
+
+
+def _mean(values: list[float] | list[int] | list[bool]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def _evaluate(generator: Generator, envs: Mixture, runner: asyncio.Runner, cfg: Config, logger: RunLogger, *,
+              step: int) -> dict[str, float]:
+    """Held-out accuracy (fraction of rollouts with reward >= 1) and mean reward, over every env and per env of a
+    mixture: sampled at the eval temperature with ``eval_samples`` per task, and greedy (one per task) when
+    ``eval_greedy``."""
     settings = {"accuracy": (cfg.trainer.eval_temperature, cfg.trainer.eval_samples)}
     if cfg.trainer.eval_greedy:
         settings["greedy_accuracy"] = (0.0, 1)
@@ -493,8 +501,15 @@ def _evaluate(generator: Generator, runner: asyncio.Runner, cfg: Config, tasks: 
     for name, (temperature, samples) in settings.items():
         eval_gen = Generator(generator.engine, generator.tokenizer, replace(
             generator.config, sampling=replace(generator.config.sampling, temperature=temperature, seed=None)))
-        trajs = runner.run(eval_gen.generate(env_factory(cfg.env.name, **cfg.env.kwargs), tasks=tasks,
-                                             n_samples=samples, env_name=cfg.env.name))
-        results[name] = sum(t.reward >= 1.0 and not t.failed for t in trajs) / max(len(trajs), 1)
-        logger.log_eval(step, name, results[name], trajs)
+        trajs = runner.run(envs.eval_rollouts(eval_gen, cfg.trainer.eval_tasks, samples))
+        groups = {"": trajs} if len(envs.streams) == 1 else {"": trajs, **{
+            f"{label}/": [t for t in trajs if t.env_name == label] for label in envs.labels}}
+        reward_name = "reward" if name == "accuracy" else "greedy_reward"
+        values: dict[str, float] = {}
+        for prefix, group in groups.items():
+            n = max(len(group), 1)
+            values[prefix + name] = sum(t.reward >= 1.0 and not t.failed for t in group) / n
+            values[prefix + reward_name] = sum(t.reward for t in group if not t.failed) / n
+        logger.log_eval(step, name, values, trajs)
+        results.update(values)
     return results

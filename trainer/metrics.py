@@ -65,16 +65,19 @@ class RunLogger:
             self.console.print(f"step {step}: reward {metrics.get('reward/mean', 0.0):.3f}, "
                                f"loss {metrics.get('train/loss', 0.0):.4f}, {step_s:.1f} s")
 
-    def log_eval(self, step: int, name: str, accuracy: float, trajectories: list[Trajectory]) -> None:
-        """Record one held-out evaluation (``name``: accuracy or greedy_accuracy)."""
+    def log_eval(self, step: int, name: str, values: dict[str, float], trajectories: list[Trajectory]) -> None:
+        """Record one held-out evaluation: ``name`` (accuracy or greedy_accuracy) with the mean reward and, for a
+        mixture, both per env (``values`` keys as in :func:`trainer.loop._evaluate`)."""
         if name == "accuracy":
-            self.evals.append((step, accuracy))
+            self.evals.append((step, values[name]))
             self.eval_trajectories = trajectories
-        self._metrics_file.write(json.dumps({"step": step, f"eval/{name}": accuracy}) + "\n")
+        metrics = {f"eval/{key}": value for key, value in values.items()}
+        self._metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
         self._metrics_file.flush()
-        self._scalars(step, {f"eval/{name}": accuracy})
-        self.progress.console.print(f"held-out {name.replace('_', ' ')} at step {step}: {accuracy:.1%} "
-                                    f"({len(trajectories)} rollouts)")
+        self._scalars(step, metrics)
+        reward = values.get("reward" if name == "accuracy" else "greedy_reward", 0.0)
+        self.progress.console.print(f"held-out {name.replace('_', ' ')} at step {step}: {values[name]:.1%}, mean "
+                                    f"reward {reward:.3f} ({len(trajectories)} rollouts)")
 
     def _scalars(self, step: int, metrics: dict[str, float]) -> None:
         if self.tb is not None:

@@ -18,7 +18,7 @@ import httpx
 
 from generators.engines.base import ChatCompletion, EngineError, InferenceEngine, SamplingParams
 from generators.engines.openai_chat import OpenAIChat
-from generators.engines.server import ManagedServer
+from generators.engines.server import AttachedServer, ManagedServer
 from generators.models import resolve_model
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,8 @@ def checkpoint_dir(path: str | Path) -> Path:
 
 
 class ServerBackedEngine(InferenceEngine):
-    """An :class:`InferenceEngine` whose model server is a :class:`ManagedServer` subprocess this engine owns.
+    """An :class:`InferenceEngine` whose model server is a :class:`ManagedServer` subprocess this engine owns, or,
+    with ``url``, a server of the same kind that somebody else runs (never restarted; its weights are ours to load).
 
     Requests go through ``_request``: if the server died, the first failure restarts it (reloading the latest
     weights) and the request is sent once more. While a restart is under way every other request waits for it,
@@ -63,12 +64,13 @@ class ServerBackedEngine(InferenceEngine):
         request_timeout: float = 600.0,
         auto_restart: bool = True,
         max_restarts: int = 3,
+        url: str | None = None,
     ) -> None:
         self.model = model
         self.max_restarts = max_restarts
         self.model_name = served_model_name
         self.request_timeout = request_timeout
-        self.auto_restart = auto_restart
+        self.auto_restart = auto_restart and url is None
         self.restarts = 0
         self._version = 0
         self._weights_path: Path | None = None
@@ -78,8 +80,10 @@ class ServerBackedEngine(InferenceEngine):
         self._started = False
         self._restart_lock = asyncio.Lock()
         self._weights_lock = asyncio.Lock()
-        self.server = ManagedServer(server_name, self._command, log_path=log_path, env=env, host=host, port=port,
-                                    health_path=health_path, startup_timeout=startup_timeout)
+        self.server: ManagedServer | AttachedServer = (
+            AttachedServer(server_name, url, health_path=health_path, startup_timeout=startup_timeout) if url else
+            ManagedServer(server_name, self._command, log_path=log_path, env=env, host=host, port=port,
+                          health_path=health_path, startup_timeout=startup_timeout))
 
     # --- what a backend supplies -------------------------------------------------------------------------
 

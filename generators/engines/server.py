@@ -1,10 +1,10 @@
-"""A model server subprocess we own: free port, log file, health wait, crash detection, clean stop."""
+"""A model server subprocess we own (free port, log file, health wait, crash detection, clean stop, and death with
+its owner), or one somebody else runs that we only attach to."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -21,7 +21,8 @@ from generators.engines.base import EngineError
 
 log = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
+OWNER_ENV = "ENVKIT_SERVER_OWNER"
+"""Set in a managed server's environment (and so its children's) to the owning process's pid."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -31,11 +32,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: ask Linux to SIGKILL it when its parent dies, even by SIGKILL, so a
-    killed trainer never leaves a model server holding memory and a port."""
-    if sys.platform == "linux":
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+def _watchdog_argv(read_fd: int, argv: list[str]) -> list[str]:
+    """``argv`` run under :mod:`generators.engines.watchdog`, which kills the whole process group once ``read_fd``
+    reads EOF: when this process dies, however it dies."""
+    return [sys.executable, "-m", "generators.engines.watchdog", str(read_fd), "--", *argv]
 
 
 def _kill_group(pid: int, sig: int) -> None:
@@ -47,7 +47,9 @@ class ManagedServer:
     """Runs ``command(port)`` in its own process group, logs to ``log_path``, and waits on ``health_path``.
 
     The whole process group is killed on stop, so helper processes a server forks (vLLM's engine core) go too;
-    a finalizer does the same if the owner forgets to stop it.
+    a finalizer does the same if the owner forgets to stop it. The server runs under a watchdog holding the read end
+    of a pipe whose write end only this process has: if this process dies, even by SIGKILL, the watchdog reads EOF
+    and kills the group (a parent-death signal reaches the server's leader only; its children would live on).
     """
 
     def __init__(
@@ -73,6 +75,7 @@ class ManagedServer:
         self.startup_timeout = startup_timeout
         self.process: asyncio.subprocess.Process | None = None
         self._finalizer: weakref.finalize | None = None
+        self._lifeline: int | None = None
 
     @property
     def base_url(self) -> str:
@@ -92,13 +95,21 @@ class ManagedServer:
         argv = self.command(self.port)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log.info("starting %s on port %d: %s (log: %s)", self.name, self.port, " ".join(argv), self.log_path)
-        with self.log_path.open("ab") as log_file:
-            log_file.write(f"\n==== {time.strftime('%F %T')} {' '.join(argv)}\n".encode())
-            log_file.flush()
-            self.process = await asyncio.create_subprocess_exec(
-                *argv, stdout=log_file, stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL,
-                env={**os.environ, **self.env}, start_new_session=True, preexec_fn=_die_with_parent,
-            )
+        read_fd, self._lifeline = os.pipe()  # both non-inheritable; the read end is passed to the watchdog only
+        try:
+            with self.log_path.open("ab") as log_file:
+                log_file.write(f"\n==== {time.strftime('%F %T')} {' '.join(argv)}\n".encode())
+                log_file.flush()
+                self.process = await asyncio.create_subprocess_exec(
+                    *_watchdog_argv(read_fd, argv), stdout=log_file, stderr=asyncio.subprocess.STDOUT,
+                    stdin=asyncio.subprocess.DEVNULL, env={**os.environ, **self.env, OWNER_ENV: str(os.getpid())},
+                    start_new_session=True, pass_fds=(read_fd,),
+                )
+        finally:
+            os.close(read_fd)
+            if self.process is None:
+                os.close(self._lifeline)
+                self._lifeline = None
         self._finalizer = weakref.finalize(self, _kill_group, self.process.pid, signal.SIGKILL)
         try:
             await self._wait_healthy()
@@ -146,6 +157,9 @@ class ManagedServer:
         await process.wait()
         if self._finalizer is not None:
             self._finalizer.detach()
+        if self._lifeline is not None:
+            os.close(self._lifeline)
+            self._lifeline = None
 
     def log_tail(self, lines: int = 30) -> str:
         """The last ``lines`` lines of the server log."""
@@ -153,3 +167,45 @@ class ManagedServer:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
+
+
+class AttachedServer:
+    """A model server somebody else runs at ``base_url``: waited on, never started, restarted or stopped by us."""
+
+    process: asyncio.subprocess.Process | None = None
+
+    def __init__(self, name: str, base_url: str, *, health_path: str = "/health", startup_timeout: float = 600.0
+                 ) -> None:
+        self.name = name
+        self.base_url = base_url.rstrip("/")
+        self.host = httpx.URL(self.base_url).host
+        self.health_path = health_path
+        self.startup_timeout = startup_timeout
+
+    @property
+    def alive(self) -> bool:
+        """Always True: whether it answers is each request's to find out."""
+        return True
+
+    async def start(self) -> None:
+        """Wait until its health route answers 200; raises EngineError after ``startup_timeout``."""
+        deadline = time.monotonic() + self.startup_timeout
+        async with httpx.AsyncClient(timeout=5.0) as client:
+            while time.monotonic() < deadline:
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await client.get(self.base_url + self.health_path)).status_code == 200:
+                        return
+                await asyncio.sleep(0.5)
+        raise EngineError(f"{self.name} at {self.base_url} did not answer {self.health_path} within "
+                          f"{self.startup_timeout:.0f} s")
+
+    async def stop(self) -> None:
+        """Nothing: the server is its owner's."""
+
+    async def exited_within(self, seconds: float) -> bool:
+        """False: an attached server is never restarted by us."""
+        return False
+
+    def log_tail(self, lines: int = 30) -> str:
+        """Its log is with whoever runs it."""
+        return f"(the log of {self.base_url} is with whoever runs it)"

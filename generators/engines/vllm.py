@@ -32,7 +32,8 @@ class VLLMEngine(ServerBackedEngine):
     restarts it and restores the latest weights. ``dtype="auto"`` computes in bfloat16 on a GPU or a CPU with
     native bfloat16 and in float32 on other CPUs (:mod:`generators.precision`). ``compile=None`` compiles the
     model (torch.compile, CUDA graphs) on a GPU and runs it eagerly on the CPU build, where compiling costs more
-    start-up time than it gives back in all but long jobs.
+    start-up time than it gives back in all but long jobs. With ``url`` it attaches to a vLLM server that is already
+    running (started with ``VLLM_SERVER_DEV_MODE=1``, serving ``served_model_name``) instead of starting one.
     """
 
     backend = "vLLM"
@@ -54,6 +55,7 @@ class VLLMEngine(ServerBackedEngine):
         request_timeout: float = 600.0,
         auto_restart: bool = True,
         max_restarts: int = 3,
+        url: str | None = None,
     ) -> None:
         self.max_model_len = max_model_len
         self.extra_args = tuple(extra_args)
@@ -76,6 +78,7 @@ class VLLMEngine(ServerBackedEngine):
             request_timeout=request_timeout,
             auto_restart=auto_restart,
             max_restarts=max_restarts,
+            url=url,
         )
 
     def _command(self, port: int) -> list[str]:

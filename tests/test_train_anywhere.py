@@ -1,0 +1,134 @@
+"""Training on every kind of env `envkit.make` builds: served over ws://, Docker-sandboxed from a warm pool, an
+OpenEnv server, a gymnasium env drawn by seed, dataset rows, a two-env mixture, and a multi-turn env. The ones the
+README shows run as its `examples/` scripts do; the others through `python -m trainer`.
+
+Each is a real 2-step run against the session's one vLLM server (`inference.url`), and must make real updates:
+no skipped update, and exported weights that differ from the initial ones. The server gets its initial weights
+back after each run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from remote_envs import openenv_server
+from safetensors import safe_open
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parent.parent
+# 4 prompts x 8 samples: a group is all-equal with p ~ 0.3^8 + 0.7^8 on arithmetic, so a whole step of them
+# (no update) is a 1e-5 event
+SMALL = ["trainer.steps=2", "generator.prompts_per_step=4", "generator.samples_per_prompt=8",
+         "generator.max_tokens=16", "trainer.eval_tasks=4", "trainer.eval_samples=2", "trainer.eval_greedy=false",
+         "trainer.warmup_steps=0", "logging.progress=false"]
+
+
+@pytest.fixture
+async def policy_url(vllm_engine, bundled_model: Path):
+    """The shared vLLM server's URL; the run changes its weights, so the initial ones are loaded back after."""
+    yield vllm_engine.base_url
+    await vllm_engine.load_weights(bundled_model, 0)
+
+
+def train(out: Path, url: str, *overrides: str, example: str | None = None, timeout: float = 900
+          ) -> dict[int, dict]:
+    """Run the trainer (or ``examples/<example>.py``) for 2 steps on the shared server; returns the per-step metrics
+    after checking that both steps made an update that reached the exported weights."""
+    command = [str(REPO / "examples" / f"{example}.py")] if example else ["-m", "trainer"]
+    result = subprocess.run([sys.executable, *command, f"inference.url={url}", f"trainer.output_dir={out}", *SMALL,
+                             *overrides], capture_output=True, text=True, cwd=out.parent, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = {r["step"]: r for r in rows if "reward/mean" in r}
+    assert sorted(steps) == [1, 2]
+    for step, m in steps.items():
+        assert "train/skipped_update" not in m and m["rollout/trained"] > 0, (step, m)
+        assert m["rollout/failed"] == 0, (step, m)
+    assert _changed_tensors(out / "weights" / "v2", _bundled()) > 0
+    return steps
+
+
+def _task_ids_by_version(out: Path) -> tuple[set[str], set[str]]:
+    """Task ids of the last step's rollouts (policy v1) and of the final evaluation's (v2)."""
+    trajs = [json.loads(line) for line in (out / "final_trajectories.jsonl").read_text().splitlines()]
+    return ({t["task_id"] for t in trajs if t["policy_version"] == 1},
+            {t["task_id"] for t in trajs if t["policy_version"] == 2})
+
+
+def _bundled() -> Path:
+    from generators.models import bundled_model_dir
+
+    return bundled_model_dir()
+
+
+def _changed_tensors(a: Path, b: Path) -> int:
+    """How many tensors differ between two HF safetensors checkpoints of one architecture."""
+    with safe_open(a / "model.safetensors", "pt") as fa, safe_open(b / "model.safetensors", "pt") as fb:
+        return sum(not fa.get_tensor(k).equal(fb.get_tensor(k)) for k in fa.keys())  # noqa: SIM118
+
+
+def test_trains_on_an_env_served_over_websocket(policy_url, tmp_path):
+    steps = train(tmp_path / "run", policy_url, example="train_remote")
+    assert all(m["stop/done"] == 32 for m in steps.values())
+    # the server's task lists were drawn from: its train split for training, its test split for evaluation
+    last, held_out = _task_ids_by_version(tmp_path / "run")
+    assert {i.rsplit("-", 1)[0] for i in last} == {"train-1"} and {i.rsplit("-", 1)[0] for i in held_out} == {"test-1"}
+
+
+def test_trains_on_a_docker_sandboxed_env_through_a_pool(policy_url, arithmetic_image, docker_client, tmp_path):
+    from sandboxes.docker import SANDBOX_LABEL
+
+    def sandboxes() -> set[str]:
+        return {c.id for c in docker_client.containers.list(all=True, filters={"label": SANDBOX_LABEL})}
+
+    before, since = sandboxes(), int(time.time())
+    train(tmp_path / "run", policy_url, "env.pool_size=2", example="train_sandboxed")
+    created = {e["id"] for e in docker_client.events(since=since, until=int(time.time()) + 1, decode=True,
+                                                     filters={"type": "container", "event": "create",
+                                                              "label": SANDBOX_LABEL})}
+    assert created, "the run started no sandbox container"
+    assert sandboxes() <= before  # the pool was drained at the end of the run
+
+
+def test_trains_on_an_openenv_server(policy_url, tmp_path):
+    with openenv_server() as server:
+        steps = train(tmp_path, policy_url, f"env.name=openenv:{server.url}", "generator.max_turns=2")
+    assert all(m["rollout/turns"] == 2 for m in steps.values())  # echo never ends before "bye": 2 turns each
+
+
+def test_trains_on_a_gym_env_drawn_by_seed(policy_url, tmp_path):
+    train(tmp_path, policy_url, "env.name=gym:Blackjack-v1", "generator.max_turns=3")
+    state = json.loads((tmp_path / "checkpoints" / "step-000002" / "state.json").read_text())
+    assert state["data"] == {"Blackjack-v1": {"epoch": 0, "pos": 8, "drawn": 8}}  # seeds 0..7, in order
+
+
+def test_trains_on_dataset_rows(policy_url, tmp_path):
+    train(tmp_path / "run", policy_url, example="train_dataset")
+    assert (tmp_path / "word_problems.jsonl").is_file()
+    # the last step's rollouts (sampled by policy v1) are on training rows, the evaluation after it (v2) on 4 of
+    # the 16 held-out rows: never the same ones
+    last, held_out = _task_ids_by_version(tmp_path / "run")
+    assert len(held_out) == 4 and last and not last & held_out
+    assert all(i.startswith("word_problems-") for i in last | held_out)
+
+
+def test_trains_on_a_two_env_mixture_with_per_env_metrics(policy_url, tmp_path):
+    steps = train(tmp_path / "run", policy_url, example="train_mixture")
+    for m in steps.values():  # weights 3:1 of 4 prompts x 8 samples
+        assert (m["env/sums/rollouts"], m["env/two_digit/rollouts"]) == (24, 8)
+        assert 0 <= m["env/sums/reward/mean"] <= 1 and m["env/sums/stop/done"] == 24
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step-000002" / "state.json").read_text())
+    assert {k: v["drawn"] for k, v in state["data"].items()} == {"sums": 6, "two_digit": 2}
+    evals = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any("eval/sums/accuracy" in r and "eval/two_digit/accuracy" in r for r in evals)
+
+
+def test_trains_on_a_multi_turn_env(policy_url, tmp_path):
+    steps = train(tmp_path / "run", policy_url, example="train_multiturn")
+    assert sum(m["rollout/turns"] for m in steps.values()) / 2 > 1.5

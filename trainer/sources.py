@@ -1,0 +1,300 @@
+"""Where a run's episodes come from: the run's envs (one, or a weighted mixture), each with its episode starts per
+split, drawn in a resumable order.
+
+    starts      the episode starts of one split: an env's own task list, a seed range, or the rows of a dataset
+    EnvStream   one env of the run: how to make it (in-process, ``ws://``, ``openenv:``, ``gym:``, or sandboxed
+                from a warm pool), its train and eval starts, and its data position
+    Mixture     the run's envs: exact per-step quotas by weight, rollouts, held-out rollouts, the resumable state
+
+Where an env runs changes only how :meth:`EnvStream.make` calls ``envkit.make``; the loop never asks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import envkit
+from envkit import Env, Task
+from envkit.errors import ResetNeededError
+from generators import Generator, Trajectory
+from trainer.config import ConfigError, EnvConfig, TaskSourceConfig
+
+log = logging.getLogger(__name__)
+
+Start = tuple[Task | None, int | None]
+"""One episode start: ``(task, None)`` or ``(None, seed)``."""
+
+_DATASET_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+class SeedStarts(Sequence[Start]):
+    """The seeds ``start .. stop - 1``, for envs that do not list tasks: each seed is one reproducible episode."""
+
+    def __init__(self, start: int, stop: int) -> None:
+        self.range = range(start, stop)
+
+    def __len__(self) -> int:
+        return len(self.range)
+
+    def __getitem__(self, i: int) -> Start:  # type: ignore[override]
+        return None, self.range[i]
+
+
+class TaskStarts(Sequence[Start]):
+    """Explicit tasks (an env's list or dataset rows), each reset with ``task=``."""
+
+    def __init__(self, tasks: Sequence[Task]) -> None:
+        self.tasks = tasks
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    def __getitem__(self, i: int) -> Start:  # type: ignore[override]
+        return self.tasks[i], None
+
+
+def dataset_tasks(path: str, columns: dict[str, str], *, split: str | None = None) -> list[Task]:
+    """The rows of a JSONL/JSON/Parquet/CSV file or a ``save_to_disk`` dir as tasks (``columns`` renames)."""
+    import datasets
+
+    p = Path(path)
+    if p.is_dir():
+        loaded = datasets.load_from_disk(str(p))
+        if isinstance(loaded, datasets.DatasetDict):
+            if split not in loaded:
+                raise ConfigError(f"{p} has splits {sorted(loaded)}, not {split!r}: set env.train_split/eval_split")
+            loaded = loaded[split]
+        rows = loaded
+    elif p.suffix in _DATASET_FORMATS:
+        rows = datasets.load_dataset(_DATASET_FORMATS[p.suffix], data_files=str(p), split="train")
+    elif not p.exists():
+        raise ConfigError(f"env.tasks.dataset: {p} does not exist")
+    else:
+        raise ConfigError(f"env.tasks.dataset: {p} is not a {'/'.join(_DATASET_FORMATS)} file or a save_to_disk dir")
+    return rows_to_tasks(list(rows), columns, prefix=p.stem)
+
+
+def rows_to_tasks(rows: list[dict[str, Any]], columns: dict[str, str], *, prefix: str) -> list[Task]:
+    """Rename ``columns`` (task field -> column) in each row; rows without an ``id`` get ``PREFIX-i``."""
+    missing = sorted({c for c in columns.values() if rows and c not in rows[0]})
+    if missing:
+        raise ConfigError(f"env.tasks.columns names columns the dataset lacks: {missing}; it has "
+                          f"{sorted(rows[0])}")
+    renamed = set(columns.values())
+    tasks: list[Task] = []
+    for i, row in enumerate(rows):
+        task = {k: v for k, v in row.items() if k not in renamed}
+        task.update({field_: row[column] for field_, column in columns.items()})
+        task["id"] = str(task.get("id") if task.get("id") is not None else f"{prefix}-{i}")
+        tasks.append(task)
+    return tasks
+
+
+@dataclass
+class EnvStream:
+    """One env of the run and where its next episodes come from; ``epoch``/``pos``/``drawn`` are its data
+    position (in the checkpoint)."""
+
+    cfg: EnvConfig
+    label: str
+    train: Sequence[Start] = ()
+    eval: Sequence[Start] = ()
+    epoch: int = 0
+    pos: int = 0
+    """Next index into this epoch's order of the train starts."""
+    drawn: int = 0
+    """Prompts drawn so far (what the mixture's quotas balance)."""
+    pool: Any = None
+    """The warm SandboxPool of a sandboxed env."""
+    _order: tuple[int, list[int]] | None = field(default=None, repr=False)
+
+    def make(self) -> Env:
+        """A fresh env for one rollout."""
+        kwargs = dict(self.cfg.kwargs)
+        if self.cfg.sandbox is not None:
+            kwargs.update(sandbox=self.cfg.sandbox, sandbox_options={"pool": self.pool})
+        return envkit.make(self.cfg.name, **kwargs)
+
+    async def open(self, *, pool_size: int) -> None:
+        """Start the sandbox pool (if any) and load the train and eval starts."""
+        if self.cfg.sandbox is not None:
+            from sandboxes.env import open_pool
+
+            self.pool = await open_pool(self.cfg.name, self.cfg.sandbox, size=self.cfg.pool_size or pool_size)
+        self.train = await self._starts(self.cfg.train_split, self.cfg.tasks.train_seeds, eval_split=False)
+        self.eval = await self._starts(self.cfg.eval_split, self.cfg.tasks.eval_seeds, eval_split=True)
+        if not self.train:
+            raise ConfigError(f"env {self.label!r} has no training episodes ({self.cfg.train_split} split is empty)")
+        log.info("env %s: %d train and %d eval starts (%s)", self.label, len(self.train), len(self.eval),
+                 type(self.train).__name__)
+
+    async def close(self) -> None:
+        """Drain the sandbox pool; idempotent."""
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            await pool.close()
+
+    async def _starts(self, split: str, seeds: list[int], *, eval_split: bool) -> Sequence[Start]:
+        t: TaskSourceConfig = self.cfg.tasks
+        if t.source == "seeds":
+            return SeedStarts(*seeds)
+        if t.source == "dataset":
+            assert t.dataset is not None
+            return TaskStarts(await asyncio.to_thread(self._dataset_split, eval_split))
+        tasks = await self._env_tasks(split)
+        if tasks is None:
+            if t.source == "env":
+                raise ConfigError(f"env {self.label!r} does not list its tasks: use env.tasks.source=seeds (or auto)")
+            return SeedStarts(*seeds)
+        return TaskStarts(tasks)
+
+    def _dataset_split(self, eval_split: bool) -> list[Task]:
+        """Train rows: the dataset less ``eval_rows`` held out. Eval rows: ``eval_dataset``, else the held-out rows,
+        else a saved DatasetDict's eval split, else none."""
+        t = self.cfg.tasks
+        assert t.dataset is not None
+        if eval_split and t.eval_dataset:
+            return dataset_tasks(t.eval_dataset, t.columns, split=self.cfg.eval_split)
+        if eval_split and not t.eval_rows:
+            splits = Path(t.dataset) / "dataset_dict.json"  # a saved DatasetDict brings its own held-out split
+            return dataset_tasks(t.dataset, t.columns, split=self.cfg.eval_split) if splits.is_file() else []
+        rows = dataset_tasks(t.dataset, t.columns, split=self.cfg.train_split)
+        if not t.eval_rows:
+            return rows
+        if t.eval_rows >= len(rows):
+            raise ConfigError(f"env.tasks.eval_rows={t.eval_rows} holds out all {len(rows)} rows of {t.dataset}")
+        held = set(random.Random(0).sample(range(len(rows)), t.eval_rows))  # a fixed split, the same every run
+        return [r for i, r in enumerate(rows) if (i in held) == eval_split]
+
+    async def _env_tasks(self, split: str) -> list[Task] | None:
+        """The env's own list for ``split`` (None if it lists none), read once; a sandboxed env is asked from
+        inside its sandbox."""
+        env = self.make()
+        try:
+            try:
+                tasks = await asyncio.to_thread(env.tasks, split)
+            except ResetNeededError:  # sandboxed: the list lives in the sandbox, which init brings up
+                await env.init()
+                tasks = await asyncio.to_thread(env.tasks, split)
+            except ValueError as e:  # no such split
+                raise ConfigError(f"env {self.label!r}: {e}") from e
+            return None if tasks is None else await asyncio.to_thread(list, tasks)
+        finally:
+            await env.close()
+
+    def next_starts(self, k: int, seed: int) -> list[Start]:
+        """The next ``k`` train starts: an order shuffled per epoch (seed, epoch), continuing where the last ended."""
+        chosen: list[Start] = []
+        while len(chosen) < k:
+            order = self._epoch_order(seed)
+            take = order[self.pos:self.pos + k - len(chosen)]
+            chosen.extend(self.train[i] for i in take)
+            self.pos += len(take)
+            if self.pos >= len(self.train):
+                self.epoch, self.pos = self.epoch + 1, 0
+        self.drawn += k
+        return chosen
+
+    def _epoch_order(self, seed: int) -> list[int] | range:
+        if not self.cfg.tasks.shuffle or isinstance(self.train, SeedStarts):
+            return range(len(self.train))
+        if self._order is None or self._order[0] != self.epoch:
+            order = list(range(len(self.train)))
+            random.Random(seed * 1_000_003 + self.epoch).shuffle(order)
+            self._order = (self.epoch, order)
+        return self._order[1]
+
+    def state(self) -> dict[str, int]:
+        """The data position, for the checkpoint."""
+        return {"epoch": self.epoch, "pos": self.pos, "drawn": self.drawn}
+
+    def load_state(self, state: dict[str, int]) -> None:
+        """Continue from a checkpoint's data position."""
+        self.epoch, self.pos, self.drawn = state["epoch"], state["pos"], state["drawn"]
+
+
+class Mixture:
+    """The envs of a run (``env`` or ``env.mixture``), each step's prompts split among them by weight."""
+
+    def __init__(self, cfg: EnvConfig, *, seed: int) -> None:
+        self.streams = [EnvStream(c, c.display_name) for c in cfg.members]
+        self.weights = [c.weight for c in cfg.members]
+        self.seed = seed
+
+    @property
+    def labels(self) -> list[str]:
+        """The envs' labels, in config order."""
+        return [s.label for s in self.streams]
+
+    async def open(self, *, pool_size: int) -> None:
+        """Bring every env up (pools, task lists); on failure, what started is closed again."""
+        try:
+            for stream in self.streams:
+                await stream.open(pool_size=pool_size)
+        except BaseException:
+            await self.close()
+            raise
+
+    async def close(self) -> None:
+        """Drain every sandbox pool."""
+        await asyncio.gather(*(s.close() for s in self.streams), return_exceptions=True)
+
+    def quotas(self, k: int) -> list[int]:
+        """How many of the next ``k`` prompts each env gets: each goes to the env furthest below its weight's share
+        of all prompts drawn so far, so every env stays within one prompt of its share at every step."""
+        total = sum(self.weights)
+        drawn = [s.drawn for s in self.streams]
+        n = sum(drawn)
+        quotas = [0] * len(self.streams)
+        for j in range(1, k + 1):
+            deficit = [w / total * (n + j) - (d + q) for w, d, q in zip(self.weights, drawn, quotas, strict=True)]
+            quotas[deficit.index(max(deficit))] += 1
+        return quotas
+
+    async def rollouts(self, generator: Generator, k: int, n_samples: int) -> list[Trajectory]:
+        """``n_samples`` rollouts for each of the next ``k`` prompts, split among the envs by quota."""
+        jobs = []
+        for stream, quota in zip(self.streams, self.quotas(k), strict=True):
+            if quota:
+                jobs.append(_generate(generator, stream, stream.next_starts(quota, self.seed), n_samples))
+        return [t for trajs in await asyncio.gather(*jobs) for t in trajs]
+
+    async def eval_rollouts(self, generator: Generator, limit: int, n_samples: int) -> list[Trajectory]:
+        """``n_samples`` rollouts of each env's first ``limit`` held-out starts."""
+        jobs = [_generate(generator, s, [s.eval[i] for i in range(min(limit, len(s.eval)))], n_samples)
+                for s in self.streams]
+        return [t for trajs in await asyncio.gather(*jobs) for t in trajs]
+
+    def state(self) -> dict[str, dict[str, int]]:
+        """Every env's data position, by label."""
+        return {s.label: s.state() for s in self.streams}
+
+    def load_state(self, state: dict[str, dict[str, int]]) -> None:
+        """Restore the data positions of a checkpoint (of a run with the same envs)."""
+        if sorted(state) != sorted(self.labels):
+            raise ConfigError(f"the checkpoint was written by a run of envs {sorted(state)}, this one trains "
+                              f"{sorted(self.labels)}: resume with the same env config")
+        for stream in self.streams:
+            stream.load_state(state[stream.label])
+
+
+async def _generate(generator: Generator, stream: EnvStream, starts: list[Start], n_samples: int
+                    ) -> list[Trajectory]:
+    """Rollouts of ``starts`` in ``stream``'s env; group ids carry the env's label, so mixtures never merge groups."""
+    if not starts:
+        return []
+    if starts[0][0] is not None:
+        trajs = await generator.generate(stream.make, tasks=[t for t, _ in starts if t is not None],
+                                         n_samples=n_samples, env_name=stream.label)
+    else:
+        trajs = await generator.generate(stream.make, seeds=[s for _, s in starts if s is not None],
+                                         n_samples=n_samples, env_name=stream.label)
+    for t in trajs:
+        t.group_id = f"{stream.label}/{t.group_id}"
+    return trajs
