@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import os
 import secrets
 import socket
 import struct
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -111,13 +113,19 @@ def _internal_network(client: Any) -> str:
     """The bridge no-network sandboxes join (created once per engine), with forwarding off on this host."""
     import docker.errors
 
-    try:
-        network = client.networks.get(INTERNAL_NETWORK)
-    except docker.errors.NotFound:
-        with contextlib.suppress(docker.errors.APIError):  # another process made it first
-            client.networks.create(INTERNAL_NETWORK, driver="bridge", internal=True,
-                                   labels={SANDBOX_LABEL: "network"})
-        network = client.networks.get(INTERNAL_NETWORK)
+    # Docker accepts two networks of one name, and then refuses the name as ambiguous: processes starting their
+    # first sandbox at once take turns (a host-wide lock), and duplicates an older version made are removed.
+    with open(Path(tempfile.gettempdir()) / "envkit-sandbox-network.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        same = sorted((n for n in client.networks.list(names=[INTERNAL_NETWORK]) if n.name == INTERNAL_NETWORK),
+                      key=lambda n: n.attrs.get("Created", ""))
+        if not same:
+            same = [client.networks.create(INTERNAL_NETWORK, driver="bridge", internal=True,
+                                           labels={SANDBOX_LABEL: "network"})]
+        network = same[0]
+        for extra in same[1:]:
+            with contextlib.suppress(docker.errors.APIError):  # still has containers: left, and never used by name
+                extra.remove()
     # Docker isolates internal networks with iptables rules, which a dockerd started with --iptables=false never
     # installs: the containers keep a default route. With forwarding off on the bridge the kernel routes nothing
     # they send beyond this host, whatever the firewall. Best effort: it needs root and a local engine.
@@ -134,7 +142,7 @@ def _internal_network(client: Any) -> str:
         with contextlib.suppress(OSError):
             if subprocess.run(["iptables", "-C", *spec], capture_output=True).returncode != 0:
                 subprocess.run(["iptables", "-I", *spec], capture_output=True, check=False)
-    return INTERNAL_NETWORK
+    return network.id
 
 
 class DockerSandbox(Sandbox):

@@ -185,6 +185,12 @@ def test_every_error_code_has_its_status_and_a_structured_body(server: Server, h
     http.post(f"/sessions/{sid}/reset", json={"seed": 1})
     expect("env_timeout", http.post(step, json=say("hang")))
     http.delete(f"/sessions/{sid}")
+    expect("no_tasks", http.get("/tasks"))  # ScriptedEnv lists no tasks
+    with envkit_serve("arithmetic") as arithmetic:
+        expect("invalid_split", httpx.get(arithmetic.url + "/tasks", params={"split": "dev"}))
+        expect("validation_error", httpx.get(arithmetic.url + "/tasks", params={"limit": 0}))
+        page = httpx.get(arithmetic.url + "/tasks", params={"split": "test", "offset": 18, "limit": 5}).json()
+        assert (page["total"], page["offset"], len(page["tasks"])) == (19, 18, 1)  # level 1 owns 19 test problems
     with envkit_serve(SCRIPTED, "--max-sessions", "1") as small:
         assert httpx.post(small.url + "/sessions", json={}).status_code == 201
         full = httpx.post(small.url + "/sessions", json={})
