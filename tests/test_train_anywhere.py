@@ -22,10 +22,11 @@ from safetensors import safe_open
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parent.parent
-# 4 prompts x 8 samples: a group is all-equal with p ~ 0.3^8 + 0.7^8 on arithmetic, so a whole step of them
-# (no update) is a 1e-5 event
-SMALL = ["trainer.steps=2", "generator.prompts_per_step=4", "generator.samples_per_prompt=8",
-         "generator.max_tokens=16", "trainer.eval_tasks=4", "trainer.eval_samples=2", "trainer.eval_greedy=false",
+# 8 samples per prompt: a group is all-equal with p ~ 0.3^8 + 0.7^8 on arithmetic, so a step of 4 such groups
+# (no update) is a 1e-5 event. Multi-turn envs with graded rewards vary more, and their long rollouts cost more:
+# 2 prompts there.
+SMALL = ["trainer.steps=2", "generator.samples_per_prompt=8", "generator.max_tokens=16", "trainer.eval_tasks=4",
+         "trainer.eval_samples=2", "trainer.eval_greedy=false",
          "trainer.warmup_steps=0", "logging.progress=false"]
 
 
@@ -36,13 +37,14 @@ async def policy_url(vllm_engine, bundled_model: Path):
     await vllm_engine.load_weights(bundled_model, 0)
 
 
-def train(out: Path, url: str, *overrides: str, example: str | None = None, timeout: float = 900
-          ) -> dict[int, dict]:
+def train(out: Path, url: str, *overrides: str, example: str | None = None, prompts: int = 4,
+          timeout: float = 900) -> dict[int, dict]:
     """Run the trainer (or ``examples/<example>.py``) for 2 steps on the shared server; returns the per-step metrics
     after checking that both steps made an update that reached the exported weights."""
     command = [str(REPO / "examples" / f"{example}.py")] if example else ["-m", "trainer"]
     result = subprocess.run([sys.executable, *command, f"inference.url={url}", f"trainer.output_dir={out}", *SMALL,
-                             *overrides], capture_output=True, text=True, cwd=out.parent, timeout=timeout)
+                             f"generator.prompts_per_step={prompts}", *overrides],
+                            capture_output=True, text=True, cwd=out.parent, timeout=timeout)
     assert result.returncode == 0, result.stderr[-4000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = {r["step"]: r for r in rows if "reward/mean" in r}
@@ -98,14 +100,14 @@ def test_trains_on_a_docker_sandboxed_env_through_a_pool(policy_url, arithmetic_
 
 def test_trains_on_an_openenv_server(policy_url, tmp_path):
     with openenv_server() as server:
-        steps = train(tmp_path, policy_url, f"env.name=openenv:{server.url}", "generator.max_turns=2")
+        steps = train(tmp_path, policy_url, f"env.name=openenv:{server.url}", "generator.max_turns=2", prompts=2)
     assert all(m["rollout/turns"] == 2 for m in steps.values())  # echo never ends before "bye": 2 turns each
 
 
 def test_trains_on_a_gym_env_drawn_by_seed(policy_url, tmp_path):
-    train(tmp_path, policy_url, "env.name=gym:Blackjack-v1", "generator.max_turns=3")
+    train(tmp_path, policy_url, "env.name=gym:Blackjack-v1", "generator.max_turns=2", prompts=2)
     state = json.loads((tmp_path / "checkpoints" / "step-000002" / "state.json").read_text())
-    assert state["data"] == {"Blackjack-v1": {"epoch": 0, "pos": 8, "drawn": 8}}  # seeds 0..7, in order
+    assert state["data"] == {"Blackjack-v1": {"epoch": 0, "pos": 4, "drawn": 4}}  # seeds 0..3, in order
 
 
 def test_trains_on_dataset_rows(policy_url, tmp_path):
@@ -130,5 +132,5 @@ def test_trains_on_a_two_env_mixture_with_per_env_metrics(policy_url, tmp_path):
 
 
 def test_trains_on_a_multi_turn_env(policy_url, tmp_path):
-    steps = train(tmp_path / "run", policy_url, example="train_multiturn")
+    steps = train(tmp_path / "run", policy_url, example="train_multiturn", prompts=2)
     assert sum(m["rollout/turns"] for m in steps.values()) / 2 > 1.5

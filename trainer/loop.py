@@ -1,7 +1,7 @@
 """The RL loop, top to bottom. One training step:
 
-    tasks      = next prompts_per_step tasks of the shuffled train split
-    trajs      = generator.generate(env, tasks, n=samples_per_prompt)    rank 0, on the inference engine
+    starts     = next prompts_per_step episode starts, split among the run's envs by weight (trainer/sources.py)
+    trajs      = generator.generate(env, starts, n=samples_per_prompt)   rank 0, on the inference engine
     trajs      = drop failed rollouts (counted), drop zero-variance groups
     advantages = ADVANTAGES[algorithm](rewards, groups)                    one scalar per rollout
                  (PPO: GAE per token from the value head's values before the update)
@@ -43,7 +43,7 @@ from trainer.backends.base import BackendConfig, Batch, TrainBackend
 from trainer.checkpoint import CheckpointManager, TrainState
 from trainer.config import Config
 from trainer.distributed import shutdown_distributed
-from trainer.metrics import RunLogger
+from trainer.metrics import RunLogger, rollout_metrics
 from trainer.sources import Mixture
 
 log = logging.getLogger(__name__)
@@ -449,44 +449,6 @@ def _broadcast(trajs: list[Trajectory], backend: TrainBackend) -> list[Trajector
     box: list[Any] = [trajs if backend.rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def rollout_metrics(trajs: list[Trajectory], batch: StepBatch, version: int) -> dict[str, float]:
-    """Reward, pass rate, lengths, stop reasons and staleness of one step's rollouts; per env for a mixture."""
-    metrics = _outcomes(trajs)
-    metrics.update({
-        "rollout/response_tokens": _mean([t.num_model_tokens for t in trajs if not t.failed]),
-        "rollout/turns": _mean([t.num_turns for t in trajs if not t.failed]),
-        "rollout/staleness": max((version - t.policy_version for t in trajs), default=0),
-        "rollout/trained": batch.counts.get("trained", 0),
-        "rollout/failed": batch.counts.get("failed", 0),
-        "rollout/zero_variance_groups": batch.counts.get("zero_variance_groups", 0),
-    })
-    labels = sorted({t.env_name for t in trajs})
-    if len(labels) > 1:
-        for label in labels:
-            mine = [t for t in trajs if t.env_name == label]
-            metrics.update({f"env/{label}/{k}": v for k, v in _outcomes(mine).items()})
-            metrics[f"env/{label}/rollouts"] = len(mine)
-    gen_s = sum(t.timings.get("generate", 0.0) for t in trajs)
-    metrics["rollout/model_tokens"] = sum(t.num_model_tokens for t in trajs)
-    metrics["train/tokens"] = sum(len(t.prompt_ids) + len(t.response_ids) for t in batch.trajectories)
-    metrics["rollout/tokens_per_rollout_s"] = metrics["rollout/model_tokens"] / gen_s if gen_s else 0.0
-    return metrics
-
-
-def _outcomes(trajs: list[Trajectory]) -> dict[str, float]:
-    """Mean reward and pass rate of the rollouts that finished, and a count per stop reason."""
-    done = [t for t in trajs if not t.failed]
-    metrics = {"reward/mean": _mean([t.reward for t in done]),
-               "reward/pass_rate": _mean([t.reward >= 1.0 for t in done])}
-    for reason, count in Counter(t.stop_reason for t in trajs).items():
-        metrics[f"stop/{reason}"] = count
-    return metrics
-
-
-def _mean(values: list[float] | list[int] | list[bool]) -> float:
-    return sum(values) / len(values) if values else 0.0
 
 
 def _evaluate(generator: Generator, envs: Mixture, runner: asyncio.Runner, cfg: Config, logger: RunLogger, *,

@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -17,6 +18,9 @@ from torch.utils.tensorboard import SummaryWriter
 from generators.report import summarize, write_html_report
 from generators.trajectory import Trajectory, write_jsonl
 from trainer.config import Config
+
+if TYPE_CHECKING:
+    from trainer.loop import StepBatch
 
 
 class RunLogger:
@@ -131,3 +135,41 @@ class RunLogger:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def rollout_metrics(trajs: list[Trajectory], batch: StepBatch, version: int) -> dict[str, float]:
+    """Reward, pass rate, lengths, stop reasons and staleness of one step's rollouts; per env for a mixture."""
+    metrics = _outcomes(trajs)
+    metrics.update({
+        "rollout/response_tokens": _mean([t.num_model_tokens for t in trajs if not t.failed]),
+        "rollout/turns": _mean([t.num_turns for t in trajs if not t.failed]),
+        "rollout/staleness": max((version - t.policy_version for t in trajs), default=0),
+        "rollout/trained": batch.counts.get("trained", 0),
+        "rollout/failed": batch.counts.get("failed", 0),
+        "rollout/zero_variance_groups": batch.counts.get("zero_variance_groups", 0),
+    })
+    labels = sorted({t.env_name for t in trajs})
+    if len(labels) > 1:
+        for label in labels:
+            mine = [t for t in trajs if t.env_name == label]
+            metrics.update({f"env/{label}/{k}": v for k, v in _outcomes(mine).items()})
+            metrics[f"env/{label}/rollouts"] = len(mine)
+    gen_s = sum(t.timings.get("generate", 0.0) for t in trajs)
+    metrics["rollout/model_tokens"] = sum(t.num_model_tokens for t in trajs)
+    metrics["train/tokens"] = sum(len(t.prompt_ids) + len(t.response_ids) for t in batch.trajectories)
+    metrics["rollout/tokens_per_rollout_s"] = metrics["rollout/model_tokens"] / gen_s if gen_s else 0.0
+    return metrics
+
+
+def _outcomes(trajs: list[Trajectory]) -> dict[str, float]:
+    """Mean reward and pass rate of the rollouts that finished, and a count per stop reason."""
+    done = [t for t in trajs if not t.failed]
+    metrics = {"reward/mean": _mean([t.reward for t in done]),
+               "reward/pass_rate": _mean([t.reward >= 1.0 for t in done])}
+    for reason, count in Counter(t.stop_reason for t in trajs).items():
+        metrics[f"stop/{reason}"] = count
+    return metrics
+
+
+def _mean(values: list[float] | list[int] | list[bool]) -> float:
+    return sum(values) / len(values) if values else 0.0
