@@ -21,7 +21,7 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, overload
+from typing import Any, Literal
 from urllib.parse import quote, urlsplit
 
 import httpx
@@ -40,6 +40,7 @@ from envkit.errors import (
 )
 from envkit.messages import Message
 from envkit.registry import EnvSpec
+from envkit.tasks import LazyTasks
 from envkit.tools import Tool
 from envkit.wsclient import WsClosedError, WsConnection
 
@@ -221,7 +222,7 @@ class _WebSocket:
                 self.ws = None
 
 
-class RemoteTaskList(Sequence[Task]):
+class RemoteTaskList(LazyTasks):
     """A server's task list for one split, fetched in pages of ``page_size`` on first access (blocking HTTP: read it
     from a thread in async code)."""
 
@@ -231,7 +232,8 @@ class RemoteTaskList(Sequence[Task]):
         self._headers = headers
         self._timeout = httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s)
         self._pages: dict[int, list[Task]] = {}
-        self._total = self._page(0)
+        self._name = f"{self.url} split {split!r}"
+        self._len = self._page(0)
 
     def _page(self, index: int) -> int:
         try:
@@ -246,19 +248,8 @@ class RemoteTaskList(Sequence[Task]):
         self._pages[index] = body["tasks"]
         return int(body["total"])
 
-    def __len__(self) -> int:
-        return self._total
-
-    @overload
-    def __getitem__(self, i: int) -> Task: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[Task]: ...
-    def __getitem__(self, i: int | slice) -> Task | list[Task]:
-        if isinstance(i, slice):
-            return [self[k] for k in range(self._total)[i]]
-        if not -self._total <= i < self._total:
-            raise IndexError(f"task index {i} out of range for {self.url} split {self.split!r} ({self._total} tasks)")
-        page, k = divmod(i % self._total, self.page_size)
+    def _task(self, i: int) -> Task:
+        page, k = divmod(i, self.page_size)
         if page not in self._pages:
             self._page(page)
         return self._pages[page][k]

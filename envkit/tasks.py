@@ -30,16 +30,15 @@ def check_split(split: str) -> str:
     return split
 
 
-class TaskList(Sequence[Task]):
-    """A fixed-length task sequence generated on first access and cached.
+class LazyTasks(Sequence[Task]):
+    """A fixed-length task sequence whose task ``i`` is made on access by ``_task(i)`` (0 <= i < len); subclasses
+    set ``_len`` and ``_name`` (for error messages). Slices and negative indices work as on a list."""
 
-    Task ``i`` is the ``i``-th item of ``source`` with ``"id": f"{prefix}-{i}"`` added, so it depends only on
-    how ``source`` was seeded, never on access order.
-    """
+    _len: int
+    _name: str
 
-    def __init__(self, source: Iterator[Task], length: int, *, prefix: str) -> None:
-        self._source, self._len, self._prefix = source, length, prefix
-        self._tasks: list[Task] = []
+    def _task(self, i: int) -> Task:
+        raise NotImplementedError
 
     def __len__(self) -> int:
         return self._len
@@ -52,8 +51,23 @@ class TaskList(Sequence[Task]):
         if isinstance(i, slice):
             return [self[k] for k in range(self._len)[i]]
         if not -self._len <= i < self._len:
-            raise IndexError(f"task index {i} out of range for {self._prefix!r} ({self._len} tasks)")
-        i %= self._len
+            raise IndexError(f"task index {i} out of range for {self._name} ({self._len} tasks)")
+        return self._task(i % self._len)
+
+
+class TaskList(LazyTasks):
+    """A fixed-length task sequence generated on first access and cached.
+
+    Task ``i`` is the ``i``-th item of ``source`` with ``"id": f"{prefix}-{i}"`` added, so it depends only on
+    how ``source`` was seeded, never on access order.
+    """
+
+    def __init__(self, source: Iterator[Task], length: int, *, prefix: str) -> None:
+        self._source, self._len, self._prefix = source, length, prefix
+        self._name = repr(prefix)
+        self._tasks: list[Task] = []
+
+    def _task(self, i: int) -> Task:
         while len(self._tasks) <= i:
             self._tasks.append(next(self._source))
         return {"id": f"{self._prefix}-{i}", **self._tasks[i]}

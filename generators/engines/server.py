@@ -38,6 +38,20 @@ def _watchdog_argv(read_fd: int, argv: list[str]) -> list[str]:
     return [sys.executable, "-m", "generators.engines.watchdog", str(read_fd), "--", *argv]
 
 
+async def wait_healthy(url: str, timeout_s: float, *, check: Callable[[], None] = lambda: None) -> bool:
+    """Poll ``url`` until it answers 200 (True) or ``timeout_s`` passes (False); ``check`` runs before each try
+    and may raise to give up early."""
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        while time.monotonic() < deadline:
+            check()
+            with contextlib.suppress(httpx.HTTPError):
+                if (await client.get(url)).status_code == 200:
+                    return True
+            await asyncio.sleep(0.5)
+    return False
+
+
 def _kill_group(pid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
@@ -118,18 +132,14 @@ class ManagedServer:
             raise
 
     async def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout
-        async with httpx.AsyncClient(timeout=5.0) as client:
-            while time.monotonic() < deadline:
-                if not self.alive:
-                    raise EngineError(f"{self.name} exited with code {self.process.returncode} while starting.\n"
-                                      f"Last log lines ({self.log_path}):\n{self.log_tail()}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await client.get(self.base_url + self.health_path)).status_code == 200:
-                        return
-                await asyncio.sleep(0.5)
-        raise EngineError(f"{self.name} did not become healthy within {self.startup_timeout:.0f} s.\n"
-                          f"Last log lines ({self.log_path}):\n{self.log_tail()}")
+        def check() -> None:
+            if not self.alive:
+                raise EngineError(f"{self.name} exited with code {self.process.returncode} while starting.\n"
+                                  f"Last log lines ({self.log_path}):\n{self.log_tail()}")
+
+        if not await wait_healthy(self.base_url + self.health_path, self.startup_timeout, check=check):
+            raise EngineError(f"{self.name} did not become healthy within {self.startup_timeout:.0f} s.\n"
+                              f"Last log lines ({self.log_path}):\n{self.log_tail()}")
 
     async def exited_within(self, seconds: float) -> bool:
         """Wait up to ``seconds`` for the process to exit; True if it is not running."""
@@ -189,15 +199,9 @@ class AttachedServer:
 
     async def start(self) -> None:
         """Wait until its health route answers 200; raises EngineError after ``startup_timeout``."""
-        deadline = time.monotonic() + self.startup_timeout
-        async with httpx.AsyncClient(timeout=5.0) as client:
-            while time.monotonic() < deadline:
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await client.get(self.base_url + self.health_path)).status_code == 200:
-                        return
-                await asyncio.sleep(0.5)
-        raise EngineError(f"{self.name} at {self.base_url} did not answer {self.health_path} within "
-                          f"{self.startup_timeout:.0f} s")
+        if not await wait_healthy(self.base_url + self.health_path, self.startup_timeout):
+            raise EngineError(f"{self.name} at {self.base_url} did not answer {self.health_path} within "
+                              f"{self.startup_timeout:.0f} s")
 
     async def stop(self) -> None:
         """Nothing: the server is its owner's."""
