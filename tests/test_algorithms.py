@@ -431,3 +431,24 @@ def test_whiten_over_masked_entries_only():
     mask = t([1, 1, 0], [1, 1, 0])
     out = whiten(x, mask)  # masked entries 1, 3, 5, 7: mean 4, population std sqrt(5)
     close(out, t([-3 / math.sqrt(5), -1 / math.sqrt(5), 0.0], [1 / math.sqrt(5), 3 / math.sqrt(5), 0.0]), atol=1e-6)
+
+
+def test_gae_credits_each_turn_reward_to_that_turns_last_model_token():
+    from generators.trajectory import Trajectory
+    from trainer.config import AlgorithmConfig, Config
+    from trainer.loop import StepBatch, _gae_targets, turn_rewards
+
+    # prompt of 3 tokens; model turn 1 (2 tokens), env turn (2), model turn 2 (1)
+    two_turns = Trajectory(prompt_ids=[1, 2, 3], response_ids=[4, 5, 6, 7, 8], loss_mask=[1, 1, 0, 0, 1],
+                           rollout_logprobs=[-1.0] * 5, reward=1.0, step_rewards=[0.25, 0.75], num_turns=2)
+    assert turn_rewards(two_turns) == [(1, 0.25), (4, 0.75)]
+    unpaired = Trajectory(prompt_ids=[1], response_ids=[4, 5], loss_mask=[1, 1], rollout_logprobs=[-1.0] * 2,
+                          reward=0.5, step_rewards=[0.2, 0.3], num_turns=2)
+    assert turn_rewards(unpaired) == [(1, 0.5)]  # turns and rewards do not pair up: the total on the last token
+
+    cfg = Config(algorithm=AlgorithmConfig(advantage="gae", gamma=1.0, lam=1.0))
+    batch = StepBatch([two_turns], torch.zeros(1))
+    targets = _gae_targets(batch, {"values": {0: torch.zeros(8)}}, cfg, pad_id=0)
+    returns = targets["returns"][0]  # (T,) over prompt + response; with V = 0 and γ = λ = 1: reward to go
+    assert returns[3:5].tolist() == [1.0, 1.0]  # turn 1 sees both turns' rewards ahead of it
+    assert returns[7].item() == 0.75  # turn 2 only its own

@@ -294,8 +294,8 @@ def _gae_targets(batch: StepBatch, before: dict[str, dict[int, torch.Tensor]], c
     values = _rows(before["values"], index, mask.shape)  # (B, T)
     rewards = torch.zeros_like(mask)  # (B, T)
     for row, traj in enumerate(trajs):
-        for position, reward in turn_rewards(traj):
-            rewards[row, position] += reward
+        for position, reward in turn_rewards(traj):  # response positions; the padded rows start with the prompt
+            rewards[row, len(traj.prompt_ids) + position] += reward
     a = cfg.algorithm
     advantages, returns = algo.gae_advantages(rewards, values, mask, gamma=a.gamma, lam=a.lam)
     advantages = algo.whiten(advantages, mask)
