@@ -248,13 +248,13 @@ async def test_engine_flow_and_restart_against_a_stand_in_server(fake_sglang, tm
         assert engine.weight_version == 1
 
         old_pid = engine.server.process.pid
-        os.kill(old_pid, signal.SIGKILL)
+        os.killpg(old_pid, signal.SIGKILL)  # the server crashes, helpers and watchdog too
         restarted = await engine.generate([1, 2, 3], SamplingParams(max_tokens=2))
         assert engine.restarts == 1 and engine.server.process.pid != old_pid
         assert restarted.token_ids == [500, 501] and restarted.weight_version == 1  # the latest weights came back
 
         # Concurrent requests that hit a dead server share one restart and all see the restored weights.
-        os.kill(engine.server.process.pid, signal.SIGKILL)
+        os.killpg(engine.server.process.pid, signal.SIGKILL)
         results = await asyncio.gather(*(engine.generate([1], SamplingParams(max_tokens=2)) for _ in range(8)))
         assert engine.restarts == 2 and all(r.token_ids == [500, 501] and r.weight_version == 1 for r in results)
     assert not engine.server.alive
@@ -266,7 +266,7 @@ async def test_no_restart_when_auto_restart_is_off(fake_sglang, tmp_path):
                           auto_restart=False)
     engine.server.env["PYTHONPATH"] = str(fake_sglang)
     async with engine:
-        os.kill(engine.server.process.pid, signal.SIGKILL)
+        os.killpg(engine.server.process.pid, signal.SIGKILL)
         await engine.server.exited_within(5.0)
         with pytest.raises(EngineError, match="not running"):
             await engine.generate([1], SamplingParams(max_tokens=1))

@@ -216,7 +216,7 @@ async def test_engine_restarts_after_kill_9_and_keeps_its_weights(vllm_engine, c
     prompt = chat_tokenizer.prompt_ids([envkit.user("Name a color.")])
     before = await vllm_engine.generate(prompt, greedy)
     version, old_pid = vllm_engine.weight_version, vllm_engine.server.process.pid
-    os.kill(old_pid, signal.SIGKILL)
+    os.killpg(old_pid, signal.SIGKILL)  # the server crashes, helpers and watchdog too
 
     after = await vllm_engine.generate(prompt, greedy)
     assert vllm_engine.restarts == 1 and vllm_engine.server.process.pid != old_pid
