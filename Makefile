@@ -53,7 +53,7 @@ model: install  ## convert the bundled SmolLM2-135M-Instruct into an HF checkpoi
 docker-up: install  ## Docker for sandboxes: install docker.io, start dockerd, build the base image (idempotent)
 	$(PY) -m sandboxes.engine up
 
-test: install model docker-up  ## run the whole test suite (starts real vLLM servers and containers; ~40 min on 2 vCPUs)
+test: install model docker-up  ## run the whole test suite (starts real vLLM servers and containers; ~50 min on 2 vCPUs)
 	$(VENV)/bin/pytest -q --durations=15
 
 lint: install  ## ruff
