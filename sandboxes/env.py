@@ -33,6 +33,8 @@ from sandboxes.pool import SandboxPool
 
 log = logging.getLogger(__name__)
 _image_tags: dict[str, str] = {}
+START_TIMEOUT_S = 30.0
+"""How long a sandbox may take to answer its health check, unless ``sandbox_options`` say otherwise."""
 
 
 class SandboxedEnv(Env):
@@ -107,55 +109,60 @@ async def _image_for(name: str) -> str:
     return _image_tags[name]
 
 
-def docker(name: str, *, remote: RemoteConfig | None = None, sandbox_options: dict[str, Any] | None = None,
-           **env_kwargs: Any) -> Env:
-    """``sandbox="docker"``: env ``name`` in a container of its own (or one borrowed from ``pool``)."""
+async def _factory(name: str, kind: str, limits: SandboxLimits | None, start_timeout_s: float
+                   ) -> Callable[[], Sandbox]:
+    """How to make one (not yet started) sandbox of ``kind`` serving env ``name``."""
+    if kind == "docker":
+        image = await _image_for(name)
+        return lambda: DockerSandbox(image, limits=limits, start_timeout_s=start_timeout_s)
+    return lambda: LocalSandbox(name, limits=limits, start_timeout_s=start_timeout_s)
+
+
+def _sandboxed(kind: str, name: str, remote: RemoteConfig | None, sandbox_options: dict[str, Any] | None,
+               env_kwargs: dict[str, Any]) -> Env:
+    """Env ``name`` in a sandbox of ``kind``: one started per env, or borrowed from ``sandbox_options["pool"]``."""
     options = dict(sandbox_options or {})
     pool: SandboxPool | None = options.pop("pool", None)
     limits: SandboxLimits | None = options.pop("limits", None)
-    start_timeout_s: float = options.pop("start_timeout_s", 30.0)
+    start_timeout_s: float = options.pop("start_timeout_s", START_TIMEOUT_S)
     if options:
         raise TypeError(f"unknown sandbox_options {sorted(options)}; known: pool, limits, start_timeout_s")
     if pool is not None:
         return SandboxedEnv(name, acquire=pool.acquire, release=pool.release, env_kwargs=env_kwargs, remote=remote,
-                            kind="docker pool")
+                            kind=f"{kind} pool")
 
     async def acquire() -> Sandbox:
-        sandbox = DockerSandbox(await _image_for(name), limits=limits, start_timeout_s=start_timeout_s)
+        sandbox = (await _factory(name, kind, limits, start_timeout_s))()
         await sandbox.start()
         return sandbox
 
-    return SandboxedEnv(name, acquire=acquire, release=_close, env_kwargs=env_kwargs, remote=remote, kind="docker")
+    return SandboxedEnv(name, acquire=acquire, release=_close, env_kwargs=env_kwargs, remote=remote, kind=kind)
+
+
+def docker(name: str, *, remote: RemoteConfig | None = None, sandbox_options: dict[str, Any] | None = None,
+           **env_kwargs: Any) -> Env:
+    """``sandbox="docker"``: env ``name`` in a container of its own (or one borrowed from ``pool``)."""
+    return _sandboxed("docker", name, remote, sandbox_options, env_kwargs)
 
 
 def local(name: str, *, remote: RemoteConfig | None = None, sandbox_options: dict[str, Any] | None = None,
           **env_kwargs: Any) -> Env:
     """``sandbox="local"``: env ``name`` behind ``envkit serve`` in a child process (no isolation)."""
-    options = dict(sandbox_options or {})
-    pool: SandboxPool | None = options.pop("pool", None)
-    limits: SandboxLimits | None = options.pop("limits", None)
-    start_timeout_s: float = options.pop("start_timeout_s", 30.0)
-    if options:
-        raise TypeError(f"unknown sandbox_options {sorted(options)}; known: pool, limits, start_timeout_s")
-    if pool is not None:
-        return SandboxedEnv(name, acquire=pool.acquire, release=pool.release, env_kwargs=env_kwargs, remote=remote,
-                            kind="local pool")
+    return _sandboxed("local", name, remote, sandbox_options, env_kwargs)
 
-    async def acquire() -> Sandbox:
-        sandbox = LocalSandbox(name, limits=limits, start_timeout_s=start_timeout_s)
-        await sandbox.start()
-        return sandbox
 
-    return SandboxedEnv(name, acquire=acquire, release=_close, env_kwargs=env_kwargs, remote=remote, kind="local")
+def _auto_kind(name: str) -> str:
+    """docker when an engine is reachable, else local (logged)."""
+    if engine_reachable():
+        return "docker"
+    log.warning("no Docker engine reachable: env %r runs in a local process sandbox (no isolation); start one with "
+                "`python -m sandboxes.engine up`", name)
+    return "local"
 
 
 def auto(name: str, **kwargs: Any) -> Env:
     """``sandbox="auto"``: docker when an engine is reachable, else the local-process sandbox (logged)."""
-    if engine_reachable():
-        return docker(name, **kwargs)
-    log.warning("no Docker engine reachable: env %r runs in a local process sandbox (no isolation); start one with "
-                "`python -m sandboxes.engine up`", name)
-    return local(name, **kwargs)
+    return docker(name, **kwargs) if _auto_kind(name) == "docker" else local(name, **kwargs)
 
 
 async def open_pool(name: str, kind: str, *, size: int, limits: SandboxLimits | None = None) -> SandboxPool:
@@ -163,14 +170,10 @@ async def open_pool(name: str, kind: str, *, size: int, limits: SandboxLimits | 
     containers of its image (``docker``, building the image if needed), ``envkit serve`` child processes
     (``local``), or either as ``sandbox="auto"`` picks. The caller closes it."""
     if kind == "auto":
-        kind = "docker" if engine_reachable() else "local"
-    if kind == "docker":
-        image = await _image_for(name)
-        pool = SandboxPool(lambda: DockerSandbox(image, limits=limits), size=size)
-    elif kind == "local":
-        pool = SandboxPool(lambda: LocalSandbox(name, limits=limits), size=size)
-    else:
+        kind = _auto_kind(name)
+    if kind not in ("docker", "local"):
         raise ValueError(f"unknown sandbox kind {kind!r}; known: docker, local, auto")
+    pool = SandboxPool(await _factory(name, kind, limits, START_TIMEOUT_S), size=size)
     try:
         await pool.start()
     except BaseException:

@@ -38,7 +38,8 @@ def descendants(root: int) -> set[int]:
         except OSError:
             continue
         parent[int(entry)], group[int(entry)] = int(fields[1]), int(fields[2])
-    found = {pid for pid, pgrp in group.items() if pgrp == os.getpgid(root)}
+    root_group = os.getpgid(root)
+    found = {pid for pid, pgrp in group.items() if pgrp == root_group}
     frontier = [root]
     while frontier:
         below = [pid for pid, ppid in parent.items() if ppid in frontier and pid not in found]
