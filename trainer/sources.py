@@ -127,8 +127,7 @@ class EnvStream:
             from sandboxes.env import open_pool
 
             self.pool = await open_pool(self.cfg.name, self.cfg.sandbox, size=self.cfg.pool_size or pool_size)
-        self.train = await self._starts(self.cfg.train_split, self.cfg.tasks.train_seeds, eval_split=False)
-        self.eval = await self._starts(self.cfg.eval_split, self.cfg.tasks.eval_seeds, eval_split=True)
+        self.train, self.eval = await self._load_starts()
         if not self.train:
             raise ConfigError(f"env {self.label!r} has no training episodes ({self.cfg.train_split} split is empty)")
         log.info("env %s: %d train and %d eval starts (%s)", self.label, len(self.train), len(self.eval),
@@ -140,51 +139,57 @@ class EnvStream:
         if pool is not None:
             await pool.close()
 
-    async def _starts(self, split: str, seeds: list[int], *, eval_split: bool) -> Sequence[Start]:
+    async def _load_starts(self) -> tuple[Sequence[Start], Sequence[Start]]:
+        """The train and eval starts from the configured source: one env asked for both lists, or one dataset
+        read."""
         t: TaskSourceConfig = self.cfg.tasks
         if t.source == "seeds":
-            return SeedStarts(*seeds)
+            return SeedStarts(*t.train_seeds), SeedStarts(*t.eval_seeds)
         if t.source == "dataset":
-            assert t.dataset is not None
-            return TaskStarts(await asyncio.to_thread(self._dataset_split, eval_split))
-        tasks = await self._env_tasks(split)
-        if tasks is None:
-            if t.source == "env":
-                raise ConfigError(f"env {self.label!r} does not list its tasks: use env.tasks.source=seeds (or auto)")
-            return SeedStarts(*seeds)
-        return TaskStarts(tasks)
+            train, held_out = await asyncio.to_thread(self._dataset_rows)
+            return TaskStarts(train), TaskStarts(held_out)
+        train_list, eval_list = await self._env_tasks((self.cfg.train_split, self.cfg.eval_split))
+        return self._listed(train_list, t.train_seeds), self._listed(eval_list, t.eval_seeds)
 
-    def _dataset_split(self, eval_split: bool) -> list[Task]:
+    def _listed(self, tasks: list[Task] | None, seeds: list[int]) -> Sequence[Start]:
+        """An env's list as starts; seeds when it lists none (unless the config insists on lists)."""
+        if tasks is not None:
+            return TaskStarts(tasks)
+        if self.cfg.tasks.source == "env":
+            raise ConfigError(f"env {self.label!r} does not list its tasks: use env.tasks.source=seeds (or auto)")
+        return SeedStarts(*seeds)
+
+    def _dataset_rows(self) -> tuple[list[Task], list[Task]]:
         """Train rows: the dataset less ``eval_rows`` held out. Eval rows: ``eval_dataset``, else the held-out rows,
         else a saved DatasetDict's eval split, else none."""
         t = self.cfg.tasks
         assert t.dataset is not None
-        if eval_split and t.eval_dataset:
-            return dataset_tasks(t.eval_dataset, t.columns, split=self.cfg.eval_split)
-        if eval_split and not t.eval_rows:
-            splits = Path(t.dataset) / "dataset_dict.json"  # a saved DatasetDict brings its own held-out split
-            return dataset_tasks(t.dataset, t.columns, split=self.cfg.eval_split) if splits.is_file() else []
         rows = dataset_tasks(t.dataset, t.columns, split=self.cfg.train_split)
-        if not t.eval_rows:
-            return rows
-        if t.eval_rows >= len(rows):
-            raise ConfigError(f"env.tasks.eval_rows={t.eval_rows} holds out all {len(rows)} rows of {t.dataset}")
-        held = set(random.Random(0).sample(range(len(rows)), t.eval_rows))  # a fixed split, the same every run
-        return [r for i, r in enumerate(rows) if (i in held) == eval_split]
+        held_out: list[Task] = []
+        if t.eval_rows:
+            if t.eval_rows >= len(rows):
+                raise ConfigError(f"env.tasks.eval_rows={t.eval_rows} holds out all {len(rows)} rows of {t.dataset}")
+            held = set(random.Random(0).sample(range(len(rows)), t.eval_rows))  # a fixed split, the same every run
+            held_out = [r for i, r in enumerate(rows) if i in held]
+            rows = [r for i, r in enumerate(rows) if i not in held]
+        if t.eval_dataset:
+            held_out = dataset_tasks(t.eval_dataset, t.columns, split=self.cfg.eval_split)
+        elif not t.eval_rows and (Path(t.dataset) / "dataset_dict.json").is_file():  # a saved DatasetDict
+            held_out = dataset_tasks(t.dataset, t.columns, split=self.cfg.eval_split)
+        return rows, held_out
 
-    async def _env_tasks(self, split: str) -> list[Task] | None:
-        """The env's own list for ``split`` (None if it lists none), read once; a sandboxed env is asked from
-        inside its sandbox."""
+    async def _env_tasks(self, splits: tuple[str, ...]) -> list[list[Task] | None]:
+        """The env's own list for each split (None where it lists none), from one env; a sandboxed env is asked
+        from inside its sandbox."""
         env = self.make()
         try:
             try:
-                tasks = await asyncio.to_thread(env.tasks, split)
-            except ResetNeededError:  # sandboxed: the list lives in the sandbox, which init brings up
+                return [await asyncio.to_thread(_listed_tasks, env, split) for split in splits]
+            except ResetNeededError:  # sandboxed: the lists live in the sandbox, which init brings up
                 await env.init()
-                tasks = await asyncio.to_thread(env.tasks, split)
-            except ValueError as e:  # no such split
-                raise ConfigError(f"env {self.label!r}: {e}") from e
-            return None if tasks is None else await asyncio.to_thread(list, tasks)
+                return [await asyncio.to_thread(_listed_tasks, env, split) for split in splits]
+        except ValueError as e:  # no such split
+            raise ConfigError(f"env {self.label!r}: {e}") from e
         finally:
             await env.close()
 
@@ -282,6 +287,12 @@ class Mixture:
                               f"{sorted(self.labels)}: resume with the same env config")
         for stream in self.streams:
             stream.load_state(state[stream.label])
+
+
+def _listed_tasks(env: Env, split: str) -> list[Task] | None:
+    """``env.tasks(split)`` read whole (blocking: a served list is fetched over HTTP)."""
+    tasks = env.tasks(split)
+    return None if tasks is None else list(tasks)
 
 
 async def _generate(generator: Generator, stream: EnvStream, starts: list[Start], n_samples: int
