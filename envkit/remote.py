@@ -242,11 +242,23 @@ class RemoteTaskList(LazyTasks):
                                          "limit": self.page_size})
         except httpx.HTTPError as e:
             raise RemoteConnectionError(f"GET {self.url} failed: {type(e).__name__}: {e}", code="connect_error") from e
-        body = response.json()
+        try:
+            body = response.json()
+        except json.JSONDecodeError:
+            body = response.text
         if response.status_code != 200:
             raise error_from_body(body, response.status_code)
-        self._pages[index] = body["tasks"]
-        return int(body["total"])
+        # A page must be what was asked for: a short or malformed one would surface later as a wrong task.
+        offset = index * self.page_size
+        total = body.get("total") if isinstance(body, dict) else None
+        tasks = body.get("tasks") if isinstance(body, dict) else None
+        if (type(total) is not int or total < 0 or not isinstance(tasks, list)
+                or len(tasks) != max(0, min(self.page_size, total - offset))
+                or not all(isinstance(t, dict) for t in tasks)):
+            raise RemoteEnvError(f"GET {self.url} (offset {offset}) answered no valid task page: {str(body)[:200]}",
+                                 code="bad_answer", status=response.status_code)
+        self._pages[index] = tasks
+        return total
 
     def _task(self, i: int) -> Task:
         page, k = divmod(i, self.page_size)

@@ -221,3 +221,40 @@ def test_import_envkit_stays_light_and_make_imports_only_the_client():
             "envkit.make('ws://127.0.0.1:1/x'); "
             "assert 'envkit.remote' in sys.modules and 'fastapi' not in sys.modules and 'uvicorn' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.parametrize(("status", "body", "why"), [
+    (200, b"<html>not json</html>", "not JSON"),
+    (200, b'{"split": "train", "total": 1000000000000, "offset": 0, "tasks": [{"id": "a"}]}', "short page"),
+    (200, b'{"split": "train", "total": 2, "offset": 0, "tasks": ["a", "b"]}', "tasks not dicts"),
+    (200, b'{"split": "train", "offset": 0, "tasks": []}', "no total"),
+    (200, b'{"split": "train", "total": -1, "offset": 0, "tasks": []}', "negative total"),
+    (502, b"Bad Gateway", "an error page"),
+])
+def test_a_hostile_or_broken_server_cannot_feed_a_trainer_a_bogus_task_list(status: int, body: bytes, why: str):
+    """A task list the trainer reads whole must be what the protocol promises, page by page: a server claiming a
+    trillion tasks with one-task pages, or answering garbage, gets a RemoteEnvError, not a hang or a wrong task."""
+    import http.server
+
+    class Hostile(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(status)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    hostile = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hostile)
+    thread = threading.Thread(target=hostile.serve_forever, daemon=True)
+    thread.start()
+    try:
+        env = envkit.make(f"ws://127.0.0.1:{hostile.server_address[1]}/arithmetic")
+        with pytest.raises(RemoteEnvError) as caught:
+            env.tasks("train")
+        assert caught.value.status == status, why
+        assert caught.value.code == ("bad_answer" if status == 200 else "http_error"), why
+    finally:
+        hostile.shutdown()
+        hostile.server_close()

@@ -67,7 +67,7 @@ def say(content: str | None) -> dict:
 
 def test_health_needs_no_token_but_everything_else_does(server: Server):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
-    for path in ("/info", "/metrics", "/openapi.json", "/docs"):
+    for path in ("/info", "/metrics", "/tasks", "/openapi.json", "/docs"):
         r = httpx.get(server.url + path)
         assert r.status_code == 401, path
         assert error_code(r) == "unauthorized"
