@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from remote_envs import openenv_server
-from safetensors import safe_open
+from weights import changed_tensors
 
 pytestmark = pytest.mark.e2e
 
@@ -52,7 +52,7 @@ def train(out: Path, url: str, *overrides: str, example: str | None = None, prom
     for step, m in steps.items():
         assert "train/skipped_update" not in m and m["rollout/trained"] > 0, (step, m)
         assert m["rollout/failed"] == 0, (step, m)
-    assert _changed_tensors(out / "weights" / "v2", _bundled()) > 0
+    assert changed_tensors(out / "weights" / "v2", _bundled()) > 0
     return steps
 
 
@@ -67,12 +67,6 @@ def _bundled() -> Path:
     from generators.models import bundled_model_dir
 
     return bundled_model_dir()
-
-
-def _changed_tensors(a: Path, b: Path) -> int:
-    """How many tensors differ between two HF safetensors checkpoints of one architecture."""
-    with safe_open(a / "model.safetensors", "pt") as fa, safe_open(b / "model.safetensors", "pt") as fb:
-        return sum(not fa.get_tensor(k).equal(fb.get_tensor(k)) for k in fa.keys())  # noqa: SIM118
 
 
 def test_trains_on_an_env_served_over_websocket(policy_url, tmp_path):
