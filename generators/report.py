@@ -101,23 +101,25 @@ def write_html_report(trajectories: Sequence[Trajectory], summary: EvalSummary, 
     path.parent.mkdir(parents=True, exist_ok=True)
     counts = Counter(_status(t, summary.pass_threshold) for t in trajectories)
     body = "\n".join([
-        f"<h1>{_e(title)}</h1>",
-        f"<p class=muted>written {_e(time.strftime('%Y-%m-%d %H:%M:%S'))}</p>",
-        "<h2>Configuration</h2>", _kv_table(config),
+        f"<h1>{escape(title)}</h1>",
+        f"<p class=muted>written {escape(time.strftime('%Y-%m-%d %H:%M:%S'))}</p>",
+        "<h2>Configuration</h2>", kv_table(config),
         "<h2>Summary</h2>", _summary_table(summary),
-        "<h2>Reward histogram</h2>", _histogram_svg(trajectories),
+        "<h2>Reward histogram</h2>", histogram_svg(trajectories),
         "<h2>Trajectories</h2>", _filters(counts),
-        '<div id=trajs>', *(_trajectory(i, t, summary.pass_threshold) for i, t in enumerate(trajectories)), "</div>",
+        "<div id=trajs>", *(trajectory_html(i, t, summary.pass_threshold) for i, t in enumerate(trajectories)),
+        "</div>",
     ])
-    page = f"<!doctype html>\n<html lang=en><head><meta charset=utf-8><title>{_e(title)}</title>" \
-           f"<style>{_CSS}</style></head><body>\n{body}\n</body></html>\n"
+    page = f"<!doctype html>\n<html lang=en><head><meta charset=utf-8><title>{escape(title)}</title>" \
+           f"<style>{CSS}</style></head><body>\n{body}\n</body></html>\n"
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(page, encoding="utf-8")
     tmp.replace(path)
     return path
 
 
-def _e(value: object) -> str:
+def escape(value: object) -> str:
+    """``value`` as text safe inside HTML (quotes included)."""
     return html.escape(str(value), quote=True)
 
 
@@ -131,9 +133,10 @@ def _status(t: Trajectory, pass_threshold: float) -> str:
     return "passed" if passed(t, pass_threshold) else "notpassed"
 
 
-def _kv_table(rows: dict[str, Any]) -> str:
+def kv_table(rows: dict[str, Any]) -> str:
+    """A two-column table of names and values (JSON for non-strings), escaped."""
     cells = "".join(
-        f"<tr><th>{_e(k)}</th><td>{_e(v if isinstance(v, str) else json.dumps(v, default=str))}</td></tr>"
+        f"<tr><th>{escape(k)}</th><td>{escape(v if isinstance(v, str) else json.dumps(v, default=str))}</td></tr>"
         for k, v in rows.items()
     )
     return f"<table class=kv>{cells}</table>"
@@ -153,7 +156,7 @@ def _summary_table(s: EvalSummary) -> str:
     }
     if s.errors:
         rows["errors (first distinct)"] = "\n".join(s.errors)
-    return _kv_table(rows)
+    return kv_table(rows)
 
 
 def _bins(rewards: list[float]) -> list[tuple[str, int]]:
@@ -170,7 +173,8 @@ def _bins(rewards: list[float]) -> list[tuple[str, int]]:
     return [(f"{_fmt(lo + i * width)}–{_fmt(lo + (i + 1) * width)}", c) for i, c in enumerate(binned)]
 
 
-def _histogram_svg(trajectories: Sequence[Trajectory]) -> str:
+def histogram_svg(trajectories: Sequence[Trajectory]) -> str:
+    """An inline SVG histogram of the finished rollouts' rewards, with a note counting them."""
     rewards = [t.reward for t in trajectories if not t.failed]
     n_failed = len(trajectories) - len(rewards)
     note = f"<p class=muted>{len(rewards)} finished rollouts" + \
@@ -189,10 +193,10 @@ def _histogram_svg(trajectories: Sequence[Trajectory]) -> str:
         h = round(plot_h * count / peak)
         y = top + plot_h - h
         cx = x + bar_w / 2
-        parts.append(f'<rect x="{x}" y="{y}" width="{bar_w}" height="{h}" class=bar><title>reward {_e(label)}: '
+        parts.append(f'<rect x="{x}" y="{y}" width="{bar_w}" height="{h}" class=bar><title>reward {escape(label)}: '
                      f'{count}</title></rect>')
         parts.append(f'<text x="{cx}" y="{y - 4}" class=count>{count}</text>')
-        parts.append(f'<text x="{cx}" y="{top + plot_h + 16}" class=label>{_e(label)}</text>')
+        parts.append(f'<text x="{cx}" y="{top + plot_h + 16}" class=label>{escape(label)}</text>')
     parts.append("</svg>")
     return "".join(parts) + note
 
@@ -204,17 +208,19 @@ def _filters(counts: Counter[str]) -> str:
                ("failed", f"error/timeout ({counts['failed']})")]
     return "".join(
         f'<input type=radio name=filter id=f-{key}{" checked" if key == "all" else ""}>'
-        f"<label for=f-{key} class=filter>{_e(text)}</label>"
+        f"<label for=f-{key} class=filter>{escape(text)}</label>"
         for key, text in options
     )
 
 
-def _trajectory(index: int, t: Trajectory, pass_threshold: float) -> str:
+def trajectory_html(index: int, t: Trajectory, pass_threshold: float, attrs: dict[str, str] | None = None) -> str:
+    """One rollout as a collapsible ``<details>``: header, metadata and every message; ``attrs`` become its
+    ``data-*`` attributes (what a page's filters select on)."""
     status = _status(t, pass_threshold)
     task = t.task_id if t.task_id is not None else "-"
-    head = (f'<span class="badge {status}">{_BADGES[status]}</span> #{index} task <b>{_e(task)}</b> '
-            f"· group {_e(t.group_id)} sample {t.sample_index} · reward {_fmt(t.reward)} · "
-            f"{_e(t.stop_reason)} · {t.num_turns} turn{'s' if t.num_turns != 1 else ''}")
+    head = (f'<span class="badge {status}">{_BADGES[status]}</span> #{index} task <b>{escape(task)}</b> '
+            f"· group {escape(t.group_id)} sample {t.sample_index} · reward {_fmt(t.reward)} · "
+            f"{escape(t.stop_reason)} · {t.num_turns} turn{'s' if t.num_turns != 1 else ''}")
     meta: dict[str, Any] = {
         "seed": t.seed, "stop reason": t.stop_reason, "truncated": t.truncated,
         "step rewards": [round(r, 6) for r in t.step_rewards], "model tokens": t.num_model_tokens,
@@ -224,7 +230,9 @@ def _trajectory(index: int, t: Trajectory, pass_threshold: float) -> str:
     if t.error:
         meta = {"error": t.error, **meta}
     messages = "".join(_message(m) for m in t.messages) or "<p class=muted>no messages</p>"
-    return f'<details class="traj {status}"><summary>{head}</summary>{_kv_table(meta)}{messages}</details>'
+    data = "".join(f' data-{escape(k)}="{escape(v)}"' for k, v in (attrs or {}).items())
+    return (f'<details class="traj {status}" data-status={status}{data}><summary>{head}</summary>{kv_table(meta)}'
+            f"{messages}</details>")
 
 
 def _message(m: dict[str, Any]) -> str:
@@ -232,13 +240,13 @@ def _message(m: dict[str, Any]) -> str:
     who = role + (f" · {m['name']}" if m.get("name") else "") + \
         (f" · answers {m['tool_call_id']}" if m.get("tool_call_id") else "")
     content = m.get("content")
-    parts = [f'<div class="msg role-{_e(role)}"><div class=role>{_e(who)}</div>']
+    parts = [f'<div class="msg role-{escape(role)}"><div class=role>{escape(who)}</div>']
     if content:
-        parts.append(f"<pre>{_e(content)}</pre>")
+        parts.append(f"<pre>{escape(content)}</pre>")
     for call in m.get("tool_calls") or []:
         fn = call.get("function", {})
-        parts.append(f'<div class=call>tool call <b>{_e(fn.get("name", "?"))}</b> <span class=muted>'
-                     f'{_e(call.get("id", ""))}</span><pre>{_e(_pretty_args(fn.get("arguments")))}</pre></div>')
+        parts.append(f'<div class=call>tool call <b>{escape(fn.get("name", "?"))}</b> <span class=muted>'
+                     f'{escape(call.get("id", ""))}</span><pre>{escape(_pretty_args(fn.get("arguments")))}</pre></div>')
     if not content and not m.get("tool_calls"):
         parts.append("<pre class=muted>(empty)</pre>")
     parts.append("</div>")
@@ -255,7 +263,7 @@ def _pretty_args(arguments: Any) -> str:
     return json.dumps(arguments, indent=2, ensure_ascii=False)
 
 
-_CSS = """
+CSS = """
 body{font:14px/1.45 system-ui,sans-serif;margin:2em auto;max-width:1100px;padding:0 1em;color:#222}
 h1{font-size:1.5em}h2{font-size:1.2em;margin-top:1.6em;border-bottom:1px solid #ddd}
 .muted{color:#777}

@@ -18,45 +18,61 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import envkit
 from envkit import Env, Message, Task
-from generators.chat import ChatTokenizer
 from generators.engines.base import Completion, InferenceEngine, SamplingParams
 from generators.trajectory import StopReason, Trajectory
+
+if TYPE_CHECKING:
+    from generators.chat import ChatTokenizer  # transformers: `envkit eval --help` must not pay for it
 
 log = logging.getLogger(__name__)
 
 EnvFactory = Callable[[], Env]
 
 
-@dataclass(frozen=True)
+@dataclass
 class GeneratorConfig:
-    """Knobs of the rollout loop."""
+    """How rollouts are sampled: the one set of rollout settings ``envkit eval`` and the trainer share."""
 
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    """Per-turn sampling; ``sampling.max_tokens`` bounds one model turn. With ``sampling.seed`` set, each
-    request gets its own seed derived from it (rollout, turn, weight version), for engines that honour seeds."""
+    samples_per_prompt: int = 1
+    """Rollouts per task or seed: a GRPO group in training, samples per task in an evaluation."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 256
+    """Tokens per model turn."""
     max_turns: int = 8
     """Model turns per rollout."""
     max_total_tokens: int = 2048
     """Prompt plus response tokens per rollout (keep within the server's max model length)."""
-    rollout_timeout_s: float = 300.0
+    timeout_s: float = 300.0
     """Wall-clock limit of one rollout, env and model together."""
     concurrency: int = 64
     """Rollouts in flight at once."""
+    seed: int | None = None
+    """Each request gets its own seed derived from this (rollout, turn, weight version), for engines that honour
+    per-request seeds (hf, sglang, vLLM on GPU)."""
     check_template: bool = True
     """Count turns where re-rendering the chat would not reproduce the running ids (diagnostic only)."""
     close_timeout_s: float = 10.0
     """How long env.close() may take before it is abandoned (logged)."""
 
+    @property
+    def sampling(self) -> SamplingParams:
+        """The per-turn sampling parameters."""
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens,
+                              seed=self.seed)
+
     def __post_init__(self) -> None:
-        for name in ("max_turns", "max_total_tokens", "concurrency"):
+        for name in ("samples_per_prompt", "max_tokens", "max_turns", "max_total_tokens", "concurrency"):
             if getattr(self, name) < 1:
-                raise ValueError(f"GeneratorConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.rollout_timeout_s <= 0:
-            raise ValueError(f"GeneratorConfig.rollout_timeout_s must be > 0, got {self.rollout_timeout_s}")
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("timeout_s", "close_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        self.sampling  # noqa: B018 (validates temperature and top_p)
 
 
 @dataclass
@@ -93,19 +109,16 @@ class Generator:
         *,
         tasks: Sequence[Task] | None = None,
         seeds: Sequence[int] | None = None,
-        n_samples: int = 1,
         env_name: str = "",
         on_done: Callable[[Trajectory], None] | None = None,
     ) -> list[Trajectory]:
-        """``n_samples`` rollouts for each task (or each seed), ``concurrency`` at a time, in request order.
+        """``samples_per_prompt`` rollouts for each task (or seed), ``concurrency`` at a time, in request order.
 
         Samples of one task/seed share a ``group_id`` and the same episode start. ``on_done`` is called as each
         rollout finishes (progress bars). Failed rollouts come back with ``stop_reason`` error/timeout.
         """
         if (tasks is None) == (seeds is None):
             raise ValueError("pass exactly one of tasks= or seeds=")
-        if n_samples < 1:
-            raise ValueError(f"n_samples must be >= 1, got {n_samples}")
         starts: list[tuple[Task | None, int | None]] = (
             [(t, None) for t in tasks] if tasks is not None else [(None, s) for s in seeds or ()]
         )
@@ -122,7 +135,7 @@ class Generator:
         jobs = [
             one(task, seed, _group_id(task, seed, i), k)
             for i, (task, seed) in enumerate(starts)
-            for k in range(n_samples)
+            for k in range(self.config.samples_per_prompt)
         ]
         return list(await asyncio.gather(*jobs))
 
@@ -135,11 +148,11 @@ class Generator:
         start = time.perf_counter()
         env: Env | None = None
         try:
-            async with asyncio.timeout(self.config.rollout_timeout_s):
+            async with asyncio.timeout(self.config.timeout_s):
                 env = make_env()
                 traj.stop_reason = await self._episode(env, state, task, seed)
         except TimeoutError:
-            traj.stop_reason, traj.error = "timeout", f"rollout exceeded {self.config.rollout_timeout_s:g} s"
+            traj.stop_reason, traj.error = "timeout", f"rollout exceeded {self.config.timeout_s:g} s"
         except Exception as e:
             traj.stop_reason, traj.error = "error", f"{type(e).__name__}: {e}"
             log.debug("rollout failed", exc_info=True)

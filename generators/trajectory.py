@@ -1,4 +1,4 @@
-"""Trajectory: one rollout as training data, with JSONL I/O and padded/packed tensor views for the trainer.
+"""Trajectory: one rollout as training data, with JSONL I/O (the trainer's tensors: ``trainer/batching.py``).
 
 Token layout (the contract between generators and trainer)::
 
@@ -14,10 +14,7 @@ import json
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
-
-if TYPE_CHECKING:
-    import torch
+from typing import Any, Literal
 
 StopReason = Literal["done", "max_turns", "max_tokens", "timeout", "error"]
 STOP_REASONS: tuple[StopReason, ...] = ("done", "max_turns", "max_tokens", "timeout", "error")
@@ -104,52 +101,3 @@ def read_jsonl(path: str | Path) -> Iterator[Trajectory]:
         for line in f:
             if line.strip():
                 yield Trajectory.from_json(json.loads(line))
-
-
-def to_padded(trajectories: list[Trajectory], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded batch tensors, each (B, T) with T the longest prompt+response.
-
-    ``loss_mask`` and ``rollout_logprobs`` are aligned with ``input_ids`` (zero over the prompt and padding), so
-    the logprob of token ``t`` comes from the logits at ``t - 1``.
-    """
-    import torch
-
-    rows = [_row(t) for t in trajectories]
-    width = max(len(ids) for ids, _, _ in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    loss_mask = torch.zeros((len(rows), width), dtype=torch.float32)
-    logprobs = torch.zeros((len(rows), width), dtype=torch.float32)
-    for i, (ids, mask, lps) in enumerate(rows):
-        n = len(ids)
-        input_ids[i, :n] = torch.tensor(ids)
-        attention_mask[i, :n] = 1
-        loss_mask[i, :n] = torch.tensor(mask, dtype=torch.float32)
-        logprobs[i, :n] = torch.tensor(lps, dtype=torch.float32)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
-            "rollout_logprobs": logprobs}
-
-
-def to_packed(trajectories: list[Trajectory]) -> dict[str, torch.Tensor]:
-    """All sequences concatenated into one row (1, sum T) with per-sequence ``position_ids`` restarting at 0.
-
-    No padding compute: attention implementations that honour position-id boundaries (flash/sdpa varlen in
-    transformers) keep sequences apart. ``cu_seqlens`` gives the boundaries.
-    """
-    import torch
-
-    rows = [_row(t) for t in trajectories]
-    lengths = [len(ids) for ids, _, _ in rows]
-    return {
-        "input_ids": torch.tensor([[i for ids, _, _ in rows for i in ids]], dtype=torch.long),
-        "position_ids": torch.tensor([[p for n in lengths for p in range(n)]], dtype=torch.long),
-        "loss_mask": torch.tensor([[m for _, mask, _ in rows for m in mask]], dtype=torch.float32),
-        "rollout_logprobs": torch.tensor([[lp for _, _, lps in rows for lp in lps]], dtype=torch.float32),
-        "cu_seqlens": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32),
-    }
-
-
-def _row(t: Trajectory) -> tuple[list[int], list[int], list[float]]:
-    t.check()
-    pad = [0] * len(t.prompt_ids)
-    return t.prompt_ids + t.response_ids, pad + t.loss_mask, [0.0] * len(t.prompt_ids) + t.rollout_logprobs

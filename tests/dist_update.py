@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from generators.models import bundled_model_dir
-from generators.trajectory import Trajectory, to_padded
+from generators.trajectory import Trajectory
+from trainer.batching import to_padded
 from trainer.config import AlgorithmConfig, Config, RolloutConfig, TrainerConfig
 from trainer.distributed import shutdown_distributed
 from trainer.loop import make_backend, prepare_batch, update_policy

@@ -137,11 +137,11 @@ def _round_trip(zero_stage: int, dtype: str, tmp: Path) -> dict:
     from dist_update import synthetic_trajectories
 
     from generators.models import bundled_model_dir
-    from generators.trajectory import to_padded
     from trainer.backends.base import BackendConfig
     from trainer.backends.common import model_logprobs
     from trainer.backends.deepspeed import DeepSpeedBackend
     from trainer.backends.fsdp import FSDPBackend
+    from trainer.batching import to_padded
 
     model_dir = bundled_model_dir()
     grad_clip = 1e-3 if dtype == "fp32" else 1e3  # clip in fp32 only: see the test for why

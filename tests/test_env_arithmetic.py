@@ -33,7 +33,7 @@ async def test_make_goes_through_registry_and_checker() -> None:
     assert messages[0]["content"] == DEFAULT_SYSTEM_PROMPT
     assert messages[1]["content"] == info["task"]["question"]
     listed = {s.name: s.description for s in envkit.list_envs()}
-    assert listed["arithmetic"].startswith("Single-turn arithmetic")
+    assert listed["arithmetic"].startswith("Arithmetic: answer")
 
 
 async def test_same_seed_same_messages_across_instances() -> None:
@@ -236,3 +236,33 @@ def test_sync_facade() -> None:
     result = env.step(f"The answer is {info['task']['answer']}")
     assert result.reward == 1.0 and result.done
     env.close()
+
+
+async def test_followups_are_turns_of_their_own_graded_on_the_right_running_value() -> None:
+    env = envkit.make("arithmetic", followups=2)
+    _, info = await env.reset(seed=3)
+    expected = info["task"]["answer"]
+    # wrong first answer: the env says so, gives the right value, and asks for the next sum on top of it
+    first = await env.step(envkit.assistant(f"The answer is {expected + 1}."))
+    assert (first.reward, first.terminated) == (0.0, False)
+    [ask] = first.observation
+    addend = int(re.fullmatch(rf"Not quite: it is {expected}\. Now add (\d) to it\. What is the result\?",
+                              ask["content"])[1])
+    second = await env.step(envkit.assistant(f"The answer is {expected + addend}."))
+    assert second.reward == pytest.approx(1 / 3) and not second.terminated
+    assert second.observation[0]["content"].startswith("Correct. Now add ")
+    addend2 = int(re.search(r"add (\d)", second.observation[0]["content"])[1])
+    last = await env.step(envkit.assistant(f"The answer is {expected + addend + addend2}."))
+    assert last.reward == pytest.approx(1 / 3) and last.terminated
+    with pytest.raises(EpisodeDoneError):
+        await env.step(envkit.assistant("5"))
+    # the same task is the same episode: the addends depend only on the question
+    again = envkit.make("arithmetic", followups=2)
+    await again.reset(seed=3)
+    assert (await again.step(envkit.assistant("0"))).observation[0]["content"].endswith(
+        f"Now add {addend} to it. What is the result?")
+
+
+def test_followups_out_of_range_is_refused() -> None:
+    with pytest.raises(ValueError, match="followups must be between 0 and 16"):
+        ArithmeticEnv(followups=-1)

@@ -67,7 +67,7 @@ class LongPromptEnv(Env):
 
 
 def _config(max_tokens: int = 48, **kw) -> GeneratorConfig:
-    return GeneratorConfig(sampling=SamplingParams(temperature=1.0, max_tokens=max_tokens), **kw)
+    return GeneratorConfig(temperature=1.0, max_tokens=max_tokens, **kw)
 
 
 def _assert_token_exact(traj: Trajectory, tok: ChatTokenizer) -> None:
@@ -106,8 +106,8 @@ def _segments(traj: Trajectory) -> list[tuple[list[int], int]]:
 
 
 async def test_single_turn_rollouts_are_token_exact(vllm_engine, chat_tokenizer):
-    gen = Generator(vllm_engine, chat_tokenizer, _config())
-    trajs = await gen.generate(env_factory("arithmetic"), seeds=[0, 1, 2], n_samples=2, env_name="arithmetic")
+    gen = Generator(vllm_engine, chat_tokenizer, _config(samples_per_prompt=2))
+    trajs = await gen.generate(env_factory("arithmetic"), seeds=[0, 1, 2], env_name="arithmetic")
     assert [t.group_id for t in trajs] == ["seed-0", "seed-0", "seed-1", "seed-1", "seed-2", "seed-2"]
     for traj in trajs:
         _assert_token_exact(traj, chat_tokenizer)
@@ -120,8 +120,8 @@ async def test_single_turn_rollouts_are_token_exact(vllm_engine, chat_tokenizer)
 @pytest.mark.parametrize("make_env", [ToolResultsEnv, env_factory("guess-number", max_turns=3)],
                          ids=["tool-messages", "guess-number"])
 async def test_multi_turn_rollouts_mask_exactly_the_model_tokens(vllm_engine, chat_tokenizer, make_env):
-    gen = Generator(vllm_engine, chat_tokenizer, _config(max_turns=5))
-    trajs = await gen.generate(make_env, seeds=[3, 4], n_samples=2)
+    gen = Generator(vllm_engine, chat_tokenizer, _config(max_turns=5, samples_per_prompt=2))
+    trajs = await gen.generate(make_env, seeds=[3, 4])
     for traj in trajs:
         _assert_token_exact(traj, chat_tokenizer)
         assert traj.num_turns == 3 and len(traj.step_rewards) == 3
@@ -130,8 +130,8 @@ async def test_multi_turn_rollouts_mask_exactly_the_model_tokens(vllm_engine, ch
 
 
 async def test_tool_env_rollout_with_calculator(vllm_engine, chat_tokenizer):
-    gen = Generator(vllm_engine, chat_tokenizer, _config(max_turns=3))
-    trajs = await gen.generate(env_factory("calculator"), seeds=[0, 1], n_samples=2, env_name="calculator")
+    gen = Generator(vllm_engine, chat_tokenizer, _config(max_turns=3, samples_per_prompt=2))
+    trajs = await gen.generate(env_factory("calculator"), seeds=[0, 1], env_name="calculator")
     for traj in trajs:
         _assert_token_exact(traj, chat_tokenizer)
         assert traj.messages[0]["role"] == "system" and "calculator" in traj.messages[0]["content"]
@@ -140,7 +140,7 @@ async def test_tool_env_rollout_with_calculator(vllm_engine, chat_tokenizer):
 async def test_failed_rollouts_are_recorded_and_the_batch_completes(vllm_engine, chat_tokenizer):
     # FlakyEnv ignores what the model says: 4 tokens keep generation far inside the timeout on a slow CPU, so only
     # the hanging env reaches it.
-    gen = Generator(vllm_engine, chat_tokenizer, _config(max_tokens=4, rollout_timeout_s=20))
+    gen = Generator(vllm_engine, chat_tokenizer, _config(max_tokens=4, timeout_s=20))
     trajs = await gen.generate(FlakyEnv, seeds=range(20))
     reasons = [t.stop_reason for t in trajs]
     assert reasons.count("error") == 4 and reasons.count("timeout") == 1 and reasons.count("done") == 15
@@ -170,8 +170,8 @@ async def test_max_turns_and_max_tokens_stops(vllm_engine, chat_tokenizer):
 
 async def test_chat_mode_against_the_openai_endpoint(vllm_engine):
     async with OpenAIEndpoint(vllm_engine.base_url + "/v1", model=vllm_engine.model_name) as endpoint:
-        gen = Generator(endpoint, None, _config())
-        trajs = await gen.generate(env_factory("arithmetic"), seeds=[0, 1], n_samples=2)
+        gen = Generator(endpoint, None, _config(samples_per_prompt=2))
+        trajs = await gen.generate(env_factory("arithmetic"), seeds=[0, 1])
     for traj in trajs:
         assert not traj.failed, traj.error
         assert traj.prompt_ids == [] and traj.response_ids == [] and traj.num_turns == 1

@@ -79,12 +79,12 @@ def test_sync_facade(echo_server: Server):
 @pytest.mark.e2e
 async def test_the_generator_rolls_out_in_an_openenv_env(echo_server: Server, bundled_model: Path, chat_tokenizer):
     """The bundled model (in-process transformers engine) plays OpenEnv's echo env through the Generator."""
-    from generators import Generator, GeneratorConfig, SamplingParams, env_factory
+    from generators import Generator, GeneratorConfig, env_factory
     from generators.engines.hf import HFEngine
 
     async with HFEngine(bundled_model) as engine:
         generator = Generator(engine, chat_tokenizer,
-                              GeneratorConfig(sampling=SamplingParams(max_tokens=8, seed=0), max_turns=2))
+                              GeneratorConfig(max_tokens=8, seed=0, max_turns=2))
         trajectories = await generator.generate(env_factory(f"openenv:{echo_server.url}"), seeds=[0, 1])
     assert len(trajectories) == 2
     for t in trajectories:

@@ -20,8 +20,10 @@ import pytest
 import envkit
 from envkit.cli import build_parser, main
 from generators.engines.base import ChatCompletion, InferenceEngine, SamplingParams
+from generators.engines.factory import EngineConfig
 from generators.eval import EvalConfig, EvalInputError, _engine, _env_arg, config_from_args, run_eval
 from generators.report import EvalSummary, passed, summarize, write_html_report
+from generators.rollout import GeneratorConfig
 from generators.trajectory import STOP_REASONS, Trajectory, read_jsonl
 
 XSS = "<script>alert('x')</script>"
@@ -209,32 +211,47 @@ def test_parsed_arguments_become_an_eval_config(tmp_path: Path) -> None:
         "--env-arg", "ops=+-", "--out", str(tmp_path), "--max-tokens", "64", "--pass-threshold", "0.5",
     ])
     config = config_from_args(args)
-    assert (config.env, config.model, config.num_tasks, config.samples, config.temperature) == \
-        ("arithmetic", "bundled", 3, 2, 0.7)
-    assert (config.env_args, config.out, config.max_tokens, config.pass_threshold) == \
+    assert (config.env, config.model, config.num_tasks, config.rollout.samples_per_prompt,
+            config.rollout.temperature) == ("arithmetic", "bundled", 3, 2, 0.7)
+    assert (config.env_args, config.out, config.rollout.max_tokens, config.pass_threshold) == \
         ({"level": 2, "ops": "+-"}, tmp_path, 64, 0.5)
     defaults = config_from_args(build_parser().parse_args(["eval", "gym:Blackjack-v1"]))
-    assert (defaults.num_tasks, defaults.split, defaults.samples, defaults.concurrency, defaults.temperature,
-            defaults.max_tokens, defaults.max_turns, defaults.seed) == (64, "test", 1, 64, 0.0, 256, 8, None)
+    r = defaults.rollout
+    assert (defaults.num_tasks, defaults.split, r.samples_per_prompt, r.concurrency, r.temperature, r.max_tokens,
+            r.max_turns, r.timeout_s, r.seed, defaults.engine.engine, defaults.engine.server_seed) == \
+        (64, "test", 1, 64, 0.0, 256, 8, 300.0, None, "vllm", None)
+    endpoint = config_from_args(build_parser().parse_args(
+        ["eval", "arithmetic", "--base-url", "http://h/v1", "--model", "m", "--seed", "7"]))
+    assert (endpoint.engine.engine, endpoint.engine.url, endpoint.rollout.seed, endpoint.engine.server_seed) == \
+        ("openai", "http://h/v1", 7, None)
     assert re.fullmatch(r"runs/eval/gym_Blackjack-v1-\d{8}-\d{6}", str(defaults.out))
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"num_tasks": 0}, "num_tasks must be >= 1"),
-    ({"concurrency": 0}, "concurrency must be >= 1"),
-    ({"temperature": -1}, "temperature must be >= 0"),
-    ({"timeout": 0}, "timeout must be > 0"),
-    ({"pass_threshold": math.nan}, "pass_threshold must be a finite number"),
-    ({"base_url": "http://h/v1"}, "--base-url needs --model"),
-    ({"env_args": {"not valid": 1}}, "not a valid Python identifier"),
+@pytest.mark.parametrize(("argv", "message"), [
+    (["-n", "0"], "num_tasks must be >= 1"),
+    (["--concurrency", "0"], "concurrency must be >= 1"),
+    (["--samples", "0"], "samples_per_prompt must be >= 1"),
+    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--timeout", "0"], "timeout_s must be > 0"),
+    (["--pass-threshold", "nan"], "pass_threshold must be a finite number"),
+    (["--base-url", "http://h/v1"], "--base-url needs --model"),
+    (["--env-arg", "not_valid=1", "--env-arg", "x-y=2"], "KEY a Python identifier"),
 ])
-def test_eval_config_validation(kwargs: dict, message: str) -> None:
-    with pytest.raises(EvalInputError, match=re.escape(message)):
-        EvalConfig("arithmetic", **kwargs)
+def test_eval_config_validation(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        config_from_args(build_parser().parse_args(["eval", "arithmetic", *argv]))
+    except EvalInputError as e:
+        assert message in str(e)
+    except SystemExit:  # argparse rejected it, with the message on stderr
+        assert message in capsys.readouterr().err
+    else:
+        pytest.fail(f"{argv} was accepted")
+    with pytest.raises(EvalInputError, match="not a valid Python identifier"):
+        EvalConfig("arithmetic", env_args={"not valid": 1})
 
 
 def test_eval_config_json_never_holds_the_api_key() -> None:
-    config = EvalConfig("arithmetic", base_url="http://h/v1", model="m", api_key="sk-secret")
+    config = EvalConfig("arithmetic", model="m", engine=EngineConfig("openai", url="http://h/v1", api_key="sk-secret"))
     assert "sk-secret" not in json.dumps(config.to_json())
 
 
@@ -295,7 +312,8 @@ def scripted(monkeypatch: pytest.MonkeyPatch, n: int, hang: bool = False) -> Scr
 
 async def test_run_eval_writes_results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     engine = scripted(monkeypatch, 8)
-    config = EvalConfig("arithmetic", num_tasks=8, samples=2, out=tmp_path / "out", concurrency=3)
+    config = EvalConfig("arithmetic", num_tasks=8, out=tmp_path / "out",
+                        rollout=GeneratorConfig(samples_per_prompt=2, temperature=0.0, concurrency=3))
     summary, trajectories, out = await run_eval(config)
     assert engine.started and engine.stopped and out == tmp_path / "out"
     assert isinstance(summary, EvalSummary) and (summary.n, summary.n_passed, summary.n_failed) == (16, 8, 0)
@@ -329,17 +347,21 @@ async def test_run_eval_stops_the_engine_when_cancelled(tmp_path: Path, monkeypa
 
 async def test_seed_goes_to_the_managed_server_or_to_each_endpoint_request(tmp_path: Path, monkeypatch,
                                                                           bundled_model: Path) -> None:
-    engine, tokenizer, _ = await _engine(EvalConfig("arithmetic", seed=7, out=tmp_path))  # built, not started
+    def config(*argv: str, out: str) -> EvalConfig:
+        return config_from_args(build_parser().parse_args(
+            ["eval", "arithmetic", "-n", "2", "--seed", "7", "--out", str(tmp_path / out), *argv]))
+
+    engine, tokenizer, _ = await _engine(config(out="built"))  # built, not started
     assert engine.extra_args == ("--seed", "7") and tokenizer is not None
-    assert engine.server.log_path == tmp_path / "vllm.log"
+    assert engine.server.log_path == tmp_path / "built" / "vllm.log"
 
     scripted_engine = scripted(monkeypatch, 2)
-    await run_eval(EvalConfig("arithmetic", num_tasks=2, seed=7, out=tmp_path / "a"))
+    await run_eval(config(out="a"))
     assert scripted_engine.seeds == {None}  # a managed server was seeded at launch instead
     scripted_engine.seeds.clear()
-    await run_eval(EvalConfig("arithmetic", num_tasks=2, seed=7, base_url="http://h/v1", model="m", out=tmp_path / "b"))
+    await run_eval(config("--base-url", "http://h/v1", "--model", "m", out="b"))
     derived = set(scripted_engine.seeds)
     assert len(derived) == 2 and None not in derived  # one seed per rollout, derived from 7
     scripted_engine.seeds.clear()
-    await run_eval(EvalConfig("arithmetic", num_tasks=2, seed=7, base_url="http://h/v1", model="m", out=tmp_path / "c"))
+    await run_eval(config("--base-url", "http://h/v1", "--model", "m", out="c"))
     assert scripted_engine.seeds == derived  # and the same ones again: reproducible

@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from generators.trajectory import Trajectory, read_jsonl, to_packed, to_padded, write_jsonl
+from generators.trajectory import Trajectory, read_jsonl, write_jsonl
+from trainer.batching import to_packed, to_padded
 
 
 def _traj(prompt: list[int], response: list[int], mask: list[int], **kw) -> Trajectory:

@@ -1,6 +1,6 @@
 """RL algorithms as pure torch functions: advantages, policy losses, aggregation, KL, importance weights.
 
-Batch layout (see ``generators.trajectory.to_padded``): token tensors are (B, T), right-padded and aligned with
+Batch layout (see ``trainer.batching.to_padded``): token tensors are (B, T), right-padded and aligned with
 ``input_ids``; ``mask`` (B, T) is 1 on model-sampled response tokens (the loss mask) and 0 on prompt, env tokens
 and padding. Per-sequence values are (B,). ``group_ids`` (B,) long: rollouts of the same prompt share an index.
 

@@ -9,10 +9,13 @@ Derived values are properties, and ``__post_init__`` checks fail fast with a mes
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+
+from generators.engines.factory import EngineConfig
+from generators.rollout import GeneratorConfig
 
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
 POLICY_LOSSES = ("ppo", "gspo")
@@ -182,55 +185,52 @@ class AlgorithmConfig:
 
 
 @dataclass
-class RolloutConfig:
-    """How each step samples training data."""
+class RolloutConfig(GeneratorConfig):
+    """How each step samples training data: the generator's settings (shared with ``envkit eval``) with the
+    trainer's defaults, plus the prompts per step."""
 
     prompts_per_step: int = 16
     samples_per_prompt: int = 8
     """The GRPO group size."""
-    temperature: float = 1.0
-    top_p: float = 1.0
     max_tokens: int = 64
-    """Tokens per model turn."""
     max_turns: int = 4
     max_total_tokens: int = 1024
     timeout_s: float = 120.0
     concurrency: int = 128
-    seed: int | None = None
-    """Per-request sampling seeds derived from this (engines that honour seeds: hf, sglang, vLLM on GPU)."""
 
     @property
     def batch_size(self) -> int:
         """Rollouts per step."""
         return self.prompts_per_step * self.samples_per_prompt
 
+    def generator_config(self, **changes: Any) -> GeneratorConfig:
+        """These settings with ``changes`` as a plain GeneratorConfig, free of the trainer's checks (an
+        evaluation may be greedy)."""
+        return GeneratorConfig(**{**{f.name: getattr(self, f.name) for f in fields(GeneratorConfig)}, **changes})
+
     def __post_init__(self) -> None:
-        for name in ("prompts_per_step", "samples_per_prompt", "max_tokens", "max_turns", "concurrency"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"generator.{name} must be >= 1, got {getattr(self, name)}")
+        try:
+            super().__post_init__()
+        except ValueError as e:
+            raise ConfigError(f"generator.{e}") from None
+        if self.prompts_per_step < 1:
+            raise ConfigError(f"generator.prompts_per_step must be >= 1, got {self.prompts_per_step}")
         if self.temperature <= 0:
             raise ConfigError("generator.temperature must be > 0: training needs sampled, not greedy, rollouts")
 
 
 @dataclass
-class InferenceConfig:
-    """The inference server the rollouts use."""
-
-    engine: str = "vllm"
-    """vllm, sglang, or hf (in-process transformers: slow, but reproducible with generator.seed)."""
-    max_model_len: int = 2048
-    dtype: str = "auto"
-    """auto (bfloat16 on a GPU or a CPU with native bfloat16, else float32), bfloat16, float32, ..."""
-    kv_cache_gib: int = 2
-    url: str | None = None
-    """Attach to a vLLM server that is already running at this URL (started with ``VLLM_SERVER_DEV_MODE=1``,
-    serving the model as ``policy``) instead of starting one; the run loads its weights into it."""
+class InferenceConfig(EngineConfig):
+    """The inference engine the rollouts use (shared with ``envkit eval``; see ``generators/engines/factory.py``)."""
 
     def __post_init__(self) -> None:
-        _one_of("inference.engine", self.engine, ("vllm", "sglang", "hf"))
-        if self.url and self.engine != "vllm":
-            raise ConfigError(f"inference.url attaches to a vLLM server; inference.engine={self.engine!r} starts its "
-                              "own")
+        try:
+            super().__post_init__()
+        except ValueError as e:
+            raise ConfigError(f"inference.{e}") from None
+        if self.engine == "openai":
+            raise ConfigError("inference.engine=openai is chat mode, without the token ids and logprobs training "
+                              "needs: use vllm, sglang or hf")
 
 
 @dataclass

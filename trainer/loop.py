@@ -26,20 +26,21 @@ import shutil
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
-from generators import ChatTokenizer, Generator, GeneratorConfig, SamplingParams, Trajectory
+from generators import ChatTokenizer, Generator, Trajectory
 from generators.engines.base import InferenceEngine
+from generators.engines.factory import make_engine
 from generators.models import resolve_model
 from generators.precision import auto_dtype
-from generators.trajectory import to_packed, to_padded
 from trainer import algorithms as algo
 from trainer.backends.base import BackendConfig, Batch, TrainBackend
+from trainer.batching import micro_batches, stack_rows, to_padded
 from trainer.checkpoint import CheckpointManager, TrainState
 from trainer.config import Config
 from trainer.distributed import shutdown_distributed
@@ -74,7 +75,7 @@ def train(cfg: Config) -> dict[str, Any]:
 
     runner = asyncio.Runner()  # the generator is async; the trainer drives it from this synchronous loop
     envs = Mixture(cfg.env, seed=cfg.trainer.seed) if is_main else None  # rank 0 generates
-    engine = make_engine(cfg, model_path, out) if is_main else None
+    engine = make_engine(cfg.inference, model_path, log_dir=out) if is_main else None
     logger = RunLogger(out, cfg, total_steps=cfg.trainer.steps) if is_main else None
     results: dict[str, Any] = {}
     try:
@@ -86,7 +87,7 @@ def train(cfg: Config) -> dict[str, Any]:
             runner.run(engine.start())
         if state.policy_version:  # resumed: serve the checkpoint's policy, not the initial one
             _sync_weights(backend, engine, runner, out, state.policy_version)
-        generator = Generator(engine, tokenizer, _generator_config(cfg)) if engine is not None else None
+        generator = Generator(engine, tokenizer, cfg.generator) if engine is not None else None
         evaluate = (generator is not None and envs is not None and logger is not None and cfg.trainer.eval_tasks > 0
                     and any(s.eval for s in envs.streams))
         if evaluate and state.step == 0:
@@ -96,8 +97,7 @@ def train(cfg: Config) -> dict[str, Any]:
         while state.step < cfg.trainer.steps:
             t_step = time.perf_counter()
             t0 = time.perf_counter()
-            trajs = runner.run(envs.rollouts(generator, cfg.generator.prompts_per_step,
-                                             cfg.generator.samples_per_prompt)) if generator and envs else []
+            trajs = runner.run(envs.rollouts(generator, cfg.generator.prompts_per_step)) if generator and envs else []
             state.data = envs.state() if envs is not None else {}
             trajs = _broadcast(trajs, backend)
             gen_s = time.perf_counter() - t0
@@ -187,22 +187,22 @@ def update_policy(backend: TrainBackend, batch: StepBatch, cfg: Config, pad_id: 
             index = order[start:start + mini]
             # This rank's slice; FSDP averages gradients over ranks, so scale each rank's share by world size.
             mine = index[backend.rank::backend.world_size]
-            micro_batches = list(_micro_batches(mine, batch, cfg, pad_id))
-            totals = _global_counts([mb for mb, _, _ in micro_batches], backend)
+            micro = list(_micro_batches(mine, batch, cfg, pad_id))
+            totals = _global_counts([mb for mb, _ in micro], backend)
             # Every forward/backward is a collective (FSDP all-gathers, ZeRO reduces): all ranks must run the same
             # number, so a rank with fewer micro-batches repeats its first one with zero weight.
-            passes = _max_over_ranks(len(micro_batches), backend)
+            passes = _max_over_ranks(len(micro), backend)
             weighted: dict[str, float] = {}  # share-weighted sums: all-reduced, they are mini-batch means
             peaks: dict[str, float] = {}
             for k in range(passes):
-                mb, adv, rows = micro_batches[k] if k < len(micro_batches) else micro_batches[0]
-                weight = 1.0 if k < len(micro_batches) else 0.0
+                mb, rows = micro[k] if k < len(micro) else micro[0]
+                weight = 1.0 if k < len(micro) else 0.0
                 out = backend.forward(mb, entropy_grad=a.entropy_coef > 0)
                 logprobs, entropy, mask = out.logprobs, out.entropy, mb["loss_mask"]  # (B, T) each
                 # One update per batch: the policy that sampled is the one being trained, so old = current.
-                old = logprobs.detach() if before is None else _rows(before["logprobs"], rows, logprobs.shape)
-                adv_tok = (adv[:, None].expand_as(logprobs) if targets is None
-                           else _rows(targets["advantages"], rows, logprobs.shape))
+                old = logprobs.detach() if before is None else stack_rows(before["logprobs"], rows, logprobs.shape)
+                adv_tok = (batch.advantages[rows][:, None].expand_as(logprobs) if targets is None
+                           else stack_rows(targets["advantages"], rows, logprobs.shape))
                 loss_tok, diag = algo.POLICY_LOSSES[a.policy_loss](logprobs, old, adv_tok, mask, **_clip_kwargs(cfg))
                 share = _share(mask, totals, cfg) * weight
                 if a.tis_cap is not None:  # correct for sampler/trainer logprob mismatch (vLLM bf16 vs ours)
@@ -215,8 +215,9 @@ def update_policy(backend: TrainBackend, batch: StepBatch, cfg: Config, pad_id: 
                 if a.entropy_coef > 0:
                     loss_tok = loss_tok - a.entropy_coef * entropy
                 if targets is not None:
-                    value_loss = algo.value_loss(out.values, _rows(before["values"], rows, logprobs.shape),
-                                                 _rows(targets["returns"], rows, logprobs.shape), clip=a.value_clip)
+                    value_loss = algo.value_loss(out.values, stack_rows(before["values"], rows, logprobs.shape),
+                                                 stack_rows(targets["returns"], rows, logprobs.shape),
+                                                 clip=a.value_clip)
                     loss_tok = loss_tok + a.vf_coef * value_loss
                     _accumulate(weighted, "train/value_loss", algo.masked_mean(value_loss.detach(), mask), share)
                 loss = algo.aggregate(loss_tok, mask, a.aggregation, max_tokens=cfg.generator.max_total_tokens)
@@ -240,41 +241,11 @@ def update_policy(backend: TrainBackend, batch: StepBatch, cfg: Config, pad_id: 
     return out
 
 
-def _micro_batches(index: list[int], batch: StepBatch, cfg: Config, pad_id: int
-                   ) -> Iterator[tuple[Batch, torch.Tensor, list[int]]]:
-    """Split rollouts into micro-batches within ``micro_batch_tokens`` (longest first, greedy); yields the
-    collated batch, its advantages (B,) and the rollouts' indices."""
-    budget = cfg.trainer.micro_batch_tokens
-    trajs = batch.trajectories
-    length = {i: len(trajs[i].prompt_ids) + len(trajs[i].response_ids) for i in index}
-    current: list[int] = []
-    for i in sorted(index, key=lambda i: -length[i]):
-        # packed: the tokens themselves; padded: rows × the longest row (the first, as they are sorted)
-        cost = sum(length[j] for j in current) + length[i] if cfg.trainer.packing else (
-            (len(current) + 1) * length[current[0] if current else i])
-        if current and cost > budget:
-            yield _collate([trajs[j] for j in current], pad_id, cfg.trainer.packing), batch.advantages[current], current
-            current = []
-        current.append(i)
-    if current:
-        yield _collate([trajs[j] for j in current], pad_id, cfg.trainer.packing), batch.advantages[current], current
-
-
-def _collate(trajs: list[Trajectory], pad_id: int, packing: bool) -> Batch:
-    """Padded (B, T) tensors for the loss; with packing, also the one-row packed model input."""
-    padded = to_padded(trajs, pad_id)
-    if not packing:
-        return padded
-    packed = to_packed(trajs)
-    return {**padded, "packed_input_ids": packed["input_ids"], "position_ids": packed["position_ids"],
-            "cu_seqlens": packed["cu_seqlens"]}
-
-
 def _before_update(backend: TrainBackend, batch: StepBatch, cfg: Config, pad_id: int
                    ) -> dict[str, dict[int, torch.Tensor]]:
     """Each rollout's per-token ``logprobs`` (and, with a critic, ``values``) before this step's updates."""
     out: dict[str, dict[int, torch.Tensor]] = {"logprobs": {}, "values": {}}
-    for mb, _, rows in _micro_batches(list(range(len(batch.trajectories))), batch, cfg, pad_id):
+    for mb, rows in _micro_batches(list(range(len(batch.trajectories))), batch, cfg, pad_id):
         with torch.no_grad():
             result = backend.forward(mb)  # (B, T) each
         for row, i in enumerate(rows):
@@ -284,6 +255,12 @@ def _before_update(backend: TrainBackend, batch: StepBatch, cfg: Config, pad_id:
     return out
 
 
+def _micro_batches(index: list[int], batch: StepBatch, cfg: Config, pad_id: int
+                   ) -> Iterator[tuple[Batch, list[int]]]:
+    return micro_batches(index, batch.trajectories, budget=cfg.trainer.micro_batch_tokens,
+                         packing=cfg.trainer.packing, pad_id=pad_id)
+
+
 def _gae_targets(batch: StepBatch, before: dict[str, dict[int, torch.Tensor]], cfg: Config, pad_id: int
                  ) -> dict[str, dict[int, torch.Tensor]]:
     """Per-token ``advantages`` (GAE, whitened over the batch's model tokens) and ``returns`` for each rollout,
@@ -291,7 +268,7 @@ def _gae_targets(batch: StepBatch, before: dict[str, dict[int, torch.Tensor]], c
     trajs = batch.trajectories
     mask = to_padded(trajs, pad_id)["loss_mask"]  # (B, T)
     index = list(range(len(trajs)))
-    values = _rows(before["values"], index, mask.shape)  # (B, T)
+    values = stack_rows(before["values"], index, mask.shape)  # (B, T)
     rewards = torch.zeros_like(mask)  # (B, T)
     for row, traj in enumerate(trajs):
         for position, reward in turn_rewards(traj):  # response positions; the padded rows start with the prompt
@@ -316,20 +293,11 @@ def turn_rewards(traj: Trajectory) -> list[tuple[int, float]]:
     return [(ends[-1], traj.reward)]
 
 
-def _rows(per_rollout: dict[int, torch.Tensor], rows: list[int], shape: torch.Size) -> torch.Tensor:
-    """Stack per-rollout (T_i,) tensors into a (B, T) tensor shaped like the micro-batch."""
-    out = torch.zeros(shape)
-    for r, i in enumerate(rows):
-        n = min(shape[1], per_rollout[i].shape[0])
-        out[r, :n] = per_rollout[i][:n]
-    return out
-
-
-def _global_counts(micro_batches: list[Batch], backend: TrainBackend) -> dict[str, float]:
+def _global_counts(batches: list[Batch], backend: TrainBackend) -> dict[str, float]:
     """Masked tokens and non-empty sequences in the whole mini-batch, over all ranks."""
     counts = torch.tensor([
-        sum(float(mb["loss_mask"].sum()) for mb in micro_batches),
-        sum(float(mb["loss_mask"].any(-1).sum()) for mb in micro_batches),
+        sum(float(mb["loss_mask"].sum()) for mb in batches),
+        sum(float(mb["loss_mask"].any(-1).sum()) for mb in batches),
     ])
     if backend.world_size > 1:
         dist.all_reduce(counts)
@@ -405,32 +373,6 @@ def train_dtype(dtype: str) -> Literal["bf16", "fp32"]:
     return "bf16" if dtype == "bf16" else "fp32"
 
 
-def make_engine(cfg: Config, model_path: str, out: Path) -> InferenceEngine:
-    """The inference engine named by ``inference.engine`` (not started)."""
-    i = cfg.inference
-    if i.engine == "hf":
-        from generators.engines.hf import HFEngine
-
-        return HFEngine(model_path)
-    if i.engine == "sglang":
-        from generators.engines.sglang import SGLangEngine
-
-        return SGLangEngine(model_path, context_length=i.max_model_len, dtype=i.dtype, log_path=out / "sglang.log")
-    from generators.engines.vllm import VLLMEngine
-
-    return VLLMEngine(model_path, max_model_len=i.max_model_len, dtype=i.dtype, kv_cache_gib=i.kv_cache_gib,
-                      log_path=out / "vllm.log", url=i.url)
-
-
-def _generator_config(cfg: Config) -> GeneratorConfig:
-    g = cfg.generator
-    return GeneratorConfig(
-        sampling=SamplingParams(temperature=g.temperature, top_p=g.top_p, max_tokens=g.max_tokens, seed=g.seed),
-        max_turns=g.max_turns, max_total_tokens=g.max_total_tokens, rollout_timeout_s=g.timeout_s,
-        concurrency=g.concurrency,
-    )
-
-
 def _sync_weights(backend: TrainBackend, engine: InferenceEngine | None, runner: asyncio.Runner, out: Path,
                   version: int) -> None:
     """Export the policy as an HF checkpoint and have the engine serve it; keep only the newest export."""
@@ -461,9 +403,9 @@ def _evaluate(generator: Generator, envs: Mixture, runner: asyncio.Runner, cfg: 
         settings["greedy_accuracy"] = (0.0, 1)
     results: dict[str, float] = {}
     for name, (temperature, samples) in settings.items():
-        eval_gen = Generator(generator.engine, generator.tokenizer, replace(
-            generator.config, sampling=replace(generator.config.sampling, temperature=temperature, seed=None)))
-        trajs = runner.run(envs.eval_rollouts(eval_gen, cfg.trainer.eval_tasks, samples))
+        eval_gen = Generator(generator.engine, generator.tokenizer, cfg.generator.generator_config(
+            temperature=temperature, samples_per_prompt=samples, seed=None))
+        trajs = runner.run(envs.eval_rollouts(eval_gen, cfg.trainer.eval_tasks))
         groups = {"": trajs} if len(envs.streams) == 1 else {"": trajs, **{
             f"{label}/": [t for t in trajs if t.env_name == label] for label in envs.labels}}
         reward_name = "reward" if name == "accuracy" else "greedy_reward"

@@ -1,8 +1,9 @@
-"""Run logging: a rich progress line, TensorBoard events, optional wandb, metrics.jsonl, and at the end a
-reward-curve PNG and the HTML trajectory report."""
+"""Run logging: a rich progress line, TensorBoard events, optional wandb, metrics.jsonl, and at the end the
+curves (PNG, and SVG in the report) and the run's HTML report (``trainer/report.py``)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import time
@@ -15,12 +16,18 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from torch.utils.tensorboard import SummaryWriter
 
-from generators.report import summarize, write_html_report
 from generators.trajectory import Trajectory, write_jsonl
 from trainer.config import Config
+from trainer.report import Phase, RunRecord, write_run_report
 
 if TYPE_CHECKING:
     from trainer.loop import StepBatch
+
+
+STEP_GROUPS = 2
+"""Groups of each env kept per training step for the report (the step's whole batch is in TensorBoard)."""
+EVAL_GROUPS = 8
+"""Held-out tasks of each env kept per evaluation for the report (every sample of each)."""
 
 
 class RunLogger:
@@ -32,7 +39,10 @@ class RunLogger:
         out.mkdir(parents=True, exist_ok=True)
         self.console = Console(stderr=True)
         self.history: list[dict[str, float]] = []
-        self.evals: list[tuple[int, float]] = []
+        self.evals: list[dict[str, float]] = []
+        """One row per held-out evaluation: ``step`` and its ``eval/...`` metrics."""
+        self.phases: list[Phase] = []
+        """Sampled trajectories of every evaluation and step, for the report."""
         self.last_trajectories: list[Trajectory] = []
         self.eval_trajectories: list[Trajectory] = []
         self._metrics_file = (out / "metrics.jsonl").open("a")
@@ -58,6 +68,7 @@ class RunLogger:
         """Record one training step's metrics."""
         self.history.append({"step": step, **metrics})
         self.last_trajectories = trajectories
+        self.phases.append(Phase(f"step-{step}", f"step {step}", _sample(trajectories, STEP_GROUPS), len(trajectories)))
         self._metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
         self._metrics_file.flush()
         self._scalars(step, metrics)
@@ -72,10 +83,15 @@ class RunLogger:
     def log_eval(self, step: int, name: str, values: dict[str, float], trajectories: list[Trajectory]) -> None:
         """Record one held-out evaluation: ``name`` (accuracy or greedy_accuracy) with the mean reward and, for a
         mixture, both per env (``values`` keys as in :func:`trainer.loop._evaluate`)."""
-        if name == "accuracy":
-            self.evals.append((step, values[name]))
-            self.eval_trajectories = trajectories
         metrics = {f"eval/{key}": value for key, value in values.items()}
+        if self.evals and self.evals[-1]["step"] == step:
+            self.evals[-1].update(metrics)
+        else:
+            self.evals.append({"step": step, **metrics})
+        if name == "accuracy":
+            self.eval_trajectories = trajectories
+            self.phases.append(Phase(f"eval-{step}", f"held-out eval at step {step}",
+                                     _sample(trajectories, EVAL_GROUPS), len(trajectories)))
         self._metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
         self._metrics_file.flush()
         self._scalars(step, metrics)
@@ -94,38 +110,50 @@ class RunLogger:
     def finish(self, results: dict[str, Any]) -> dict[str, Any]:
         """Write the reward curve, the HTML report and summary.json; returns their paths."""
         self.progress.stop()
-        curve = self._reward_curve(self.out / "reward_curve.png")
-        report_trajs = self.eval_trajectories + self.last_trajectories
-        summary = summarize(self.eval_trajectories or self.last_trajectories, wall_s=time.perf_counter() - self._t0)
-        report = write_html_report(report_trajs, summary, self.out / "report.html",
-                                   title=f"envkit train: {self.cfg.env.name}",
-                                   config={**results, "output_dir": str(self.out)})
-        write_jsonl(report_trajs, self.out / "final_trajectories.jsonl")
+        curve, svg = self._curves(self.out / "reward_curve.png")
+        results = {**results, "wall_s": round(time.perf_counter() - self._t0, 1), "output_dir": str(self.out)}
+        names = ", ".join(m.display_name for m in self.cfg.env.members)
+        run = RunRecord(title=f"envkit train: {names}", config=asdict(self.cfg), results=results, steps=self.history,
+                        evals=self.evals, phases=self.phases, curves_svg=svg)
+        report = write_run_report(run, self.out / "report.html")
+        write_jsonl(self.eval_trajectories + self.last_trajectories, self.out / "final_trajectories.jsonl")
         paths = {"reward_curve": str(curve), "report": str(report), "metrics": str(self.out / "metrics.jsonl"),
                  "tensorboard": str(self.out / "tensorboard")}
         (self.out / "summary.json").write_text(json.dumps({**results, **paths}, indent=2) + "\n")
         return paths
 
-    def _reward_curve(self, path: Path) -> Path:
+    def _curves(self, path: Path) -> tuple[Path, str]:
+        """Train reward per step (per env too, for a mixture) and held-out accuracy and mean reward per
+        evaluation: written to ``path`` (PNG) and returned as inline SVG for the report."""
         import matplotlib
 
         matplotlib.use("Agg")  # no display on servers
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(7, 4))
+        fig, ax = plt.subplots(figsize=(8, 4.2))
         steps = [h["step"] for h in self.history]
         ax.plot(steps, [h.get("reward/mean", 0.0) for h in self.history], label="train reward (mean)")
-        if self.evals:
-            ax.plot([s for s, _ in self.evals], [a for _, a in self.evals], "o--", label="held-out accuracy")
+        for member in self.cfg.env.members if len(self.cfg.env.members) > 1 else []:
+            key = f"env/{member.display_name}/reward/mean"
+            ax.plot(steps, [h.get(key, float("nan")) for h in self.history], alpha=0.6,
+                    label=f"train reward: {member.display_name}")
+        for key, style, label in (("eval/accuracy", "o--", "held-out accuracy"),
+                                  ("eval/reward", "s:", "held-out mean reward")):
+            points = [(e["step"], e[key]) for e in self.evals if key in e]
+            if points:
+                ax.plot(*zip(*points, strict=True), style, label=label)
         ax.set_xlabel("step")
         ax.set_ylim(-0.05, 1.05)
-        ax.set_title(f"{self.cfg.env.name}: {self.cfg.algorithm.advantage} on {self.cfg.model.path}")
+        names = ", ".join(m.display_name for m in self.cfg.env.members)
+        ax.set_title(f"{names}: {self.cfg.algorithm.advantage} on {self.cfg.model.path}")
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(path, dpi=120)
+        svg = io.StringIO()
+        fig.savefig(svg, format="svg")
         plt.close(fig)
-        return path
+        return path, svg.getvalue()[svg.getvalue().index("<svg"):]
 
     def close(self) -> None:
         """Flush and close every sink."""
@@ -169,6 +197,16 @@ def _outcomes(trajs: list[Trajectory]) -> dict[str, float]:
     for reason, count in Counter(t.stop_reason for t in trajs).items():
         metrics[f"stop/{reason}"] = count
     return metrics
+
+
+def _sample(trajectories: list[Trajectory], groups: int) -> list[Trajectory]:
+    """Every rollout of the first ``groups`` groups of each env."""
+    kept: dict[str, list[str]] = {}
+    for t in trajectories:
+        ids = kept.setdefault(t.env_name, [])
+        if t.group_id not in ids and len(ids) < groups:
+            ids.append(t.group_id)
+    return [t for t in trajectories if t.group_id in kept[t.env_name]]
 
 
 def _mean(values: list[float] | list[int] | list[bool]) -> float:

@@ -262,18 +262,18 @@ class Mixture:
             quotas[deficit.index(max(deficit))] += 1
         return quotas
 
-    async def rollouts(self, generator: Generator, k: int, n_samples: int) -> list[Trajectory]:
-        """``n_samples`` rollouts for each of the next ``k`` prompts, split among the envs by quota."""
+    async def rollouts(self, generator: Generator, k: int) -> list[Trajectory]:
+        """The generator's ``samples_per_prompt`` rollouts for each of the next ``k`` prompts, split among the envs
+        by quota."""
         jobs = []
         for stream, quota in zip(self.streams, self.quotas(k), strict=True):
             if quota:
-                jobs.append(_generate(generator, stream, stream.next_starts(quota, self.seed), n_samples))
+                jobs.append(_generate(generator, stream, stream.next_starts(quota, self.seed)))
         return [t for trajs in await asyncio.gather(*jobs) for t in trajs]
 
-    async def eval_rollouts(self, generator: Generator, limit: int, n_samples: int) -> list[Trajectory]:
-        """``n_samples`` rollouts of each env's first ``limit`` held-out starts."""
-        jobs = [_generate(generator, s, [s.eval[i] for i in range(min(limit, len(s.eval)))], n_samples)
-                for s in self.streams]
+    async def eval_rollouts(self, generator: Generator, limit: int) -> list[Trajectory]:
+        """The generator's ``samples_per_prompt`` rollouts of each env's first ``limit`` held-out starts."""
+        jobs = [_generate(generator, s, [s.eval[i] for i in range(min(limit, len(s.eval)))]) for s in self.streams]
         return [t for trajs in await asyncio.gather(*jobs) for t in trajs]
 
     def state(self) -> dict[str, dict[str, int]]:
@@ -295,17 +295,16 @@ def _listed_tasks(env: Env, split: str) -> list[Task] | None:
     return None if tasks is None else list(tasks)
 
 
-async def _generate(generator: Generator, stream: EnvStream, starts: list[Start], n_samples: int
-                    ) -> list[Trajectory]:
+async def _generate(generator: Generator, stream: EnvStream, starts: list[Start]) -> list[Trajectory]:
     """Rollouts of ``starts`` in ``stream``'s env; group ids carry the env's label, so mixtures never merge groups."""
     if not starts:
         return []
     if starts[0][0] is not None:
         trajs = await generator.generate(stream.make, tasks=[t for t, _ in starts if t is not None],
-                                         n_samples=n_samples, env_name=stream.label)
+                                         env_name=stream.label)
     else:
         trajs = await generator.generate(stream.make, seeds=[s for _, s in starts if s is not None],
-                                         n_samples=n_samples, env_name=stream.label)
+                                         env_name=stream.label)
     for t in trajs:
         t.group_id = f"{stream.label}/{t.group_id}"
     return trajs

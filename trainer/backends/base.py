@@ -8,7 +8,7 @@ One optimizer step of the loop, whatever the backend::
         backend.backward(loss)
     stats = backend.step()                        # clip, optimizer + scheduler step, zero grads
 
-Batches are dicts of tensors as made by ``generators.trajectory.to_padded``: ``input_ids``, ``attention_mask``,
+Batches are dicts of tensors as made by ``trainer.batching.to_padded``: ``input_ids``, ``attention_mask``,
 ``loss_mask``, ``rollout_logprobs`` (all (B, T)). ``logprobs[:, t]`` is log p(input_ids[:, t] | input_ids[:, :t])
 at ``temperature``; position 0 has no prediction and is 0.
 """

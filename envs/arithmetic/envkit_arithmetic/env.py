@@ -1,4 +1,4 @@
-"""ArithmeticEnv: single-turn, procedurally generated, seeded arithmetic with an exactly checkable answer."""
+"""ArithmeticEnv: procedurally generated, seeded arithmetic with exactly checkable answers, in one turn or several."""
 
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ def _sample(space: _Space, split: str, rng: random.Random) -> Iterator[_Problem]
 
 
 class ArithmeticEnv(Env):
-    """Single-turn arithmetic: answer "What is 3 + 5?"; reward 1.0 for the right number, 0.0 otherwise.
+    """Arithmetic: answer "What is 3 + 5?" for reward 1.0; one turn, or several with followups ("Now add 7").
 
     Problems are generated from (split, level, index), so they are reproducible and cheap. Levels, with
     operands of up to the given number of digits (0..9, 0..99, ...): 1 one-digit addition (100 problems),
@@ -143,6 +143,11 @@ class ArithmeticEnv(Env):
     The final number of the reply is graded (see :func:`envkit.extract_answer`); ``format_bonus`` is added when
     the reply marks it explicitly (``#### N``, ``\\boxed{N}``, "The answer is N"), right or wrong.
     ``reset(seed=s)`` gives train task ``s % len(tasks("train"))``, so seeds beyond the split size repeat tasks.
+
+    ``followups=k`` makes each episode k + 1 model turns: after each answer the env says whether it was right,
+    gives the right value, and asks to add a one-digit number to it ("Now add 7 to it."). Each turn earns
+    1 / (k + 1) when right, so an episode scores 1.0 only when every answer is. Giving the right value keeps each
+    turn gradeable on its own: one wrong answer does not doom the rest of the episode.
     """
 
     def __init__(
@@ -156,6 +161,7 @@ class ArithmeticEnv(Env):
         system_prompt: str | None = None,
         num_train: int = 10_000,
         num_test: int = 500,
+        followups: int = 0,
     ) -> None:
         if level not in LEVELS:
             raise ValueError(f"level must be one of {sorted(LEVELS)}, got {level!r}")
@@ -175,15 +181,19 @@ class ArithmeticEnv(Env):
             raise ValueError(f"num_train must be >= 1 (reset(seed=...) draws from it), got {num_train!r}")
         if num_test < 0:
             raise ValueError(f"num_test must be >= 0, got {num_test!r}")
+        if not 0 <= followups <= 16:
+            raise ValueError(f"followups must be between 0 and 16, got {followups!r}")
         self.level = level
         # Canonical operator order, so "*+" and "+*" generate the same problems.
         self._space = _Space(digits, "".join(op for op in _OPS if op in ops), steps)
         self.format_bonus = float(format_bonus)
         self.system_prompt = DEFAULT_SYSTEM_PROMPT if system_prompt is None else system_prompt
         self._sizes = {"train": num_train, "test": num_test}
+        self.followups = followups
         self._splits: dict[str, TaskList] = {}
         self._rng = random.Random()
-        self._task: Task | None = None
+        self._expected: int | float | None = None
+        self._addends: list[int] = []
 
     def tasks(self, split: str = "train") -> Sequence[Task]:
         """The tasks of ``split`` ("train" or "test") as a lazily generated sequence of task dicts."""
@@ -197,24 +207,37 @@ class ArithmeticEnv(Env):
             check_task(task, question=str, answer=(int, float))
         else:
             task = pick_task(self.tasks("train"), seed, self._rng)
-        self._task = task
+        self._expected = task["answer"]
+        # The addends depend only on the question, so a task is the same episode every time it is played.
+        addends = random.Random(f"followups:{task['question']}")
+        self._addends = [addends.randint(1, 9) for _ in range(self.followups)]
         return [system(self.system_prompt), user(task["question"])], {"task": task}
 
     async def step(self, action: Message) -> StepResult:
-        """Grade the reply and end the episode."""
-        if self._task is None:
+        """Grade the reply; ask the next follow-up, or end the episode after the last one."""
+        if self._expected is None:
             raise ResetNeededError("step() needs an active episode; call reset() first.")
-        expected, self._task = self._task["answer"], None
+        expected = self._expected
         info = grade_number(action.get("content"), expected)
         explicit = info.pop("explicit")
-        reward = float(info["correct"]) + (self.format_bonus if explicit else 0.0)
-        return StepResult([], reward=reward, terminated=True, info=info)
+        reward = (float(info["correct"]) + (self.format_bonus if explicit else 0.0)) / (self.followups + 1)
+        if not self._addends:
+            self._expected = None
+            return StepResult([], reward=reward, terminated=True, info=info)
+        addend = self._addends.pop(0)
+        self._expected = expected + addend
+        verdict = "Correct" if info["correct"] else f"Not quite: it is {expected}"
+        return StepResult([user(f"{verdict}. Now add {addend} to it. What is the result?")], reward=reward,
+                          info=info)
 
     def spaces(self) -> dict[str, Any]:
         return {
-            "observation": 'system prompt, then a user message "What is <expression>?"',
+            "observation": 'system prompt, then a user message "What is <expression>?"; with followups, after each '
+            'answer: the right value and "Now add <k> to it."',
             "action": "assistant message whose final (preferably marked) number is the answer",
-            "reward": f"1.0 if correct else 0.0, plus format_bonus={self.format_bonus} for a marked answer",
+            "reward": f"per turn 1/(followups+1) if correct else 0.0, plus format_bonus={self.format_bonus} for a "
+            "marked answer (divided alike)",
+            "followups": self.followups,
             "level": self.level,
             "digits": self._space.digits,
             "ops": self._space.ops,

