@@ -26,8 +26,9 @@ from trl_peer import run_trl_grpo  # a sibling module in benchmarks/
 
 import envkit
 from generators.models import bundled_model_dir
+from trainer.backends import train_dtype
 from trainer.config import AlgorithmConfig, Config, EnvConfig, LoggingConfig, RolloutConfig, TrainerConfig
-from trainer.loop import train, train_dtype
+from trainer.loop import train
 from trainer.sources import EnvStream
 
 

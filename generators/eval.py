@@ -137,7 +137,7 @@ async def run_eval(config: EvalConfig, *, console: Console | None = None
     summary = summarize(trajectories, wall_s=wall_s, pass_threshold=config.pass_threshold)
     out = config.out
     assert out is not None  # set by __post_init__
-    meta = {**config.to_json(), "engine": model_note, "tasks": task_note, "engine_start_s": round(start_s, 1)}
+    meta = {**config.to_json(), "engine_note": model_note, "tasks": task_note, "engine_start_s": round(start_s, 1)}
     write_jsonl(trajectories, out / "trajectories.jsonl")
     write_html_report(trajectories, summary, out / "report.html", title=f"envkit eval: {config.env}", config=meta)
     _write_json({**summary.to_json(), "config": meta}, out / "summary.json")

@@ -19,10 +19,11 @@ import torch
 
 from generators.models import bundled_model_dir
 from generators.trajectory import Trajectory
+from trainer.backends import make_backend
 from trainer.batching import to_padded
 from trainer.config import AlgorithmConfig, Config, RolloutConfig, TrainerConfig
 from trainer.distributed import shutdown_distributed
-from trainer.loop import make_backend, prepare_batch, update_policy
+from trainer.loop import prepare_batch, update_policy
 
 
 def synthetic_trajectories(n_groups: int = 4, group_size: int = 4, seed: int = 0) -> list[Trajectory]:

@@ -266,3 +266,5 @@ async def test_followups_are_turns_of_their_own_graded_on_the_right_running_valu
 def test_followups_out_of_range_is_refused() -> None:
     with pytest.raises(ValueError, match="followups must be between 0 and 16"):
         ArithmeticEnv(followups=-1)
+    with pytest.raises(ValueError, match=r"lets marked wrong answers reach reward 1\.0"):
+        ArithmeticEnv(followups=1, format_bonus=0.5)  # right + marked-wrong would score 0.75 + 0.25

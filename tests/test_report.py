@@ -322,7 +322,8 @@ async def test_run_eval_writes_results(tmp_path: Path, monkeypatch: pytest.Monke
     assert [t.to_json() for t in read_jsonl(out / "trajectories.jsonl")] == [t.to_json() for t in trajectories]
     saved = json.loads((out / "summary.json").read_text())
     assert saved["pass_rate"] == 0.5 and saved["config"]["env"] == "arithmetic"
-    assert saved["config"]["tasks"] == "the first 8 test tasks" and saved["config"]["engine"] == "scripted chat engine"
+    assert saved["config"]["tasks"] == "the first 8 test tasks"
+    assert saved["config"]["engine_note"] == "scripted chat engine" and saved["config"]["engine"]["engine"] == "vllm"
     page = (out / "report.html").read_text()
     assert len(re.findall(r'<details class="traj ', page)) == 16 and "The answer is" in page
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from generators.trajectory import Trajectory, read_jsonl, write_jsonl
-from trainer.batching import to_packed, to_padded
+from trainer.batching import micro_batches, stack_rows, to_packed, to_padded
 
 
 def _traj(prompt: list[int], response: list[int], mask: list[int], **kw) -> Trajectory:
@@ -71,3 +71,26 @@ def test_packed_view_concatenates_without_padding():
     # the same model tokens and logprobs, in the same order, in both views
     assert packed["rollout_logprobs"][packed["loss_mask"] > 0].tolist() == \
         padded["rollout_logprobs"][padded["loss_mask"] > 0].tolist()
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_micro_batches_cover_every_rollout_once_within_the_token_budget(packing):
+    lengths = [9, 2, 5, 3, 7, 1, 4]  # prompt 1 token + response
+    trajs = [_traj([1], list(range(n - 1)), [1] * (n - 1)) for n in lengths]
+    budget = 10
+    seen = []
+    for batch, rows in micro_batches(list(range(len(trajs))), trajs, budget=budget, packing=packing, pad_id=0):
+        cost = sum(lengths[i] for i in rows) if packing else len(rows) * max(lengths[i] for i in rows)
+        assert cost <= budget or len(rows) == 1, (rows, cost)
+        assert batch["input_ids"].shape[0] == len(rows)
+        assert ("packed_input_ids" in batch) == packing
+        seen += rows
+    assert sorted(seen) == list(range(len(trajs)))
+    # a rollout longer than the budget still trains, alone
+    [(batch, rows)] = micro_batches([0], trajs, budget=4, packing=packing, pad_id=0)
+    assert rows == [0] and batch["input_ids"].shape == (1, 9)
+
+
+def test_stack_rows_cuts_and_pads_to_the_micro_batch():
+    per_rollout = {3: torch.tensor([1.0, 2.0, 3.0]), 5: torch.tensor([4.0])}
+    assert stack_rows(per_rollout, [5, 3], torch.Size([2, 2])).tolist() == [[4.0, 0.0], [1.0, 2.0]]

@@ -228,6 +228,9 @@ class InferenceConfig(EngineConfig):
             super().__post_init__()
         except ValueError as e:
             raise ConfigError(f"inference.{e}") from None
+        if self.api_key:
+            raise ConfigError("inference.api_key is for engine=openai (chat mode), which cannot train; a served "
+                              "model is reached without one")
         if self.engine == "openai":
             raise ConfigError("inference.engine=openai is chat mode, without the token ids and logprobs training "
                               "needs: use vllm, sglang or hf")

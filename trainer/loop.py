@@ -28,22 +28,21 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from generators import ChatTokenizer, Generator, Trajectory
 from generators.engines.base import InferenceEngine
 from generators.engines.factory import make_engine
 from generators.models import resolve_model
-from generators.precision import auto_dtype
 from trainer import algorithms as algo
-from trainer.backends.base import BackendConfig, Batch, TrainBackend
+from trainer.backends import make_backend
+from trainer.backends.base import Batch, TrainBackend
 from trainer.batching import micro_batches, stack_rows, to_padded
 from trainer.checkpoint import CheckpointManager, TrainState
 from trainer.config import Config
-from trainer.distributed import shutdown_distributed
+from trainer.distributed import all_reduce_values, broadcast_from_rank0, max_over_ranks, shutdown_distributed
 from trainer.metrics import RunLogger, rollout_metrics
 from trainer.sources import Mixture
 
@@ -76,7 +75,7 @@ def train(cfg: Config) -> dict[str, Any]:
     runner = asyncio.Runner()  # the generator is async; the trainer drives it from this synchronous loop
     envs = Mixture(cfg.env, seed=cfg.trainer.seed) if is_main else None  # rank 0 generates
     engine = make_engine(cfg.inference, model_path, log_dir=out) if is_main else None
-    logger = RunLogger(out, cfg, total_steps=cfg.trainer.steps) if is_main else None
+    logger = RunLogger(out, cfg, total_steps=cfg.trainer.steps, start_step=state.step) if is_main else None
     results: dict[str, Any] = {}
     try:
         if envs is not None:  # first: a wrong env or task source fails before the inference server starts
@@ -99,7 +98,7 @@ def train(cfg: Config) -> dict[str, Any]:
             t0 = time.perf_counter()
             trajs = runner.run(envs.rollouts(generator, cfg.generator.prompts_per_step)) if generator and envs else []
             state.data = envs.state() if envs is not None else {}
-            trajs = _broadcast(trajs, backend)
+            trajs = broadcast_from_rank0(trajs)
             gen_s = time.perf_counter() - t0
 
             batch = prepare_batch(trajs, cfg)
@@ -188,10 +187,10 @@ def update_policy(backend: TrainBackend, batch: StepBatch, cfg: Config, pad_id: 
             # This rank's slice; FSDP averages gradients over ranks, so scale each rank's share by world size.
             mine = index[backend.rank::backend.world_size]
             micro = list(_micro_batches(mine, batch, cfg, pad_id))
-            totals = _global_counts([mb for mb, _ in micro], backend)
+            totals = _global_counts([mb for mb, _ in micro])
             # Every forward/backward is a collective (FSDP all-gathers, ZeRO reduces): all ranks must run the same
             # number, so a rank with fewer micro-batches repeats its first one with zero weight.
-            passes = _max_over_ranks(len(micro), backend)
+            passes = max_over_ranks(len(micro))
             weighted: dict[str, float] = {}  # share-weighted sums: all-reduced, they are mini-batch means
             peaks: dict[str, float] = {}
             for k in range(passes):
@@ -229,8 +228,7 @@ def update_policy(backend: TrainBackend, batch: StepBatch, cfg: Config, pad_id: 
                 _accumulate(weighted, "mismatch/mean_abs_diff", mismatch["mean_abs_diff"], share)
                 for key in ("max_abs_diff", "max_ratio"):
                     peaks[f"mismatch/{key}"] = max(peaks.get(f"mismatch/{key}", 0.0), mismatch[key])
-            for key, value in {**_all_reduce(weighted, backend, dist.ReduceOp.SUM),
-                               **_all_reduce(peaks, backend, dist.ReduceOp.MAX)}.items():
+            for key, value in {**all_reduce_values(weighted), **all_reduce_values(peaks, max)}.items():
                 _add(stats, key, value)
             step = backend.step()
             _add(stats, "train/grad_norm", step.grad_norm)
@@ -293,23 +291,11 @@ def turn_rewards(traj: Trajectory) -> list[tuple[int, float]]:
     return [(ends[-1], traj.reward)]
 
 
-def _global_counts(batches: list[Batch], backend: TrainBackend) -> dict[str, float]:
+def _global_counts(batches: list[Batch]) -> dict[str, float]:
     """Masked tokens and non-empty sequences in the whole mini-batch, over all ranks."""
-    counts = torch.tensor([
-        sum(float(mb["loss_mask"].sum()) for mb in batches),
-        sum(float(mb["loss_mask"].any(-1).sum()) for mb in batches),
-    ])
-    if backend.world_size > 1:
-        dist.all_reduce(counts)
-    return {"tokens": max(float(counts[0]), 1.0), "sequences": max(float(counts[1]), 1.0)}
-
-
-def _max_over_ranks(value: int, backend: TrainBackend) -> int:
-    if backend.world_size == 1:
-        return value
-    tensor = torch.tensor([value])
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return int(tensor.item())
+    counts = all_reduce_values({"tokens": sum(float(mb["loss_mask"].sum()) for mb in batches),
+                                "sequences": sum(float(mb["loss_mask"].any(-1).sum()) for mb in batches)})
+    return {key: max(value, 1.0) for key, value in counts.items()}
 
 
 def _share(mask: torch.Tensor, totals: dict[str, float], cfg: Config) -> float:
@@ -321,15 +307,6 @@ def _share(mask: torch.Tensor, totals: dict[str, float], cfg: Config) -> float:
 
 def _accumulate(weighted: dict[str, float], key: str, value: float | torch.Tensor, share: float) -> None:
     weighted[key] = weighted.get(key, 0.0) + float(value) * share
-
-
-def _all_reduce(values: dict[str, float], backend: TrainBackend, op: dist.ReduceOp) -> dict[str, float]:
-    if backend.world_size == 1 or not values:
-        return values
-    keys = sorted(values)
-    tensor = torch.tensor([values[k] for k in keys], dtype=torch.float64)
-    dist.all_reduce(tensor, op=op)
-    return dict(zip(keys, tensor.tolist(), strict=True))
 
 
 def _clip_kwargs(cfg: Config) -> dict[str, Any]:
@@ -347,32 +324,6 @@ def _add(stats: dict[str, list[float]], key: str, value: float | torch.Tensor) -
 # ------------------------------------------------------------------------------------------------- plumbing
 
 
-def make_backend(cfg: Config, model_path: str) -> TrainBackend:
-    """The training backend named by ``trainer.backend``."""
-    t = cfg.trainer
-    config = BackendConfig(
-        model_path=model_path, lr=t.lr, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps,
-        total_steps=t.steps * cfg.steps_per_update, lr_schedule=t.lr_schedule, grad_clip=t.grad_clip,
-        temperature=cfg.generator.temperature, dtype=train_dtype(t.dtype), reference=cfg.algorithm.kl_coef > 0,
-        value_head=cfg.algorithm.critic,
-        gradient_checkpointing=t.gradient_checkpointing, attention=t.attention, seed=t.seed,
-    )
-    if t.backend == "deepspeed":
-        from trainer.backends.deepspeed import DeepSpeedBackend
-
-        return DeepSpeedBackend(config, zero_stage=t.zero_stage)
-    from trainer.backends.fsdp import FSDPBackend
-
-    return FSDPBackend(config)
-
-
-def train_dtype(dtype: str) -> Literal["bf16", "fp32"]:
-    """``trainer.dtype`` with ``auto`` resolved for this machine (see :mod:`generators.precision`)."""
-    if dtype == "auto":
-        return "bf16" if auto_dtype(on_gpu=torch.cuda.is_available()) == "bfloat16" else "fp32"
-    return "bf16" if dtype == "bf16" else "fp32"
-
-
 def _sync_weights(backend: TrainBackend, engine: InferenceEngine | None, runner: asyncio.Runner, out: Path,
                   version: int) -> None:
     """Export the policy as an HF checkpoint and have the engine serve it; keep only the newest export."""
@@ -383,14 +334,6 @@ def _sync_weights(backend: TrainBackend, engine: InferenceEngine | None, runner:
         for old in (out / "weights").glob("v*"):
             if old != path and old.name[1:].isdigit():
                 shutil.rmtree(old, ignore_errors=True)
-
-
-def _broadcast(trajs: list[Trajectory], backend: TrainBackend) -> list[Trajectory]:
-    if backend.world_size == 1:
-        return trajs
-    box: list[Any] = [trajs if backend.rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _evaluate(generator: Generator, envs: Mixture, runner: asyncio.Runner, cfg: Config, logger: RunLogger, *,

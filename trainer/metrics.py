@@ -28,12 +28,14 @@ STEP_GROUPS = 2
 """Groups of each env kept per training step for the report (the step's whole batch is in TensorBoard)."""
 EVAL_GROUPS = 8
 """Held-out tasks of each env kept per evaluation for the report (every sample of each)."""
+MAX_STEP_PHASES = 50
+"""Training steps whose samples the report shows, evenly spaced over a longer run (and always the last)."""
 
 
 class RunLogger:
     """Everything a run reports, written under ``out`` (rank 0 only)."""
 
-    def __init__(self, out: Path, cfg: Config, *, total_steps: int) -> None:
+    def __init__(self, out: Path, cfg: Config, *, total_steps: int, start_step: int = 0) -> None:
         self.out = out
         self.cfg = cfg
         out.mkdir(parents=True, exist_ok=True)
@@ -45,6 +47,8 @@ class RunLogger:
         """Sampled trajectories of every evaluation and step, for the report."""
         self.last_trajectories: list[Trajectory] = []
         self.eval_trajectories: list[Trajectory] = []
+        if start_step:  # resumed: the curves and tables continue the interrupted run's
+            self._reload(out / "metrics.jsonl", start_step)
         self._metrics_file = (out / "metrics.jsonl").open("a")
         self.tb = SummaryWriter(str(out / "tensorboard")) if cfg.logging.tensorboard else None
         self.wandb = self._init_wandb() if cfg.logging.wandb else None
@@ -57,6 +61,22 @@ class RunLogger:
         self.task = self.progress.add_task("train", total=total_steps, reward="-", tps="-")
         self.progress.start()
         self._t0 = time.perf_counter()
+
+    def _reload(self, path: Path, start_step: int) -> None:
+        """The steps and evaluations up to ``start_step`` that an earlier process of this run logged."""
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+        rows = [r for r in rows if r["step"] <= start_step]
+        steps = {r["step"]: r for r in rows if "reward/mean" in r}  # the last write of a step wins
+        self.history = [steps[s] for s in sorted(steps)]
+        for row in rows:
+            if "reward/mean" not in row:
+                self._add_eval(row["step"], {k: v for k, v in row.items() if k != "step"})
+
+    def _add_eval(self, step: int, metrics: dict[str, float]) -> None:
+        if self.evals and self.evals[-1]["step"] == step:
+            self.evals[-1].update(metrics)
+        else:
+            self.evals.append({"step": step, **metrics})
 
     def _init_wandb(self) -> Any:
         os.environ.setdefault("WANDB_MODE", self.cfg.logging.wandb_mode)
@@ -84,10 +104,7 @@ class RunLogger:
         """Record one held-out evaluation: ``name`` (accuracy or greedy_accuracy) with the mean reward and, for a
         mixture, both per env (``values`` keys as in :func:`trainer.loop._evaluate`)."""
         metrics = {f"eval/{key}": value for key, value in values.items()}
-        if self.evals and self.evals[-1]["step"] == step:
-            self.evals[-1].update(metrics)
-        else:
-            self.evals.append({"step": step, **metrics})
+        self._add_eval(step, metrics)
         if name == "accuracy":
             self.eval_trajectories = trajectories
             self.phases.append(Phase(f"eval-{step}", f"held-out eval at step {step}",
@@ -114,7 +131,7 @@ class RunLogger:
         results = {**results, "wall_s": round(time.perf_counter() - self._t0, 1), "output_dir": str(self.out)}
         names = ", ".join(m.display_name for m in self.cfg.env.members)
         run = RunRecord(title=f"envkit train: {names}", config=asdict(self.cfg), results=results, steps=self.history,
-                        evals=self.evals, phases=self.phases, curves_svg=svg)
+                        evals=self.evals, phases=_thin(self.phases, MAX_STEP_PHASES), curves_svg=svg)
         report = write_run_report(run, self.out / "report.html")
         write_jsonl(self.eval_trajectories + self.last_trajectories, self.out / "final_trajectories.jsonl")
         paths = {"reward_curve": str(curve), "report": str(report), "metrics": str(self.out / "metrics.jsonl"),
@@ -197,6 +214,15 @@ def _outcomes(trajs: list[Trajectory]) -> dict[str, float]:
     for reason, count in Counter(t.stop_reason for t in trajs).items():
         metrics[f"stop/{reason}"] = count
     return metrics
+
+
+def _thin(phases: list[Phase], limit: int) -> list[Phase]:
+    """Every evaluation, and at most ``limit`` training steps: evenly spaced, the last one included."""
+    steps = [p for p in phases if p.key.startswith("step-")]
+    if len(steps) <= limit:
+        return phases
+    keep = {id(steps[round(i * (len(steps) - 1) / (limit - 1))]) for i in range(limit)}
+    return [p for p in phases if not p.key.startswith("step-") or id(p) in keep]
 
 
 def _sample(trajectories: list[Trajectory], groups: int) -> list[Trajectory]:

@@ -183,6 +183,9 @@ class ArithmeticEnv(Env):
             raise ValueError(f"num_test must be >= 0, got {num_test!r}")
         if not 0 <= followups <= 16:
             raise ValueError(f"followups must be between 0 and 16, got {followups!r}")
+        if followups and format_bonus * (followups + 1) >= 1:
+            raise ValueError(f"format_bonus={format_bonus!r} with followups={followups!r} lets marked wrong answers "
+                             "reach reward 1.0 (a pass): keep format_bonus below 1/(followups+1)")
         self.level = level
         # Canonical operator order, so "*+" and "+*" generate the same problems.
         self._space = _Space(digits, "".join(op for op in _OPS if op in ops), steps)

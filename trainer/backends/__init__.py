@@ -1,0 +1,40 @@
+"""Training backends (FSDP2, DeepSpeed ZeRO) behind one interface (``trainer/backends/base.py``), and the factory
+that picks one from the run's config."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from generators.precision import auto_dtype
+from trainer.backends.base import BackendConfig, TrainBackend
+
+if TYPE_CHECKING:
+    from trainer.config import Config
+
+
+def make_backend(cfg: Config, model_path: str) -> TrainBackend:
+    """The training backend named by ``trainer.backend``."""
+    t = cfg.trainer
+    config = BackendConfig(
+        model_path=model_path, lr=t.lr, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps,
+        total_steps=t.steps * cfg.steps_per_update, lr_schedule=t.lr_schedule, grad_clip=t.grad_clip,
+        temperature=cfg.generator.temperature, dtype=train_dtype(t.dtype), reference=cfg.algorithm.kl_coef > 0,
+        value_head=cfg.algorithm.critic,
+        gradient_checkpointing=t.gradient_checkpointing, attention=t.attention, seed=t.seed,
+    )
+    if t.backend == "deepspeed":
+        from trainer.backends.deepspeed import DeepSpeedBackend
+
+        return DeepSpeedBackend(config, zero_stage=t.zero_stage)
+    from trainer.backends.fsdp import FSDPBackend
+
+    return FSDPBackend(config)
+
+
+def train_dtype(dtype: str) -> Literal["bf16", "fp32"]:
+    """``trainer.dtype`` with ``auto`` resolved for this machine (see :mod:`generators.precision`)."""
+    if dtype == "auto":
+        return "bf16" if auto_dtype(on_gpu=torch.cuda.is_available()) == "bfloat16" else "fp32"
+    return "bf16" if dtype == "bf16" else "fp32"
