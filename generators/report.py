@@ -99,7 +99,7 @@ def write_html_report(trajectories: Sequence[Trajectory], summary: EvalSummary, 
     """Write the self-contained HTML report (atomically: a temp file renamed into place)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    counts = Counter(_status(t, summary.pass_threshold) for t in trajectories)
+    counts = Counter(outcome(t, summary.pass_threshold) for t in trajectories)
     body = "\n".join([
         f"<h1>{escape(title)}</h1>",
         f"<p class=muted>written {escape(time.strftime('%Y-%m-%d %H:%M:%S'))}</p>",
@@ -127,7 +127,8 @@ def _fmt(x: float) -> str:
     return f"{x:.4g}"
 
 
-def _status(t: Trajectory, pass_threshold: float) -> str:
+def outcome(t: Trajectory, pass_threshold: float) -> str:
+    """``passed``, ``notpassed`` or ``failed`` (error or timeout): the report's filter classes."""
     if t.failed:
         return "failed"
     return "passed" if passed(t, pass_threshold) else "notpassed"
@@ -216,7 +217,7 @@ def _filters(counts: Counter[str]) -> str:
 def trajectory_html(index: int, t: Trajectory, pass_threshold: float, attrs: dict[str, str] | None = None) -> str:
     """One rollout as a collapsible ``<details>``: header, metadata and every message; ``attrs`` become its
     ``data-*`` attributes (what a page's filters select on)."""
-    status = _status(t, pass_threshold)
+    status = outcome(t, pass_threshold)
     task = t.task_id if t.task_id is not None else "-"
     head = (f'<span class="badge {status}">{_BADGES[status]}</span> #{index} task <b>{escape(task)}</b> '
             f"· group {escape(t.group_id)} sample {t.sample_index} · reward {_fmt(t.reward)} · "
@@ -231,8 +232,7 @@ def trajectory_html(index: int, t: Trajectory, pass_threshold: float, attrs: dic
         meta = {"error": t.error, **meta}
     messages = "".join(_message(m) for m in t.messages) or "<p class=muted>no messages</p>"
     data = "".join(f' data-{escape(k)}="{escape(v)}"' for k, v in (attrs or {}).items())
-    return (f'<details class="traj {status}" data-status={status}{data}><summary>{head}</summary>{kv_table(meta)}'
-            f"{messages}</details>")
+    return f'<details class="traj {status}"{data}><summary>{head}</summary>{kv_table(meta)}{messages}</details>'
 
 
 def _message(m: dict[str, Any]) -> str:

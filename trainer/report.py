@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from generators.report import CSS, escape, kv_table, trajectory_html
+from generators.report import CSS, escape, kv_table, outcome, trajectory_html
 from generators.trajectory import Trajectory
 
 STEP_COLUMNS = {
@@ -69,7 +69,7 @@ def write_run_report(run: RunRecord, path: Path) -> Path:
         + "; ".join(f"{escape(p.title)} {len(p.trajectories)} of {p.total}" for p in run.phases) + ".</p>",
         _filters(run.phases, sorted({t.env_name for t in shown})),
         "<p id=showing class=muted></p><div id=trajs>",
-        *(trajectory_html(i, t, 1.0, {"phase": p.key, "env": t.env_name})
+        *(trajectory_html(i, t, 1.0, {"phase": p.key, "env": t.env_name, "status": outcome(t, 1.0)})
           for i, (p, t) in enumerate((p, t) for p in run.phases for t in p.trajectories)),
         "</div>",
     ])
@@ -130,8 +130,7 @@ def _filters(phases: list[Phase], envs: list[str]) -> str:
         items = "".join(f"<option value='{escape(v)}'>{escape(text)}</option>" for v, text in options)
         return f"<label>{name} <select id=filter-{name}><option value=''>all</option>{items}</select></label> "
 
-    statuses = Counter(("failed" if t.failed else "passed" if t.reward >= 1.0 else "notpassed")
-                       for p in phases for t in p.trajectories)
+    statuses = Counter(outcome(t, 1.0) for p in phases for t in p.trajectories)
     return "<div class=filters>" + select("phase", [(p.key, p.title) for p in phases]) + select(
         "env", [(e, e) for e in envs]) + select("status", [
             (s, f"{text} ({statuses[s]})") for s, text in
