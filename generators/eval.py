@@ -174,13 +174,16 @@ async def _engine(config: EvalConfig) -> tuple[InferenceEngine, ChatTokenizer | 
         api_key = config.engine.api_key or os.environ.get("OPENAI_API_KEY")
         engine = make_engine(replace(config.engine, api_key=api_key), config.model)
         return engine, None, f"{config.model} at {config.engine.url} (chat mode)"
+    from generators.engines.managed import ServerBackedEngine
+
     path, tokenizer = await asyncio.to_thread(_load_model, config.model)
     assert config.out is not None  # set by __post_init__
     # Next to the results rather than the shared cache log, which concurrent servers would interleave.
     engine = make_engine(config.engine, path, log_dir=config.out)
     name = "bundled SmolLM2-135M-Instruct" if config.model == BUNDLED else config.model
-    log_path = getattr(getattr(engine, "server", None), "log_path", None)
-    return engine, tokenizer, f"{name} on a managed {config.engine.engine} server (log: {log_path})"
+    if isinstance(engine, ServerBackedEngine):
+        return engine, tokenizer, f"{name} on a managed {config.engine.engine} server (log: {engine.server.log_path})"
+    return engine, tokenizer, f"{name} in-process ({config.engine.engine})"
 
 
 def _load_model(model: str) -> tuple[str, ChatTokenizer]:

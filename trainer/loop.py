@@ -36,6 +36,7 @@ from generators import ChatTokenizer, Generator, Trajectory
 from generators.engines.base import InferenceEngine
 from generators.engines.factory import make_engine
 from generators.models import resolve_model
+from generators.report import passed
 from trainer import algorithms as algo
 from trainer.backends import make_backend
 from trainer.backends.base import Batch, TrainBackend
@@ -355,7 +356,7 @@ def _evaluate(generator: Generator, envs: Mixture, runner: asyncio.Runner, cfg: 
         values: dict[str, float] = {}
         for prefix, group in groups.items():
             n = max(len(group), 1)
-            values[prefix + name] = sum(t.reward >= 1.0 and not t.failed for t in group) / n
+            values[prefix + name] = sum(passed(t) for t in group) / n
             values[prefix + reward_name] = sum(t.reward for t in group if not t.failed) / n
         logger.log_eval(step, name, values, trajs)
         results.update(values)

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from torch.utils.tensorboard import SummaryWriter
 
+from generators.report import passed
 from generators.trajectory import Trajectory, write_jsonl
 from trainer.config import Config
 from trainer.report import Phase, RunRecord, write_run_report
@@ -40,6 +41,7 @@ class RunLogger:
         self.cfg = cfg
         out.mkdir(parents=True, exist_ok=True)
         self.console = Console(stderr=True)
+        self.env_names = ", ".join(m.display_name for m in cfg.env.members)
         self.history: list[dict[str, float]] = []
         self.evals: list[dict[str, float]] = []
         """One row per held-out evaluation: ``step`` and its ``eval/...`` metrics."""
@@ -129,9 +131,9 @@ class RunLogger:
         self.progress.stop()
         curve, svg = self._curves(self.out / "reward_curve.png")
         results = {**results, "wall_s": round(time.perf_counter() - self._t0, 1), "output_dir": str(self.out)}
-        names = ", ".join(m.display_name for m in self.cfg.env.members)
-        run = RunRecord(title=f"envkit train: {names}", config=asdict(self.cfg), results=results, steps=self.history,
-                        evals=self.evals, phases=_thin(self.phases, MAX_STEP_PHASES), curves_svg=svg)
+        run = RunRecord(title=f"envkit train: {self.env_names}", config=asdict(self.cfg), results=results,
+                        steps=self.history, evals=self.evals, phases=_thin(self.phases, MAX_STEP_PHASES),
+                        curves_svg=svg)
         report = write_run_report(run, self.out / "report.html")
         write_jsonl(self.eval_trajectories + self.last_trajectories, self.out / "final_trajectories.jsonl")
         paths = {"reward_curve": str(curve), "report": str(report), "metrics": str(self.out / "metrics.jsonl"),
@@ -161,8 +163,7 @@ class RunLogger:
                 ax.plot(*zip(*points, strict=True), style, label=label)
         ax.set_xlabel("step")
         ax.set_ylim(-0.05, 1.05)
-        names = ", ".join(m.display_name for m in self.cfg.env.members)
-        ax.set_title(f"{names}: {self.cfg.algorithm.advantage} on {self.cfg.model.path}")
+        ax.set_title(f"{self.env_names}: {self.cfg.algorithm.advantage} on {self.cfg.model.path}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
@@ -210,7 +211,7 @@ def _outcomes(trajs: list[Trajectory]) -> dict[str, float]:
     """Mean reward and pass rate of the rollouts that finished, and a count per stop reason."""
     done = [t for t in trajs if not t.failed]
     metrics = {"reward/mean": _mean([t.reward for t in done]),
-               "reward/pass_rate": _mean([t.reward >= 1.0 for t in done])}
+               "reward/pass_rate": _mean([passed(t) for t in done])}
     for reason, count in Counter(t.stop_reason for t in trajs).items():
         metrics[f"stop/{reason}"] = count
     return metrics
