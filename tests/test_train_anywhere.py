@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from remote_envs import openenv_server
+from remote_envs import envkit_serve, openenv_server
 from weights import changed_tensors
 
 pytestmark = pytest.mark.e2e
@@ -75,6 +75,32 @@ def test_trains_on_an_env_served_over_websocket(policy_url, tmp_path):
     # the server's task lists were drawn from: its train split for training, its test split for evaluation
     last, held_out = _task_ids_by_version(tmp_path / "run")
     assert {i.rsplit("-", 1)[0] for i in last} == {"train-1"} and {i.rsplit("-", 1)[0] for i in held_out} == {"test-1"}
+
+
+async def test_an_env_over_websocket_yields_the_trajectories_it_yields_in_process(bundled_model, chat_tokenizer):
+    """Where an env runs must not change what the trainer learns from: the same seeded rollouts of multi-turn
+    arithmetic (in-process HF engine, reproducible per request) give identical token ids, masks, logprobs, per-turn
+    rewards and messages in-process and through `envkit serve` over ws://."""
+    import envkit
+    from generators import Generator, GeneratorConfig
+    from generators.engines.hf import HFEngine
+
+    server = envkit_serve("arithmetic")
+    try:
+        tasks = list(envkit.make("arithmetic").tasks("train"))[:4]
+        async with HFEngine(bundled_model) as engine:
+            generator = Generator(engine, chat_tokenizer,
+                                  GeneratorConfig(samples_per_prompt=2, seed=3, max_turns=3, max_tokens=24))
+            runs = [await generator.generate(lambda name=name: envkit.make(name, followups=1), tasks=tasks)
+                    for name in ("arithmetic", f"ws://127.0.0.1:{server.port}/arithmetic")]
+    finally:
+        server.stop()
+    fields = ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "reward", "step_rewards", "num_turns",
+              "stop_reason", "messages")
+    local, remote = ([{f: getattr(t, f) for f in fields} for t in run] for run in runs)
+    assert all(t["stop_reason"] == "done" and t["num_turns"] == 2 for t in local), local
+    assert len({t["reward"] for t in local}) > 1  # graded episodes, not all alike
+    assert remote == local
 
 
 def test_trains_on_a_docker_sandboxed_env_through_a_pool(policy_url, arithmetic_image, docker_client, tmp_path):

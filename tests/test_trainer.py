@@ -174,12 +174,13 @@ def test_kill_9_then_resume_reproduces_the_next_step(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
 
     killed = tmp_path / "killed"
-    process = subprocess.Popen([sys.executable, "-m", "trainer", *common, f"trainer.output_dir={killed}"],
-                               cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               start_new_session=True)
+    log = tmp_path / "killed.log"
+    with log.open("w") as sink:
+        process = subprocess.Popen([sys.executable, "-m", "trainer", *common, f"trainer.output_dir={killed}"],
+                                   cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 600
     while not (killed / "checkpoints" / "step-000002").is_dir():
-        assert process.poll() is None, "the run ended before its step-2 checkpoint"
+        assert process.poll() is None, f"the run ended before its step-2 checkpoint:\n{log.read_text()[-3000:]}"
         assert time.monotonic() < deadline, "no step-2 checkpoint within 600 s"
         time.sleep(0.2)
     os.killpg(process.pid, signal.SIGKILL)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -26,7 +25,8 @@ def init_distributed() -> tuple[int, int, torch.device]:
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
             dist.init_process_group(backend)
         else:
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+            # An in-memory store: no port to pick, so no race with another process picking the same one.
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         _created_here = True
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if cuda:
@@ -66,9 +66,3 @@ def broadcast_from_rank0(obj: T) -> T:
     box: list[Any] = [obj if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
