@@ -21,6 +21,7 @@ from rich.table import Table
 import envkit
 from envkit.errors import EnvkitError
 from envkit.tasks import task_counts
+from envkit.untrusted import EXEC_USER_ENV
 
 COMMAND_GROUP = "envkit.commands"
 
@@ -110,11 +111,16 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
         return 2
     config = ServeConfig(env=args.name, env_kwargs=env_kwargs, host=args.host, port=args.port,
                          token=args.token or os.environ.get(TOKEN_ENV) or None, limits=limits,
-                         workers=args.workers, log_level=args.log_level)
+                         workers=args.workers, log_level=args.log_level, exec_user=args.exec_user,
+                         exec_dir=args.exec_dir)
     auth = "bearer token" if config.token else "no auth"
     Console(stderr=True).print(f"envkit serve {args.name} on http://{args.host}:{args.port} ({auth}, "
                                f"{args.workers} worker(s)); Ctrl-C to stop", highlight=False, soft_wrap=True)
-    serve(config)
+    try:
+        serve(config)
+    except (PermissionError, ValueError) as e:
+        console.print(f"[red]error:[/red] {e}", highlight=False)
+        return 2
     return 0
 
 
@@ -150,6 +156,11 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "only WebSocket sessions are served (default 1)")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
                    help="server log level (default warning; env crashes are logged as errors)")
+    exec_user = os.environ.get(EXEC_USER_ENV)
+    p.add_argument("--exec-user", type=int, default=int(exec_user) if exec_user else None, metavar="UID",
+                   help="also serve /exec and /exec/scrub, running commands as this uid in --exec-dir (what sandbox "
+                        f"containers do; needs root with CAP_SETUID/SETGID/KILL; default: ${EXEC_USER_ENV})")
+    p.add_argument("--exec-dir", default="/work", help="where /exec commands run (default /work)")
     p.set_defaults(func=_cmd_serve)
 
 

@@ -8,6 +8,8 @@ Sessions are explicit. Over REST::
     GET    /sessions/{id}                                         -> SessionState
     DELETE /sessions/{id}                                         -> 204
     GET    /tasks?split=train&offset=0&limit=256                  -> TaskPage (the served env's task list)
+    POST   /exec                      {"argv": [...], ...}        -> ExecResponse (sandbox servers only)
+    POST   /exec/scrub                                            -> ScrubResult (sandbox servers only)
 
 Over one WebSocket per session (``/ws``), each text frame is one request ``{"op": ..., ...}`` with the same fields
 as the REST body, answered in order by one frame holding the REST response body: ``create`` (``kwargs``), ``reset``
@@ -160,6 +162,38 @@ class SessionState(_Body):
     steps: int
     idle_s: float
     age_s: float
+
+
+class ExecRequest(_Body):
+    """``POST /exec``: run ``argv`` as the server's exec user in its exec dir; killed whole at ``timeout_s``."""
+
+    argv: list[str] = Field(min_length=1)
+    stdin_b64: str = ""
+    """Standard input, base64-encoded."""
+    timeout_s: float = Field(10.0, gt=0, le=3600)
+    output_limit: int = Field(64 * 1024, ge=0, le=64 << 20)
+    """Largest stdout and stderr kept; the rest is read and dropped."""
+
+
+class ExecResponse(_Body):
+    """What one ``/exec`` produced (output decoded as UTF-8, undecodable bytes replaced)."""
+
+    stdout: str
+    stderr: str
+    exit_code: int
+    """The command's exit status; -1 when it was killed at its deadline."""
+    timed_out: bool
+    truncated: bool
+    duration_s: float
+
+
+class ScrubResult(_Body):
+    """``POST /exec/scrub``: what survived killing the exec user's processes and emptying the exec dir and /tmp."""
+
+    processes: list[int]
+    """Processes other than the server and the container's init."""
+    files: list[str]
+    """Paths still under the exec dir or /tmp (at most 20)."""
 
 
 class Health(_Body):

@@ -18,6 +18,7 @@ every session, so CPU-heavy envs should offload to threads themselves, or the se
 from __future__ import annotations
 
 import asyncio
+import base64
 import bisect
 import hmac
 import ipaddress
@@ -40,7 +41,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import envkit
-from envkit import wire
+from envkit import untrusted, wire
 from envkit.core import Env
 from envkit.deadlines import Deadlines
 from envkit.errors import (
@@ -56,9 +57,12 @@ from envkit.protocol import (
     PROTOCOL_VERSION,
     CreateSession,
     ErrorBody,
+    ExecRequest,
+    ExecResponse,
     Health,
     ResetRequest,
     ResetResult,
+    ScrubResult,
     ServerInfo,
     SessionCreated,
     SessionState,
@@ -121,6 +125,11 @@ class ServeConfig:
     """Processes sharing the port. Sessions live in one process, so with more than one only WebSocket sessions
     (one connection each) are served; REST session creation answers ``409 rest_unavailable``."""
     log_level: str = "warning"
+    exec_user: int | None = None
+    """Serve ``/exec`` and ``/exec/scrub``, running commands as this uid (sandbox images; needs root with
+    CAP_SETUID, CAP_SETGID and CAP_KILL). None: no such routes."""
+    exec_dir: str = "/work"
+    """Where ``/exec`` commands run; their files persist there until ``/exec/scrub``."""
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-serializable dict of this config."""
@@ -584,8 +593,10 @@ _ENV_FAULTS = ("env_error", "env_timeout")
 
 
 def create_app(env: str, *, env_kwargs: dict[str, Any] | None = None, token: str | None = None,
-               limits: ServerLimits | None = None, rest_sessions: bool = True) -> FastAPI:
-    """The FastAPI app serving ``env`` (a registered name or ``module:Class``); see the module docstring."""
+               limits: ServerLimits | None = None, rest_sessions: bool = True,
+               workspace: untrusted.Workspace | None = None) -> FastAPI:
+    """The FastAPI app serving ``env`` (a registered name or ``module:Class``); see the module docstring.
+    With ``workspace``, also ``/exec`` and ``/exec/scrub`` (commands next to the env, in a sandbox)."""
     server = EnvServer(env, env_kwargs=env_kwargs, limits=limits, rest_sessions=rest_sessions)
 
     @asynccontextmanager
@@ -714,6 +725,30 @@ def create_app(env: str, *, env_kwargs: dict[str, Any] | None = None, token: str
         """Close the session's env and forget the session."""
         return await timed("delete", server.delete(session_id))
 
+    if workspace is not None:
+        @app.post("/exec", response_model=ExecResponse, responses=_responses(), tags=["sandbox"])
+        async def exec_command(body: ExecRequest) -> Response:
+            """Run a command as the exec user in the exec dir, one at a time; nothing it starts outlives it."""
+            try:
+                stdin = base64.b64decode(body.stdin_b64, validate=True)
+            except ValueError:
+                return error(ApiError("validation_error", "stdin_b64 is not base64"))
+            try:
+                result = await workspace.run(body.argv, stdin=stdin, timeout_s=body.timeout_s,
+                                             output_limit=body.output_limit)
+            except OSError as e:  # no such program, not executable
+                return error(ApiError("validation_error", f"cannot run {body.argv[0]!r}: {e.strerror}"))
+            return answer({"stdout": result.stdout.decode(errors="replace"),
+                           "stderr": result.stderr.decode(errors="replace"), "exit_code": result.exit_code,
+                           "timed_out": result.timed_out, "truncated": result.truncated,
+                           "duration_s": result.duration_s})
+
+        @app.post("/exec/scrub", response_model=ScrubResult, responses=_responses(), tags=["sandbox"])
+        async def exec_scrub() -> Response:
+            """Kill the exec user's processes and delete its files; answers what is left (empty lists: clean)."""
+            processes, files = await workspace.scrub()
+            return answer({"processes": processes, "files": files})
+
     app.add_middleware(_Guard, server=server, token=token)
     return app
 
@@ -839,9 +874,13 @@ def serve(config: ServeConfig) -> None:
         "ws_max_size": config.limits.max_request_bytes, "timeout_keep_alive": 75, "lifespan": "on",
     }
     if config.workers == 1:
-        app = create_app(config.env, env_kwargs=config.env_kwargs, token=config.token, limits=config.limits)
+        workspace = untrusted.Workspace(config.exec_user, config.exec_dir) if config.exec_user is not None else None
+        app = create_app(config.env, env_kwargs=config.env_kwargs, token=config.token, limits=config.limits,
+                         workspace=workspace)
         uvicorn.run(app, **common)
         return
+    if config.exec_user is not None:
+        raise ValueError("--exec-user serves one workspace, so it needs --workers 1")
     _ = EnvServer(config.env, env_kwargs=config.env_kwargs, limits=config.limits)  # fail here, not in N workers
     os.environ[_CONFIG_ENV] = json.dumps(config.to_json())
     try:

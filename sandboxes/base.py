@@ -27,6 +27,11 @@ SANDBOX_ENV = "ENVKIT_SANDBOX"
 """Set inside every sandbox to its kind (``docker`` or ``local``); envs that run model code check it."""
 SERVER_PORT = 8000
 """Port ``envkit serve`` listens on inside an env image (OpenEnv's providers expect the same)."""
+EXEC_UID = 1000
+"""The uid ``exec`` runs as in a container: not the server's (root, holding only CAP_SETUID, CAP_SETGID and CAP_KILL
+to run and kill it), so it cannot read the env packages, signal the server or read its /proc."""
+EXEC_DIR = "/work"
+"""Where ``exec`` runs in a container; its files stay there until the sandbox is scrubbed."""
 
 
 class SandboxError(EnvkitError):
@@ -141,6 +146,11 @@ class Sandbox(ABC):
     async def exec(self, code_or_cmd: str | Sequence[str], *, timeout: float = 10.0,  # noqa: ASYNC109
                    stdin: str | bytes = b"") -> ExecResult:
         """Run Python source (str) or an argv (list) in the sandbox; killed after ``timeout`` seconds."""
+
+    @abstractmethod
+    async def scrub(self) -> bool:
+        """Kill every process ``exec`` left, delete its files; True when nothing is left (a pool checks each
+        release with this and replaces a sandbox that is not clean)."""
 
     @abstractmethod
     async def close(self) -> None:

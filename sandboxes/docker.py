@@ -5,7 +5,10 @@ polls ``/health`` with httpx. A container is created under a name chosen beforeh
 when the call that creates it was still in flight when the start failed or was cancelled.
 
 Isolation per container: CPU, memory (no swap) and pids limits, read-only root with tmpfs ``/work`` and ``/tmp``,
-all capabilities dropped, ``no-new-privileges``, user ``nobody``, an init process that reaps zombies. Without
+``no-new-privileges``, an init process that reaps zombies. The server runs as root holding only CAP_SETUID,
+CAP_SETGID and CAP_KILL: ``exec`` goes to its ``/exec`` route, which runs the command as ``EXEC_UID`` and, when it
+ends, stops and kills every process of that uid (new sessions, daemons and all). The env packages are readable by
+root only, so neither exec'd code nor a graded submission (run under uids of their own) can read them. Without
 ``network`` the container sits on an internal bridge whose packets this host does not forward, whose DNS answers
 nothing, and from which this host's firewall drops every new connection (TCP SYN, UDP): the host reaches the
 container's server on the bridge address, the container reaches nothing, not even services on this host. With
@@ -15,13 +18,13 @@ container's server on the bridge address, the container reaches nothing, not eve
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import fcntl
 import logging
 import os
 import secrets
 import socket
-import struct
 import subprocess
 import tempfile
 import time
@@ -29,7 +32,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+import httpx
+
+from envkit.untrusted import EXEC_USER_ENV
 from sandboxes.base import (
+    EXEC_DIR,
+    EXEC_UID,
     SANDBOX_ENV,
     SERVER_PORT,
     ExecResult,
@@ -39,7 +47,6 @@ from sandboxes.base import (
     SandboxStartError,
     SandboxUnavailableError,
     State,
-    cap,
     exec_argv,
     owner_id,
     process_start_ticks,
@@ -54,7 +61,7 @@ OWNER_LABEL = "org.envkit.owner"
 """``host:pid:start`` of the process that started the container; the reaper removes those whose owner died."""
 INTERNAL_NETWORK = "envkit-sandbox-internal"
 EXEC_KILL_GRACE_S = 5.0
-"""How much longer than its timeout the host waits for an exec before giving up on the stream."""
+"""How much longer than its timeout the host waits for an exec's answer."""
 
 _reaped = False
 _shared: dict[str, Any] = {}
@@ -166,6 +173,7 @@ class DockerSandbox(Sandbox):
         self._client = client
         self._container: Any = None
         self._inflight: asyncio.Future[Any] | None = None
+        self._http: httpx.AsyncClient | None = None
 
     async def _thread(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a blocking SDK call in a thread; a cancelled caller leaves it running, and cleanup awaits it."""
@@ -208,12 +216,13 @@ class DockerSandbox(Sandbox):
         self._container = client.containers.create(
             self.image, command=self.command, name=self.name, detach=True,
             labels={SANDBOX_LABEL: "1", OWNER_LABEL: self.owner},
-            environment={**self.environment, "ENVKIT_TOKEN": self.token, SANDBOX_ENV: self.kind},
+            environment={**self.environment, "ENVKIT_TOKEN": self.token, SANDBOX_ENV: self.kind,
+                         EXEC_USER_ENV: str(EXEC_UID)},
             nano_cpus=int(limits.cpus * 1e9), mem_limit=f"{limits.memory_mb}m",
             memswap_limit=f"{limits.memory_mb}m", pids_limit=limits.pids,
-            read_only=True, tmpfs={"/work": f"{tmpfs},uid=65534,gid=65534,mode=0700", "/tmp": f"{tmpfs},mode=1777"},
-            working_dir="/work",
-            security_opt=["no-new-privileges"], cap_drop=["ALL"], user="65534:65534", init=True,
+            read_only=True, working_dir="/", init=True,
+            tmpfs={EXEC_DIR: f"{tmpfs},uid={EXEC_UID},gid={EXEC_UID},mode=0700", "/tmp": f"{tmpfs},mode=1777"},
+            security_opt=["no-new-privileges"], cap_drop=["ALL"], cap_add=["SETUID", "SETGID", "KILL"], user="0:0",
             **network,
         )
         self._container.start()
@@ -256,64 +265,48 @@ class DockerSandbox(Sandbox):
 
     async def close(self) -> None:
         """Remove the container (killing whatever runs in it); idempotent."""
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
         if self.state is State.CLOSED:
             return
         await self._remove()
 
     async def exec(self, code_or_cmd: str | Sequence[str], *, timeout: float = 10.0,  # noqa: ASYNC109
                    stdin: str | bytes = b"") -> ExecResult:
-        """Run Python source or an argv in the container as ``nobody`` in ``/work``; killed after ``timeout`` s."""
+        """Run Python source or an argv in the container as ``EXEC_UID`` in ``/work``; killed after ``timeout`` s,
+        with every process it started."""
         self._require(State.RUNNING)
-        argv = exec_argv(code_or_cmd)
         data = stdin.encode() if isinstance(stdin, str) else stdin
-        # coreutils `timeout` kills the whole process group inside the container, so nothing outlives the call.
-        wrapped = ["timeout", "--signal=KILL", f"{timeout:g}", *argv]
-        started = time.monotonic()
-        code, out, err = await asyncio.to_thread(self._exec_blocking, wrapped, data, timeout + EXEC_KILL_GRACE_S)
-        duration = time.monotonic() - started
-        limit = self.limits.output_limit_bytes
-        stdout, cut_out = cap(out, limit)
-        stderr, cut_err = cap(err, limit)
-        timed_out = code == 137 and duration >= timeout
-        return ExecResult(stdout, stderr, -1 if timed_out else code, timed_out, cut_out or cut_err, duration)
+        body = {"argv": exec_argv(code_or_cmd), "stdin_b64": base64.b64encode(data).decode(), "timeout_s": timeout,
+                "output_limit": self.limits.output_limit_bytes}
+        return ExecResult(**await self._post("/exec", body, timeout + EXEC_KILL_GRACE_S))
 
-    def _exec_blocking(self, argv: list[str], stdin: bytes, wait_s: float) -> tuple[int, bytes, bytes]:
-        api = self._client.api
-        exec_id = api.exec_create(self.name, argv, stdin=True, workdir="/work", user="65534:65534")["Id"]
-        sock = api.exec_start(exec_id, socket=True)
-        raw: socket.socket = getattr(sock, "_sock", sock)
-        raw.settimeout(wait_s)
-        limit = self.limits.output_limit_bytes
-        streams: dict[int, bytearray] = {1: bytearray(), 2: bytearray()}
+    async def scrub(self) -> bool:
+        """Kill what ``exec`` left running and delete its files in ``/work`` and ``/tmp``; True when clean."""
+        self._require(State.RUNNING)
         try:
-            if stdin:
-                raw.sendall(stdin)
-            raw.shutdown(socket.SHUT_WR)
-            # The stream is multiplexed: an 8-byte header (stream id, size) before each chunk. Not the SDK's
-            # docker.utils.socket.frames_iter: it polls with no timeout, so a stuck exec would hang this thread.
-            while header := _read_exact(raw, 8):
-                stream, size = struct.unpack(">BxxxL", header)
-                chunk = _read_exact(raw, size)
-                buf = streams.get(stream)
-                if buf is not None and len(buf) <= limit:
-                    buf += chunk[: limit + 1 - len(buf)]  # one byte past the limit marks it truncated
-        except TimeoutError:
-            pass  # the in-container timeout failed to end it; report what came
-        finally:
-            sock.close()
-        code = api.exec_inspect(exec_id).get("ExitCode")
-        return (code if code is not None else 137), bytes(streams[1]), bytes(streams[2])
+            answer = await self._post("/exec/scrub", {}, 30.0)
+        except SandboxError as e:
+            log.warning("scrubbing %s failed: %s", self.name, e)
+            return False
+        if answer["processes"] or answer["files"]:
+            log.warning("%s is not clean after a scrub: processes %s, files %s", self.name, answer["processes"],
+                        answer["files"])
+            return False
+        return True
+
+    async def _post(self, route: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        if self._http is None:
+            self._http = httpx.AsyncClient(base_url=self.url, headers={"authorization": f"Bearer {self.token}"})
+        try:
+            response = await self._http.post(route, json=body, timeout=timeout_s)
+        except httpx.HTTPError as e:
+            raise SandboxError(f"{route} in {self.name} failed: {type(e).__name__}: {e}") from e
+        if response.status_code != 200:
+            raise SandboxError(f"{route} in {self.name} answered {response.status_code}: {response.text[:500]}")
+        return response.json()
 
     def __repr__(self) -> str:
         return f"<DockerSandbox {self.name} image={self.image} {self.state.value} url={self.url or '-'}>"
-
-
-def _read_exact(sock: socket.socket, size: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < size:
-        chunk = sock.recv(size - len(buf))
-        if not chunk:
-            return bytes(buf) if len(buf) == size else b""
-        buf += chunk
-    return bytes(buf)
 

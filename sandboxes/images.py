@@ -24,7 +24,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import envkit
-from sandboxes.base import SERVER_PORT
+from sandboxes.base import EXEC_UID, SERVER_PORT
 from sandboxes.engine import BASE_IMAGE, cache_dir, docker_client, ensure_base_image, image_exists
 
 RECIPE_VERSION = "1"
@@ -40,11 +40,10 @@ COPY wheels /tmp/wheels
 RUN python3 -m venv /opt/envkit \\
  && /opt/envkit/bin/pip install --no-index --no-cache-dir --disable-pip-version-check -q \\
     --find-links /tmp/wheels -r /tmp/wheels/requirements.txt \\
- && rm -rf /tmp/wheels \
- && install -d -o 65534 -g 65534 -m 0700 /work
+ && rm -rf /tmp/wheels \\
+ && chmod -R go-rwx /opt/envkit \\
+ && install -d -o {exec_uid} -g {exec_uid} -m 0700 /work
 ENV PATH=/opt/envkit/bin:/usr/local/bin:/usr/bin:/bin PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
-USER 65534:65534
-WORKDIR /work
 EXPOSE {port}
 HEALTHCHECK --interval=10s --timeout=2s --start-period=5s --retries=3 \\
   CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}/health', timeout=1)"]
@@ -210,7 +209,8 @@ def build(env: str, *, force: bool = False, client: Any = None, quiet: bool = Fa
         wheels.mkdir()
         say("building wheels on the host")
         _build_wheels(sources, wheels, requirements)
-        (Path(ctx) / "Dockerfile").write_text(DOCKERFILE.format(base=base, name=env, port=SERVER_PORT))
+        dockerfile = DOCKERFILE.format(base=base, name=env, port=SERVER_PORT, exec_uid=EXEC_UID)
+        (Path(ctx) / "Dockerfile").write_text(dockerfile)
         labels = {"org.envkit.version": envkit.__version__, ENV_LABEL: env, "org.envkit.package": spec.package,
                   "org.envkit.package-version": spec.version}
         say("docker build")

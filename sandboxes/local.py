@@ -1,8 +1,11 @@
 """LocalSandbox: the Sandbox interface without Docker. ``envkit serve NAME`` runs as a child process on loopback.
 
 It isolates nothing: it is for machines without a Docker engine, where an env should still run out of process
-behind the same interface. ``exec`` runs on the host (with a timeout and the output cap, nothing more), and envs
-that run model-written code refuse to, because ``ENVKIT_SANDBOX`` says ``local``.
+behind the same interface. ``exec`` runs on the host in a directory of the sandbox's own, with a timeout and the
+output cap. Where this process may switch users (root), it runs as a uid leased for the sandbox's life, and every
+process it started is killed when it ends, as in a container; otherwise only its process group is, and a process
+that calls ``setsid()`` escapes. Envs that run model-written code refuse to run here, because ``ENVKIT_SANDBOX``
+says ``local``.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import asyncio
 import contextlib
 import os
 import secrets
+import shutil
 import signal
 import socket
 import sys
@@ -19,6 +23,7 @@ import time
 from collections.abc import Sequence
 from typing import IO
 
+from envkit import untrusted
 from sandboxes.base import (
     SANDBOX_ENV,
     ExecResult,
@@ -27,10 +32,18 @@ from sandboxes.base import (
     SandboxLimits,
     SandboxStartError,
     State,
-    cap,
     exec_argv,
     wait_healthy,
 )
+
+
+def _empty(directory: str) -> None:
+    for entry in os.scandir(directory):
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
 
 
 def _free_port() -> int:
@@ -60,6 +73,9 @@ class LocalSandbox(Sandbox):
         self.token = secrets.token_urlsafe(24)
         self._proc: asyncio.subprocess.Process | None = None
         self._log: IO[bytes] | None = None
+        self._lease: contextlib.AbstractAsyncContextManager[int | None] | None = None
+        self._uid: int | None = None
+        self._workdir: str | None = None
 
     def _child_env(self) -> dict[str, str]:
         return {**os.environ, "ENVKIT_TOKEN": self.token, SANDBOX_ENV: self.kind}
@@ -73,6 +89,11 @@ class LocalSandbox(Sandbox):
         # A file, not a pipe: nobody reads the server's log while it runs, and a full pipe would block it.
         self._log = tempfile.TemporaryFile()  # noqa: SIM115  # lives as long as the server; close() closes it
         try:
+            self._lease = untrusted.users.lease()
+            self._uid = await self._lease.__aenter__()
+            self._workdir = tempfile.mkdtemp(prefix="envkit-sandbox-")
+            if self._uid is not None:
+                os.chown(self._workdir, self._uid, self._uid)
             self._proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "envkit.cli", "serve", self.env, "--port", str(port),
                 env=self._child_env(), stdin=asyncio.subprocess.DEVNULL,
@@ -101,35 +122,39 @@ class LocalSandbox(Sandbox):
         proc, self._proc = self._proc, None
         if proc is not None:
             await _kill_group(proc)
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            await lease.__aexit__(None, None, None)  # kills whatever exec left of the uid's
+        workdir, self._workdir = self._workdir, None
+        if workdir is not None:
+            await asyncio.to_thread(shutil.rmtree, workdir, True)
         if self._log is not None:
             self._log.close()
             self._log = None
 
     async def exec(self, code_or_cmd: str | Sequence[str], *, timeout: float = 10.0,  # noqa: ASYNC109
                    stdin: str | bytes = b"") -> ExecResult:
-        """Run Python source or an argv on the host (no isolation!) in its own process group; killed at timeout."""
+        """Run Python source or an argv on the host (no isolation!) in the sandbox's directory; killed at timeout."""
         self._require(State.RUNNING)
+        assert self._workdir is not None
         argv = exec_argv(code_or_cmd)
         if argv[0] == "python3":
-            argv[0] = sys.executable
+            argv[0] = untrusted.python()
         data = stdin.encode() if isinstance(stdin, str) else stdin
-        started = time.monotonic()
-        proc = await asyncio.create_subprocess_exec(
-            *argv, env=self._child_env(), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, start_new_session=True)
-        timed_out = False
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(data), timeout)
-        except TimeoutError:
-            timed_out = True
-            out, err = b"", b""
-        finally:
-            await _kill_group(proc)  # after a timeout, and after a normal exit for what it left in its group
-        limit = self.limits.output_limit_bytes
-        stdout, cut_out = cap(out, limit)
-        stderr, cut_err = cap(err, limit)
-        code = -1 if timed_out else (proc.returncode if proc.returncode is not None else -1)
-        return ExecResult(stdout, stderr, code, timed_out, cut_out or cut_err, time.monotonic() - started)
+        env = {**untrusted.SAFE_ENV, "HOME": self._workdir, SANDBOX_ENV: self.kind}
+        result = await untrusted.run(argv, stdin=data, timeout_s=timeout, output_limit=self.limits.output_limit_bytes,
+                                     user=self._uid, cwd=self._workdir, env=env)
+        return ExecResult(result.stdout.decode(errors="replace"), result.stderr.decode(errors="replace"),
+                          result.exit_code, result.timed_out, result.truncated, result.duration_s)
+
+    async def scrub(self) -> bool:
+        """Kill what ``exec`` left (all of it where users can be switched, else nothing more) and empty its dir."""
+        self._require(State.RUNNING)
+        assert self._workdir is not None
+        if self._uid is not None:
+            await asyncio.to_thread(untrusted.kill_user, self._uid)
+        await asyncio.to_thread(_empty, self._workdir)
+        return not os.listdir(self._workdir)
 
     def __repr__(self) -> str:
         return f"<LocalSandbox {self.env} {self.state.value} url={self.url or '-'}>"

@@ -1,7 +1,8 @@
 """SandboxPool: ``size`` sandboxes started ahead of time, so a rollout gets a ready server in microseconds.
 
 ``acquire`` hands over a running sandbox (waiting only when all of them are leased or still starting); ``release``
-puts it back when it is clean, young enough and still healthy, and otherwise closes it and starts a replacement in
+scrubs it (every process ``exec`` left killed, its files deleted) and puts it back when that left it clean, and it
+is young enough and still healthy, and otherwise closes it and starts a replacement in
 the background. ``close`` drains the pool: in-flight starts are cancelled (which removes their containers), idle and
 leased sandboxes are closed.
 """
@@ -121,12 +122,14 @@ class SandboxPool:
             self._retire(item)
 
     async def release(self, sandbox: Sandbox, *, dirty: bool = False) -> None:
-        """Give a sandbox back: recycled when clean, fresh and healthy; otherwise replaced. ``dirty`` forces it."""
+        """Give a sandbox back: scrubbed, and recycled when clean, fresh and healthy; otherwise replaced (``dirty``
+        forces that)."""
         self._leased.discard(sandbox)
         if self._closed:
             await sandbox.close()
             return
-        if dirty or not self._fresh(sandbox) or not await sandbox.alive():
+        # Clean is checked, not assumed: a sandbox whose scrub leaves a process or a file is replaced.
+        if dirty or not self._fresh(sandbox) or not await sandbox.alive() or not await sandbox.scrub():
             self._retire(sandbox)
             return
         self._put(sandbox)

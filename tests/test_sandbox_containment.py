@@ -1,9 +1,12 @@
 """Containment on the real engine: each attack runs in a tightly limited container, bounded in time, and must leave
-the host, the attacked sandbox's own server, and a bystander sandbox working."""
+the host, the attacked sandbox's own server, and a bystander sandbox working. Besides resource bombs and escapes,
+what a policy would try for reward or a foothold: processes that outlive their exec, state left for the next
+lease, and submissions that read the grader's hidden tests instead of solving the task."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from pathlib import Path
 
@@ -11,10 +14,47 @@ import pytest
 
 pytest.importorskip("docker", reason="the docker SDK is not installed: pip install 'envkit[docker]'")
 
+import envkit
 from sandboxes.base import SandboxLimits
 from sandboxes.docker import DockerSandbox
+from sandboxes.pool import SandboxPool
 
 TIGHT = SandboxLimits(cpus=0.5, memory_mb=128, pids=48, tmpfs_mb=8)
+
+# Prints [[pid, uid, command], ...] of every live process but init, the server (root) and the lister itself.
+OTHERS = """
+import json, os
+found = []
+for pid in filter(str.isdigit, os.listdir('/proc')):
+    try:
+        status = dict(line.split(':', 1) for line in open(f'/proc/{pid}/status'))
+        command = open(f'/proc/{pid}/cmdline', 'rb').read().replace(b'\\0', b' ').decode()
+    except OSError:
+        continue
+    uid = int(status['Uid'].split()[0])
+    if int(pid) not in (1, os.getpid()) and uid != 0 and status['State'].split()[0] not in 'ZX':
+        found.append([int(pid), uid, command])
+print(json.dumps(found))
+"""
+# Forks a daemon in a new session that ignores every catchable signal and spins; the exec itself returns at once.
+ESCAPE = """
+import os, signal
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        while True:
+            pass
+    os._exit(0)
+"""
+
+
+async def leftovers(sandbox: DockerSandbox) -> list[list]:
+    """Processes in the sandbox other than init, the server and the lister."""
+    result = await sandbox.exec(OTHERS, timeout=10)
+    assert result.exit_code == 0, result
+    return json.loads(result.stdout)
 
 
 @pytest.fixture(scope="module")
@@ -140,3 +180,152 @@ for path in ["/etc/{marker}", "/usr/{marker}", "/opt/envkit/{marker}", "/{marker
         assert full.exit_code != 0 and "No space left" in full.stderr  # the tmpfs has a size limit
         await victim.exec(["sh", "-c", "rm -f /work/* /tmp/envkit-containment-*"], timeout=5)
         await _unaffected(victim, bystander)
+
+
+async def test_a_daemon_in_a_new_session_dies_with_its_exec(victim, bystander) -> None:
+    async with asyncio.timeout(30):
+        result = await victim.exec(ESCAPE, timeout=10)
+        assert result.exit_code == 0 and not result.timed_out and result.duration_s < 5, result
+        assert await leftovers(victim) == []
+        await _unaffected(victim, bystander)
+
+
+@pytest.mark.parametrize("command", [
+    ["sh", "-c", "nohup sleep 600 >/dev/null 2>&1 & sleep 600"],  # a sleeper in the background, past the timeout
+    ["sh", "-c", "setsid sh -c 'trap \"\" TERM HUP; while :; do :; done' & wait"],  # setsid(1), traps, then timeout
+    ["python3", "-c", ESCAPE + "\nimport time; time.sleep(600)"],
+])
+async def test_nothing_outlives_a_timed_out_exec(victim, bystander, command: list[str]) -> None:
+    async with asyncio.timeout(30):
+        result = await victim.exec(command, timeout=1.5)
+        assert result.timed_out, result
+        assert await leftovers(victim) == []
+        await _unaffected(victim, bystander)
+
+
+async def test_exec_cannot_read_the_server_its_secrets_or_the_env_packages(victim, bystander) -> None:
+    probe = """
+import glob, json, os
+tried = {}
+server = [p for p in filter(str.isdigit, os.listdir('/proc'))
+          if b'envkit' in open(f'/proc/{p}/cmdline', 'rb').read() and int(p) != os.getpid()][0]
+for path in (f'/proc/{server}/environ', f'/proc/{server}/mem', '/proc/1/environ', f'/proc/{server}/root/etc/hostname',
+             '/opt/envkit/pyvenv.cfg'):
+    try:
+        open(path, 'rb').read(16)
+        tried[path] = 'read'
+    except OSError as e:
+        tried[path] = type(e).__name__
+try:
+    import envkit
+    tried['import envkit'] = 'imported'
+except ImportError as e:
+    tried['import envkit'] = type(e).__name__
+tried['packages'] = glob.glob('/opt/envkit/lib/*/site-packages/*')
+tried['token'] = [k for k in os.environ if k.startswith('ENVKIT')]
+tried['kill server'] = 'sent'
+try:
+    os.kill(int(server), 9)
+except OSError as e:
+    tried['kill server'] = type(e).__name__
+print(json.dumps(tried))
+"""
+    result = await victim.exec(probe, timeout=10)
+    tried = json.loads(result.stdout)
+    assert tried.pop("packages") == [] and tried.pop("token") == [], tried
+    assert "read" not in tried.values() and tried["import envkit"] == "ModuleNotFoundError", tried
+    assert tried["kill server"] == "PermissionError", tried
+    await _unaffected(victim, bystander)
+
+
+async def test_a_recycled_container_is_handed_out_clean(docker_client, arithmetic_image) -> None:
+    """State a lease leaves (files in /work and /tmp, locked directories, running processes) is gone for the next."""
+    plant = ("mkdir -p /work/locked/deep /tmp/mine && touch /work/a /work/.hidden /work/locked/deep/f /tmp/mine/b"
+             " && chmod 000 /work/locked && (setsid sleep 600 &) && echo planted")
+    async with SandboxPool(lambda: DockerSandbox(arithmetic_image, limits=TIGHT), size=1) as pool:
+        first = await pool.acquire()
+        assert (await first.exec(["sh", "-c", plant], timeout=10)).stdout == "planted\n"
+        await pool.release(first)
+        second = await pool.acquire()
+        try:
+            assert second is first  # recycled, not replaced: the scrub is what made it clean
+            listing = await second.exec(["sh", "-c", "ls -A /work /tmp"], timeout=10)
+            assert listing.stdout.split() == ["/tmp:", "/work:"], listing
+            assert await leftovers(second) == []
+        finally:
+            await pool.release(second)
+
+
+GRADER_HACKS = {
+    # the hidden tests through the installed env package
+    "import": """
+def gcd(a, b):
+    from envkit_code.env import _BY_ID
+    return dict(_BY_ID["gcd"].tests)[(a, b)]
+""",
+    # the package's source on disk, parsed
+    "read": """
+import ast, glob
+def gcd(a, b):
+    for path in glob.glob("/opt/envkit/lib/python3*/site-packages/envkit_code/env.py"):
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "Problem" and node.args[0].value == "gcd":
+                return dict(ast.literal_eval(node.args[3]))[(a, b)]
+    return -1
+""",
+    # the grader's memory, through /proc of the parent process
+    "proc": """
+import os, re
+def gcd(a, b):
+    with open(f"/proc/{os.getppid()}/maps") as maps, open(f"/proc/{os.getppid()}/mem", "rb") as mem:
+        for line in maps:
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            mem.seek(start)
+            if re.search(rb"gcd", mem.read(end - start)):
+                return {(12, 18): 6, (7, 13): 1, (0, 9): 9, (100, 75): 25}[(a, b)]
+    return -1
+""",
+}
+
+
+@pytest.mark.parametrize("hack", sorted(GRADER_HACKS))
+async def test_a_submission_cannot_read_the_hidden_tests(code_image, hack: str) -> None:
+    """Each hack returns the expected values only if it reached the grader's data (reward 1.0); isolated, it
+    fails (reward 0); the control below shows the import hack wins where the grader is not isolated."""
+    env = envkit.make("code", sandbox="docker")
+    try:
+        await env.reset(task={"id": "gcd"})
+        result = await env.step(envkit.assistant(f"```python\n{GRADER_HACKS[hack]}```"))
+        assert result.reward == 0.0, (hack, result.info)
+        await env.reset(task={"id": "gcd"})  # the env still grades honest work
+        honest = "```python\nimport math\ndef gcd(a, b):\n    return math.gcd(a, b)\n```"
+        assert (await env.step(envkit.assistant(honest))).reward == 1.0
+    finally:
+        await env.close()
+
+
+async def test_a_submission_leaves_no_process_behind(code_image) -> None:
+    env = envkit.make("code", sandbox="docker")
+    try:
+        await env.reset(task={"id": "gcd"})
+        result = await env.step(envkit.assistant(f"```python\n{ESCAPE}\ndef gcd(a, b):\n    return -1\n```"))
+        assert result.reward == 0.0 and "error" not in result.info, result.info
+        sandbox = env.env.sandbox  # ContractChecker -> SandboxedEnv
+        assert await leftovers(sandbox) == []
+    finally:
+        await env.close()
+
+
+def test_the_import_hack_wins_against_an_unisolated_grader(monkeypatch) -> None:
+    """The control for the grader tests: run in-process as this user, the import hack does reach the hidden tests
+    (so reward 0 in the container comes from the isolation, not from a broken hack)."""
+    monkeypatch.setenv("ENVKIT_CODE_UNSAFE", "1")
+    monkeypatch.setattr("envkit.untrusted.python", lambda: __import__("sys").executable)
+    monkeypatch.setattr("envkit.untrusted.can_switch_user", lambda: False)
+
+    async def play() -> float:
+        async with envkit.make("code") as env:
+            await env.reset(task={"id": "gcd"})
+            return (await env.step(envkit.assistant(f"```python\n{GRADER_HACKS['import']}```"))).reward
+
+    assert asyncio.run(play()) == 1.0

@@ -15,7 +15,7 @@ from envkit.errors import EnvLoadError
 
 pytest.importorskip("docker", reason="the docker SDK is not installed: pip install 'envkit[docker]'")
 
-from sandboxes.base import SandboxStartError, SandboxStateError
+from sandboxes.base import EXEC_UID, SandboxStartError, SandboxStateError
 from sandboxes.docker import DockerSandbox, reap_orphans
 from sandboxes.pool import SandboxPool
 
@@ -36,7 +36,11 @@ async def test_env_runs_in_its_own_container(docker_client, arithmetic_image) ->
         container = docker_client.containers.get(sandbox.name)
         host = container.attrs["HostConfig"]
         assert host["ReadonlyRootfs"] and host["CapDrop"] == ["ALL"] and host["PidsLimit"] == 128
-        assert container.attrs["Config"]["User"] == "65534:65534"
+        # root for the server, but only the capabilities it needs to run exec'd code as another uid and kill it
+        assert sorted(host["CapAdd"]) == ["CAP_KILL", "CAP_SETGID", "CAP_SETUID"] or sorted(host["CapAdd"]) == [
+            "KILL", "SETGID", "SETUID"]
+        assert container.attrs["Config"]["User"] == "0:0"
+        assert "no-new-privileges" in host["SecurityOpt"]
         assert container.image.labels["org.envkit.env"] == "arithmetic"
     finally:
         await env.close()
@@ -166,7 +170,7 @@ async def test_exec_python_and_argv(sandbox) -> None:
     result = await sandbox.exec("import sys; print(sys.stdin.read().upper()); sys.exit(3)", stdin="hi")
     assert (result.stdout, result.exit_code, result.timed_out) == ("HI\n", 3, False)
     result = await sandbox.exec(["sh", "-c", "echo out; echo err >&2; pwd; id -u"], timeout=5)
-    assert result.stdout.split() == ["out", "/work", "65534"] and result.stderr == "err\n"
+    assert result.stdout.split() == ["out", "/work", str(EXEC_UID)] and result.stderr == "err\n"
     started = time.monotonic()
     result = await sandbox.exec("import time\nwhile True: time.sleep(0.01)", timeout=1)
     assert result.timed_out and result.exit_code == -1

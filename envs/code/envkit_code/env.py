@@ -4,24 +4,23 @@ Model-written code is untrusted, so this env runs it only inside a sandbox: it i
 ``envkit serve code`` in a container (``envkit.make("code", sandbox="docker")``), where ``ENVKIT_SANDBOX=docker``
 is set. Anywhere else constructing it raises, unless ``ENVKIT_CODE_UNSAFE=1`` says the caller accepts the risk.
 
-The submission runs in a child process (isolated mode, its own process group, a timeout) that only returns the
-function's outputs; the expected values stay in this process, so printing a fake verdict earns nothing.
+The submission runs through :mod:`envkit.untrusted` in a child process that only returns the function's outputs;
+the expected values stay in this process, so printing a fake verdict earns nothing. In the env image the child
+runs as a uid of its own: it cannot read this package (the image keeps it readable by root only), and every
+process it starts is killed when the run ends.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import os
 import re
-import signal
-import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import envkit
+from envkit import untrusted
 from envkit.tasks import check_task
 
 UNSAFE_ENV = "ENVKIT_CODE_UNSAFE"
@@ -146,26 +145,18 @@ class CodeEnv(envkit.Env):
 
     async def _run(self, code: str, problem: Problem) -> dict[str, Any]:
         job = json.dumps({"code": code, "function": problem.function, "inputs": [list(a) for a, _ in problem.tests]})
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-I", "-c", _RUNNER, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.DEVNULL, start_new_session=True)
-        try:
-            assert proc.stdin is not None and proc.stdout is not None
-            proc.stdin.write(job.encode())
-            proc.stdin.close()
-            async with asyncio.timeout(self.timeout_s):
-                out = await proc.stdout.read(self.max_output_bytes)
-                await proc.wait()
-        except TimeoutError:
+        # A uid of its own where the server may switch users (in its image): the submission cannot read this
+        # package (the hidden tests), nor outlive the run by starting a new session.
+        async with untrusted.users.lease() as uid:
+            result = await untrusted.run([untrusted.python(), "-I", "-c", _RUNNER], stdin=job.encode(), user=uid,
+                                         timeout_s=self.timeout_s, output_limit=self.max_output_bytes, cwd="/tmp")
+            if uid is not None:
+                await untrusted.remove_files(uid, "/tmp")
+        if result.timed_out:
             return {"error": f"timed out after {self.timeout_s:g} s"}
-        finally:
-            # The whole group: whatever the submission forked dies with it.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
-        _, marker, last = out.decode(errors="replace").rpartition("\x00")
+        _, marker, last = result.stdout.decode(errors="replace").rpartition("\x00")
         if not marker:
-            return {"error": f"the submission exited with status {proc.returncode} without results"}
+            return {"error": f"the submission exited with status {result.exit_code} without results"}
         try:
             return json.loads(last.strip().splitlines()[0])
         except (json.JSONDecodeError, IndexError):

@@ -1,0 +1,275 @@
+"""Run untrusted code (model-written programs, graded submissions) so that nothing it starts outlives the run.
+
+:func:`run` starts a command in a session of its own, with a deadline and capped output. Where this process may
+switch users (root holding CAP_SETUID, CAP_SETGID and CAP_KILL, as the server in an env image from ``envkit build``
+does), pass ``user=``: the command runs as that uid, and when it ends or times out every process of that uid is
+stopped and killed, whatever sessions, process groups or daemons it made. Running as another uid, it also cannot
+read files only its caller may read (an env image keeps the env packages, hidden tests included, readable by root
+only), nor signal, trace or read ``/proc/PID/environ`` / ``mem`` of its caller.
+
+Without that privilege (a plain user on a laptop) ``user`` must be None, and only the command's process group is
+killed: a process that calls ``setsid()`` escapes it. That is why envs that grade code run only in containers.
+
+Env authors grading untrusted code do::
+
+    async with untrusted.users.lease() as uid:  # None where users cannot be switched
+        result = await untrusted.run([untrusted.python(), "-I", "-c", RUNNER], stdin=job, user=uid, timeout_s=5)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import sys
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+EXEC_USER_ENV = "ENVKIT_EXEC_USER"
+"""Where ``envkit serve`` reads its default ``--exec-user`` (sandbox containers set it)."""
+SAFE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp"}
+"""The environment untrusted commands get unless the caller passes one: nothing of the caller's (no tokens)."""
+_CAP_KILL, _CAP_SETGID, _CAP_SETUID = 5, 6, 7
+_KILL_DEADLINE_S = 5.0
+_READ_AFTER_KILL_S = 1.0
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What one untrusted command produced."""
+
+    stdout: bytes
+    stderr: bytes
+    exit_code: int
+    """The command's exit status; -1 when it was killed at its deadline."""
+    timed_out: bool
+    truncated: bool
+    """True when stdout or stderr went past ``output_limit`` and was cut."""
+    duration_s: float
+
+
+def can_switch_user() -> bool:
+    """True when this process may run commands as other uids and kill them (root with SETUID, SETGID, KILL)."""
+    if os.geteuid() != 0:
+        return False
+    try:
+        with open("/proc/self/status") as f:
+            effective = next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
+    except (OSError, StopIteration, ValueError):
+        return False
+    return all(effective >> bit & 1 for bit in (_CAP_KILL, _CAP_SETGID, _CAP_SETUID))
+
+
+def python() -> str:
+    """The interpreter for untrusted Python: the system's ``python3`` (on :data:`SAFE_ENV`'s PATH), which has none
+    of this venv's packages and which other uids may run; this venv's base interpreter where there is none."""
+    return shutil.which("python3", path=SAFE_ENV["PATH"]) or os.path.realpath(sys.executable)
+
+
+class UserPool:
+    """Uids handed out one lease at a time, so no two concurrent runs share one (and kill each other)."""
+
+    def __init__(self, first: int = 20000, count: int = 1000) -> None:
+        self._free = deque(range(first, first + count))
+
+    @asynccontextmanager
+    async def lease(self) -> AsyncIterator[int | None]:
+        """A uid of its own for the block (None where users cannot be switched); its processes die at the end."""
+        if not can_switch_user():
+            yield None
+            return
+        if not self._free:
+            raise RuntimeError("every uid of the pool is leased; too many untrusted runs at once")
+        uid = self._free.popleft()
+        try:
+            yield uid
+        finally:
+            kill_user(uid)  # inline for the reason given in _kill_all
+            self._free.append(uid)
+
+
+users = UserPool()
+"""The process's pool of uids for untrusted runs."""
+
+
+async def run(argv: Sequence[str], *, stdin: bytes = b"", timeout_s: float = 10.0, output_limit: int = 64 * 1024,
+              user: int | None = None, cwd: str | None = None, env: Mapping[str, str] | None = None) -> RunResult:
+    """Run ``argv`` with ``stdin``; killed at ``timeout_s`` along with everything it started (see the module doc)."""
+    if not argv or not all(isinstance(a, str) for a in argv):
+        raise ValueError(f"run needs a non-empty argv of str, got {argv!r}")
+    started = time.monotonic()
+    proc = await asyncio.create_subprocess_exec(
+        *_as_user(user, argv, cwd), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, cwd=cwd if user is None else None, env=dict(SAFE_ENV if env is None else env),
+        start_new_session=True)
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+    readers = [asyncio.ensure_future(_read_capped(s, output_limit)) for s in (proc.stdout, proc.stderr)]
+    writer = asyncio.ensure_future(_feed(proc.stdin, stdin))
+    timed_out = False
+    try:
+        async with asyncio.timeout(timeout_s):
+            await _exited(proc.pid)
+    except TimeoutError:
+        timed_out = True
+    finally:
+        await asyncio.shield(_kill_all(proc, user))
+        writer.cancel()
+    # With every process of the uid gone the pipes are closed; without a uid, a process that left the group may
+    # still hold them, so the reads get a moment, then what came is what there is.
+    done, pending = await asyncio.wait(readers, timeout=_READ_AFTER_KILL_S)
+    for task in pending:
+        task.cancel()
+    (out, cut_out), (err, cut_err) = (t.result() if t in done else (b"", False) for t in readers)
+    code = -1 if timed_out or proc.returncode is None else proc.returncode
+    return RunResult(out, err, code, timed_out, cut_out or cut_err, time.monotonic() - started)
+
+
+def _as_user(uid: int | None, argv: Sequence[str], cwd: str | None = None) -> list[str]:
+    """``argv`` run as ``uid`` with no groups and no way to gain privileges, in ``cwd`` (entered as ``uid``: the
+    caller may have no access to it). util-linux ``setpriv``, not ``Popen(user=)``, which uvloop does not take."""
+    if uid is None:
+        return list(argv)
+    setpriv = shutil.which("setpriv", path=SAFE_ENV["PATH"])
+    if setpriv is None:
+        raise FileNotFoundError("running code as another user needs setpriv (util-linux)")
+    chdir = ["env", "-C", cwd, "--"] if cwd is not None else []
+    return [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs", "--", *chdir, *argv]
+
+
+async def _exited(pid: int) -> None:
+    """Until process ``pid`` exits. Not ``Process.wait()``: that also waits for its pipes, which a child it left
+    behind may hold open."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return  # already reaped
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    loop.add_reader(pidfd, lambda: done.done() or done.set_result(None))
+    try:
+        await done
+    finally:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+
+
+async def _feed(pipe: asyncio.StreamWriter, data: bytes) -> None:
+    with contextlib.suppress(ConnectionError):
+        if data:
+            pipe.write(data)
+            await pipe.drain()
+        pipe.close()
+
+
+async def _read_capped(stream: asyncio.StreamReader, limit: int) -> tuple[bytes, bool]:
+    """Up to ``limit`` bytes; the rest is read and dropped so the writer never blocks on a full pipe."""
+    kept = bytearray()
+    cut = False
+    while chunk := await stream.read(1 << 16):
+        room = limit - len(kept)
+        kept += chunk[:max(room, 0)]
+        cut = cut or len(chunk) > room
+    return bytes(kept), cut
+
+
+async def _kill_all(proc: asyncio.subprocess.Process, user: int | None) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    if user is not None:
+        # Inline, not in a worker thread: a fork bomb may have taken every pid, so no thread could start. The scan
+        # takes a few milliseconds in a container.
+        kill_user(user)
+    await proc.wait()
+
+
+def kill_user(uid: int) -> int:
+    """SIGKILL every process whose real uid is ``uid``: all are stopped first, so none can fork while they die.
+    Returns how many were killed; raises RuntimeError if some are still alive after a few seconds."""
+    if uid == 0 or uid == os.getuid():
+        raise ValueError(f"refusing to kill every process of uid {uid}: it is this process's own or root's")
+    deadline = time.monotonic() + _KILL_DEADLINE_S
+    killed: set[int] = set()
+    while pids := processes_of(uid):
+        for sig in (signal.SIGSTOP, signal.SIGKILL):
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            if sig is signal.SIGSTOP:  # children forked between the scan and the stop: stop them too
+                while (late := processes_of(uid, running_only=True)) and time.monotonic() < deadline:
+                    for pid in late:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGSTOP)
+                    pids = sorted({*pids, *late})
+        killed.update(pids)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"processes of uid {uid} survived SIGKILL for {_KILL_DEADLINE_S:g} s: {pids}")
+        time.sleep(0.001)  # SIGKILL is delivered asynchronously: let the kernel finish them before the next scan
+    return len(killed)
+
+
+def processes_of(uid: int | None, *, running_only: bool = False) -> list[int]:
+    """Live (not zombie) processes whose real uid is ``uid`` (None: any); with ``running_only``, those not stopped."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/status") as f:
+                status = dict(line.split(":", 1) for line in f if ":" in line)
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+        state = status.get("State", "").split()
+        if not state or state[0] in ("Z", "X") or (uid is not None and int(status["Uid"].split()[0]) != uid):
+            continue
+        if running_only and state[0] in ("T", "t"):
+            continue
+        found.append(int(entry.name))
+    return found
+
+
+async def remove_files(uid: int, *dirs: str) -> None:
+    """Delete what ``uid`` owns under ``dirs`` (its processes must be gone), as ``uid`` itself; directories it
+    locked (``chmod 000``) are opened first."""
+    script = ('find "$@" -mindepth 1 -user "$0" -type d -exec chmod u+rwx {} \\; ;'
+              ' find "$@" -mindepth 1 -user "$0" -delete')
+    proc = await asyncio.create_subprocess_exec(
+        *_as_user(uid, ["sh", "-c", script, str(uid), *dirs]),
+        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+        env=SAFE_ENV)
+    await proc.wait()
+
+
+class Workspace:
+    """A uid and a directory for untrusted commands run one at a time (what ``envkit serve --exec-user`` serves):
+    files persist between commands, processes never do; :meth:`scrub` empties it for the next user."""
+
+    def __init__(self, user: int, workdir: str) -> None:
+        if not can_switch_user():
+            raise PermissionError("running commands as another user needs root with CAP_SETUID, CAP_SETGID and "
+                                  "CAP_KILL (a DockerSandbox's container has them)")
+        if user == 0:
+            raise ValueError("the exec user must not be root")
+        self.user, self.workdir = user, workdir
+        self._lock = asyncio.Lock()
+
+    async def run(self, argv: Sequence[str], *, stdin: bytes = b"", timeout_s: float = 10.0,
+                  output_limit: int = 64 * 1024) -> RunResult:
+        """Run ``argv`` in the workspace; everything it started is dead when this returns."""
+        async with self._lock:
+            return await run(argv, stdin=stdin, timeout_s=timeout_s, output_limit=output_limit, user=self.user,
+                             cwd=self.workdir, env={**SAFE_ENV, "HOME": self.workdir})
+
+    async def scrub(self) -> tuple[list[int], list[str]]:
+        """Kill the user's processes, delete its files in the workspace and /tmp; returns what is left: processes
+        other than this one and init, and up to 20 paths."""
+        async with self._lock:
+            kill_user(self.user)  # inline for the reason given in _kill_all
+            await remove_files(self.user, self.workdir, "/tmp")
+            listing = await run(["find", self.workdir, "/tmp", "-mindepth", "1"], user=self.user, timeout_s=5)
+        others = [pid for pid in processes_of(None) if pid not in (1, os.getpid())]
+        return others, listing.stdout.decode(errors="replace").splitlines()[:20]
