@@ -109,10 +109,15 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
     except ValueError as e:
         console.print(f"[red]error:[/red] {e}", highlight=False)
         return 2
+    exec_user = args.exec_user if args.exec_user is not None else os.environ.get(EXEC_USER_ENV) or None
+    if exec_user is not None and not str(exec_user).isdigit():
+        console.print(f"[red]error:[/red] ${EXEC_USER_ENV} must be a uid (a number), got {exec_user!r}",
+                      highlight=False)
+        return 2
     config = ServeConfig(env=args.name, env_kwargs=env_kwargs, host=args.host, port=args.port,
                          token=args.token or os.environ.get(TOKEN_ENV) or None, limits=limits,
-                         workers=args.workers, log_level=args.log_level, exec_user=args.exec_user,
-                         exec_dir=args.exec_dir)
+                         workers=args.workers, log_level=args.log_level,
+                         exec_user=int(exec_user) if exec_user is not None else None, exec_dir=args.exec_dir)
     auth = "bearer token" if config.token else "no auth"
     Console(stderr=True).print(f"envkit serve {args.name} on http://{args.host}:{args.port} ({auth}, "
                                f"{args.workers} worker(s)); Ctrl-C to stop", highlight=False, soft_wrap=True)
@@ -156,8 +161,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "only WebSocket sessions are served (default 1)")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
                    help="server log level (default warning; env crashes are logged as errors)")
-    exec_user = os.environ.get(EXEC_USER_ENV)
-    p.add_argument("--exec-user", type=int, default=int(exec_user) if exec_user else None, metavar="UID",
+    p.add_argument("--exec-user", type=int, default=None, metavar="UID",
                    help="also serve /exec and /exec/scrub, running commands as this uid in --exec-dir (what sandbox "
                         f"containers do; needs root with CAP_SETUID/SETGID/KILL; default: ${EXEC_USER_ENV})")
     p.add_argument("--exec-dir", default="/work", help="where /exec commands run (default /work)")

@@ -193,7 +193,7 @@ class ScrubResult(_Body):
     processes: list[int]
     """Processes other than the server and the container's init."""
     files: list[str]
-    """Paths still under the exec dir or /tmp (at most 20)."""
+    """Paths the exec user still owns under the exec dir or /tmp (at most 20)."""
 
 
 class Health(_Body):

@@ -733,15 +733,10 @@ def create_app(env: str, *, env_kwargs: dict[str, Any] | None = None, token: str
                 stdin = base64.b64decode(body.stdin_b64, validate=True)
             except ValueError:
                 return error(ApiError("validation_error", "stdin_b64 is not base64"))
-            try:
-                result = await workspace.run(body.argv, stdin=stdin, timeout_s=body.timeout_s,
-                                             output_limit=body.output_limit)
-            except OSError as e:  # no such program, not executable
-                return error(ApiError("validation_error", f"cannot run {body.argv[0]!r}: {e.strerror}"))
-            return answer({"stdout": result.stdout.decode(errors="replace"),
-                           "stderr": result.stderr.decode(errors="replace"), "exit_code": result.exit_code,
-                           "timed_out": result.timed_out, "truncated": result.truncated,
-                           "duration_s": result.duration_s})
+            # A missing program is the command's own failure (exit 127 from env), as in a shell.
+            result = await workspace.run(body.argv, stdin=stdin, timeout_s=body.timeout_s,
+                                         output_limit=body.output_limit)
+            return answer(result.decoded())
 
         @app.post("/exec/scrub", response_model=ScrubResult, responses=_responses(), tags=["sandbox"])
         async def exec_scrub() -> Response:
@@ -873,6 +868,8 @@ def serve(config: ServeConfig) -> None:
         "host": config.host, "port": config.port, "log_level": config.log_level, "access_log": False,
         "ws_max_size": config.limits.max_request_bytes, "timeout_keep_alive": 75, "lifespan": "on",
     }
+    if config.exec_user is not None and not config.token:
+        raise ValueError("--exec-user serves /exec, which runs any command: it needs a token ($ENVKIT_TOKEN)")
     if config.workers == 1:
         workspace = untrusted.Workspace(config.exec_user, config.exec_dir) if config.exec_user is not None else None
         app = create_app(config.env, env_kwargs=config.env_kwargs, token=config.token, limits=config.limits,

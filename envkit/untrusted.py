@@ -28,7 +28,8 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 EXEC_USER_ENV = "ENVKIT_EXEC_USER"
 """Where ``envkit serve`` reads its default ``--exec-user`` (sandbox containers set it)."""
@@ -51,6 +52,11 @@ class RunResult:
     truncated: bool
     """True when stdout or stderr went past ``output_limit`` and was cut."""
     duration_s: float
+
+    def decoded(self) -> dict[str, Any]:
+        """These fields with stdout and stderr as text (UTF-8, undecodable bytes replaced): ``/exec``'s answer."""
+        return {**asdict(self), "stdout": self.stdout.decode(errors="replace"),
+                "stderr": self.stderr.decode(errors="replace")}
 
 
 def can_switch_user() -> bool:
@@ -266,10 +272,12 @@ class Workspace:
 
     async def scrub(self) -> tuple[list[int], list[str]]:
         """Kill the user's processes, delete its files in the workspace and /tmp; returns what is left: processes
-        other than this one and init, and up to 20 paths."""
+        other than this one and init, and up to 20 paths the user still owns."""
         async with self._lock:
             kill_user(self.user)  # inline for the reason given in _kill_all
             await remove_files(self.user, self.workdir, "/tmp")
-            listing = await run(["find", self.workdir, "/tmp", "-mindepth", "1"], user=self.user, timeout_s=5)
+            # What a lease can leave is what its uid owns: /tmp may hold other users' files (on a host, plenty).
+            listing = await run(["find", self.workdir, "/tmp", "-mindepth", "1", "-user", str(self.user)],
+                                user=self.user, timeout_s=5)
         others = [pid for pid in processes_of(None) if pid not in (1, os.getpid())]
         return others, listing.stdout.decode(errors="replace").splitlines()[:20]

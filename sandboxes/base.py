@@ -208,8 +208,3 @@ async def wait_healthy(url: str, *, deadline: float, failed: Any = None, poll_s:
             if now >= deadline:
                 raise SandboxStartError(f"{url}/health did not answer before the start deadline")
             await asyncio.sleep(poll_s)
-
-
-def cap(data: bytes, limit: int) -> tuple[str, bool]:
-    """Decode at most ``limit`` bytes; the flag says whether anything was cut."""
-    return data[:limit].decode(errors="replace"), len(data) > limit

@@ -144,8 +144,7 @@ class LocalSandbox(Sandbox):
         env = {**untrusted.SAFE_ENV, "HOME": self._workdir, SANDBOX_ENV: self.kind}
         result = await untrusted.run(argv, stdin=data, timeout_s=timeout, output_limit=self.limits.output_limit_bytes,
                                      user=self._uid, cwd=self._workdir, env=env)
-        return ExecResult(result.stdout.decode(errors="replace"), result.stderr.decode(errors="replace"),
-                          result.exit_code, result.timed_out, result.truncated, result.duration_s)
+        return ExecResult(**result.decoded())
 
     async def scrub(self) -> bool:
         """Kill what ``exec`` left (all of it where users can be switched, else nothing more) and empty its dir."""

@@ -203,7 +203,7 @@ async def test_nothing_outlives_a_timed_out_exec(victim, bystander, command: lis
         await _unaffected(victim, bystander)
 
 
-async def test_exec_cannot_read_the_server_its_secrets_or_the_env_packages(victim, bystander) -> None:
+async def test_exec_cannot_read_the_server_the_env_packages_or_use_its_routes(victim, bystander) -> None:
     probe = """
 import glob, json, os
 tried = {}
@@ -223,6 +223,13 @@ except ImportError as e:
     tried['import envkit'] = type(e).__name__
 tried['packages'] = glob.glob('/opt/envkit/lib/*/site-packages/*')
 tried['token'] = [k for k in os.environ if k.startswith('ENVKIT')]
+import urllib.error, urllib.request
+try:  # the server's own /exec, from inside: the token is the server's secret
+    urllib.request.urlopen(urllib.request.Request('http://127.0.0.1:8000/exec', data=b'{"argv": ["id"]}',
+                                                  headers={'content-type': 'application/json'}), timeout=5)
+    tried['exec route'] = 'ran'
+except urllib.error.HTTPError as e:
+    tried['exec route'] = e.code
 tried['kill server'] = 'sent'
 try:
     os.kill(int(server), 9)
@@ -234,7 +241,7 @@ print(json.dumps(tried))
     tried = json.loads(result.stdout)
     assert tried.pop("packages") == [] and tried.pop("token") == [], tried
     assert "read" not in tried.values() and tried["import envkit"] == "ModuleNotFoundError", tried
-    assert tried["kill server"] == "PermissionError", tried
+    assert tried["kill server"] == "PermissionError" and tried["exec route"] == 401, tried
     await _unaffected(victim, bystander)
 
 

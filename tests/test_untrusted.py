@@ -4,9 +4,17 @@ The container-side attacks (fork bombs, graders) are in test_sandbox_containment
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
+import httpx
 import pytest
+from remote_envs import envkit_serve, free_port
 
 from envkit import untrusted
 
@@ -61,3 +69,36 @@ def test_the_callers_own_processes_are_never_targets() -> None:
         untrusted.kill_user(0)
     with pytest.raises(ValueError, match="non-empty argv"):
         asyncio.run(untrusted.run([]))
+
+
+@needs_root
+def test_exec_routes_of_a_served_env_against_hostile_clients() -> None:
+    """`envkit serve --exec-user` on loopback: no token, a wrong token, malformed bodies and missing programs get a
+    structured 4xx and the server stays up; only the token holder runs anything. Serving it without a token is
+    refused, since /exec runs any command."""
+    refused = subprocess.run([sys.executable, "-m", "envkit.cli", "serve", "arithmetic", "--exec-user", "20999",
+                              "--port", str(free_port())], capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "ENVKIT_TOKEN": ""})
+    assert refused.returncode == 2 and "needs a token" in refused.stdout + refused.stderr
+    workdir = Path(tempfile.mkdtemp(dir="/tmp"))  # pytest's tmp_path is root's alone: uid 20999 could not enter it
+    os.chown(workdir, 20999, 20999)
+    with envkit_serve("arithmetic", "--exec-user", "20999", "--exec-dir", str(workdir),
+                      env={"ENVKIT_TOKEN": "exec-token"}) as server:
+        run = {"argv": ["sh", "-c", "id -u; pwd; touch made"]}
+        for headers in ({}, {"authorization": "Bearer wrong"}):
+            answer = httpx.post(f"{server.url}/exec", json=run, headers=headers, timeout=10)
+            assert answer.status_code == 401 and answer.json()["error"]["code"] == "unauthorized"
+        assert not (workdir / "made").exists()
+        auth = {"authorization": "Bearer exec-token"}
+        for body in ({"argv": []}, {"argv": ["true"], "stdin_b64": "%%"}, {"argv": ["true"], "timeout_s": -1},
+                     {"argv": "true"}, {"argv": ["true"], "output_limit": 1 << 40}):
+            answer = httpx.post(f"{server.url}/exec", json=body, headers=auth, timeout=10)
+            assert answer.status_code == 422 and answer.json()["error"]["code"] == "validation_error", answer.text
+        missing = httpx.post(f"{server.url}/exec", json={"argv": ["no-such-program"]}, headers=auth, timeout=10)
+        assert missing.status_code == 200 and missing.json()["exit_code"] == 127, missing.text
+        answer = httpx.post(f"{server.url}/exec", json=run, headers=auth, timeout=10).json()
+        assert answer["stdout"].split() == ["20999", str(workdir)] and (workdir / "made").exists()
+        assert httpx.post(f"{server.url}/exec/scrub", headers=auth, timeout=10).json()["files"] == []
+        assert not (workdir / "made").exists()
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    shutil.rmtree(workdir, ignore_errors=True)
