@@ -4,11 +4,13 @@
                /health (what `envkit.make(NAME, sandbox="docker")` waits for before the first reset)
   warm acquire SandboxPool.acquire() from a pool of pre-started containers (release recycles, not timed)
   exec         DockerSandbox.exec round trip: `true`, and a Python one-liner (interpreter start included)
+  code tool    one `python` tool call of a CodeTools env (sandboxes.tools) on the sandbox its episode leased: the
+               step a rollout takes when the model runs code, parsing and formatting included
   OpenEnv      openenv-core 0.3.0 LocalDockerProvider.start_container + wait_for_ready on the same image, run from
                .venv-openenv (its provider shells out to the docker CLI and sleeps 1 s after `docker run`)
 
-Targets: cold start p50 <= 1.0 s, warm acquire p50 <= 50 ms. Container starts share 2 cores with the client here:
-read the ratios, not the absolute numbers.
+Targets: cold start p50 <= 300 ms, exec p50 <= 5 ms, warm acquire p50 <= 50 ms. Container starts share 2 cores
+with the client here: read the ratios, not the absolute numbers.
 
     python benchmarks/sandbox_latency.py [--runs 10] [--skip-openenv]
 """
@@ -24,10 +26,12 @@ import subprocess
 import time
 from pathlib import Path
 
+from envkit import assistant
 from sandboxes.docker import DockerSandbox
 from sandboxes.engine import docker_client, up
 from sandboxes.images import build
 from sandboxes.pool import SandboxPool
+from sandboxes.tools import CodeTools, close_code_pools
 
 HERE = Path(__file__).resolve().parent
 OPENENV_PYTHON = HERE.parent / ".venv-openenv" / "bin" / "python"
@@ -89,6 +93,39 @@ async def warm_and_exec(image: str, runs: int) -> dict[str, list[float]]:
     return out
 
 
+class _Timed(CodeTools):
+    """A CodeTools env with nothing to solve: the benchmark only calls its python tool."""
+
+    code_sandbox = "docker"
+    code_pool_size = 1
+    max_turns = 1000  # one episode for every call: the lease stays, as within a real episode
+
+    async def start_episode(self, *, seed, task):
+        return [], {}
+
+    async def grade(self, answer):
+        return 0.0, {}
+
+
+async def code_tool_calls(runs: int) -> list[float]:
+    """Round trips of a `python` tool call on a leased (warm) runner sandbox."""
+    action = assistant('<tool_call>{"name": "python", "arguments": {"code": "print(6 * 7)"}}</tool_call>')
+    env = _Timed()
+    times = []
+    try:
+        await env.reset()
+        await env.step(action)  # leases the sandbox (and builds the runner image the first time)
+        for _ in range(runs * 2):
+            started = time.perf_counter()
+            result = await env.step(action)
+            times.append(time.perf_counter() - started)
+            assert result.observation[0]["content"] == "42", result
+    finally:
+        await env.close()
+        await close_code_pools()
+    return times
+
+
 def openenv_cold_starts(image: str, runs: int) -> list[float]:
     """OpenEnv's LocalDockerProvider on the same image, in its own venv."""
     done = subprocess.run([str(OPENENV_PYTHON), "-c", OPENENV_PEER, image, str(runs)], capture_output=True,
@@ -114,6 +151,7 @@ def main() -> None:
     rows["warm pool acquire"] = warm["acquire"]
     rows["exec `true` round trip"] = warm["exec true"]
     rows["exec python print(1) round trip"] = warm["exec python"]
+    rows["code tool call (python print)"] = asyncio.run(code_tool_calls(args.runs))
     if not args.skip_openenv:
         rows["cold start (OpenEnv LocalDockerProvider)"] = openenv_cold_starts(image, args.runs)
     print(f"\nimage {image}, {args.runs} cold starts per provider\n")
@@ -121,9 +159,12 @@ def main() -> None:
     for name, values in rows.items():
         print(f"{name:<42} {len(values):>4} {statistics.median(values) * 1000:>9.2f} {_pct(values, 0.95) * 1000:>9.2f}")
     cold = statistics.median(rows["cold start (envkit DockerSandbox)"])
-    acquire = statistics.median(rows["warm pool acquire"])
-    print(f"\ncold start p50 {cold:.3f} s ({'meets' if cold <= 1.0 else 'misses'} the <= 1.0 s target); warm acquire "
-          f"p50 {acquire * 1000:.2f} ms ({'meets' if acquire <= 0.05 else 'misses'} the <= 50 ms target)")
+    print()
+    for name, target in (("cold start (envkit DockerSandbox)", 0.3), ("exec `true` round trip", 0.005),
+                         ("warm pool acquire", 0.05)):
+        p50 = statistics.median(rows[name])
+        print(f"{name}: p50 {p50 * 1000:.2f} ms {'meets' if p50 <= target else 'misses'} the <= {target * 1000:g} ms "
+              "target")
     if "cold start (OpenEnv LocalDockerProvider)" in rows:
         peer = statistics.median(rows["cold start (OpenEnv LocalDockerProvider)"])
         print(f"OpenEnv LocalDockerProvider cold start p50 {peer:.3f} s: envkit is {peer / cold:.1f}x faster")

@@ -13,6 +13,7 @@ import json
 from typing import Any, ClassVar
 
 from envkit.core import Env, StepResult, Task
+from envkit.errors import EnvkitError
 from envkit.messages import Message, ToolCall, tool_result, user
 from envkit.tools import Tool, tool_calls_of
 
@@ -70,7 +71,8 @@ class ToolEnv(Env):
         )
 
     async def call_tool(self, call: ToolCall) -> Message:
-        """Run one tool call and return its ``tool`` message; model mistakes become error text, not exceptions."""
+        """Run one tool call and return its ``tool`` message; model mistakes become error text, not exceptions
+        (an :class:`EnvkitError`, a failure of the env's own machinery, propagates and fails the rollout)."""
         name = call["function"]["name"]
         by_name = {t.name: t for t in self.tools}
         if name not in by_name:
@@ -88,6 +90,8 @@ class ToolEnv(Env):
             out = spec.fn(self, **args)
             if inspect.isawaitable(out):
                 out = await out
+        except EnvkitError:  # infrastructure (a sandbox, a server) failed, not the model: the rollout fails
+            raise
         except Exception as e:  # the tool's failure is the model's feedback, not the env's crash
             return tool_result(f"Error: {type(e).__name__}: {e}", call["id"], name)
         return tool_result(out if isinstance(out, str) else json.dumps(out), call["id"], name)

@@ -73,11 +73,14 @@ class SandboxLimits:
     the server. True: the default bridge, the server port published on 127.0.0.1."""
     tmpfs_mb: int = 64
     """Size of the writable ``/work`` and ``/tmp`` (the root filesystem is read-only)."""
+    tmpfs_inodes: int = 16384
+    """Files and directories each of ``/work`` and ``/tmp`` may hold (without a bound, millions of empty files fit)."""
     output_limit_bytes: int = 64 * 1024
     """Largest stdout and stderr kept per ``exec``; the rest is read and dropped."""
 
     def __post_init__(self) -> None:
-        if self.cpus <= 0 or self.memory_mb < 16 or self.pids < 8 or self.tmpfs_mb < 1 or self.output_limit_bytes < 0:
+        if (self.cpus <= 0 or self.memory_mb < 16 or self.pids < 8 or self.tmpfs_mb < 1 or self.tmpfs_inodes < 16
+                or self.output_limit_bytes < 0):
             raise ValueError(f"SandboxLimits out of range: {self}")
 
 

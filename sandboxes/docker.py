@@ -212,7 +212,7 @@ class DockerSandbox(Sandbox):
         else:
             # Names resolve nowhere: without this the engine's DNS forwards queries out, a channel to the world.
             network = {"network": _internal_network(client), "dns": ["127.0.0.1"]}
-        tmpfs = f"rw,nosuid,nodev,size={limits.tmpfs_mb}m"
+        tmpfs = f"rw,nosuid,nodev,size={limits.tmpfs_mb}m,nr_inodes={limits.tmpfs_inodes}"
         self._container = client.containers.create(
             self.image, command=self.command, name=self.name, detach=True,
             labels={SANDBOX_LABEL: "1", OWNER_LABEL: self.owner},

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
-from importlib.metadata import Distribution, PackageNotFoundError, distribution
+from importlib.metadata import Distribution, PackageNotFoundError, distributions, packages_distributions
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -72,6 +72,15 @@ class _Source:
     project_dir: Path | None
 
 
+def _installed(name: str) -> Distribution:
+    """The installed distribution ``name``: the one pip recorded where it came from, over a stray ``*.egg-info``
+    that shadows it only because the current directory is on ``sys.path`` (a build run in a project's root)."""
+    found = list(distributions(name=name))
+    if not found:
+        raise PackageNotFoundError(name)
+    return next((d for d in found if d.read_text("direct_url.json")), found[0])
+
+
 def _local_project(dist: Distribution) -> Path | None:
     """The source directory of a distribution installed from a local path (editable or not), if any."""
     text = dist.read_text("direct_url.json")
@@ -101,7 +110,7 @@ def _closure(roots: list[tuple[str, set[str]]]) -> dict[str, _Source]:
             continue
         seen.add(key)
         try:
-            dist = distribution(name)
+            dist = _installed(name)
         except PackageNotFoundError as e:
             raise RuntimeError(f"{name} is required in the image but not installed here: pip install {name}") from e
         cname = canonicalize_name(dist.metadata["Name"])
@@ -134,13 +143,28 @@ def image_name(env: str) -> str:
     return "envkit-env-" + re.sub(r"[^a-z0-9_.-]+", "-", env.lower())
 
 
-def plan(env: str, base: str = BASE_IMAGE) -> tuple[str, dict[str, _Source], str]:
-    """The tag an up-to-date image of ``env`` has, the distributions it holds, and the requirements it installs."""
+def provider(env: str) -> tuple[str, str]:
+    """The distribution (name, version) that provides ``env``: a registered env's package, or for a
+    ``module:Class`` path the distribution that installed the module."""
+    if ":" in env:
+        top = env.split(":", 1)[0].split(".", 1)[0]
+        names = packages_distributions().get(top)
+        if not names:
+            raise RuntimeError(f"{env}: module {top!r} is not from an installed distribution, so no image can hold "
+                               "it: pip install its project first")
+        dist = _installed(names[0])
+        return dist.metadata["Name"], dist.version
     spec = envkit.spec(env)
-    if spec.package is None:
+    if spec.package is None or spec.version is None:
         raise RuntimeError(f"env {env!r} is registered in code, not by an installed package: an image can only "
                            "hold envs from pip-installable packages")
-    sources = _closure([("envkit", {"server"}), (spec.package, set())])
+    return spec.package, spec.version
+
+
+def plan(env: str, base: str = BASE_IMAGE) -> tuple[str, dict[str, _Source], str]:
+    """The tag an up-to-date image of ``env`` has, the distributions it holds, and the requirements it installs."""
+    package, _ = provider(env)
+    sources = _closure([("envkit", {"server"}), (package, set())])
     digest = hashlib.sha256(f"{RECIPE_VERSION}\n{base}\n{env}\n{DOCKERFILE}".encode())
     requirements = []
     for cname in sorted(sources):
@@ -154,11 +178,11 @@ def plan(env: str, base: str = BASE_IMAGE) -> tuple[str, dict[str, _Source], str
     return f"{image_name(env)}:{digest.hexdigest()[:12]}", sources, "\n".join(requirements) + "\n"
 
 
-def _pip(*argv: str) -> None:
-    """Run pip quietly; its (and setuptools') chatter is shown only when it fails."""
+def _pip(what: str, *argv: str) -> None:
+    """Run pip quietly; its (and setuptools') chatter is shown only when it fails, under ``what`` it was doing."""
     done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv[3:6])} ... failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"{what} failed (pip exit {done.returncode}):\n{done.stderr[-3000:]}")
 
 
 def _build_wheels(sources: dict[str, _Source], wheels: Path, requirements: str) -> None:
@@ -170,7 +194,8 @@ def _build_wheels(sources: dict[str, _Source], wheels: Path, requirements: str) 
     remote = [f"{s.name}=={s.version}" for s in sources.values() if s.project_dir is None]
     if remote:
         # pip copies wheels it finds in the cache and fetches the rest; new ones are kept for the next build.
-        _pip(*pip, "--find-links", str(cache), *remote)
+        _pip(f"fetching {', '.join(remote)} (installed here from a package index: their metadata records no local "
+             f"source) from the wheel cache {cache} or the index", *pip, "--find-links", str(cache), *remote)
         for wheel in wheels.glob("*.whl"):
             if not (cache / wheel.name).exists():
                 shutil.copy2(wheel, cache)
@@ -184,7 +209,8 @@ def _build_wheels(sources: dict[str, _Source], wheels: Path, requirements: str) 
                 target = Path(tmp) / path.relative_to(source.project_dir)
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(path, target)
-            _pip(*pip, "--no-build-isolation", tmp)
+            _pip(f"building {source.name}'s wheel from its project {source.project_dir}", *pip,
+                 "--no-build-isolation", tmp)
     (wheels / "requirements.txt").write_text(requirements)
 
 
@@ -193,9 +219,8 @@ def build(env: str, *, force: bool = False, client: Any = None, quiet: bool = Fa
     client = client or docker_client(timeout_s=600)
     base = BASE_IMAGE if image_exists(client, BASE_IMAGE) else ensure_base_image(client)
     tag, sources, requirements = plan(env, base)
-    spec = envkit.spec(env)
-    assert spec.package is not None and spec.version is not None
-    result = EnvImage(tag, env, spec.package, spec.version, built=False)
+    package, version = provider(env)
+    result = EnvImage(tag, env, package, version, built=False)
     if image_exists(client, tag) and not force:
         return result
 
@@ -203,7 +228,7 @@ def build(env: str, *, force: bool = False, client: Any = None, quiet: bool = Fa
         if not quiet:
             print(f">> {message}", file=sys.stderr, flush=True)
 
-    say(f"building {tag}: envkit serve {env} ({spec.package} {spec.version}, {len(sources)} distributions)")
+    say(f"building {tag}: envkit serve {env} ({package} {version}, {len(sources)} distributions)")
     with tempfile.TemporaryDirectory(prefix="envkit-image-") as ctx:
         wheels = Path(ctx) / "wheels"
         wheels.mkdir()
@@ -211,8 +236,8 @@ def build(env: str, *, force: bool = False, client: Any = None, quiet: bool = Fa
         _build_wheels(sources, wheels, requirements)
         dockerfile = DOCKERFILE.format(base=base, name=env, port=SERVER_PORT, exec_uid=EXEC_UID)
         (Path(ctx) / "Dockerfile").write_text(dockerfile)
-        labels = {"org.envkit.version": envkit.__version__, ENV_LABEL: env, "org.envkit.package": spec.package,
-                  "org.envkit.package-version": spec.version}
+        labels = {"org.envkit.version": envkit.__version__, ENV_LABEL: env, "org.envkit.package": package,
+                  "org.envkit.package-version": version}
         say("docker build")
         for chunk in client.api.build(path=ctx, tag=tag, labels=labels, rm=True, forcerm=True, decode=True):
             if "error" in chunk:
@@ -223,7 +248,7 @@ def build(env: str, *, force: bool = False, client: Any = None, quiet: bool = Fa
     client.images.get(tag).tag(image_name(env), "latest")
     _remove_superseded(client, env, tag)
     say(f"built {tag}")
-    return EnvImage(tag, env, spec.package, spec.version, built=True)
+    return EnvImage(tag, env, package, version, built=True)
 
 
 def _remove_superseded(client: Any, env: str, keep: str) -> None:

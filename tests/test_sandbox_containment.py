@@ -182,6 +182,57 @@ for path in ["/etc/{marker}", "/usr/{marker}", "/opt/envkit/{marker}", "/{marker
         await _unaffected(victim, bystander)
 
 
+async def test_a_50_mb_output_flood_is_capped(victim, bystander) -> None:
+    flood = "import os\nchunk = b'x' * (1 << 20)\nfor _ in range(50):\n    os.write(1, chunk)\n    os.write(2, chunk)"
+    async with asyncio.timeout(60):
+        result = await victim.exec(flood, timeout=30)
+        assert result.exit_code == 0 and result.truncated and not result.timed_out, result.exit_code
+        cap = TIGHT.output_limit_bytes
+        assert len(result.stdout) == cap and len(result.stderr) == cap  # 100 MB written, 2 x 64 KiB kept
+        await _unaffected(victim, bystander)
+
+
+async def test_disk_and_inode_exhaustion_are_contained_and_gone_for_the_next_lease(docker_client,
+                                                                                  arithmetic_image) -> None:
+    fill = """
+import os
+for top in ("/work", "/tmp"):
+    try:
+        with open(f"{top}/fill", "wb") as f:
+            while True:
+                f.write(b"x" * (1 << 20))
+    except OSError as e:
+        print(top, "bytes", e.strerror)
+    os.unlink(f"{top}/fill")
+    os.mkdir(f"{top}/many")
+    try:
+        for i in range(10**6):
+            open(f"{top}/many/{i}", "w").close()
+    except OSError as e:
+        print(top, "files", i, e.strerror)
+"""
+    limits = SandboxLimits(cpus=0.5, memory_mb=128, pids=48, tmpfs_mb=8, tmpfs_inodes=2048)
+    async with (DockerSandbox(arithmetic_image, limits=TIGHT) as bystander,
+                SandboxPool(lambda: DockerSandbox(arithmetic_image, limits=limits), size=1) as pool):
+        victim = await pool.acquire()
+        async with asyncio.timeout(90):
+            result = await victim.exec(fill, timeout=60)
+            lines = result.stdout.splitlines()
+            assert [line.split()[:2] for line in lines] == [["/work", "bytes"], ["/work", "files"],
+                                                            ["/tmp", "bytes"], ["/tmp", "files"]], result
+            assert all(line.endswith("No space left on device") for line in lines), lines
+            assert all(int(line.split()[2]) < 2048 for line in lines if line.split()[1] == "files"), lines
+            # Full disks refuse the attacker's writes, not the server's work: exec and the env still run.
+            assert (await victim.exec("print(1)", timeout=10)).stdout == "1\n"
+            await _unaffected(victim, bystander)
+            await pool.release(victim)
+            again = await pool.acquire()
+            assert again is victim  # the scrub emptied it, so the pool recycled it
+            listing = await again.exec(["sh", "-c", "ls -A /work /tmp; echo > /work/ok && echo writable"], timeout=10)
+            assert listing.stdout.split() == ["/tmp:", "/work:", "writable"], listing
+            await pool.release(again)
+
+
 async def test_a_daemon_in_a_new_session_dies_with_its_exec(victim, bystander) -> None:
     async with asyncio.timeout(30):
         result = await victim.exec(ESCAPE, timeout=10)

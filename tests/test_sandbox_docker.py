@@ -4,9 +4,12 @@ warm pool, exec, and the code env whose submissions run only in containers."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +21,8 @@ pytest.importorskip("docker", reason="the docker SDK is not installed: pip insta
 from sandboxes.base import EXEC_UID, SandboxStartError, SandboxStateError
 from sandboxes.docker import DockerSandbox, reap_orphans
 from sandboxes.pool import SandboxPool
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _exists(client, name: str) -> bool:
@@ -54,6 +59,31 @@ async def test_unchanged_env_is_not_rebuilt(docker_client, arithmetic_image) -> 
     again = build("arithmetic", client=docker_client)
     assert (again.tag, again.built) == (arithmetic_image, False)
     assert time.monotonic() - started < 10
+
+
+def test_a_stale_egg_info_in_the_working_directory_does_not_shadow_the_project(tmp_path, arithmetic_image) -> None:
+    """`pip install -e .` and wheel builds leave `envkit.egg-info` in the project root; a build run from there sees
+    it first on sys.path. It must still find envkit as the local project and never ask an index for it."""
+    stale = tmp_path / "envkit.egg-info"
+    stale.mkdir()
+    (stale / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: envkit\nVersion: 0.0.1\n")
+    probe = ("import json; from sandboxes.images import plan; tag, sources, _ = plan('arithmetic'); "
+             "print(json.dumps([tag, sources['envkit'].version, str(sources['envkit'].project_dir)]))")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    tag, version, project = json.loads(done.stdout)
+    assert (version, project) == (envkit.__version__, str(REPO))
+    assert tag == arithmetic_image  # the same inputs as a build from anywhere else
+
+
+def test_a_distribution_with_no_local_source_is_named_when_it_cannot_be_fetched(tmp_path, monkeypatch) -> None:
+    from sandboxes.images import _build_wheels, _Source
+
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # this machine has no index to ask: fail at once, not after retries
+    ghost = {"envkit-no-such-dist": _Source("envkit-no-such-dist", "9.9.9", None)}
+    with pytest.raises(RuntimeError, match=r"fetching envkit-no-such-dist==9\.9\.9 \(installed here from a package "
+                                           r"index[\s\S]*pip exit"):
+        _build_wheels(ghost, tmp_path, "")
 
 
 async def test_health_timeout_leaves_no_container(docker_client, arithmetic_image) -> None:

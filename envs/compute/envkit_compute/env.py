@@ -1,0 +1,146 @@
+"""ComputeEnv: number questions that a short program answers, solved by running Python or bash in a sandbox."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from envkit import Message, Task, system, user
+from envkit.errors import ResetNeededError
+from envkit.parsing import grade_number
+from envkit.tasks import TaskList, check_split, check_task, pick_task, stable_split
+from sandboxes.tools import CodeTools
+
+DEFAULT_SYSTEM_PROMPT = """\
+You can run code. To run Python, write exactly:
+<tool_call>{"name": "python", "arguments": {"code": "print(sum(range(10)))"}}</tool_call>
+To run a shell command, call "bash" with {"command": "..."}. What the code prints comes back in the next message.
+When you are done, end your reply with "The answer is N." where N is the final number."""
+
+_TEST_SHARE = 0.2
+_MAX_SPLIT_SIZE = 100_000
+
+
+def _primes_below(n: int) -> list[int]:
+    sieve = bytearray([1]) * n
+    sieve[0] = sieve[1] = 0
+    for p in range(2, int(n**0.5) + 1):
+        if sieve[p]:
+            sieve[p * p::p] = bytes(len(range(p * p, n, p)))
+    return [i for i in range(n) if sieve[i]]
+
+
+def _fibonacci_mod(n: int, m: int) -> int:
+    a, b = 0, 1
+    for _ in range(n):
+        a, b = b, (a + b) % m
+    return a
+
+
+def _divisor_count(n: int) -> int:
+    return sum(1 if d * d == n else 2 for d in range(1, int(n**0.5) + 1) if n % d == 0)
+
+
+def _collatz_steps(n: int) -> int:
+    steps = 0
+    while n != 1:
+        n = n // 2 if n % 2 == 0 else 3 * n + 1
+        steps += 1
+    return steps
+
+
+@dataclass(frozen=True, slots=True)
+class _Kind:
+    text: str
+    ranges: tuple[tuple[int, int], ...]
+    answer: Callable[..., int]
+
+
+_KINDS: dict[str, _Kind] = {
+    "prime_sum": _Kind("What is the sum of all prime numbers below {}?", ((100, 20_000),),
+                       lambda n: sum(_primes_below(n))),
+    "prime_count": _Kind("How many prime numbers are there below {}?", ((100, 50_000),),
+                         lambda n: len(_primes_below(n))),
+    "divisors": _Kind("How many positive divisors does {} have?", ((1_000, 999_999),),
+                      _divisor_count),
+    "fibonacci": _Kind("What is the {}th Fibonacci number modulo {}? (F(0) = 0, F(1) = 1)", ((50, 5_000), (97, 9_973)),
+                       _fibonacci_mod),
+    "digit_sum": _Kind("What is the sum of the decimal digits of 2 to the power {}?", ((50, 2_000),),
+                       lambda k: sum(map(int, str(2**k)))),
+    "collatz": _Kind("Starting from {}, how many steps of the Collatz map (n/2 if n is even, else 3n+1) reach 1?",
+                     ((10, 100_000),), _collatz_steps),
+    "multiples": _Kind("How many integers from 1 to {} are divisible by {} or by {}?",
+                       ((1_000, 1_000_000), (3, 30), (31, 97)), lambda n, a, b: n // a + n // b - n // math.lcm(a, b)),
+}
+
+
+def _problems(split: str) -> Iterator[Task]:
+    """Seeded, repeat-free problems owned by ``split``; the i-th depends only on the split."""
+    rng = random.Random(f"compute:{split}")
+    seen: set[str] = set()
+    while True:
+        name = rng.choice(list(_KINDS))
+        kind = _KINDS[name]
+        numbers = [rng.randint(lo, hi) for lo, hi in kind.ranges]
+        key = f"{name}:{','.join(map(str, numbers))}"
+        if key not in seen and stable_split(key, _TEST_SHARE) == split:
+            seen.add(key)
+            yield {"question": kind.text.format(*numbers), "answer": kind.answer(*numbers), "kind": name}
+
+
+class ComputeEnv(CodeTools):
+    """Number questions a short program answers (sums of primes, divisor counts, Fibonacci residues, ...);
+    reward 1.0 for the right final number.
+
+    Each turn the model either runs code with the ``python`` or ``bash`` tool, in a sandbox leased for the episode
+    (files persist between calls; see :mod:`sandboxes.tools`), or answers, which ends the episode. Running out of
+    ``max_turns`` (default 6) truncates with reward 0. Train and test never share a problem.
+    """
+
+    max_turns = 6
+    code_pool_size: ClassVar[int] = 4
+
+    def __init__(self, *, max_turns: int | None = None, system_prompt: str | None = None, num_train: int = 10_000,
+                 num_test: int = 500) -> None:
+        super().__init__(max_turns=max_turns)
+        for name, size, low in (("num_train", num_train, 1), ("num_test", num_test, 0)):
+            if not low <= size <= _MAX_SPLIT_SIZE:
+                raise ValueError(f"{name} must be between {low} and {_MAX_SPLIT_SIZE}, got {size!r}")
+        self.system_prompt = DEFAULT_SYSTEM_PROMPT if system_prompt is None else system_prompt
+        self._sizes = {"train": num_train, "test": num_test}
+        self._splits: dict[str, TaskList] = {}
+        self._rng = random.Random()
+        self._task: Task | None = None
+
+    def tasks(self, split: str = "train") -> Sequence[Task]:
+        """The tasks of ``split`` ("train" or "test") as a lazily generated sequence of task dicts."""
+        if check_split(split) not in self._splits:
+            self._splits[split] = TaskList(_problems(split), self._sizes[split], prefix=split)
+        return self._splits[split]
+
+    async def start_episode(self, *, seed: int | None, task: Task | None) -> tuple[list[Message], dict]:
+        if task is not None:
+            check_task(task, question=str, answer=int)
+        else:
+            task = pick_task(self.tasks("train"), seed, self._rng)
+        self._task = task
+        return [system(self.system_prompt), user(task["question"])], {"task": task}
+
+    async def grade(self, answer: str) -> tuple[float, dict[str, Any]]:
+        if self._task is None:
+            raise ResetNeededError("step() needs an active episode; call reset() first.")
+        info = grade_number(answer, self._task["answer"])
+        info.pop("explicit")
+        return float(info["correct"]), info
+
+    def spaces(self) -> dict[str, Any]:
+        return {
+            "observation": "system prompt and a number question; then tool output after each call",
+            "action": "assistant message: python/bash tool calls, or a final answer ending 'The answer is N.'",
+            "reward": "1.0 if the final answer is correct else 0.0; 0.0 when max_turns runs out",
+            "max_turns": self.max_turns,
+            "tools": [t.to_openai() for t in self.tools],
+        }
