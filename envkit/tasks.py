@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, overload
 
 from envkit.core import Env, Task
@@ -71,6 +71,26 @@ class TaskList(LazyTasks):
         while len(self._tasks) <= i:
             self._tasks.append(next(self._source))
         return {"id": f"{self._prefix}-{i}", **self._tasks[i]}
+
+
+class Splits:
+    """The train and test task lists of an env whose problems are generated: ``generate(split)`` yields the
+    split's problems, and each list is made on first use, ``num_train``/``num_test`` long (checked here)."""
+
+    def __init__(self, generate: Callable[[str], Iterator[Task]], *, num_train: int, num_test: int,
+                 max_size: int = 100_000) -> None:
+        for name, size, low in (("num_train", num_train, 1), ("num_test", num_test, 0)):
+            if not low <= size <= max_size:
+                raise ValueError(f"{name} must be between {low} and {max_size}, got {size!r}")
+        self._generate = generate
+        self._sizes = {"train": num_train, "test": num_test}
+        self._lists: dict[str, TaskList] = {}
+
+    def __call__(self, split: str) -> TaskList:
+        """The tasks of ``split`` ("train" or "test"), generated lazily and cached."""
+        if check_split(split) not in self._lists:
+            self._lists[split] = TaskList(self._generate(split), self._sizes[split], prefix=split)
+        return self._lists[split]
 
 
 def pick_task(tasks: Sequence[Task], seed: int | None, rng: random.Random) -> Task:

@@ -165,17 +165,19 @@ def auto(name: str, **kwargs: Any) -> Env:
     return docker(name, **kwargs) if _auto_kind(name) == "docker" else local(name, **kwargs)
 
 
-async def open_pool(name: str, kind: str, *, size: int, limits: SandboxLimits | None = None) -> SandboxPool:
+async def open_pool(name: str, kind: str, *, size: int, limits: SandboxLimits | None = None,
+                    wait: bool = True) -> SandboxPool:
     """A started warm pool of ``size`` sandboxes serving env ``name``, for ``sandbox_options={"pool": pool}``:
     containers of its image (``docker``, building the image if needed), ``envkit serve`` child processes
-    (``local``), or either as ``sandbox="auto"`` picks. The caller closes it."""
+    (``local``), or either as ``sandbox="auto"`` picks; ``wait=False`` returns while they start (``acquire`` waits
+    for the first). The caller closes it."""
     if kind == "auto":
         kind = _auto_kind(name)
     if kind not in ("docker", "local"):
         raise ValueError(f"unknown sandbox kind {kind!r}; known: docker, local, auto")
     pool = SandboxPool(await _factory(name, kind, limits, START_TIMEOUT_S), size=size)
     try:
-        await pool.start()
+        await pool.start(wait=wait)
     except BaseException:
         await pool.close()
         raise

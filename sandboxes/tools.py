@@ -32,6 +32,7 @@ from envkit.messages import Message, system
 from envkit.tool_env import ToolEnv
 from envkit.tools import tool
 from sandboxes.base import ExecResult, Sandbox, SandboxLimits
+from sandboxes.env import _auto_kind, open_pool
 from sandboxes.pool import SandboxPool
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ RUNNER = "sandboxes.tools:Runner"
 TOOL_LIMITS = SandboxLimits(output_limit_bytes=16 * 1024)
 
 _PoolKey = tuple[asyncio.AbstractEventLoop, str, SandboxLimits, int]
-_pools: dict[_PoolKey, SandboxPool] = {}
+_pools: dict[_PoolKey, asyncio.Future[SandboxPool]] = {}
 _keepers: set[asyncio.Task[None]] = set()
 
 
@@ -55,37 +56,30 @@ class Runner(ToolEnv):
         return 0.0, {}
 
 
-async def _factory(kind: str, limits: SandboxLimits) -> Any:
-    """How to make one (not yet started) runner sandbox of ``kind``."""
-    if kind == "docker":
-        from sandboxes.docker import DockerSandbox
-        from sandboxes.images import build
-
-        image = (await asyncio.to_thread(build, RUNNER)).tag
-        return lambda: DockerSandbox(image, limits=limits)
-    from sandboxes.local import LocalSandbox
-
-    log.warning("code tools run in local process sandboxes: model-written code runs on this host, unisolated")
-    return lambda: LocalSandbox(RUNNER, limits=limits)
-
-
 async def code_pool(kind: str = "auto", *, limits: SandboxLimits = TOOL_LIMITS, size: int = 4) -> SandboxPool:
     """The started pool of runner sandboxes this event loop shares for ``kind`` (docker, local or auto), ``limits``
     and ``size``; made on first use and closed when the loop shuts down."""
     if kind == "auto":
-        from sandboxes.env import _auto_kind
-
-        kind = _auto_kind("code tools")
-    if kind not in ("docker", "local"):
-        raise ValueError(f"unknown code sandbox {kind!r}; known: docker, local, auto")
+        kind = _auto_kind(RUNNER)
+    if kind == "local":
+        log.warning("code tools run in local process sandboxes: model-written code runs on this host, unisolated")
     key = (asyncio.get_running_loop(), kind, limits, size)
-    if key not in _pools:
-        pool = _pools[key] = SandboxPool(await _factory(kind, limits), size=size)
-        keeper = asyncio.ensure_future(_keep(key, pool))
-        _keepers.add(keeper)
-        keeper.add_done_callback(_keepers.discard)
-        await pool.start(wait=False)
-    return _pools[key]
+    if key not in _pools:  # concurrent first calls share one opening
+        _pools[key] = asyncio.ensure_future(_open(key, kind, limits, size))
+    return await asyncio.shield(_pools[key])
+
+
+async def _open(key: _PoolKey, kind: str, limits: SandboxLimits, size: int) -> SandboxPool:
+    """Open the pool ``key`` names and hand it to a keeper; a failed opening is forgotten, so the next call retries."""
+    try:
+        pool = await open_pool(RUNNER, kind, size=size, limits=limits, wait=False)
+    except BaseException:
+        _pools.pop(key, None)
+        raise
+    keeper = asyncio.ensure_future(_keep(key, pool))
+    _keepers.add(keeper)
+    keeper.add_done_callback(_keepers.discard)
+    return pool
 
 
 async def _keep(key: _PoolKey, pool: SandboxPool) -> None:

@@ -18,7 +18,7 @@ from envkit_compute import ComputeEnv
 
 from sandboxes.base import SandboxError, owner_id
 from sandboxes.docker import OWNER_LABEL
-from sandboxes.tools import CodeTools, PythonTool, close_code_pools
+from sandboxes.tools import CodeTools, PythonTool, close_code_pools, code_pool
 
 
 def call(name: str, **arguments: str) -> envkit.Message:
@@ -139,6 +139,15 @@ async def test_a_dead_sandbox_fails_the_rollout_instead_of_talking_to_the_model(
         await env.close()
         await close_code_pools()
     assert not _ours(docker_client)  # the dead container was retired, not recycled
+
+
+async def test_concurrent_first_calls_share_one_pool(docker_client) -> None:
+    try:
+        first, second = await asyncio.gather(*(code_pool("docker", size=1) for _ in range(2)))
+        assert first is second
+    finally:
+        await close_code_pools()
+    assert not _ours(docker_client)
 
 
 def test_the_pool_is_drained_when_the_event_loop_shuts_down(docker_client) -> None:

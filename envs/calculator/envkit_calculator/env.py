@@ -13,7 +13,7 @@ from typing import Any
 from envkit import Message, Task, ToolEnv, system, tool, user
 from envkit.errors import ResetNeededError
 from envkit.parsing import grade_number
-from envkit.tasks import TaskList, check_split, check_task, pick_task, stable_split
+from envkit.tasks import Splits, check_task, pick_task, stable_split
 
 DEFAULT_SYSTEM_PROMPT = """\
 You can use a calculator. To call it, write exactly:
@@ -167,12 +167,8 @@ class CalculatorEnv(ToolEnv):
         num_test: int = 500,
     ) -> None:
         super().__init__(max_turns=max_turns)
-        for name, size, low in (("num_train", num_train, 1), ("num_test", num_test, 0)):
-            if not low <= size <= _MAX_SPLIT_SIZE:
-                raise ValueError(f"{name} must be between {low} and {_MAX_SPLIT_SIZE}, got {size!r}")
+        self._splits = Splits(_problems, num_train=num_train, num_test=num_test, max_size=_MAX_SPLIT_SIZE)
         self.system_prompt = DEFAULT_SYSTEM_PROMPT if system_prompt is None else system_prompt
-        self._sizes = {"train": num_train, "test": num_test}
-        self._splits: dict[str, TaskList] = {}
         self._rng = random.Random()
         self._task: Task | None = None
 
@@ -190,9 +186,7 @@ class CalculatorEnv(ToolEnv):
 
     def tasks(self, split: str = "train") -> Sequence[Task]:
         """The tasks of ``split`` ("train" or "test") as a lazily generated sequence of task dicts."""
-        if check_split(split) not in self._splits:
-            self._splits[split] = TaskList(_problems(split), self._sizes[split], prefix=split)
-        return self._splits[split]
+        return self._splits(split)
 
     async def start_episode(self, *, seed: int | None, task: Task | None) -> tuple[list[Message], dict]:
         if task is not None:

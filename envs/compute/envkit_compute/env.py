@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 from envkit import Message, Task, system, user
 from envkit.errors import ResetNeededError
 from envkit.parsing import grade_number
-from envkit.tasks import TaskList, check_split, check_task, pick_task, stable_split
+from envkit.tasks import Splits, check_task, pick_task, stable_split
 from sandboxes.tools import CodeTools
 
 DEFAULT_SYSTEM_PROMPT = """\
@@ -21,7 +21,6 @@ To run a shell command, call "bash" with {"command": "..."}. What the code print
 When you are done, end your reply with "The answer is N." where N is the final number."""
 
 _TEST_SHARE = 0.2
-_MAX_SPLIT_SIZE = 100_000
 
 
 def _primes_below(n: int) -> list[int]:
@@ -106,20 +105,14 @@ class ComputeEnv(CodeTools):
     def __init__(self, *, max_turns: int | None = None, system_prompt: str | None = None, num_train: int = 10_000,
                  num_test: int = 500) -> None:
         super().__init__(max_turns=max_turns)
-        for name, size, low in (("num_train", num_train, 1), ("num_test", num_test, 0)):
-            if not low <= size <= _MAX_SPLIT_SIZE:
-                raise ValueError(f"{name} must be between {low} and {_MAX_SPLIT_SIZE}, got {size!r}")
+        self._splits = Splits(_problems, num_train=num_train, num_test=num_test)
         self.system_prompt = DEFAULT_SYSTEM_PROMPT if system_prompt is None else system_prompt
-        self._sizes = {"train": num_train, "test": num_test}
-        self._splits: dict[str, TaskList] = {}
         self._rng = random.Random()
         self._task: Task | None = None
 
     def tasks(self, split: str = "train") -> Sequence[Task]:
         """The tasks of ``split`` ("train" or "test") as a lazily generated sequence of task dicts."""
-        if check_split(split) not in self._splits:
-            self._splits[split] = TaskList(_problems(split), self._sizes[split], prefix=split)
-        return self._splits[split]
+        return self._splits(split)
 
     async def start_episode(self, *, seed: int | None, task: Task | None) -> tuple[list[Message], dict]:
         if task is not None:
