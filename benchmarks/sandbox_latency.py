@@ -2,6 +2,8 @@
 
   cold start   DockerSandbox.start(): create + start a locked-down container, then its `envkit serve` answers
                /health (what `envkit.make(NAME, sandbox="docker")` waits for before the first reset)
+  engine floor what the engine alone takes to create and start a container that runs `true` on the same image,
+               read-only, capabilities dropped, on the sandbox network: no server, so no sandbox starts faster
   warm acquire SandboxPool.acquire() from a pool of pre-started containers (release recycles, not timed)
   exec         DockerSandbox.exec round trip: `true`, and a Python one-liner (interpreter start included)
   code tool    one `python` tool call of a CodeTools env (sandboxes.tools) on the sandbox its episode leased: the
@@ -25,9 +27,10 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 from envkit import assistant
-from sandboxes.docker import DockerSandbox
+from sandboxes.docker import INTERNAL_NETWORK, DockerSandbox
 from sandboxes.engine import docker_client, up
 from sandboxes.images import build
 from sandboxes.pool import SandboxPool
@@ -70,6 +73,19 @@ async def cold_starts(image: str, runs: int) -> list[float]:
         await sandbox.start()
         times.append(time.perf_counter() - started)
         await sandbox.close()
+    return times
+
+
+def engine_floor(client: Any, image: str, runs: int) -> list[float]:
+    """Seconds to create and start a container that runs `true` (no server) with the sandbox's isolation options."""
+    times = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        container = client.containers.create(image, command=["true"], read_only=True, init=True, cap_drop=["ALL"],
+                                             security_opt=["no-new-privileges"], network=INTERNAL_NETWORK)
+        container.start()
+        times.append(time.perf_counter() - started)
+        container.remove(force=True)
     return times
 
 
@@ -146,7 +162,8 @@ def main() -> None:
     image = build("arithmetic", client=client).tag
     # One start first: the engine and page cache warm up on the image either way, for both providers.
     asyncio.run(cold_starts(image, 1))
-    rows: dict[str, list[float]] = {"cold start (envkit DockerSandbox)": asyncio.run(cold_starts(image, args.runs))}
+    rows: dict[str, list[float]] = {"cold start (envkit DockerSandbox)": asyncio.run(cold_starts(image, args.runs)),
+                                    "engine floor (create + start, no server)": engine_floor(client, image, args.runs)}
     warm = asyncio.run(warm_and_exec(image, args.runs))
     rows["warm pool acquire"] = warm["acquire"]
     rows["exec `true` round trip"] = warm["exec true"]
@@ -159,7 +176,8 @@ def main() -> None:
     for name, values in rows.items():
         print(f"{name:<42} {len(values):>4} {statistics.median(values) * 1000:>9.2f} {_pct(values, 0.95) * 1000:>9.2f}")
     cold = statistics.median(rows["cold start (envkit DockerSandbox)"])
-    print()
+    floor = statistics.median(rows["engine floor (create + start, no server)"])
+    print(f"\ncold start = engine floor {floor * 1000:.0f} ms + server start {(cold - floor) * 1000:.0f} ms")
     for name, target in (("cold start (envkit DockerSandbox)", 0.3), ("exec `true` round trip", 0.005),
                          ("warm pool acquire", 0.05)):
         p50 = statistics.median(rows[name])

@@ -21,15 +21,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import IO, Any
 
 EXEC_USER_ENV = "ENVKIT_EXEC_USER"
 """Where ``envkit serve`` reads its default ``--exec-user`` (sandbox containers set it)."""
@@ -38,6 +40,7 @@ SAFE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "
 _CAP_KILL, _CAP_SETGID, _CAP_SETUID = 5, 6, 7
 _KILL_DEADLINE_S = 5.0
 _READ_AFTER_KILL_S = 1.0
+_STATUS_FIELDS = re.compile(rb"\nState:\s+(\S).*?\nUid:\s+(\d+)", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -105,17 +108,19 @@ users = UserPool()
 
 async def run(argv: Sequence[str], *, stdin: bytes = b"", timeout_s: float = 10.0, output_limit: int = 64 * 1024,
               user: int | None = None, cwd: str | None = None, env: Mapping[str, str] | None = None) -> RunResult:
-    """Run ``argv`` with ``stdin``; killed at ``timeout_s`` along with everything it started (see the module doc)."""
+    """Run ``argv`` with ``stdin``; killed at ``timeout_s`` along with everything it started (see the module doc).
+    ``cwd`` is entered before the switch to ``user``, so this process must be able to enter it."""
     if not argv or not all(isinstance(a, str) for a in argv):
         raise ValueError(f"run needs a non-empty argv of str, got {argv!r}")
     started = time.monotonic()
-    proc = await asyncio.create_subprocess_exec(
-        *_as_user(user, argv, cwd), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE, cwd=cwd if user is None else None, env=dict(SAFE_ENV if env is None else env),
-        start_new_session=True)
-    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
-    readers = [asyncio.ensure_future(_read_capped(s, output_limit)) for s in (proc.stdout, proc.stderr)]
-    writer = asyncio.ensure_future(_feed(proc.stdin, stdin))
+    # subprocess.Popen, not the loop's subprocess API: CPython spawns with vfork, uvloop (the server's loop) with
+    # fork, which costs milliseconds in a large process. Both pipes and the exit are then awaited on the loop.
+    proc = subprocess.Popen(  # noqa: ASYNC220 (vfork and exec: well under a millisecond)
+        _as_user(user, argv), stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, cwd=cwd, env=dict(SAFE_ENV if env is None else env), start_new_session=True)
+    assert proc.stdout is not None and proc.stderr is not None
+    readers = [asyncio.ensure_future(_read_capped(p, output_limit)) for p in (proc.stdout, proc.stderr)]
+    writer = asyncio.ensure_future(_feed(proc.stdin, stdin)) if proc.stdin is not None else None
     timed_out = False
     try:
         async with asyncio.timeout(timeout_s):
@@ -124,7 +129,8 @@ async def run(argv: Sequence[str], *, stdin: bytes = b"", timeout_s: float = 10.
         timed_out = True
     finally:
         await asyncio.shield(_kill_all(proc, user))
-        writer.cancel()
+        if writer is not None:
+            writer.cancel()
     # With every process of the uid gone the pipes are closed; without a uid, a process that left the group may
     # still hold them, so the reads get a moment, then what came is what there is.
     done, pending = await asyncio.wait(readers, timeout=_READ_AFTER_KILL_S)
@@ -135,16 +141,15 @@ async def run(argv: Sequence[str], *, stdin: bytes = b"", timeout_s: float = 10.
     return RunResult(out, err, code, timed_out, cut_out or cut_err, time.monotonic() - started)
 
 
-def _as_user(uid: int | None, argv: Sequence[str], cwd: str | None = None) -> list[str]:
-    """``argv`` run as ``uid`` with no groups and no way to gain privileges, in ``cwd`` (entered as ``uid``: the
-    caller may have no access to it). util-linux ``setpriv``, not ``Popen(user=)``, which uvloop does not take."""
+def _as_user(uid: int | None, argv: Sequence[str]) -> list[str]:
+    """``argv`` run as ``uid`` with no groups and no way to gain privileges. util-linux ``setpriv``, not
+    ``Popen(user=)``, with which CPython forks instead of using vfork."""
     if uid is None:
         return list(argv)
     setpriv = shutil.which("setpriv", path=SAFE_ENV["PATH"])
     if setpriv is None:
         raise FileNotFoundError("running code as another user needs setpriv (util-linux)")
-    chdir = ["env", "-C", cwd, "--"] if cwd is not None else []
-    return [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs", "--", *chdir, *argv]
+    return [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs", "--", *argv]
 
 
 async def _exited(pid: int) -> None:
@@ -164,33 +169,45 @@ async def _exited(pid: int) -> None:
         os.close(pidfd)
 
 
-async def _feed(pipe: asyncio.StreamWriter, data: bytes) -> None:
-    with contextlib.suppress(ConnectionError):
-        if data:
-            pipe.write(data)
-            await pipe.drain()
-        pipe.close()
+async def _feed(pipe: IO[bytes], data: bytes) -> None:
+    """Write ``data`` to the child's stdin without blocking the loop, then close it."""
+    transport, protocol = await asyncio.get_running_loop().connect_write_pipe(
+        lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader()), pipe)
+    writer = asyncio.StreamWriter(transport, protocol, None, asyncio.get_running_loop())
+    try:
+        with contextlib.suppress(ConnectionError):
+            writer.write(data)
+            await writer.drain()
+    finally:
+        transport.close()
 
 
-async def _read_capped(stream: asyncio.StreamReader, limit: int) -> tuple[bytes, bool]:
+async def _read_capped(pipe: IO[bytes], limit: int) -> tuple[bytes, bool]:
     """Up to ``limit`` bytes; the rest is read and dropped so the writer never blocks on a full pipe."""
+    stream = asyncio.StreamReader()
+    transport, _ = await asyncio.get_running_loop().connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(stream), pipe)
     kept = bytearray()
     cut = False
-    while chunk := await stream.read(1 << 16):
-        room = limit - len(kept)
-        kept += chunk[:max(room, 0)]
-        cut = cut or len(chunk) > room
+    try:
+        while chunk := await stream.read(1 << 16):
+            room = limit - len(kept)
+            kept += chunk[:max(room, 0)]
+            cut = cut or len(chunk) > room
+    finally:
+        transport.close()
     return bytes(kept), cut
 
 
-async def _kill_all(proc: asyncio.subprocess.Process, user: int | None) -> None:
+async def _kill_all(proc: subprocess.Popen[bytes], user: int | None) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
     if user is not None:
         # Inline, not in a worker thread: a fork bomb may have taken every pid, so no thread could start. The scan
         # takes a few milliseconds in a container.
         kill_user(user)
-    await proc.wait()
+    await _exited(proc.pid)
+    proc.wait()  # it has exited: this only reaps it
 
 
 def kill_user(uid: int) -> int:
@@ -225,14 +242,14 @@ def processes_of(uid: int | None, *, running_only: bool = False) -> list[int]:
         if not entry.name.isdigit():
             continue
         try:
-            with open(f"/proc/{entry.name}/status") as f:
-                status = dict(line.split(":", 1) for line in f if ":" in line)
-        except (OSError, ValueError):
+            with open(f"/proc/{entry.name}/status", "rb") as f:
+                fields = _STATUS_FIELDS.search(f.read(1024))  # State and Uid are in the first 10 lines
+        except OSError:
             continue  # gone meanwhile
-        state = status.get("State", "").split()
-        if not state or state[0] in ("Z", "X") or (uid is not None and int(status["Uid"].split()[0]) != uid):
+        if fields is None:
             continue
-        if running_only and state[0] in ("T", "t"):
+        state, real_uid = fields[1], int(fields[2])
+        if state in b"ZX" or (uid is not None and real_uid != uid) or (running_only and state in b"Tt"):
             continue
         found.append(int(entry.name))
     return found
@@ -243,16 +260,15 @@ async def remove_files(uid: int, *dirs: str) -> None:
     locked (``chmod 000``) are opened first."""
     script = ('find "$@" -mindepth 1 -user "$0" -type d -exec chmod u+rwx {} \\; ;'
               ' find "$@" -mindepth 1 -user "$0" -delete')
-    proc = await asyncio.create_subprocess_exec(
-        *_as_user(uid, ["sh", "-c", script, str(uid), *dirs]),
-        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-        env=SAFE_ENV)
-    await proc.wait()
+    await run(["sh", "-c", script, str(uid), *dirs], user=uid, timeout_s=30)
 
 
 class Workspace:
     """A uid and a directory for untrusted commands run one at a time (what ``envkit serve --exec-user`` serves):
-    files persist between commands, processes never do; :meth:`scrub` empties it for the next user."""
+    files persist between commands, processes never do; :meth:`scrub` empties it for the next user.
+
+    This process enters the directory before switching users, so it must be able to: env images make it root's,
+    group ``user``, mode 0770, which also keeps the user from locking it (``chmod 000``) for the next lease."""
 
     def __init__(self, user: int, workdir: str) -> None:
         if not can_switch_user():

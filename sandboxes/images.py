@@ -42,7 +42,7 @@ RUN python3 -m venv /opt/envkit \\
     --find-links /tmp/wheels -r /tmp/wheels/requirements.txt \\
  && rm -rf /tmp/wheels \\
  && chmod -R go-rwx /opt/envkit \\
- && install -d -o {exec_uid} -g {exec_uid} -m 0700 /work
+ && install -d -o 0 -g {exec_uid} -m 0770 /work
 ENV PATH=/opt/envkit/bin:/usr/local/bin:/usr/bin:/bin PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 EXPOSE {port}
 HEALTHCHECK --interval=10s --timeout=2s --start-period=5s --retries=3 \\

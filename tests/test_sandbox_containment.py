@@ -297,8 +297,10 @@ print(json.dumps(tried))
 
 
 async def test_a_recycled_container_is_handed_out_clean(docker_client, arithmetic_image) -> None:
-    """State a lease leaves (files in /work and /tmp, locked directories, running processes) is gone for the next."""
-    plant = ("mkdir -p /work/locked/deep /tmp/mine && touch /work/a /work/.hidden /work/locked/deep/f /tmp/mine/b"
+    """State a lease leaves (files in /work and /tmp, locked directories, running processes) is gone for the next,
+    and the workdir itself cannot be locked."""
+    plant = ("! chmod 000 /work 2>/dev/null"
+             " && mkdir -p /work/locked/deep /tmp/mine && touch /work/a /work/.hidden /work/locked/deep/f /tmp/mine/b"
              " && chmod 000 /work/locked && (setsid sleep 600 &) && echo planted")
     async with SandboxPool(lambda: DockerSandbox(arithmetic_image, limits=TIGHT), size=1) as pool:
         first = await pool.acquire()
