@@ -108,12 +108,13 @@ class _Rest:
         self.base, self.config = base, config
         self.client = config.http_client or httpx.AsyncClient(
             timeout=httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s))
-        self.headers = headers
+        self.headers = {**headers, "content-type": "application/json"}
         self.session_url = ""
 
     async def _request(self, method: str, url: str, body: Any = None) -> Any:
         async def send() -> httpx.Response:
-            return await self.client.request(method, url, json=body, headers=self.headers)
+            return await self.client.request(method, url, content=None if body is None else wire.dumps(body),
+                                             headers=self.headers)
 
         try:
             response = await retry_connect(send, self.config, self.base)
@@ -125,8 +126,8 @@ class _Rest:
         if response.status_code == 204:
             return None
         try:
-            payload = response.json()
-        except json.JSONDecodeError:
+            payload = wire.loads(response.content)
+        except ValueError:
             payload = response.text
         if response.status_code >= 400:
             raise error_from_body(payload, response.status_code)

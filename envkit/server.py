@@ -225,15 +225,10 @@ class _Metrics:
         return "\n".join(lines) + "\n"
 
 
-def _jsonable(value: Any) -> Any:
-    # Env info dicts may hold values JSON lacks (tuples pass, sets and numpy scalars don't): send their text.
-    return str(value)
-
-
 def _encode(body: Any) -> bytes:
     try:
-        return wire.dumps(body, default=_jsonable)
-    except ValueError as e:
+        return wire.dumps(body)
+    except (TypeError, ValueError) as e:
         raise ApiError("env_error", f"the env returned a value JSON cannot carry: {e}") from e
 
 

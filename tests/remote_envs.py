@@ -7,6 +7,8 @@ ScriptedEnv echoes the assistant's text back and does what special actions say:
   "sleep:S"    answers after S seconds
   "bad"        returns a malformed StepResult (the ContractChecker on the server must catch it)
   "odd info"   puts values JSON lacks in info (NaN, an int key, a set, a tuple); "big info" a 71-bit integer
+  "numpy info" puts numpy_info() in info; "opaque info" a value JSON cannot carry at all
+A reset task's "echo" comes back in the reset's info.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import httpx
+import numpy as np
 
 import envkit
 from envkit import Env, Message, StepResult, Task, Tool
@@ -33,6 +36,14 @@ TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 OPENENV_PYTHON = REPO / ".venv-openenv" / "bin" / "python"
 CLOSE_LOG_ENV = "ENVKIT_TEST_CLOSE_LOG"
+
+
+def numpy_info() -> dict[str, Any]:
+    """What gymnasium-style envs put in info: numpy scalars, an int8 action mask, a 10k-element array, a view."""
+    grid = np.arange(24, dtype=np.int32).reshape(4, 6)
+    return {"count": np.int64(3), "ratio": np.float32(0.1), "ok": np.bool_(True), "half": np.float16(1.5),
+            "mask": np.array([1, 0, 1, 0, 0, 0], dtype=np.int8), "values": np.linspace(0.0, 1.0, 10_000),
+            "columns": grid[:, ::2], "flags": np.array([True, False]), "nested": {"ids": [np.uint8(7), np.int16(-2)]}}
 
 
 class ScriptedEnv(Env):
@@ -58,7 +69,10 @@ class ScriptedEnv(Env):
         else:
             self.word = f"w{seed}"
         self.turns = 0
-        return [envkit.user(f"{self.prefix}say {self.word}")], {"seed": seed, "word": self.word}
+        info = {"seed": seed, "word": self.word}
+        if task is not None and "echo" in task:
+            info["echo"] = task["echo"]
+        return [envkit.user(f"{self.prefix}say {self.word}")], info
 
     async def step(self, action: Message) -> StepResult:
         text = action.get("content") or ""
@@ -76,6 +90,10 @@ class ScriptedEnv(Env):
                               info={"loss": math.nan, 3: "int key", "tags": {"a"}, "pair": (1, 2)})
         if text == "big info":
             return StepResult([envkit.user(text)], 0.0, info={"big": 2**70})
+        if text == "numpy info":
+            return StepResult([envkit.user(text)], 0.0, info=numpy_info())
+        if text == "opaque info":
+            return StepResult([envkit.user(text)], 0.0, info={"log": [1, object()]})
         done = text == "bye" or self.word in text
         return StepResult([envkit.user(f"{self.prefix}{text}")], reward=float(self.word in text),
                           terminated=done, truncated=self.turns >= self.max_turns and not done,

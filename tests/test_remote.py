@@ -9,9 +9,10 @@ import threading
 import time
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import uvloop
-from remote_envs import Server, envkit_serve, free_port
+from remote_envs import Server, envkit_serve, free_port, numpy_info
 
 import envkit
 from envkit.errors import (
@@ -67,6 +68,31 @@ async def test_make_with_a_url_gives_a_checked_remote_env(server: Server, scheme
         session_id = env.unwrapped.session_id
     assert env.unwrapped.session_id == session_id
     await env.close()  # idempotent
+
+
+def _as_lists(value: object) -> object:
+    """``value`` with every numpy array and scalar as the Python lists and numbers it holds."""
+    if isinstance(value, dict):
+        return {k: _as_lists(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_as_lists(v) for v in value]
+    return value.tolist() if isinstance(value, np.ndarray | np.generic) else value
+
+
+@pytest.mark.parametrize("scheme", TRANSPORTS)
+async def test_numpy_values_cross_the_wire_as_json_numbers_and_lists_both_ways(server: Server, scheme: str):
+    local = numpy_info()
+    echo = {"n": np.int64(5), "mask": np.array([0, 1], dtype=np.int8), "x": np.float64(0.25), "on": np.bool_(False)}
+    async with envkit.make(url(server, scheme), remote=CONFIG) as env:
+        _, info = await env.reset(task={"word": "w", "echo": echo})
+        assert info["echo"] == {"n": 5, "mask": [0, 1], "x": 0.25, "on": False}  # sent by the client as JSON
+        assert type(info["echo"]["n"]) is int and type(info["echo"]["on"]) is bool
+        remote = (await env.step(say("numpy info"))).info
+    assert len(remote["values"]) == 10_000 and remote["values"] == local["values"].tolist()  # never cut
+    assert remote["mask"] == [1, 0, 1, 0, 0, 0] and remote["columns"] == local["columns"].tolist()
+    assert (type(remote["count"]), type(remote["ok"]), remote["flags"]) == (int, bool, [True, False])
+    assert np.float32(remote.pop("ratio")) == local.pop("ratio")  # float32 travels as its shortest decimal
+    assert remote == _as_lists(local)
 
 
 def test_sync_facade_over_a_remote_env(server: Server):

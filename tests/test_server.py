@@ -283,7 +283,21 @@ def test_info_values_json_lacks_arrive_the_same_way_over_rest_and_websocket(serv
         ws_call(ws, op="create")
         ws_call(ws, op="reset", seed=1)
         ws_answers = [ws_call(ws, op="step", **say(text))["info"] for text in ("odd info", "big info")]
-    assert rest == ws_answers == [{"loss": None, "3": "int key", "tags": "{'a'}", "pair": [1, 2]}, {"big": 2**70}]
+    assert rest == ws_answers == [{"loss": None, "3": "int key", "tags": ["a"], "pair": [1, 2]}, {"big": 2**70}]
+
+
+def test_a_value_json_cannot_carry_is_an_env_error_naming_its_place(server: Server, http: httpx.Client):
+    sid = new_session(http)
+    http.post(f"/sessions/{sid}/reset", json={"seed": 1})
+    answer = http.post(f"/sessions/{sid}/step", json=say("opaque info"))
+    assert answer.status_code == 500 and error_code(answer) == "env_error"
+    assert "['info']['log'][1]: builtins.object is not JSON" in answer.json()["error"]["message"]
+    with ws_open(server) as ws:
+        ws_call(ws, op="create")
+        ws_call(ws, op="reset", seed=1)
+        error = ws_call(ws, op="step", **say("opaque info"))["error"]
+        assert error["code"] == "env_error" and "['info']['log'][1]" in error["message"]
+        assert ws_call(ws, op="reset", seed=2)["info"] == {"seed": 2, "word": "w2"}  # the connection lives on
 
 
 def test_websocket_malformed_frames_get_errors_and_the_connection_lives_on(server: Server):
