@@ -20,12 +20,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import bisect
+import copy
 import hmac
 import ipaddress
 import json
 import logging
 import math
 import os
+import re
 import secrets
 import time
 from collections import Counter
@@ -852,6 +854,47 @@ def _app_from_environ() -> FastAPI:
                       rest_sessions=config.workers == 1)
 
 
+_CREDENTIALS = re.compile(r"(?i)(authorization:?\s*(?:bearer\s+)?|bearer\s+)\S+")
+
+
+class RedactSecrets(logging.Filter):
+    """Blanks bearer credentials (right or wrong) and the given secrets in every record a handler writes:
+    uvicorn logs a WebSocket handshake's headers, ``Authorization`` included, at debug level."""
+
+    def __init__(self, secrets: Sequence[str] = ()) -> None:
+        super().__init__()
+        self.secrets = [s for s in secrets if s]
+
+    def redact(self, text: str) -> str:
+        """``text`` with every credential and secret replaced by ``[redacted]``."""
+        text = _CREDENTIALS.sub(r"\1[redacted]", text)
+        for secret in self.secrets:
+            text = text.replace(secret, "[redacted]")
+        return text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        clean = self.redact(message)
+        if clean != message:
+            record.msg, record.args = clean, ()
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self.redact(logging.Formatter().formatException(record.exc_info))
+        return True
+
+
+def _log_config(level: str, secrets: Sequence[str]) -> dict[str, Any]:
+    """uvicorn's logging setup with every handler behind :class:`RedactSecrets`, and the root logger (envkit, the
+    env, websockets) on the same handler and level."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["filters"] = {"redact": {"()": RedactSecrets, "secrets": list(secrets)}}
+    for handler in config["handlers"].values():
+        handler["filters"] = ["redact"]
+    config["root"] = {"handlers": ["default"], "level": level.upper()}
+    return config
+
+
 def serve(config: ServeConfig) -> None:
     """Serve until SIGINT/SIGTERM, then close every env. Warns when bound beyond loopback without a token."""
     import uvicorn
@@ -862,6 +905,7 @@ def serve(config: ServeConfig) -> None:
     common: dict[str, Any] = {
         "host": config.host, "port": config.port, "log_level": config.log_level, "access_log": False,
         "ws_max_size": config.limits.max_request_bytes, "timeout_keep_alive": 75, "lifespan": "on",
+        "log_config": _log_config(config.log_level, [config.token or ""]),
     }
     if config.exec_user is not None and not config.token:
         raise ValueError("--exec-user serves /exec, which runs any command: it needs a token ($ENVKIT_TOKEN)")

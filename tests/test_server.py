@@ -396,6 +396,25 @@ def test_shutdown_closes_every_env(tmp_path: Path):
 # ---- configuration ---------------------------------------------------------------------------------------------
 
 
+def test_no_credential_reaches_the_log_at_debug_level():
+    """The WebSocket handshake's headers are logged at debug level: the token (and wrong ones) must not be."""
+    wrong = "wrong-guess-7f3a"
+    with envkit_serve(SCRIPTED, "--log-level", "debug", env={"ENVKIT_TOKEN": TOKEN}) as srv:
+        with httpx.Client(base_url=srv.url, headers=AUTH, timeout=10.0) as http:
+            sid = new_session(http)
+            http.post(f"/sessions/{sid}/reset", json={"seed": 1})
+            http.post(f"/sessions/{sid}/step", json=say("crash"))  # an env crash is logged with its traceback
+            assert http.get("/info", headers={"Authorization": f"Bearer {wrong}"}).status_code == 401
+        with ws_open(srv) as ws:
+            ws_call(ws, op="create")
+        with pytest.raises(InvalidStatus):
+            ws_open(srv, {"Authorization": f"Bearer {wrong}"}).close()
+        srv.stop()
+    log = srv.output()
+    assert "authorization: Bearer [redacted]" in log and "deliberate crash" in log  # debug logging did happen
+    assert TOKEN not in log and wrong not in log
+
+
 def test_loopback_detection_decides_the_exposure_warning():
     assert all(map(is_loopback, ["127.0.0.1", "127.0.0.2", "localhost", "::1"]))
     assert not any(map(is_loopback, ["0.0.0.0", "10.1.2.3", "::", "example.com"]))
