@@ -114,10 +114,14 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
         console.print(f"[red]error:[/red] ${EXEC_USER_ENV} must be a uid (a number), got {exec_user!r}",
                       highlight=False)
         return 2
-    config = ServeConfig(env=args.name, env_kwargs=env_kwargs, host=args.host, port=args.port,
-                         token=args.token or os.environ.get(TOKEN_ENV) or None, limits=limits,
-                         workers=args.workers, log_level=args.log_level,
-                         exec_user=int(exec_user) if exec_user is not None else None, exec_dir=args.exec_dir)
+    try:
+        config = ServeConfig(env=args.name, env_kwargs=env_kwargs, host=args.host, port=args.port,
+                             token=args.token or os.environ.get(TOKEN_ENV) or None, limits=limits,
+                             workers=args.workers, log_level=args.log_level,
+                             exec_user=int(exec_user) if exec_user is not None else None, exec_dir=args.exec_dir)
+    except ValueError as e:
+        console.print(f"[red]error:[/red] {e}", highlight=False)
+        return 2
     auth = "bearer token" if config.token else "no auth"
     Console(stderr=True).print(f"envkit serve {args.name} on http://{args.host}:{args.port} ({auth}, "
                                f"{args.workers} worker(s)); Ctrl-C to stop", highlight=False, soft_wrap=True)

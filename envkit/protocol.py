@@ -202,6 +202,16 @@ class Health(_Body):
     status: Literal["ok"] = "ok"
 
 
+class WorkerInfo(_Body):
+    """Which worker process answered a ``GET /info``."""
+
+    pid: int
+    workers: int
+    """Worker processes of this server (``envkit serve --workers N``)."""
+    sessions: int
+    """Sessions open in this worker."""
+
+
 class ServerInfo(_Body):
     """``GET /info``: what this server runs and how full it is."""
 
@@ -214,6 +224,8 @@ class ServerInfo(_Body):
     tasks: dict[str, int | None]
     spaces: dict[str, Any]
     sessions: int
+    """Open sessions of the whole server (all worker processes)."""
+    worker: WorkerInfo
     max_sessions: int
     session_ttl_s: float
     step_timeout_s: float

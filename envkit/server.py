@@ -29,6 +29,7 @@ import math
 import os
 import re
 import secrets
+import tempfile
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
@@ -73,6 +74,7 @@ from envkit.protocol import (
     TaskPage,
     WsRequest,
 )
+from envkit.server_workers import FLUSH_S, RUN_DIR_ENV, LocalSlots, WorkerSlots
 from envkit.tasks import task_counts
 
 MAX_TASK_PAGE = 1024
@@ -86,6 +88,7 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 TOKEN_ENV = "ENVKIT_TOKEN"
+LOG_LEVELS = ("debug", "info", "warning", "error")
 _CONFIG_ENV = "ENVKIT_SERVE_CONFIG"  # hands the config to each worker process when --workers > 1
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -132,6 +135,16 @@ class ServeConfig:
     CAP_SETUID, CAP_SETGID and CAP_KILL). None: no such routes."""
     exec_dir: str = "/work"
     """Where ``/exec`` commands run; their files persist there until ``/exec/scrub``."""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.port, int) and 1 <= self.port <= 65535):
+            raise ValueError(f"the port must be an integer from 1 to 65535, got {self.port!r}")
+        if not (isinstance(self.workers, int) and self.workers >= 1):
+            raise ValueError(f"workers must be an integer of at least 1, got {self.workers!r}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.exec_user is not None and not (isinstance(self.exec_user, int) and self.exec_user > 0):
+            raise ValueError(f"exec_user must be a uid other than root's (a positive integer), got {self.exec_user!r}")
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-serializable dict of this config."""
@@ -196,7 +209,30 @@ class _Metrics:
             hist = self.latency[op, transport] = _Histogram()
         hist.observe(seconds)
 
-    def render(self, sessions: int, max_sessions: int) -> str:
+    def snapshot(self) -> dict[str, Any]:
+        """These numbers as JSON (what a worker publishes for the others to sum)."""
+        return {"sessions_created": self.sessions_created, "sessions_closed": dict(self.sessions_closed),
+                "requests": [[op, t, n] for (op, t), n in self.requests.items()], "errors": dict(self.errors),
+                "latency": [[op, t, h.counts, h.sum] for (op, t), h in self.latency.items()]}
+
+    @classmethod
+    def summed(cls, snapshots: Sequence[dict[str, Any]]) -> _Metrics:
+        """The metrics of several workers added up."""
+        total = cls()
+        for snap in snapshots:
+            total.sessions_created += snap["sessions_created"]
+            total.sessions_closed.update(snap["sessions_closed"])
+            total.errors.update(snap["errors"])
+            for op, t, n in snap["requests"]:
+                total.requests[op, t] += n
+            for op, t, counts, seconds in snap["latency"]:
+                hist = total.latency.setdefault((op, t), _Histogram())
+                hist.counts = [a + b for a, b in zip(hist.counts, counts, strict=True)]
+                hist.sum += seconds
+        return total
+
+    def render(self, sessions: int, max_sessions: int, per_worker: dict[int, int] | None = None) -> str:
+        """The Prometheus text; ``per_worker`` (sessions by worker pid) adds the workers' gauges."""
         lines = [
             "# HELP envkit_sessions Open sessions.", "# TYPE envkit_sessions gauge", f"envkit_sessions {sessions}",
             "# HELP envkit_sessions_max Session capacity.", "# TYPE envkit_sessions_max gauge",
@@ -206,6 +242,12 @@ class _Metrics:
             "# HELP envkit_sessions_closed_total Sessions closed, by reason.",
             "# TYPE envkit_sessions_closed_total counter",
         ]
+        if per_worker is not None:
+            lines += ["# HELP envkit_workers Worker processes serving.", "# TYPE envkit_workers gauge",
+                      f"envkit_workers {len(per_worker)}",
+                      "# HELP envkit_worker_sessions Open sessions per worker process.",
+                      "# TYPE envkit_worker_sessions gauge"]
+            lines += [f'envkit_worker_sessions{{worker="{pid}"}} {n}' for pid, n in sorted(per_worker.items())]
         lines += [f'envkit_sessions_closed_total{{reason="{r}"}} {n}' for r, n in sorted(self.sessions_closed.items())]
         lines += ["# HELP envkit_requests_total Session operations served, by op and transport.",
                   "# TYPE envkit_requests_total counter"]
@@ -256,14 +298,15 @@ class EnvServer:
     """The sessions of one served env and the operations on them; REST and WebSocket handlers both call these."""
 
     def __init__(self, env: str, *, env_kwargs: dict[str, Any] | None = None, limits: ServerLimits | None = None,
-                 rest_sessions: bool = True) -> None:
+                 slots: LocalSlots | None = None) -> None:
         self.env_name = env
         self.env_kwargs = dict(env_kwargs or {})
         self.limits = limits or ServerLimits()
-        self.rest_sessions = rest_sessions
+        self.slots = slots or LocalSlots()
+        """Session capacity: this process's, or with ``--workers N`` the whole server's (a WorkerSlots)."""
+        self.rest_sessions = self.slots.workers == 1
         self.sessions: dict[str, _Session] = {}
         self.metrics = _Metrics()
-        self._reserved = 0  # sessions whose env is being made: counted against capacity before they exist
         self._closing: set[asyncio.Task[None]] = set()
         self._deadlines = Deadlines()  # the step timeouts: a timer per call would cost more than a fast env's step
         self._probe = envkit.make(env, **self.env_kwargs)  # fail fast on a bad name or kwargs; describes the env
@@ -286,15 +329,20 @@ class EnvServer:
     async def running(self) -> AsyncIterator[None]:
         """Run the idle reaper; on exit close every session's env."""
         await self._probe.close()
-        reaper = asyncio.create_task(self._reap_forever(), name="envkit-reaper")
+        await self.slots.open()
+        background = [asyncio.create_task(self._reap_forever(), name="envkit-reaper")]
+        if isinstance(self.slots, WorkerSlots):
+            background.append(asyncio.create_task(self._publish_forever(self.slots), name="envkit-metrics"))
         try:
             yield
         finally:
-            reaper.cancel()
-            await asyncio.gather(reaper, return_exceptions=True)
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
             sessions, self.sessions = list(self.sessions.values()), {}
             await asyncio.gather(*(self._close_env(s, "shutdown") for s in sessions))
             await asyncio.gather(*self._closing, return_exceptions=True)
+            await self.slots.close()
 
     async def _reap_forever(self) -> None:
         ttl = self.limits.session_ttl_s
@@ -306,6 +354,20 @@ class EnvServer:
                 if now - s.last_used > ttl and not s.lock.locked():
                     self._drop_in_background(s, "expired")
 
+    async def _publish_forever(self, slots: WorkerSlots) -> None:
+        while True:
+            await asyncio.to_thread(slots.write_metrics, self.metrics.snapshot())
+            await asyncio.sleep(FLUSH_S)
+
+    async def metrics_text(self) -> str:
+        """``/metrics``: this process's numbers, or with several workers the sum of all of theirs."""
+        if not isinstance(self.slots, WorkerSlots):
+            return self.metrics.render(len(self.sessions), self.limits.max_sessions)
+        others = await asyncio.to_thread(self.slots.other_metrics)
+        per_worker = await asyncio.to_thread(self.slots.counts)
+        total = _Metrics.summed([self.metrics.snapshot(), *others])
+        return total.render(sum(per_worker.values()), self.limits.max_sessions, per_worker)
+
     def _drop_in_background(self, s: _Session, reason: str) -> None:
         if self.sessions.pop(s.id, None) is None:
             return
@@ -314,12 +376,15 @@ class EnvServer:
         task.add_done_callback(self._closing.discard)
 
     async def _close_env(self, s: _Session, reason: str) -> None:
+        """Close the session's env and give its slot back."""
         self.metrics.sessions_closed[reason] += 1
         try:
             await self._call(s.env.close())
         except ApiError as e:
             self.metrics.errors[e.code] += 1
             log.error("closing session %s (%s): %s", s.id, reason, e.message)
+        finally:
+            await self.slots.release()
 
     async def _call(self, coro: Awaitable[T]) -> T:
         """Await an env call under the step timeout; classify what it raises."""
@@ -366,24 +431,23 @@ class EnvServer:
 
     async def create(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """Make a new env for a new session; answers its id and tools."""
-        if len(self.sessions) + self._reserved >= self.limits.max_sessions:
+        if not await self.slots.admit(self.limits.max_sessions):  # held from here until _close_env
             raise ApiError("capacity", f"the server is at its limit of {self.limits.max_sessions} sessions "
                                        "(ServerLimits.max_sessions); delete sessions or retry later")
-        self._reserved += 1
         try:
-            try:
-                env = envkit.make(self.env_name, **{**self.env_kwargs, **kwargs})
-            except EnvLoadError as e:
+            env = envkit.make(self.env_name, **{**self.env_kwargs, **kwargs})
+        except BaseException as e:
+            await self.slots.release()
+            if isinstance(e, EnvLoadError):
                 raise ApiError("invalid_kwargs", str(e)) from e
-            now = time.monotonic()
-            session = _Session(id=secrets.token_urlsafe(16), env=env, created=now, last_used=now)
-            try:
-                await self._call(env.init())
-            except ApiError:
-                await self._close_env(session, "failed")
-                raise
-        finally:
-            self._reserved -= 1
+            raise
+        now = time.monotonic()
+        session = _Session(id=secrets.token_urlsafe(16), env=env, created=now, last_used=now)
+        try:
+            await self._call(env.init())
+        except BaseException:
+            await asyncio.shield(self._close_env(session, "failed"))
+            raise
         self.sessions[session.id] = session
         self.metrics.sessions_created += 1
         return {"session_id": session.id, "env": self.env_name, "tools": [t.to_openai() for t in env.tools]}
@@ -474,12 +538,14 @@ class EnvServer:
         page = [dict(tasks[i]) for i in range(min(offset, len(tasks)), min(offset + limit, len(tasks)))]
         return {"split": split, "total": len(tasks), "offset": offset, "tasks": page}
 
-    def server_info(self) -> dict[str, Any]:
-        """The ``/info`` body."""
+    async def server_info(self) -> dict[str, Any]:
+        """The ``/info`` body: ``sessions`` counts the whole server's, ``worker`` says which process answered."""
         limits = self.limits
-        return {**self.info, "sessions": len(self.sessions), "max_sessions": limits.max_sessions,
-                "session_ttl_s": limits.session_ttl_s, "step_timeout_s": limits.step_timeout_s,
-                "max_request_bytes": limits.max_request_bytes, "rest_sessions": self.rest_sessions}
+        worker = {"pid": os.getpid(), "workers": self.slots.workers, "sessions": len(self.sessions)}
+        return {**self.info, "sessions": await self.slots.total(), "worker": worker,
+                "max_sessions": limits.max_sessions, "session_ttl_s": limits.session_ttl_s,
+                "step_timeout_s": limits.step_timeout_s, "max_request_bytes": limits.max_request_bytes,
+                "rest_sessions": self.rest_sessions}
 
 
 # ---- ASGI middleware: auth and body size, before FastAPI parses anything ---------------------------------------
@@ -590,11 +656,11 @@ _ENV_FAULTS = ("env_error", "env_timeout")
 
 
 def create_app(env: str, *, env_kwargs: dict[str, Any] | None = None, token: str | None = None,
-               limits: ServerLimits | None = None, rest_sessions: bool = True,
+               limits: ServerLimits | None = None, slots: LocalSlots | None = None,
                workspace: untrusted.Workspace | None = None) -> FastAPI:
     """The FastAPI app serving ``env`` (a registered name or ``module:Class``); see the module docstring.
     With ``workspace``, also ``/exec`` and ``/exec/scrub`` (commands next to the env, in a sandbox)."""
-    server = EnvServer(env, env_kwargs=env_kwargs, limits=limits, rest_sessions=rest_sessions)
+    server = EnvServer(env, env_kwargs=env_kwargs, limits=limits, slots=slots)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -667,12 +733,12 @@ def create_app(env: str, *, env_kwargs: dict[str, Any] | None = None, token: str
     @app.get("/info", response_model=ServerInfo, responses=_responses(), tags=["server"])
     async def info() -> Response:
         """The served env (name, version, tools, task counts, spaces), protocol version, limits, open sessions."""
-        return answer(server.server_info())
+        return answer(await server.server_info())
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=_responses(), tags=["server"])
     async def metrics() -> PlainTextResponse:
         """Prometheus text format: sessions, requests, errors by code, latency histograms."""
-        return PlainTextResponse(server.metrics.render(len(server.sessions), server.limits.max_sessions))
+        return PlainTextResponse(await server.metrics_text())
 
     @app.get("/tasks", response_model=TaskPage, responses=_responses("invalid_split", "no_tasks"), tags=["server"])
     async def tasks(split: str = "train", offset: int = Query(0, ge=0),
@@ -851,7 +917,7 @@ def _app_from_environ() -> FastAPI:
     """The app of one worker process (``--workers N``), built from the config the parent put in the environment."""
     config = ServeConfig.from_json(json.loads(os.environ[_CONFIG_ENV]))
     return create_app(config.env, env_kwargs=config.env_kwargs, token=config.token, limits=config.limits,
-                      rest_sessions=config.workers == 1)
+                      slots=WorkerSlots(os.environ[RUN_DIR_ENV], config.workers))
 
 
 _CREDENTIALS = re.compile(r"(?i)(authorization:?\s*(?:bearer\s+)?|bearer\s+)\S+")
@@ -918,8 +984,11 @@ def serve(config: ServeConfig) -> None:
     if config.exec_user is not None:
         raise ValueError("--exec-user serves one workspace, so it needs --workers 1")
     _ = EnvServer(config.env, env_kwargs=config.env_kwargs, limits=config.limits)  # fail here, not in N workers
-    os.environ[_CONFIG_ENV] = json.dumps(config.to_json())
-    try:
-        uvicorn.run("envkit.server:_app_from_environ", factory=True, workers=config.workers, **common)
-    finally:
-        os.environ.pop(_CONFIG_ENV, None)
+    with tempfile.TemporaryDirectory(prefix="envkit-serve-") as run_dir:
+        os.environ[_CONFIG_ENV] = json.dumps(config.to_json())
+        os.environ[RUN_DIR_ENV] = run_dir
+        try:
+            uvicorn.run("envkit.server:_app_from_environ", factory=True, workers=config.workers, **common)
+        finally:
+            os.environ.pop(_CONFIG_ENV, None)
+            os.environ.pop(RUN_DIR_ENV, None)

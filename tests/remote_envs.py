@@ -5,6 +5,7 @@ ScriptedEnv echoes the assistant's text back and does what special actions say:
   "crash"      raises RuntimeError (an env crash the server must contain)
   "hang"       never answers (the server's step timeout must end it)
   "sleep:S"    answers after S seconds
+  "block:S"    blocks its server's event loop for S seconds (as CPU-bound env code does), then answers
   "bad"        returns a malformed StepResult (the ContractChecker on the server must catch it)
   "odd info"   puts values JSON lacks in info (NaN, an int key, a set, a tuple); "big info" a 71-bit integer
   "numpy info" puts numpy_info() in info; "opaque info" a value JSON cannot carry at all
@@ -83,6 +84,8 @@ class ScriptedEnv(Env):
             await asyncio.sleep(3600)
         if text.startswith("sleep:"):
             await asyncio.sleep(float(text.split(":", 1)[1]))
+        if text.startswith("block:"):
+            time.sleep(float(text.split(":", 1)[1]))  # noqa: ASYNC251 (on purpose: a worker that is busy)
         if text == "bad":
             return StepResult("not a list of messages", 0.0)  # type: ignore[arg-type]
         if text == "odd info":  # values JSON lacks or carries only with help

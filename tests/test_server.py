@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import signal
@@ -432,3 +433,74 @@ def test_cli_reports_unknown_envs_and_bad_kwargs():
     bad = subprocess.run([sys.executable, "-m", "envkit.cli", "serve", "arithmetic", "--kwargs", "[1]"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--kwargs must be a JSON object" in " ".join((bad.stdout + bad.stderr).split())
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--port", "70000"], "the port must be an integer from 1 to 65535, got 70000"),
+    (["--port", "0"], "the port must be an integer from 1 to 65535, got 0"),
+    (["--workers", "0"], "workers must be an integer of at least 1, got 0"),
+    (["--workers", "-3"], "workers must be an integer of at least 1, got -3"),
+    (["--max-sessions", "-1"], "max_sessions must be a positive number, got -1"),
+    (["--step-timeout", "nan"], "step_timeout_s must be a positive number, got nan"),
+    (["--exec-user", "0", "--token", "t"], "exec_user must be a uid other than root's"),
+    (["--port", "eighty"], "argument --port: invalid int value: 'eighty'"),
+])
+def test_cli_refuses_nonsense_before_binding_anything(flags: list[str], message: str):
+    done = subprocess.run([sys.executable, "-m", "envkit.cli", "serve", "arithmetic", *flags], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and message in " ".join((done.stdout + done.stderr).split()), done
+    assert "Uvicorn running" not in done.stderr
+
+
+def test_with_several_workers_limits_metrics_and_info_describe_the_whole_server():
+    with envkit_serve(SCRIPTED, "--workers", "2", "--max-sessions", "6") as srv:
+        def scrape() -> tuple[str, dict[int, int]]:  # a new connection each time: either worker may answer
+            text = httpx.get(srv.url + "/metrics").text
+            gauges = re.findall(r'envkit_worker_sessions\{worker="(\d+)"\} (\d+)', text)
+            return text, {int(worker): int(n) for worker, n in gauges}
+
+        def step(ws, content: str = "x") -> None:
+            assert ws_call(ws, op="step", action={"role": "assistant", "content": content})["reward"] == 0.0
+
+        deadline = time.monotonic() + 30
+        while len(scrape()[1]) < 2:  # /health answered as soon as one worker was up
+            assert time.monotonic() < deadline, "the second worker never started"
+            time.sleep(0.1)
+        with contextlib.ExitStack() as stack:
+            busy = stack.enter_context(ws_open(srv, {}))
+            ws_call(busy, op="create")
+            ws_call(busy, op="reset", seed=0)
+            # While the busy worker's loop is blocked, new connections can only land on the other one.
+            busy.send(json.dumps({"op": "step", "action": {"role": "assistant", "content": "block:1.5"}}))
+            others = [stack.enter_context(ws_open(srv, {})) for _ in range(5)]
+            for i, ws in enumerate(others):
+                assert "session_id" in ws_call(ws, op="create")
+                ws_call(ws, op="reset", seed=i)
+                for _ in range(i + 1):  # 15 steps here, 1 + 5 on the busy worker: 21
+                    step(ws)
+            assert json.loads(busy.recv(timeout=10))["reward"] == 0.0
+            for _ in range(5):
+                step(busy)
+            with ws_open(srv, {}) as extra:  # the 7th session is refused whichever worker it reaches
+                assert ws_call(extra, op="create")["error"]["code"] == "capacity"
+            _, per_worker = scrape()
+            assert sorted(per_worker.values()) == [1, 5], per_worker  # both workers hold sessions
+            for _ in range(6):
+                info = httpx.get(srv.url + "/info").json()
+                assert info["sessions"] == 6 and info["worker"]["workers"] == 2, info
+                assert info["worker"]["sessions"] == per_worker[info["worker"]["pid"]], (info, per_worker)
+            deadline = time.monotonic() + 10
+            while True:  # the other worker's counters are at most FLUSH_S old
+                text, _ = scrape()
+                steps = re.search(r'envkit_requests_total\{op="step",transport="ws"\} (\d+)', text)
+                created = re.search(r"envkit_sessions_created_total (\d+)", text)
+                if (steps and int(steps.group(1)) == 21 and int(created.group(1)) == 6) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            assert int(steps.group(1)) == 21 and int(created.group(1)) == 6, text
+            assert re.search(r'envkit_op_seconds_count\{op="step",transport="ws"\} 21$', text, re.MULTILINE)
+            assert "envkit_sessions 6\n" in text and "envkit_workers 2\n" in text
+        deadline = time.monotonic() + 10
+        while httpx.get(srv.url + "/info").json()["sessions"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert httpx.get(srv.url + "/info").json()["sessions"] == 0  # closing the sockets gave every slot back
