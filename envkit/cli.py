@@ -105,7 +105,9 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
         return 2
     try:
         limits = ServerLimits(max_sessions=args.max_sessions, session_ttl_s=args.session_ttl,
-                              step_timeout_s=args.step_timeout, max_request_bytes=args.max_request_bytes)
+                              step_timeout_s=args.step_timeout, max_request_bytes=args.max_request_bytes,
+                              max_connections=args.max_connections, request_timeout_s=args.request_timeout,
+                              idle_timeout_s=args.idle_timeout)
     except ValueError as e:
         console.print(f"[red]error:[/red] {e}", highlight=False)
         return 2
@@ -160,6 +162,15 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="longest env init/reset/step/close; past it the request answers 504 env_timeout (default 60)")
     p.add_argument("--max-request-bytes", type=int, default=1 << 20,
                    help="largest request body or WebSocket frame (default 1 MiB)")
+    p.add_argument("--max-connections", type=int, default=4096,
+                   help="open connections per process; one more answers 503 and is closed (default 4096, lowered "
+                        "with a warning where `ulimit -n` cannot hold them)")
+    p.add_argument("--request-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="a request's headers and body must arrive within this; past it 408 and the connection "
+                        "closes (default 10)")
+    p.add_argument("--idle-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="close a WebSocket that holds no session after this long without a frame (default 60; "
+                        "one with a session gets --session-ttl)")
     p.add_argument("--workers", type=int, default=1,
                    help="worker processes sharing the port; sessions live in one process, so with more than one "
                         "only WebSocket sessions are served (default 1)")

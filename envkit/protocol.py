@@ -37,6 +37,7 @@ ERROR_STATUS: dict[str, int] = {
     "reset_needed": 409,  # step before reset, or after a step that failed
     "episode_done": 409,  # step after terminated/truncated
     "rest_unavailable": 409,  # REST sessions on a multi-worker server (use the WebSocket transport)
+    "request_timeout": 408,  # the request's headers and body did not arrive within ServerLimits.request_timeout_s
     "payload_too_large": 413,
     "validation_error": 422,  # the body does not fit the schema
     "invalid_action": 422,  # not a well-formed assistant message
@@ -46,9 +47,23 @@ ERROR_STATUS: dict[str, int] = {
     "no_tasks": 404,  # /tasks of an env that does not list its tasks (draw episodes by seed)
     "internal_error": 500,  # a bug in the server itself
     "env_error": 500,  # the env raised or broke the contract: reported, contained, the session lives on
-    "capacity": 503,  # max concurrent sessions reached
+    "capacity": 503,  # max concurrent sessions (or open connections) reached
     "env_timeout": 504,  # the env did not answer within the step timeout
 }
+
+
+class ApiError(Exception):
+    """An error answer: ``code`` is one of :data:`ERROR_STATUS`."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.status = ERROR_STATUS[code]
+
+    def body(self) -> dict[str, Any]:
+        """The JSON error body."""
+        return {"error": {"code": self.code, "message": self.message, "status": self.status}}
 
 
 class _Body(BaseModel):

@@ -58,6 +58,7 @@ from envkit.errors import (
 from envkit.protocol import (
     ERROR_STATUS,
     PROTOCOL_VERSION,
+    ApiError,
     CreateSession,
     ErrorBody,
     ExecRequest,
@@ -74,6 +75,7 @@ from envkit.protocol import (
     TaskPage,
     WsRequest,
 )
+from envkit.server_guard import GuardedHttp, descriptor_budget
 from envkit.server_workers import FLUSH_S, RUN_DIR_ENV, LocalSlots, WorkerSlots
 from envkit.tasks import task_counts
 
@@ -105,9 +107,19 @@ class ServerLimits:
     """Longest ``init``/``reset``/``step``/``close`` of an env; past it the call answers ``504 env_timeout``."""
     max_request_bytes: int = 1 << 20
     """Largest request body or WebSocket frame; a bigger one answers ``413`` (REST) or closes the socket (1009)."""
+    max_connections: int = 4096
+    """Open connections (HTTP and WebSocket) per process; one more answers ``503 capacity`` and is closed. Lowered
+    at start, with a warning, where the descriptor limit (``ulimit -n``) cannot hold them."""
+    request_timeout_s: float = 10.0
+    """A request's headers and body must arrive within this from its first byte (or from connecting); past it the
+    server answers ``408 request_timeout`` and closes the connection."""
+    idle_timeout_s: float = 60.0
+    """A WebSocket that holds no session and sends nothing this long is closed (1001); one that holds a session is
+    closed, and the session deleted, after ``session_ttl_s`` without a frame."""
 
     def __post_init__(self) -> None:
-        for name in ("max_sessions", "session_ttl_s", "step_timeout_s", "max_request_bytes"):
+        for name in ("max_sessions", "session_ttl_s", "step_timeout_s", "max_request_bytes", "max_connections",
+                     "request_timeout_s", "idle_timeout_s"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ValueError(f"ServerLimits.{name} must be a positive number, got {value!r}")
@@ -154,20 +166,6 @@ class ServeConfig:
     def from_json(cls, data: dict[str, Any]) -> ServeConfig:
         """Rebuild a config from ``to_json()`` output."""
         return cls(**{**data, "limits": ServerLimits(**data["limits"])})
-
-
-class ApiError(Exception):
-    """An error answer: ``code`` is one of :data:`envkit.protocol.ERROR_STATUS`."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.status = ERROR_STATUS[code]
-
-    def body(self) -> dict[str, Any]:
-        """The JSON error body."""
-        return {"error": {"code": self.code, "message": self.message, "status": self.status}}
 
 
 @dataclass(eq=False)
@@ -308,7 +306,8 @@ class EnvServer:
         self.sessions: dict[str, _Session] = {}
         self.metrics = _Metrics()
         self._closing: set[asyncio.Task[None]] = set()
-        self._deadlines = Deadlines()  # the step timeouts: a timer per call would cost more than a fast env's step
+        self.deadlines = Deadlines()
+        """Step timeouts and idle WebSockets: a timer per call would cost more than a fast env's step."""
         self._probe = envkit.make(env, **self.env_kwargs)  # fail fast on a bad name or kwargs; describes the env
         self._task_lists: dict[str, Sequence[dict[str, Any]]] = {}
         spec = self._probe.spec
@@ -397,7 +396,7 @@ class EnvServer:
             expired = True
             task.cancel()
 
-        self._deadlines.add(expire, self.limits.step_timeout_s, expire)
+        self.deadlines.add(expire, self.limits.step_timeout_s, expire)
         try:
             return await coro
         except asyncio.CancelledError as e:
@@ -418,7 +417,7 @@ class EnvServer:
         except Exception as e:
             raise self._env_crash(e) from e
         finally:
-            self._deadlines.discard(expire)
+            self.deadlines.discard(expire)
             if expired:
                 task.uncancel()
 
@@ -827,9 +826,31 @@ class _WsEndpoint:
             return
         await send({"type": "websocket.accept"})
         handler = _WsSession(self.server)
+        limits, deadlines = self.server.limits, self.server.deadlines
+        task = asyncio.current_task()
+        assert task is not None
+        idle = False
+
+        def expire() -> None:
+            nonlocal idle
+            idle = True
+            task.cancel()
+
         try:
-            while (message := await receive())["type"] == "websocket.receive":
+            while True:
+                deadlines.add(handler, limits.session_ttl_s if handler.session_id else limits.idle_timeout_s, expire)
+                try:
+                    message = await receive()
+                finally:
+                    deadlines.discard(handler)
+                if message["type"] != "websocket.receive":
+                    break
                 await send({"type": "websocket.send", "text": await handler.handle(message.get("text"))})
+        except asyncio.CancelledError:
+            if not idle:
+                raise
+            task.uncancel()
+            await send({"type": "websocket.close", "code": 1001, "reason": "idle: no frame within the timeout"})
         except OSError:  # the client went away while we answered
             pass
         finally:
@@ -916,8 +937,15 @@ def is_loopback(host: str) -> bool:
 def _app_from_environ() -> FastAPI:
     """The app of one worker process (``--workers N``), built from the config the parent put in the environment."""
     config = ServeConfig.from_json(json.loads(os.environ[_CONFIG_ENV]))
+    _guard_connections(config.limits)
     return create_app(config.env, env_kwargs=config.env_kwargs, token=config.token, limits=config.limits,
                       slots=WorkerSlots(os.environ[RUN_DIR_ENV], config.workers))
+
+
+def _guard_connections(limits: ServerLimits) -> None:
+    """Arm this process's HTTP protocol with the read deadline and the connection cap its descriptors allow."""
+    GuardedHttp.configure(request_timeout_s=limits.request_timeout_s,
+                          max_connections=descriptor_budget(limits.max_connections, limits.max_sessions))
 
 
 _CREDENTIALS = re.compile(r"(?i)(authorization:?\s*(?:bearer\s+)?|bearer\s+)\S+")
@@ -971,10 +999,11 @@ def serve(config: ServeConfig) -> None:
     common: dict[str, Any] = {
         "host": config.host, "port": config.port, "log_level": config.log_level, "access_log": False,
         "ws_max_size": config.limits.max_request_bytes, "timeout_keep_alive": 75, "lifespan": "on",
-        "log_config": _log_config(config.log_level, [config.token or ""]),
+        "log_config": _log_config(config.log_level, [config.token or ""]), "http": GuardedHttp,
     }
     if config.exec_user is not None and not config.token:
         raise ValueError("--exec-user serves /exec, which runs any command: it needs a token ($ENVKIT_TOKEN)")
+    _guard_connections(config.limits)  # workers check again: each has descriptors of its own
     if config.workers == 1:
         workspace = untrusted.Workspace(config.exec_user, config.exec_dir) if config.exec_user is not None else None
         app = create_app(config.env, env_kwargs=config.env_kwargs, token=config.token, limits=config.limits,

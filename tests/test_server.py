@@ -7,6 +7,7 @@ import contextlib
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -197,6 +198,15 @@ def test_every_error_code_has_its_status_and_a_structured_body(server: Server, h
         full = httpx.post(small.url + "/sessions", json={})
         expect("capacity", full)
         assert full.headers["retry-after"] == "1"
+    with (envkit_serve(SCRIPTED, "--request-timeout", "0.5", "--max-connections", "1") as guarded,
+          socket.create_connection(("127.0.0.1", guarded.port)) as stalled):
+        stalled.sendall(b"POST /sessions HTTP/1.1\r\nHost: x\r\nContent-Le")  # half the headers, then nothing
+        with httpx.Client() as fresh:  # `stalled` holds the one connection allowed
+            expect("capacity", fresh.get(guarded.url + "/info"))
+            expect("capacity", fresh.get(guarded.url + "/info"))  # the 503 closed it: a new one, refused again
+        timed_out = httpx.Response(408, content=stalled.recv(4096).split(b"\r\n\r\n", 1)[1])
+        expect("request_timeout", timed_out)
+        assert stalled.recv(1) == b""  # and closed
     with envkit_serve(SCRIPTED, "--workers", "2") as multi:
         expect("rest_unavailable", httpx.post(multi.url + "/sessions", json={}))
         with ws_connect(multi.url.replace("http", "ws") + "/ws") as ws:  # WebSocket sessions work on any worker
