@@ -57,3 +57,19 @@ class Deadlines:
             on_expire()
         if self._pending and self._timer is None:
             self._timer = self._loop.call_at(min(when for when, _ in self._pending.values()), self._fire)
+
+
+class Canceller:
+    """A deadline's ``on_expire`` that cancels the task that made it; ``expired`` says whether it has (the task
+    then tells a timeout from any other cancellation, and calls ``task.uncancel()`` once it has handled it)."""
+
+    def __init__(self) -> None:
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("a Canceller must be made inside a task")
+        self.task = task
+        self.expired = False
+
+    def __call__(self) -> None:
+        self.expired = True
+        self.task.cancel()

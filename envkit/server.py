@@ -46,7 +46,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import envkit
 from envkit import untrusted, wire
 from envkit.core import Env
-from envkit.deadlines import Deadlines
+from envkit.deadlines import Canceller, Deadlines
 from envkit.errors import (
     EnvError,
     EnvLoadError,
@@ -387,20 +387,12 @@ class EnvServer:
 
     async def _call(self, coro: Awaitable[T]) -> T:
         """Await an env call under the step timeout; classify what it raises."""
-        task = asyncio.current_task()
-        assert task is not None
-        expired = False
-
-        def expire() -> None:
-            nonlocal expired
-            expired = True
-            task.cancel()
-
+        expire = Canceller()
         self.deadlines.add(expire, self.limits.step_timeout_s, expire)
         try:
             return await coro
         except asyncio.CancelledError as e:
-            if not expired:
+            if not expire.expired:
                 raise
             raise ApiError("env_timeout", f"the env did not answer within {self.limits.step_timeout_s:g} s "
                                           "(ServerLimits.step_timeout_s)") from e
@@ -418,8 +410,8 @@ class EnvServer:
             raise self._env_crash(e) from e
         finally:
             self.deadlines.discard(expire)
-            if expired:
-                task.uncancel()
+            if expire.expired:
+                expire.task.uncancel()
 
     def _env_crash(self, e: BaseException) -> ApiError:
         log.error("env %s raised", self.env_name, exc_info=e)
@@ -827,29 +819,21 @@ class _WsEndpoint:
         await send({"type": "websocket.accept"})
         handler = _WsSession(self.server)
         limits, deadlines = self.server.limits, self.server.deadlines
-        task = asyncio.current_task()
-        assert task is not None
-        idle = False
-
-        def expire() -> None:
-            nonlocal idle
-            idle = True
-            task.cancel()
-
+        idle = Canceller()
         try:
             while True:
-                deadlines.add(handler, limits.session_ttl_s if handler.session_id else limits.idle_timeout_s, expire)
+                deadlines.add(idle, limits.session_ttl_s if handler.session_id else limits.idle_timeout_s, idle)
                 try:
                     message = await receive()
                 finally:
-                    deadlines.discard(handler)
+                    deadlines.discard(idle)
                 if message["type"] != "websocket.receive":
                     break
                 await send({"type": "websocket.send", "text": await handler.handle(message.get("text"))})
         except asyncio.CancelledError:
-            if not idle:
+            if not idle.expired:
                 raise
-            task.uncancel()
+            idle.task.uncancel()
             await send({"type": "websocket.close", "code": 1001, "reason": "idle: no frame within the timeout"})
         except OSError:  # the client went away while we answered
             pass
