@@ -122,3 +122,30 @@ def _read_until_closed(socks: list[socket.socket], deadline: float) -> list[tupl
                 closed[sock] = time.monotonic()
     selector.close()
     return [(closed[sock], received[sock].split(b"\r\n", 1)[0]) for sock in socks]
+
+
+def test_a_body_that_trickles_in_is_cut_off_at_the_deadline():
+    """Headers complete, then the body a byte at a time: the deadline covers the body too, and the server lives."""
+    port = free_port()
+    with Server([sys.executable, "-m", "envkit.cli", "serve", SCRIPTED, "--port", str(port),
+                 "--request-timeout", "1"], port=port) as server:
+        with socket.create_connection(("127.0.0.1", port)) as slow:
+            slow.sendall(b"POST /sessions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{")
+            started = time.monotonic()
+            answer = b""
+            slow.settimeout(0.2)
+            while time.monotonic() - started < 5:
+                try:
+                    slow.sendall(b" ")
+                    chunk = slow.recv(4096)
+                except TimeoutError:
+                    continue
+                except (BrokenPipeError, ConnectionResetError):
+                    break
+                if not chunk:
+                    break
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 408 "), answer
+            assert b'"request_timeout"' in answer and time.monotonic() - started < 3
+        assert httpx.post(server.url + "/sessions", json={}).status_code == 201  # the server carries on
