@@ -18,7 +18,10 @@ class Deadlines:
     def __init__(self) -> None:
         self._pending: dict[Hashable, tuple[float, Callable[[], None]]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._timer: asyncio.TimerHandle | None = None
+        # uvloop rounds a timer's delay to whole milliseconds and hands back a plain ``Handle`` (no ``when()``)
+        # for one under half a millisecond, so the timer's due time is kept here.
+        self._timer: asyncio.Handle | None = None
+        self._timer_when = 0.0
 
     def add(self, key: Hashable, timeout_s: float, on_expire: Callable[[], None]) -> None:
         """Call ``on_expire()`` in ``timeout_s`` seconds unless ``key`` is discarded before (must run in the loop)."""
@@ -28,10 +31,10 @@ class Deadlines:
             self._loop = loop
         when = self._loop.time() + timeout_s
         self._pending[key] = (when, on_expire)
-        if self._timer is None or when < self._timer.when():
+        if self._timer is None or when < self._timer_when:
             if self._timer is not None:
                 self._timer.cancel()
-            self._timer = self._loop.call_at(when, self._fire)
+            self._arm(when)
 
     def discard(self, key: Hashable) -> None:
         """Forget ``key``'s deadline (no-op if it is gone or has expired)."""
@@ -56,7 +59,11 @@ class Deadlines:
             _, on_expire = self._pending.pop(key)
             on_expire()
         if self._pending and self._timer is None:
-            self._timer = self._loop.call_at(min(when for when, _ in self._pending.values()), self._fire)
+            self._arm(min(when for when, _ in self._pending.values()))
+
+    def _arm(self, when: float) -> None:
+        assert self._loop is not None
+        self._timer, self._timer_when = self._loop.call_at(when, self._fire), when
 
 
 class Canceller:

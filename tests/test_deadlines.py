@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import uvloop
+
 from envkit.deadlines import Deadlines
 
 
@@ -79,3 +81,18 @@ def test_a_new_event_loop_starts_afresh():
     asyncio.run(wait("first", 0.01))
     asyncio.run(wait("second", 0.01))
     assert fired == ["first", "second"]
+
+
+def test_a_deadline_under_a_millisecond_on_uvloop_then_another():
+    """The server runs on uvloop, whose ``call_at`` hands back a plain ``Handle`` (no ``when()``) for a delay that
+    rounds to 0 ms; a later ``add`` must still compare against the armed time (this crashed a step under load)."""
+    deadlines = Deadlines()
+    fired: list[str] = []
+
+    async def run() -> None:
+        deadlines.add("now", 0.0001, lambda: fired.append("now"))
+        deadlines.add("later", 0.05, lambda: fired.append("later"))
+        await asyncio.sleep(0.1)
+
+    uvloop.run(run())
+    assert fired == ["now", "later"]
