@@ -21,6 +21,7 @@ gives the HTTP status of each code (a WebSocket error frame carries it too).
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -64,6 +65,10 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         """The JSON error body."""
         return {"error": {"code": self.code, "message": self.message, "status": self.status}}
+
+    def encoded(self) -> bytes:
+        """The JSON error body, encoded."""
+        return json.dumps(self.body()).encode()
 
 
 class _Body(BaseModel):

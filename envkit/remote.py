@@ -38,6 +38,7 @@ from envkit.errors import (
     RemoteInvalidTaskError,
     RemoteResetNeededError,
 )
+from envkit.httpclient import HttpClosedError, HttpConnection
 from envkit.messages import Message
 from envkit.registry import EnvSpec
 from envkit.tasks import LazyTasks
@@ -71,8 +72,6 @@ class RemoteConfig:
     """Further connection attempts after a refused or timed-out connect (the request was never sent)."""
     backoff_s: float = 0.2
     """Wait before the first retry; doubles after each."""
-    http_client: httpx.AsyncClient | None = None
-    """A client to share between RemoteEnvs of one event loop (REST); RemoteEnv leaves it open."""
 
 
 def error_from_body(body: Any, status: int | None) -> RemoteEnvError:
@@ -102,57 +101,72 @@ async def retry_connect(attempt: Any, config: RemoteConfig, where: str) -> Any:
 
 
 class _Rest:
-    """REST transport: one pooled httpx client; a session is an id in the URL."""
+    """REST transport: one keep-alive connection, reopened when the server has closed it; a session is an id in
+    the URL."""
+
+    # Reopen a connection idle this long rather than race the server's keep-alive close (envkit serve: 75 s),
+    # which would lose a request that may not be sent twice.
+    REUSE_IDLE_S = 50.0
 
     def __init__(self, base: str, config: RemoteConfig, headers: dict[str, str]) -> None:
         self.base, self.config = base, config
-        self.client = config.http_client or httpx.AsyncClient(
-            timeout=httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s))
         self.headers = {**headers, "content-type": "application/json"}
-        self.session_url = ""
+        self.conn: HttpConnection | None = None
+        self.last_used = 0.0
+        self.session_path = ""
 
-    async def _request(self, method: str, url: str, body: Any = None) -> Any:
-        async def send() -> httpx.Response:
-            return await self.client.request(method, url, content=None if body is None else wire.dumps(body),
-                                             headers=self.headers)
+    async def _connection(self) -> HttpConnection:
+        now = asyncio.get_running_loop().time()
+        if self.conn is not None and (self.conn.closed or now - self.last_used > self.REUSE_IDLE_S):
+            await self.conn.close()
+            self.conn = None
+        if self.conn is None:
+            self.conn = await retry_connect(lambda: HttpConnection.connect(
+                self.base, headers=self.headers, timeout_s=self.config.connect_timeout_s), self.config, self.base)
+        self.last_used = now
+        return self.conn
 
+    async def _request(self, method: str, path: str, body: Any = None) -> Any:
+        conn = await self._connection()
         try:
-            response = await retry_connect(send, self.config, self.base)
-        except httpx.TimeoutException as e:
-            raise RemoteEnvError(f"no answer from {url} within {self.config.timeout_s:g} s (not retried: the "
-                                 "server may have acted on it)", code="timeout") from e
-        except httpx.TransportError as e:
-            raise RemoteEnvError(f"{method} {url} failed: {type(e).__name__}: {e}", code="connection_lost") from e
-        if response.status_code == 204:
+            status, content = await conn.request(method, path, None if body is None else wire.dumps(body),
+                                                 self.config.timeout_s)
+        except TimeoutError as e:
+            raise RemoteEnvError(f"no answer from {self.base}{path} within {self.config.timeout_s:g} s (not "
+                                 "retried: the server may have acted on it)", code="timeout") from e
+        except HttpClosedError as e:
+            raise RemoteEnvError(f"{method} {self.base}{path} failed: {e}", code="connection_lost") from e
+        if status == 204:
             return None
         try:
-            payload = wire.loads(response.content)
+            payload = wire.loads(content)
         except ValueError:
-            payload = response.text
-        if response.status_code >= 400:
-            raise error_from_body(payload, response.status_code)
+            payload = content.decode(errors="replace")
+        if status >= 400:
+            raise error_from_body(payload, status)
         return payload
 
     async def open(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        created = await self._request("POST", f"{self.base}/sessions", {"kwargs": kwargs})
-        self.session_url = f"{self.base}/sessions/{quote(created['session_id'], safe='')}"
+        created = await self._request("POST", "/sessions", {"kwargs": kwargs})
+        self.session_path = f"/sessions/{quote(created['session_id'], safe='')}"
         return created
 
     async def call(self, op: str, body: dict[str, Any]) -> dict[str, Any]:
         if op == "state":
-            return await self._request("GET", self.session_url)
-        return await self._request("POST", f"{self.session_url}/{op}", body)
+            return await self._request("GET", self.session_path)
+        return await self._request("POST", f"{self.session_path}/{op}", body)
 
     async def close(self) -> None:
         try:
-            if self.session_url:
-                await self._request("DELETE", self.session_url)
+            if self.session_path:
+                await self._request("DELETE", self.session_path)
         except RemoteEnvError as e:
             if e.code not in ("session_not_found", "connect_error", "connection_lost"):
                 raise
         finally:
-            if self.config.http_client is None:
-                await self.client.aclose()
+            if self.conn is not None:
+                await self.conn.close()
+                self.conn = None
 
 
 async def ws_exchange(ws: WsConnection, frame: dict[str, Any], timeout_s: float) -> Any:

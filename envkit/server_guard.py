@@ -14,7 +14,6 @@ WebSockets that hold no session, or a session but never send, are closed by the 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import resource
 from http import HTTPStatus
@@ -31,7 +30,7 @@ _DESCRIPTORS_OWN = 64  # the listening socket, logs, the interpreter's own files
 
 
 def _answer_and_close(transport: asyncio.Transport, err: ApiError) -> None:
-    body = json.dumps(err.body()).encode()
+    body = err.encoded()
     head = (f"HTTP/1.1 {err.status} {HTTPStatus(err.status).phrase}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\nconnection: close\r\n")
     if err.code == "capacity":

@@ -27,7 +27,8 @@ _READ_SIZE = 256 * 1024
 _per_thread = threading.local()  # holds the read buffer its connections share: each read is consumed at once
 
 
-def _read_buffer() -> memoryview:
+def read_buffer() -> memoryview:
+    """This thread's read buffer, shared by its connections (each read is consumed before the next)."""
     buffer: memoryview | None = getattr(_per_thread, "read_buffer", None)
     if buffer is None:
         buffer = _per_thread.read_buffer = memoryview(bytearray(_READ_SIZE))
@@ -153,10 +154,10 @@ class WsConnection(asyncio.BufferedProtocol):
         self._flush()
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        return _read_buffer()
+        return read_buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
-        self._ws.receive_data(bytes(_read_buffer()[:nbytes]))
+        self._ws.receive_data(bytes(read_buffer()[:nbytes]))
         for event in self._ws.events_received():
             if isinstance(event, Frame):
                 self._frame(event)

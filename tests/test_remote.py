@@ -167,6 +167,25 @@ async def test_a_timed_out_step_is_never_sent_again(server: Server, scheme: str)
     await env.close()
 
 
+async def test_a_rest_session_outlives_its_connection(server: Server, monkeypatch: pytest.MonkeyPatch):
+    """REST sessions are ids in the URL: a dropped connection, or one idle long enough that the server may be
+    closing it, is reopened before the next request (which is never sent on a connection that may be gone)."""
+    env = RemoteEnv(url(server, "http"), remote=CONFIG)
+    await env.reset(seed=3)
+    rest = env._transport
+    first = rest.conn
+    first.abort()  # the server (or a proxy) dropped it
+    assert (await env.step(say("no"))).observation == [{"role": "user", "content": "no"}]
+    second = rest.conn
+    assert second is not first and not second.closed
+    monkeypatch.setattr(type(rest), "REUSE_IDLE_S", 0.05)
+    await asyncio.sleep(0.1)  # idle past the reuse limit
+    assert (await env.step(say("w3"))).reward == 1.0
+    assert rest.conn is not second and second.closed
+    assert (await env.state())["steps"] == 2  # each step ran once
+    await env.close()
+
+
 async def test_a_cancelled_websocket_step_ends_the_session_instead_of_misreading_its_answer(server: Server):
     env = RemoteEnv(url(server, "ws"), remote=CONFIG)
     await env.reset(seed=0)
