@@ -15,7 +15,7 @@ OPENENV_STAMP := $(OPENENV_VENV)/.installed
 # One project cache for what is expensive and deterministic: the converted model, server logs.
 export ENVKIT_CACHE_DIR ?= $(CURDIR)/.cache
 
-.PHONY: help install model docker-up browser test lint bench train clean
+.PHONY: help install model docker-up browser test test-fast lint bench train clean
 
 help:  ## show the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -57,8 +57,11 @@ browser:  ## headless Chromium for the report tests (Debian's chromium through a
 	@command -v chromium >/dev/null || { echo ">> installing chromium with apt-get (once)"; \
 		apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; }
 
-test: install model docker-up browser  ## run the whole test suite (starts real vLLM servers and containers; ~50 min on 2 vCPUs)
-	$(VENV)/bin/pytest -q --durations=15
+test: install model docker-up browser  ## the whole test suite (real vLLM servers, containers, training runs)
+	$(VENV)/bin/pytest -q --durations=25
+
+test-fast: install model browser  ## the tests that need no vLLM, Docker or training run (a few minutes): the inner loop
+	$(VENV)/bin/pytest -q -m "not e2e" --durations=10
 
 lint: install  ## ruff
 	$(VENV)/bin/ruff check .

@@ -10,6 +10,15 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("ENVKIT_CACHE_DIR", str(REPO / ".cache"))
+# A test that needs one of these is end-to-end whether or not its module says so: `make test-fast` leaves it out.
+HEAVY_FIXTURES = {"vllm_engine", "docker_client"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test that uses the vLLM server or the Docker engine (directly or through a fixture) ``e2e``."""
+    for item in items:
+        if HEAVY_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.e2e)
 
 
 @pytest.fixture(scope="session")

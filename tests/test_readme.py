@@ -22,7 +22,12 @@ def test_readme_has_examples():
     assert len(BLOCKS) >= 4
 
 
-@pytest.mark.parametrize("code", BLOCKS, ids=[f"block{i}" for i in range(len(BLOCKS))])
+def _param(code: str) -> object:
+    heavy = any(word in code for word in ("sandbox", "VLLMEngine", "trainer"))  # Docker, vLLM or a training run
+    return pytest.param(code, marks=[pytest.mark.e2e] if heavy else [])
+
+
+@pytest.mark.parametrize("code", [_param(code) for code in BLOCKS], ids=[f"block{i}" for i in range(len(BLOCKS))])
 def test_readme_example_runs_and_prints_what_it_says(code: str, tmp_path: Path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert out.returncode == 0, out.stderr
