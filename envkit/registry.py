@@ -8,7 +8,7 @@ letter or digit (``arithmetic``, ``guess-number``, ``acme/sokoban-v2``). ``make`
 - ``http://host:port/NAME`` or ``ws://host:port/NAME``: env NAME served by ``envkit serve`` on that host, as a
   :class:`envkit.remote.RemoteEnv` over REST or WebSocket (``remote=RemoteConfig(...)`` sets the token and
   timeouts; the other kwargs go to the server's env);
-- ``openenv:http://host:port``: an OpenEnv environment server, through :class:`envkit.openenv.OpenEnvEnv`.
+- ``openenv:http://host:port``: an OpenEnv environment server, through :class:`envkit.remote.openenv.OpenEnvEnv`.
 
 ``make(NAME, sandbox="docker" | "local" | "auto")`` runs the env inside a sandbox of its own (a container from its
 image, or an ``envkit serve`` child process), a RemoteEnv underneath; ``sandbox_options={...}`` tunes it. The
@@ -181,7 +181,7 @@ class Registry:
 
             env = RemoteEnv(name, remote=kwargs.pop("remote", None), env_kwargs=kwargs)
         elif name.startswith(OPENENV_PREFIX):
-            from envkit.openenv import OpenEnvEnv
+            from envkit.remote.openenv import OpenEnvEnv
 
             env = OpenEnvEnv(name[len(OPENENV_PREFIX):], **kwargs)
         elif name.startswith(GYM_PREFIX):

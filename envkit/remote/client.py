@@ -27,7 +27,6 @@ from urllib.parse import quote, urlsplit
 import httpx
 import websockets
 
-from envkit import wire
 from envkit.core import Env, StepResult, Task
 from envkit.errors import (
     RemoteConnectionError,
@@ -38,12 +37,13 @@ from envkit.errors import (
     RemoteInvalidTaskError,
     RemoteResetNeededError,
 )
-from envkit.httpclient import HttpClosedError, HttpConnection
 from envkit.messages import Message
 from envkit.registry import EnvSpec
+from envkit.remote import wire
+from envkit.remote.httpclient import HttpClosedError, HttpConnection
+from envkit.remote.wsclient import WsClosedError, WsConnection
 from envkit.tasks import LazyTasks
 from envkit.tools import Tool
-from envkit.wsclient import WsClosedError, WsConnection
 
 TOKEN_ENV = "ENVKIT_TOKEN"
 
@@ -305,7 +305,7 @@ class RemoteEnv(Env):
         self._transport: _Rest | _WebSocket | None = None
         self.session_id: str | None = None
         self.tools = []  # type: ignore[misc]  # the server's, once the session exists
-        self.spec = EnvSpec(name=url, entry_point="envkit.remote:RemoteEnv", kwargs=self.env_kwargs,
+        self.spec = EnvSpec(name=url, entry_point="envkit.remote.client:RemoteEnv", kwargs=self.env_kwargs,
                             description=f"{self.name or 'env'} served at {self.base_url}", source="remote")
 
     async def init(self) -> None:

@@ -21,9 +21,9 @@ from typing import ClassVar
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from envkit.protocol import ApiError
+from envkit.remote.protocol import ApiError
 
-log = logging.getLogger("envkit.server")
+log = logging.getLogger("envkit.remote.server")
 
 _DESCRIPTORS_PER_SESSION = 1
 _DESCRIPTORS_OWN = 64  # the listening socket, logs, the interpreter's own files, a worker's pipes

@@ -1,6 +1,6 @@
 """``envkit serve``: any registered env behind a FastAPI server, one isolated env instance per session.
 
-The routes and bodies are in :mod:`envkit.protocol`; :class:`envkit.remote.RemoteEnv` is the client. What the
+The routes and bodies are in :mod:`envkit.remote.protocol`; :class:`envkit.remote.RemoteEnv` is the client. What the
 server guarantees:
 
 - isolation: each session owns its env instance; requests on one session run one at a time;
@@ -44,9 +44,8 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import envkit
-from envkit import untrusted, wire
+from envkit import untrusted
 from envkit.core import Env
-from envkit.deadlines import Canceller, Deadlines
 from envkit.errors import (
     EnvError,
     EnvLoadError,
@@ -55,7 +54,9 @@ from envkit.errors import (
     InvalidTaskError,
     ResetNeededError,
 )
-from envkit.protocol import (
+from envkit.remote import wire
+from envkit.remote.deadlines import Canceller, Deadlines
+from envkit.remote.protocol import (
     ERROR_STATUS,
     PROTOCOL_VERSION,
     ApiError,
@@ -75,13 +76,13 @@ from envkit.protocol import (
     TaskPage,
     WsRequest,
 )
-from envkit.server_guard import GuardedHttp, descriptor_budget
-from envkit.server_workers import FLUSH_S, RUN_DIR_ENV, LocalSlots, WorkerSlots
+from envkit.remote.server.guard import GuardedHttp, descriptor_budget
+from envkit.remote.server.workers import FLUSH_S, RUN_DIR_ENV, LocalSlots, WorkerSlots
 from envkit.tasks import task_counts
 
 MAX_TASK_PAGE = 1024
 
-log = logging.getLogger("envkit.server")
+log = logging.getLogger("envkit.remote.server")
 T = TypeVar("T")
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -1027,7 +1028,7 @@ def serve(config: ServeConfig) -> None:
         os.environ[_CONFIG_ENV] = json.dumps(config.to_json())
         os.environ[RUN_DIR_ENV] = run_dir
         try:
-            uvicorn.run("envkit.server:_app_from_environ", factory=True, workers=config.workers, **common)
+            uvicorn.run("envkit.remote.server.app:_app_from_environ", factory=True, workers=config.workers, **common)
         finally:
             os.environ.pop(_CONFIG_ENV, None)
             os.environ.pop(RUN_DIR_ENV, None)
