@@ -368,3 +368,9 @@ class RemoteEnv(Env):
 
     def __repr__(self) -> str:
         return f"<RemoteEnv {self.url!r} session={self.session_id}>"
+
+
+def make_remote(name: str, **kwargs: Any) -> RemoteEnv:
+    """The ``http``, ``https``, ``ws`` and ``wss`` schemes of ``envkit.make``: ``remote=RemoteConfig(...)`` configures
+    the client, the other kwargs go to the server's env."""
+    return RemoteEnv(name, remote=kwargs.pop("remote", None), env_kwargs=kwargs)

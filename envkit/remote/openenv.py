@@ -160,3 +160,8 @@ class OpenEnvEnv(Env):
         if not ws.closed:
             ws.send(json.dumps({"type": "close"}))
         await ws.close()
+
+
+def make_openenv(name: str, **kwargs: Any) -> OpenEnvEnv:
+    """The ``openenv`` scheme of ``envkit.make``: ``openenv:http://host:port`` is the OpenEnv server at that URL."""
+    return OpenEnvEnv(name.removeprefix("openenv:"), **kwargs)
