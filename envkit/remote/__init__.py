@@ -15,10 +15,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from envkit.remote.client import RemoteConfig, RemoteEnv
 
-__all__ = ["RemoteConfig", "RemoteEnv"]
+__all__ = ["TOKEN_ENV", "RemoteConfig", "RemoteEnv"]
+
+TOKEN_ENV = "ENVKIT_TOKEN"
+"""The environment variable both ends read the bearer token from."""
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
+    if name in ("RemoteConfig", "RemoteEnv"):
         return getattr(importlib.import_module("envkit.remote.client"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -39,13 +39,11 @@ from envkit.errors import (
 )
 from envkit.messages import Message
 from envkit.registry import EnvSpec
-from envkit.remote import wire
+from envkit.remote import TOKEN_ENV, wire
 from envkit.remote.httpclient import HttpClosedError, HttpConnection
 from envkit.remote.wsclient import WsClosedError, WsConnection
 from envkit.tasks import LazyTasks
 from envkit.tools import Tool
-
-TOKEN_ENV = "ENVKIT_TOKEN"
 
 _ERRORS: dict[str, type[RemoteEnvError]] = {
     "reset_needed": RemoteResetNeededError,

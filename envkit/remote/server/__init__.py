@@ -21,9 +21,8 @@ middleware: token, body limit, hot paths), :mod:`.ws` (the WebSocket endpoint), 
 """
 
 from envkit.remote.server.app import create_app
-from envkit.remote.server.config import TOKEN_ENV, ServeConfig, ServerLimits
+from envkit.remote.server.config import ServeConfig, ServerLimits
 from envkit.remote.server.run import RedactSecrets, is_loopback, serve
 from envkit.remote.server.sessions import EnvServer
 
-__all__ = ["TOKEN_ENV", "EnvServer", "RedactSecrets", "ServeConfig", "ServerLimits", "create_app", "is_loopback",
-           "serve"]
+__all__ = ["EnvServer", "RedactSecrets", "ServeConfig", "ServerLimits", "create_app", "is_loopback", "serve"]

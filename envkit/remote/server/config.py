@@ -7,7 +7,6 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-TOKEN_ENV = "ENVKIT_TOKEN"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 

@@ -26,8 +26,8 @@ from typing import Any, ClassVar
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from envkit.remote import TOKEN_ENV
 from envkit.remote.protocol import ApiError
-from envkit.remote.server.config import TOKEN_ENV
 from envkit.remote.server.sessions import EnvServer, plain_step_action
 from envkit.remote.server.ws import WsEndpoint
 

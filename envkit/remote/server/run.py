@@ -16,8 +16,9 @@ from typing import Any
 from fastapi import FastAPI
 
 from envkit import untrusted
+from envkit.remote import TOKEN_ENV
 from envkit.remote.server.app import create_app
-from envkit.remote.server.config import TOKEN_ENV, ServeConfig, ServerLimits
+from envkit.remote.server.config import ServeConfig, ServerLimits
 from envkit.remote.server.guard import GuardedHttp, descriptor_budget
 from envkit.remote.server.sessions import EnvServer
 from envkit.remote.server.workers import RUN_DIR_ENV, WorkerSlots
