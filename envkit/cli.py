@@ -91,7 +91,8 @@ def _cmd_info(args: argparse.Namespace, console: Console) -> int:
 
 def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
     try:
-        from envkit.server import TOKEN_ENV, ServeConfig, ServerLimits, serve
+        from envkit.remote import TOKEN_ENV
+        from envkit.remote.server import ServeConfig, ServerLimits, serve
     except ImportError as e:
         console.print(f"[red]error:[/red] envkit serve needs the server extra: pip install 'envkit[server]' ({e})")
         return 2

@@ -29,7 +29,7 @@ from gymnasium.spaces import Discrete, Text
 
 from envkit.core import ContractChecker, Env, StepResult, Task
 from envkit.messages import Message, system, user
-from envkit.registry import make
+from envkit.registry import EnvSpec, first_doc_line, make
 from envkit.sync import SyncEnv
 
 # ---------------------------------------------------------------------------------------------- gymnasium → envkit
@@ -283,6 +283,16 @@ class GymTextEnv(Env):
             "observation": f"text rendering of {self.gym_env.observation_space}",
             "action": f"text naming one of {_action_list(self.action_names)} ({self.gym_env.action_space})",
         }
+
+
+def make_gym(name: str, **kwargs: Any) -> GymTextEnv:
+    """The ``gym`` scheme of ``envkit.make``: ``gym:<gymnasium id>`` through :class:`GymTextEnv` (``kwargs`` are
+    its arguments)."""
+    gym_kwargs = {"gym_env": name.removeprefix("gym:"), **kwargs}
+    env = GymTextEnv(**gym_kwargs)
+    env.spec = EnvSpec(name=name, entry_point="envkit.gym_bridge:GymTextEnv", kwargs=gym_kwargs,
+                       description=first_doc_line(GymTextEnv), source="gymnasium bridge")
+    return env
 
 
 # ---------------------------------------------------------------------------------------------- envkit → gymnasium

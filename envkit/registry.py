@@ -3,12 +3,18 @@
 Name grammar: ``[namespace/]name`` where each part is letters, digits, ``.``, ``_`` or ``-`` and starts with a
 letter or digit (``arithmetic``, ``guess-number``, ``acme/sokoban-v2``). ``make`` also takes:
 
-- ``gym:<gymnasium id>`` (e.g. ``gym:Blackjack-v1``): any installed gymnasium env through the text bridge;
 - ``package.module:EnvClass``: an env class by entry point, registered or not;
-- ``http://host:port/NAME`` or ``ws://host:port/NAME``: env NAME served by ``envkit serve`` on that host, as a
-  :class:`envkit.remote.RemoteEnv` over REST or WebSocket (``remote=RemoteConfig(...)`` sets the token and
-  timeouts; the other kwargs go to the server's env);
-- ``openenv:http://host:port``: an OpenEnv environment server, through :class:`envkit.openenv.OpenEnvEnv`.
+- ``SCHEME:...``, where SCHEME (the part before the first ``:``) names a provider in the entry-point group
+  ``envkit.schemes``, called as ``provider(name, **kwargs) -> Env``. envkit registers its own schemes there, so this
+  module imports none of the env kinds behind them:
+
+  - ``gym:<gymnasium id>`` (e.g. ``gym:Blackjack-v1``): any installed gymnasium env through the text bridge
+    (:mod:`envkit.gym_bridge`, the ``gym`` extra);
+  - ``http://host:port/NAME`` or ``ws://host:port/NAME`` (and ``https``, ``wss``): env NAME served by ``envkit
+    serve`` on that host, as a :class:`envkit.remote.RemoteEnv` over REST or WebSocket (``remote=RemoteConfig(...)``
+    sets the token and timeouts; the other kwargs go to the server's env; the ``server`` extra);
+  - ``openenv:http://host:port``: an OpenEnv environment server, through
+    :class:`envkit.remote.openenv.OpenEnvEnv` (the ``server`` extra).
 
 ``make(NAME, sandbox="docker" | "local" | "auto")`` runs the env inside a sandbox of its own (a container from its
 image, or an ``envkit serve`` child process), a RemoteEnv underneath; ``sandbox_options={...}`` tunes it. The
@@ -27,13 +33,14 @@ fails to import is reported by ``broken_envs()`` (and ``envkit list``) without h
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import inspect
 import re
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 from envkit.core import ContractChecker, Env
@@ -41,9 +48,11 @@ from envkit.errors import DuplicateEnvError, EnvLoadError, EnvNotFoundError, Inv
 
 ENTRY_POINT_GROUP = "envkit.envs"
 SANDBOX_GROUP = "envkit.sandboxes"
-GYM_PREFIX = "gym:"
-OPENENV_PREFIX = "openenv:"
-REMOTE_SCHEMES = ("http://", "https://", "ws://", "wss://")
+SCHEME_GROUP = "envkit.schemes"
+# envkit's own schemes and the extra each needs: a name with one of them is never read as `module:Class`, and
+# gets a clear error when its provider is not installed.
+_SCHEME_EXTRAS = {"http": "server", "https": "server", "ws": "server", "wss": "server", "openenv": "server",
+                  "gym": "gym"}
 _NAME_RE = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 EnvFactory = Callable[..., Env]
@@ -141,7 +150,7 @@ class Registry:
             name=name,
             entry_point=target,
             kwargs=kwargs,
-            description=description if description is not None else _first_doc_line(factory),
+            description=description if description is not None else first_doc_line(factory),
             source=f"register() at {_caller_location()}",
             factory=factory,
         )
@@ -171,26 +180,14 @@ class Registry:
         """Construct the env registered as ``name`` with its default kwargs updated by ``kwargs``.
 
         The result is wrapped in :class:`ContractChecker` unless ``checked=False``. ``sandbox="docker"`` (or another
-        ``envkit.sandboxes`` provider) runs the env in a sandbox of its own instead of in this process.
+        ``envkit.sandboxes`` provider) runs the env in a sandbox of its own instead of in this process; a name with
+        a scheme (``ws://...``, ``gym:...``) is made by that scheme's ``envkit.schemes`` provider.
         """
         sandbox = kwargs.pop("sandbox", None)
         if sandbox is not None:
             env: Env = _sandbox_provider(sandbox)(name, **kwargs)
-        elif name.startswith(REMOTE_SCHEMES):
-            from envkit.remote import RemoteEnv  # imported only here: it needs the `server` extra
-
-            env = RemoteEnv(name, remote=kwargs.pop("remote", None), env_kwargs=kwargs)
-        elif name.startswith(OPENENV_PREFIX):
-            from envkit.openenv import OpenEnvEnv
-
-            env = OpenEnvEnv(name[len(OPENENV_PREFIX):], **kwargs)
-        elif name.startswith(GYM_PREFIX):
-            from envkit.gym_bridge import GymTextEnv
-
-            gym_kwargs = {"gym_env": name[len(GYM_PREFIX):], **kwargs}
-            env = GymTextEnv(**gym_kwargs)
-            env.spec = EnvSpec(name=name, entry_point="envkit.gym_bridge:GymTextEnv", kwargs=gym_kwargs,
-                               description=_first_doc_line(GymTextEnv), source="gymnasium bridge")
+        elif (scheme := _scheme(name)) is not None:
+            env = _scheme_provider(scheme)(name, **kwargs)
         else:
             spec = self.spec(name) if ":" not in name else EnvSpec(
                 name=name, entry_point=name, source="entry point string given to make()")
@@ -205,7 +202,7 @@ class Registry:
                 ) from e
             if not isinstance(env, Env):
                 raise EnvLoadError(f"Env {name!r}: {spec.entry_point} returned {type(env).__name__}, not an Env")
-            env.spec = replace(spec, kwargs=merged, description=spec.description or _first_doc_line(factory))
+            env.spec = replace(spec, kwargs=merged, description=spec.description or first_doc_line(factory))
         return ContractChecker(env) if checked else env
 
     def list(self) -> list[EnvSpec]:
@@ -220,7 +217,7 @@ class Registry:
                     del self._specs[name]
                     self._broken[name] = BrokenEnv(name, spec.source, f"{type(cause).__name__}: {cause}")
                     continue
-                self._specs[name] = replace(spec, factory=factory, description=_first_doc_line(factory))
+                self._specs[name] = replace(spec, factory=factory, description=first_doc_line(factory))
         return sorted(self._specs.values(), key=lambda s: s.name)
 
     def broken(self) -> list[BrokenEnv]:
@@ -265,17 +262,46 @@ class Registry:
         return [lowered[c] for c in close]
 
 
-def _sandbox_provider(kind: str) -> Callable[..., Env]:
+def _sandbox_provider(kind: str) -> EnvFactory:
     """The ``envkit.sandboxes`` entry point called ``kind``: ``provider(name, **kwargs) -> Env``."""
-    found = {ep.name: ep for ep in entry_points(group=SANDBOX_GROUP)}
-    if kind not in found:
+    return _provider(SANDBOX_GROUP, kind, "sandbox", "the docker, local and auto sandboxes come with envkit's "
+                                                     "sandboxes package: pip install 'envkit[docker]'")
+
+
+def _scheme(name: str) -> str | None:
+    """The scheme of ``name`` (the part before its first ``:``) when one is installed or envkit's own, else None
+    (a registered name, or a ``module:Class``)."""
+    scheme, colon, _ = name.partition(":")
+    if colon and (scheme in _SCHEME_EXTRAS or scheme in _entry_points(SCHEME_GROUP)):
+        return scheme
+    return None
+
+
+def _scheme_provider(scheme: str) -> EnvFactory:
+    """The ``envkit.schemes`` entry point called ``scheme``: ``provider(name, **kwargs) -> Env``."""
+    extra = _SCHEME_EXTRAS.get(scheme)
+    install = (f"the {scheme!r} scheme comes with envkit's {extra} extra: pip install 'envkit[{extra}]'" if extra
+               else f"reinstall the package that provides the {scheme!r} scheme (entry-point group {SCHEME_GROUP})")
+    return _provider(SCHEME_GROUP, scheme, "scheme", install)
+
+
+def _provider(group: str, name: str, what: str, install: str) -> EnvFactory:
+    """Load the entry point ``name`` of ``group``; EnvLoadError, saying ``install``, when it is missing or broken."""
+    found = _entry_points(group)
+    if name not in found:
         known = ", ".join(sorted(found)) or "none installed"
-        raise EnvLoadError(f"unknown sandbox {kind!r} (known: {known}); the docker, local and auto sandboxes come "
-                           "with envkit's sandboxes package: pip install 'envkit[docker]'")
+        raise EnvLoadError(f"unknown {what} {name!r} (known: {known}); {install}")
     try:
-        return found[kind].load()
+        return found[name].load()
     except Exception as e:
-        raise EnvLoadError(f"sandbox {kind!r} ({found[kind].value}) failed to load: {type(e).__name__}: {e}") from e
+        raise EnvLoadError(f"{what} {name!r} ({found[name].value}) failed to load: {type(e).__name__}: {e}; "
+                           f"{install}") from e
+
+
+@functools.cache
+def _entry_points(group: str) -> dict[str, EntryPoint]:
+    # Read once per process: scanning the installed metadata costs milliseconds, and it does not change under us.
+    return {ep.name: ep for ep in entry_points(group=group)}
 
 
 def _caller_location() -> str:
@@ -285,7 +311,8 @@ def _caller_location() -> str:
     return f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
-def _first_doc_line(obj: object) -> str:
+def first_doc_line(obj: object) -> str:
+    """The first line of ``obj``'s docstring ('' without one): an env's description."""
     doc = inspect.getdoc(obj) if obj is not None else None
     return doc.strip().splitlines()[0] if doc else ""
 

@@ -7,7 +7,7 @@ import time
 
 import uvloop
 
-from envkit.deadlines import Deadlines
+from envkit.remote.deadlines import Deadlines
 
 
 async def test_each_deadline_fires_on_time_unless_discarded():

@@ -14,7 +14,7 @@ import pytest
 import trustme
 import uvloop
 
-from envkit.httpclient import HttpClosedError, HttpConnection
+from envkit.remote.httpclient import HttpClosedError, HttpConnection
 
 seen: list[tuple[int, bytes, bytes]] = []  # (connection number, request head, body) per request
 connections: list[int] = []

@@ -12,7 +12,7 @@ from remote_envs import Server, openenv_server
 
 import envkit
 from envkit.errors import EpisodeDoneError, RemoteInvalidActionError
-from envkit.openenv import OpenEnvEnv
+from envkit.remote.openenv import OpenEnvEnv
 
 
 @pytest.fixture(scope="module")

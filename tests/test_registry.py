@@ -3,12 +3,15 @@ selected by name in fresh subprocesses (including a broken package that must not
 
 from __future__ import annotations
 
+import ast
+import importlib
 import json
 import os
 import re
 import subprocess
 import sys
 import textwrap
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,8 @@ import pytest
 import envkit
 from envkit import ContractChecker, Env, EnvSpec, Registry, StepResult
 from envkit.errors import DuplicateEnvError, EnvLoadError, EnvNotFoundError, InvalidEnvNameError
+
+registry_module = importlib.import_module("envkit.registry")  # envkit.registry is the default Registry
 
 BUNDLED_ENVS = {
     "arithmetic": "envkit-arithmetic",
@@ -105,6 +110,51 @@ def _run(code: str, *, pythonpath: Path | None = None) -> subprocess.CompletedPr
     if pythonpath is not None:
         env["PYTHONPATH"] = str(pythonpath)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+
+
+SCHEMES = {
+    "http://127.0.0.1:1/echo": ("http", "envkit.remote.client:make_remote", "envkit.remote.client:RemoteEnv"),
+    "https://127.0.0.1:1/echo": ("https", "envkit.remote.client:make_remote", "envkit.remote.client:RemoteEnv"),
+    "ws://127.0.0.1:1/echo": ("ws", "envkit.remote.client:make_remote", "envkit.remote.client:RemoteEnv"),
+    "wss://127.0.0.1:1/echo": ("wss", "envkit.remote.client:make_remote", "envkit.remote.client:RemoteEnv"),
+    "openenv:http://127.0.0.1:1": ("openenv", "envkit.remote.openenv:make_openenv",
+                                   "envkit.remote.openenv:OpenEnvEnv"),
+    "gym:FrozenLake-v1": ("gym", "envkit.gym_bridge:make_gym", "envkit.gym_bridge:GymTextEnv"),
+}
+
+
+def test_schemes_resolve_through_the_envkit_schemes_entry_points(reg):
+    installed = {ep.name: ep.value for ep in entry_points(group="envkit.schemes")}
+    for name, (scheme, provider, made) in SCHEMES.items():
+        assert installed.get(scheme) == provider, (scheme, installed)
+        env = reg.make(name)  # a constructor only: nothing connects before init()
+        assert isinstance(env, ContractChecker) and env.spec.name == name and env.spec.entry_point == made
+
+
+def test_the_registry_imports_no_env_kind_to_resolve_names():
+    source = Path(registry_module.__file__).read_text()
+    imported = [ast.unparse(node) for node in ast.walk(ast.parse(source))
+                if isinstance(node, ast.Import | ast.ImportFrom)]
+    assert not [i for i in imported if "remote" in i or "gym" in i or "openenv" in i or "sync" in i], imported
+    out = _run("import sys, envkit.registry as r; r.make('envkit_arithmetic:ArithmeticEnv'); "
+               "print(sorted(m for m in sys.modules if m.startswith(('envkit.remote', 'envkit.gym_bridge'))))")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_names_that_only_look_like_schemes_behave_as_before(reg, monkeypatch):
+    assert isinstance(reg.make(f"{__name__}:EchoEnv").unwrapped, EchoEnv)  # module:Class, not a scheme
+    with pytest.raises(EnvLoadError, match=re.escape("entry point string given to make()): ModuleNotFoundError: "
+                                                     "No module named 'ftp'")):
+        reg.make("ftp://127.0.0.1:1/echo")
+    with pytest.raises(EnvNotFoundError):
+        reg.make("ws")  # a registered name, not a scheme: only the part before a ':' is one
+    monkeypatch.setattr(registry_module, "_entry_points", lambda group: {})  # envkit installed without its schemes
+    with pytest.raises(EnvLoadError, match=re.escape("unknown scheme 'ws' (known: none installed); the 'ws' scheme "
+                                                     "comes with envkit's server extra: pip install 'envkit[server]'")):
+        reg.make("ws://127.0.0.1:1/echo")
+    with pytest.raises(EnvLoadError, match=re.escape("pip install 'envkit[gym]'")):
+        reg.make("gym:FrozenLake-v1")
 
 
 def test_bundled_env_packages_are_selected_by_name_in_a_fresh_process():

@@ -263,8 +263,18 @@ def test_bad_urls_are_refused():
 def test_import_envkit_stays_light_and_make_imports_only_the_client():
     code = ("import sys, envkit; heavy = ('fastapi', 'uvicorn', 'httpx', 'websockets', 'pydantic'); "
             "assert not [m for m in heavy if m in sys.modules], sys.modules.keys(); "
+            "assert not [m for m in sys.modules if m.startswith('envkit.remote')], sys.modules.keys(); "
             "envkit.make('ws://127.0.0.1:1/x'); "
-            "assert 'envkit.remote' in sys.modules and 'fastapi' not in sys.modules and 'uvicorn' not in sys.modules")
+            "assert 'envkit.remote.client' in sys.modules, sys.modules.keys(); "
+            "server = [m for m in sys.modules if m.startswith('envkit.remote.server') or m in ('fastapi', 'uvicorn')]; "
+            "assert not server, server")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_the_server_side_imports_no_client():
+    """envkit.remote re-exports RemoteEnv lazily, so `envkit serve` (in every sandbox) never loads httpx."""
+    code = ("import sys, envkit.remote.server; "
+            "assert not [m for m in ('envkit.remote.client', 'httpx') if m in sys.modules], sys.modules.keys()")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 

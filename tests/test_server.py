@@ -20,8 +20,8 @@ from remote_envs import CLOSE_LOG_ENV, Server, envkit_serve, error_code
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect as ws_connect
 
-from envkit.protocol import ERROR_STATUS
-from envkit.server import ServerLimits, is_loopback
+from envkit.remote.protocol import ERROR_STATUS
+from envkit.remote.server import ServerLimits, is_loopback
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -1,4 +1,5 @@
-"""envkit.wire: the JSON both ends of `envkit serve` speak (orjson, the standard library where orjson refuses)."""
+"""envkit.remote.wire: the JSON both ends of `envkit serve` speak (orjson, the standard library where orjson
+refuses)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from envkit import wire
+from envkit.remote import wire
 
 
 def test_round_trips_what_a_step_carries():

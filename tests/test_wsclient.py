@@ -19,7 +19,7 @@ from websockets.datastructures import Headers
 from websockets.exceptions import InvalidStatus
 from websockets.http11 import Request, Response
 
-from envkit.wsclient import WsClosedError, WsConnection
+from envkit.remote.wsclient import WsClosedError, WsConnection
 
 seen_headers: list[Headers] = []
 closed_by_client: list[float] = []

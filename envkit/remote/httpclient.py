@@ -4,7 +4,7 @@ A REST env session sends one request and waits for its answer before the next. h
 (connection pools, redirects, streaming, HTTP/2, a timer per wait) and spends about a millisecond of CPU on each of
 these small requests, several times what the env server spends answering them. This writes the request line and
 headers itself, parses answers with httptools (llhttp, the parser uvicorn serves with), and times answers out with
-:class:`~envkit.deadlines.Deadlines`, as :mod:`envkit.wsclient` does for WebSockets.
+:class:`~envkit.remote.deadlines.Deadlines`, as :mod:`envkit.remote.wsclient` does for WebSockets.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from envkit.deadlines import Deadlines
-from envkit.wsclient import read_buffer
+from envkit.remote.deadlines import Deadlines
+from envkit.remote.wsclient import read_buffer
 
 
 def _header_block(headers: dict[str, str]) -> bytes:

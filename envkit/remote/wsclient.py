@@ -3,8 +3,8 @@
 An env session has one request in flight at a time. websockets' asyncio client is built for the general case
 (concurrent senders, streamed fragments, keepalive, a timer per wait), which costs a remote step more CPU than the
 env server spends on it. This drives the same protocol object (handshake, framing, masking, pings, closing) straight
-from an asyncio transport, and times answers out with :class:`~envkit.deadlines.Deadlines`, so a step schedules no
-timer of its own.
+from an asyncio transport, and times answers out with :class:`~envkit.remote.deadlines.Deadlines`, so a step
+schedules no timer of its own.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from websockets.frames import Frame, Opcode
 from websockets.protocol import State
 from websockets.uri import parse_uri
 
-from envkit.deadlines import Deadlines
+from envkit.remote.deadlines import Deadlines
 
 _DATA = (Opcode.TEXT, Opcode.BINARY)
 _READ_SIZE = 256 * 1024

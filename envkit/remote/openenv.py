@@ -31,8 +31,8 @@ from envkit.core import Env, StepResult, Task
 from envkit.errors import InvalidActionError, RemoteEnvCrashError, RemoteEnvError, RemoteInvalidActionError
 from envkit.messages import Message, user
 from envkit.registry import EnvSpec
-from envkit.remote import RemoteConfig, retry_connect, ws_exchange
-from envkit.wsclient import WsConnection
+from envkit.remote.client import RemoteConfig, retry_connect, ws_exchange
+from envkit.remote.wsclient import WsConnection
 
 _RESERVED = {"metadata", "done", "reward"}  # fields every OpenEnv Action/Observation has; never the payload
 
@@ -65,7 +65,7 @@ class OpenEnvEnv(Env):
         self._to_action, self._to_messages = to_action, to_messages
         self.config = remote or RemoteConfig()
         self._ws: WsConnection | None = None
-        self.spec = EnvSpec(name=f"openenv:{url}", entry_point="envkit.openenv:OpenEnvEnv",
+        self.spec = EnvSpec(name=f"openenv:{url}", entry_point="envkit.remote.openenv:OpenEnvEnv",
                             kwargs={"action_key": action_key, "observation_key": observation_key},
                             description=f"OpenEnv server at {self.http_url}", source="openenv")
 
@@ -160,3 +160,8 @@ class OpenEnvEnv(Env):
         if not ws.closed:
             ws.send(json.dumps({"type": "close"}))
         await ws.close()
+
+
+def make_openenv(name: str, **kwargs: Any) -> OpenEnvEnv:
+    """The ``openenv`` scheme of ``envkit.make``: ``openenv:http://host:port`` is the OpenEnv server at that URL."""
+    return OpenEnvEnv(name.removeprefix("openenv:"), **kwargs)

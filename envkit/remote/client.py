@@ -27,7 +27,6 @@ from urllib.parse import quote, urlsplit
 import httpx
 import websockets
 
-from envkit import wire
 from envkit.core import Env, StepResult, Task
 from envkit.errors import (
     RemoteConnectionError,
@@ -38,14 +37,13 @@ from envkit.errors import (
     RemoteInvalidTaskError,
     RemoteResetNeededError,
 )
-from envkit.httpclient import HttpClosedError, HttpConnection
 from envkit.messages import Message
 from envkit.registry import EnvSpec
+from envkit.remote import TOKEN_ENV, wire
+from envkit.remote.httpclient import HttpClosedError, HttpConnection
+from envkit.remote.wsclient import WsClosedError, WsConnection
 from envkit.tasks import LazyTasks
 from envkit.tools import Tool
-from envkit.wsclient import WsClosedError, WsConnection
-
-TOKEN_ENV = "ENVKIT_TOKEN"
 
 _ERRORS: dict[str, type[RemoteEnvError]] = {
     "reset_needed": RemoteResetNeededError,
@@ -305,7 +303,7 @@ class RemoteEnv(Env):
         self._transport: _Rest | _WebSocket | None = None
         self.session_id: str | None = None
         self.tools = []  # type: ignore[misc]  # the server's, once the session exists
-        self.spec = EnvSpec(name=url, entry_point="envkit.remote:RemoteEnv", kwargs=self.env_kwargs,
+        self.spec = EnvSpec(name=url, entry_point="envkit.remote.client:RemoteEnv", kwargs=self.env_kwargs,
                             description=f"{self.name or 'env'} served at {self.base_url}", source="remote")
 
     async def init(self) -> None:
@@ -368,3 +366,9 @@ class RemoteEnv(Env):
 
     def __repr__(self) -> str:
         return f"<RemoteEnv {self.url!r} session={self.session_id}>"
+
+
+def make_remote(name: str, **kwargs: Any) -> RemoteEnv:
+    """The ``http``, ``https``, ``ws`` and ``wss`` schemes of ``envkit.make``: ``remote=RemoteConfig(...)`` configures
+    the client, the other kwargs go to the server's env."""
+    return RemoteEnv(name, remote=kwargs.pop("remote", None), env_kwargs=kwargs)

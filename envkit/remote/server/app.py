@@ -1,0 +1,225 @@
+"""The FastAPI app of ``envkit serve``: :func:`create_app` puts the error handlers and the REST routes (server,
+sessions, and ``/exec`` in sandboxes) on an :class:`~envkit.remote.server.sessions.EnvServer`, behind the
+:class:`~envkit.remote.server.guard.Guard` middleware."""
+
+from __future__ import annotations
+
+import base64
+import logging
+import sys
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import envkit
+from envkit import untrusted
+from envkit.remote.protocol import (
+    ERROR_STATUS,
+    PROTOCOL_VERSION,
+    ApiError,
+    CreateSession,
+    ErrorBody,
+    ExecRequest,
+    ExecResponse,
+    Health,
+    ResetRequest,
+    ResetResult,
+    ScrubResult,
+    ServerInfo,
+    SessionCreated,
+    SessionState,
+    StepRequest,
+    StepResultBody,
+    TaskPage,
+)
+from envkit.remote.server.config import ServerLimits
+from envkit.remote.server.guard import Guard
+from envkit.remote.server.sessions import EnvServer, encode
+from envkit.remote.server.workers import LocalSlots
+
+MAX_TASK_PAGE = 1024
+
+log = logging.getLogger(__name__)
+
+
+def create_app(env: str, *, env_kwargs: dict[str, Any] | None = None, token: str | None = None,
+               limits: ServerLimits | None = None, slots: LocalSlots | None = None,
+               workspace: untrusted.Workspace | None = None) -> FastAPI:
+    """The FastAPI app serving ``env`` (a registered name or ``module:Class``); see the package docstring.
+    With ``workspace``, also ``/exec`` and ``/exec/scrub`` (commands next to the env, in a sandbox)."""
+    server = EnvServer(env, env_kwargs=env_kwargs, limits=limits, slots=slots)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async with server.running():
+            yield
+
+    # The package docstring says what the server guarantees; its first paragraph heads the OpenAPI page.
+    summary = sys.modules[__package__].__doc__.split("\n\n")[0]
+    app = FastAPI(title=f"envkit serve {env}", version=envkit.__version__, lifespan=lifespan,
+                  description=summary + f" Protocol version {PROTOCOL_VERSION}.")
+    app.state.env_server = server
+    _add_error_handlers(app, server)
+    _add_server_routes(app, server)
+    _add_session_routes(app, server)
+    if workspace is not None:
+        _add_exec_routes(app, server, workspace)
+    app.add_middleware(Guard, server=server, token=token)
+    return app
+
+
+def _answer(body: Any, status: int = 200) -> Response:
+    return Response(encode(body), status_code=status, media_type="application/json")
+
+
+def _error(server: EnvServer, err: ApiError) -> Response:
+    server.metrics.errors[err.code] += 1
+    headers = {"retry-after": "1"} if err.code == "capacity" else None
+    return Response(err.encoded(), status_code=err.status, media_type="application/json",
+                    headers=headers)
+
+
+async def _timed(server: EnvServer, op: str, work: Awaitable[Any], status: int = 200) -> Response:
+    code, payload = await server.answer(op, "rest", work, status)
+    if code == 204:
+        return Response(status_code=204)
+    return Response(payload, status_code=code, media_type="application/json",
+                    headers={"retry-after": "1"} if code == 503 else None)
+
+
+def _responses(*codes: str) -> dict[int | str, dict[str, Any]]:
+    out: dict[int | str, dict[str, Any]] = {}
+    for code in ("unauthorized", "payload_too_large", "bad_request", "validation_error", *codes):
+        status = ERROR_STATUS[code]
+        entry = out.setdefault(status, {"model": ErrorBody, "description": ""})
+        entry["description"] = ", ".join(filter(None, (entry["description"], code)))
+    return out
+
+
+_ENV_FAULTS = ("env_error", "env_timeout")
+
+
+def _add_error_handlers(app: FastAPI, server: EnvServer) -> None:
+    @app.exception_handler(ApiError)
+    async def on_api_error(_: Request, exc: ApiError) -> Response:
+        return _error(server, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(request: Request, exc: RequestValidationError) -> Response:
+        problems = exc.errors()
+        if any(p.get("type") == "json_invalid" for p in problems):
+            return _error(server, ApiError("bad_request", "the body is not valid JSON"))
+        content_type = request.headers.get("content-type", "")
+        if request.method == "POST" and "json" not in content_type:
+            got = content_type or "no content type"
+            return _error(server, ApiError("bad_request", "send the body as JSON with 'Content-Type: "
+                                                          f"application/json' (got {got!r})"))
+        text = "; ".join(f"{'.'.join(str(x) for x in p.get('loc', ()))}: {p.get('msg')}" for p in problems[:5])
+        return _error(server, ApiError("validation_error", text or "the body does not fit the schema"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(_: Request, exc: StarletteHTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed", 400: "bad_request"}.get(exc.status_code)
+        if code is None:
+            code = "bad_request" if exc.status_code < 500 else "internal_error"
+        err = ApiError(code, str(exc.detail))
+        err.status = exc.status_code
+        return _error(server, err)
+
+    @app.exception_handler(Exception)
+    async def on_bug(_: Request, exc: Exception) -> Response:
+        log.error("internal error", exc_info=exc)
+        return _error(server, ApiError("internal_error", f"{type(exc).__name__}: {exc}"))
+
+
+def _add_server_routes(app: FastAPI, server: EnvServer) -> None:
+    @app.get("/health", response_model=Health, tags=["server"])
+    async def health() -> dict[str, str]:
+        """Liveness; needs no token."""
+        return {"status": "ok"}
+
+    @app.get("/info", response_model=ServerInfo, responses=_responses(), tags=["server"])
+    async def info() -> Response:
+        """The served env (name, version, tools, task counts, spaces), protocol version, limits, open sessions."""
+        return _answer(await server.server_info())
+
+    @app.get("/metrics", response_class=PlainTextResponse, responses=_responses(), tags=["server"])
+    async def metrics() -> PlainTextResponse:
+        """Prometheus text format: sessions, requests, errors by code, latency histograms."""
+        return PlainTextResponse(await server.metrics_text())
+
+    @app.get("/tasks", response_model=TaskPage, responses=_responses("invalid_split", "no_tasks"), tags=["server"])
+    async def tasks(split: str = "train", offset: int = Query(0, ge=0),
+                    limit: int = Query(256, ge=1, le=MAX_TASK_PAGE)) -> Response:
+        """A page of the served env's tasks for ``split``; 404 ``no_tasks`` when the env does not list them."""
+        try:
+            return _answer(server.tasks(split, offset, limit))
+        except ApiError as e:
+            return _error(server, e)
+
+
+def _add_session_routes(app: FastAPI, server: EnvServer) -> None:
+    @app.post("/sessions", status_code=201, response_model=SessionCreated,
+              responses=_responses("invalid_kwargs", "capacity", "rest_unavailable", *_ENV_FAULTS), tags=["sessions"])
+    async def create_session(body: CreateSession | None = None) -> Response:
+        """Create a session with its own env instance (``kwargs`` override the served defaults)."""
+        if not server.rest_sessions:
+            return _error(server, ApiError("rest_unavailable", "this server runs several worker processes, so a "
+                                                               "REST session could be routed to another one: use the "
+                                                               "WebSocket transport (ws://...) or run envkit serve "
+                                                               "with --workers 1"))
+        return await _timed(server, "create", server.create(body.kwargs if body else {}), 201)
+
+    @app.post("/sessions/{session_id}/reset", response_model=ResetResult,
+              responses=_responses("session_not_found", "invalid_task", *_ENV_FAULTS), tags=["sessions"])
+    async def reset_session(session_id: str, body: ResetRequest | None = None) -> Response:
+        """Start an episode: the same seed or task gives the same start."""
+        body = body or ResetRequest()
+        return await _timed(server, "reset", server.reset(session_id, body.seed, body.task))
+
+    @app.post("/sessions/{session_id}/step", response_model=StepResultBody,
+              responses=_responses("session_not_found", "reset_needed", "episode_done", "invalid_action",
+                                   *_ENV_FAULTS), tags=["sessions"])
+    async def step_session(session_id: str, body: StepRequest) -> Response:
+        """Apply one assistant message."""
+        return await _timed(server, "step", server.step(session_id, body.action.model_dump(exclude_unset=True)))
+
+    @app.get("/sessions/{session_id}", response_model=SessionState, responses=_responses("session_not_found"),
+             tags=["sessions"])
+    async def session_state(session_id: str) -> Response:
+        """Where the session stands: episode active, counts, idle time."""
+        try:
+            return _answer(server.state(session_id))
+        except ApiError as e:
+            return _error(server, e)
+
+    @app.delete("/sessions/{session_id}", status_code=204, responses=_responses("session_not_found"),
+                tags=["sessions"])
+    async def delete_session(session_id: str) -> Response:
+        """Close the session's env and forget the session."""
+        return await _timed(server, "delete", server.delete(session_id))
+
+
+def _add_exec_routes(app: FastAPI, server: EnvServer, workspace: untrusted.Workspace) -> None:
+    @app.post("/exec", response_model=ExecResponse, responses=_responses(), tags=["sandbox"])
+    async def exec_command(body: ExecRequest) -> Response:
+        """Run a command as the exec user in the exec dir, one at a time; nothing it starts outlives it."""
+        try:
+            stdin = base64.b64decode(body.stdin_b64, validate=True)
+        except ValueError:
+            return _error(server, ApiError("validation_error", "stdin_b64 is not base64"))
+        # A missing program is the command's own failure (exit 127 from env), as in a shell.
+        result = await workspace.run(body.argv, stdin=stdin, timeout_s=body.timeout_s,
+                                     output_limit=body.output_limit)
+        return _answer(result.decoded())
+
+    @app.post("/exec/scrub", response_model=ScrubResult, responses=_responses(), tags=["sandbox"])
+    async def exec_scrub() -> Response:
+        """Kill the exec user's processes and delete its files; answers what is left (empty lists: clean)."""
+        processes, files = await workspace.scrub()
+        return _answer({"processes": processes, "files": files})

@@ -1,0 +1,127 @@
+"""Running ``envkit serve``: :func:`serve` under uvicorn, one process or ``--workers N`` (each builds its app from the
+config the parent leaves in the environment), with every log line behind :class:`RedactSecrets`."""
+
+from __future__ import annotations
+
+import copy
+import ipaddress
+import json
+import logging
+import os
+import re
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI
+
+from envkit import untrusted
+from envkit.remote import TOKEN_ENV
+from envkit.remote.server.app import create_app
+from envkit.remote.server.config import ServeConfig, ServerLimits
+from envkit.remote.server.guard import GuardedHttp, descriptor_budget
+from envkit.remote.server.sessions import EnvServer
+from envkit.remote.server.workers import RUN_DIR_ENV, WorkerSlots
+
+log = logging.getLogger(__name__)
+
+_CONFIG_ENV = "ENVKIT_SERVE_CONFIG"  # hands the config to each worker process when --workers > 1
+
+
+def is_loopback(host: str) -> bool:
+    """True when ``host`` only accepts connections from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _app_from_environ() -> FastAPI:
+    """The app of one worker process (``--workers N``), built from the config the parent put in the environment."""
+    config = ServeConfig.from_json(json.loads(os.environ[_CONFIG_ENV]))
+    _guard_connections(config.limits)
+    return create_app(config.env, env_kwargs=config.env_kwargs, token=config.token, limits=config.limits,
+                      slots=WorkerSlots(os.environ[RUN_DIR_ENV], config.workers))
+
+
+def _guard_connections(limits: ServerLimits) -> None:
+    """Arm this process's HTTP protocol with the read deadline and the connection cap its descriptors allow."""
+    GuardedHttp.configure(request_timeout_s=limits.request_timeout_s,
+                          max_connections=descriptor_budget(limits.max_connections, limits.max_sessions))
+
+
+_CREDENTIALS = re.compile(r"(?i)(authorization:?\s*(?:bearer\s+)?|bearer\s+)\S+")
+
+
+class RedactSecrets(logging.Filter):
+    """Blanks bearer credentials (right or wrong) and the given secrets in every record a handler writes:
+    uvicorn logs a WebSocket handshake's headers, ``Authorization`` included, at debug level."""
+
+    def __init__(self, secrets: Sequence[str] = ()) -> None:
+        super().__init__()
+        self.secrets = [s for s in secrets if s]
+
+    def redact(self, text: str) -> str:
+        """``text`` with every credential and secret replaced by ``[redacted]``."""
+        text = _CREDENTIALS.sub(r"\1[redacted]", text)
+        for secret in self.secrets:
+            text = text.replace(secret, "[redacted]")
+        return text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        clean = self.redact(message)
+        if clean != message:
+            record.msg, record.args = clean, ()
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self.redact(logging.Formatter().formatException(record.exc_info))
+        return True
+
+
+def _log_config(level: str, secrets: Sequence[str]) -> dict[str, Any]:
+    """uvicorn's logging setup with every handler behind :class:`RedactSecrets`, and the root logger (envkit, the
+    env, websockets) on the same handler and level."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["filters"] = {"redact": {"()": RedactSecrets, "secrets": list(secrets)}}
+    for handler in config["handlers"].values():
+        handler["filters"] = ["redact"]
+    config["root"] = {"handlers": ["default"], "level": level.upper()}
+    return config
+
+
+def serve(config: ServeConfig) -> None:
+    """Serve until SIGINT/SIGTERM, then close every env. Warns when bound beyond loopback without a token."""
+    import uvicorn
+
+    if not is_loopback(config.host) and not config.token:
+        log.warning("envkit serve is listening on %s without a token: anyone who can reach this port can run the "
+                    "env. Set %s or pass --token.", config.host, TOKEN_ENV)
+    common: dict[str, Any] = {
+        "host": config.host, "port": config.port, "log_level": config.log_level, "access_log": False,
+        "ws_max_size": config.limits.max_request_bytes, "timeout_keep_alive": 75, "lifespan": "on",
+        "log_config": _log_config(config.log_level, [config.token or ""]), "http": GuardedHttp,
+    }
+    if config.exec_user is not None and not config.token:
+        raise ValueError("--exec-user serves /exec, which runs any command: it needs a token ($ENVKIT_TOKEN)")
+    _guard_connections(config.limits)  # workers check again: each has descriptors of its own
+    if config.workers == 1:
+        workspace = untrusted.Workspace(config.exec_user, config.exec_dir) if config.exec_user is not None else None
+        app = create_app(config.env, env_kwargs=config.env_kwargs, token=config.token, limits=config.limits,
+                         workspace=workspace)
+        uvicorn.run(app, **common)
+        return
+    if config.exec_user is not None:
+        raise ValueError("--exec-user serves one workspace, so it needs --workers 1")
+    _ = EnvServer(config.env, env_kwargs=config.env_kwargs, limits=config.limits)  # fail here, not in N workers
+    with tempfile.TemporaryDirectory(prefix="envkit-serve-") as run_dir:
+        os.environ[_CONFIG_ENV] = json.dumps(config.to_json())
+        os.environ[RUN_DIR_ENV] = run_dir
+        try:
+            uvicorn.run("envkit.remote.server.run:_app_from_environ", factory=True, workers=config.workers, **common)
+        finally:
+            os.environ.pop(_CONFIG_ENV, None)
+            os.environ.pop(RUN_DIR_ENV, None)

@@ -1,0 +1,334 @@
+"""The sessions of one served env: :class:`EnvServer` makes, steps and closes their envs under the limits (step
+timeout, capacity, idle reaper) and classifies what an env raises; the REST routes, the fast REST step and the
+WebSocket endpoint all call its operations."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+import envkit
+from envkit.core import Env
+from envkit.errors import (
+    EnvError,
+    EnvLoadError,
+    EpisodeDoneError,
+    InvalidActionError,
+    InvalidTaskError,
+    ResetNeededError,
+)
+from envkit.remote import wire
+from envkit.remote.deadlines import Canceller, Deadlines
+from envkit.remote.protocol import PROTOCOL_VERSION, ApiError
+from envkit.remote.server.config import ServerLimits
+from envkit.remote.server.metrics import Metrics
+from envkit.remote.server.workers import FLUSH_S, LocalSlots, WorkerSlots
+from envkit.tasks import task_counts
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(eq=False)
+class _Session:
+    id: str
+    env: Env
+    created: float
+    last_used: float
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    episode: Literal["none", "active", "done", "failed"] = "none"
+    episodes: int = 0
+    steps: int = 0
+
+def encode(body: Any) -> bytes:
+    """The JSON of an answer's body; a value JSON cannot carry is the env's fault (``env_error``)."""
+    try:
+        return wire.dumps(body)
+    except (TypeError, ValueError) as e:
+        raise ApiError("env_error", f"the env returned a value JSON cannot carry: {e}") from e
+
+
+def plain_step_action(frame: bytes | str, keys: frozenset[str]) -> dict[str, Any] | None:
+    """The action of the commonest request, a step with a text-only assistant message, parsed without pydantic:
+    ``frame`` must be a JSON object with exactly ``keys`` (a WebSocket frame's op is ``"step"``).
+
+    None sends the frame through full validation, which gives the same answer for these frames, just slower.
+    """
+    try:
+        parsed = wire.loads(frame)
+    except ValueError:
+        return None
+    if type(parsed) is not dict or parsed.keys() != keys or parsed.get("op", "step") != "step":
+        return None
+    action = parsed["action"]
+    if (type(action) is dict and action.keys() <= {"role", "content"} and action.get("role") == "assistant"
+            and type(action.get("content")) is str):
+        return action
+    return None
+
+
+class EnvServer:
+    """The sessions of one served env and the operations on them; REST and WebSocket handlers both call these."""
+
+    def __init__(self, env: str, *, env_kwargs: dict[str, Any] | None = None, limits: ServerLimits | None = None,
+                 slots: LocalSlots | None = None) -> None:
+        self.env_name = env
+        self.env_kwargs = dict(env_kwargs or {})
+        self.limits = limits or ServerLimits()
+        self.slots = slots or LocalSlots()
+        """Session capacity: this process's, or with ``--workers N`` the whole server's (a WorkerSlots)."""
+        self.rest_sessions = self.slots.workers == 1
+        self.sessions: dict[str, _Session] = {}
+        self.metrics = Metrics()
+        self._closing: set[asyncio.Task[None]] = set()
+        self.deadlines = Deadlines()
+        """Step timeouts and idle WebSockets: a timer per call would cost more than a fast env's step."""
+        self._probe = envkit.make(env, **self.env_kwargs)  # fail fast on a bad name or kwargs; describes the env
+        self._task_lists: dict[str, Sequence[dict[str, Any]]] = {}
+        spec = self._probe.spec
+        self.info = {
+            "env": env,
+            "description": spec.description if spec else "",
+            "env_version": spec.version if spec else None,
+            "envkit_version": envkit.__version__,
+            "protocol_version": PROTOCOL_VERSION,
+            "tools": [t.to_openai() for t in self._probe.tools],
+            "tasks": task_counts(self._probe),
+            "spaces": self._probe.spaces(),
+        }
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """Run the idle reaper; on exit close every session's env."""
+        await self._probe.close()
+        await self.slots.open()
+        background = [asyncio.create_task(self._reap_forever(), name="envkit-reaper")]
+        if isinstance(self.slots, WorkerSlots):
+            background.append(asyncio.create_task(self._publish_forever(self.slots), name="envkit-metrics"))
+        try:
+            yield
+        finally:
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+            sessions, self.sessions = list(self.sessions.values()), {}
+            await asyncio.gather(*(self._close_env(s, "shutdown") for s in sessions))
+            await asyncio.gather(*self._closing, return_exceptions=True)
+            await self.slots.close()
+
+    async def _reap_forever(self) -> None:
+        ttl = self.limits.session_ttl_s
+        interval = min(max(ttl / 4, 0.05), 5.0)
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            for s in list(self.sessions.values()):
+                if now - s.last_used > ttl and not s.lock.locked():
+                    self._drop_in_background(s, "expired")
+
+    async def _publish_forever(self, slots: WorkerSlots) -> None:
+        while True:
+            await asyncio.to_thread(slots.write_metrics, self.metrics.snapshot())
+            await asyncio.sleep(FLUSH_S)
+
+    async def metrics_text(self) -> str:
+        """``/metrics``: this process's numbers, or with several workers the sum of all of theirs."""
+        if not isinstance(self.slots, WorkerSlots):
+            return self.metrics.render(len(self.sessions), self.limits.max_sessions)
+        others = await asyncio.to_thread(self.slots.other_metrics)
+        per_worker = await asyncio.to_thread(self.slots.counts)
+        total = Metrics.summed([self.metrics.snapshot(), *others])
+        return total.render(sum(per_worker.values()), self.limits.max_sessions, per_worker)
+
+    def _drop_in_background(self, s: _Session, reason: str) -> None:
+        if self.sessions.pop(s.id, None) is None:
+            return
+        task = asyncio.create_task(self._close_env(s, reason))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def _close_env(self, s: _Session, reason: str) -> None:
+        """Close the session's env and give its slot back."""
+        self.metrics.sessions_closed[reason] += 1
+        try:
+            await self._call(s.env.close())
+        except ApiError as e:
+            self.metrics.errors[e.code] += 1
+            log.error("closing session %s (%s): %s", s.id, reason, e.message)
+        finally:
+            await self.slots.release()
+
+    async def _call(self, coro: Awaitable[T]) -> T:
+        """Await an env call under the step timeout; classify what it raises."""
+        expire = Canceller()
+        self.deadlines.add(expire, self.limits.step_timeout_s, expire)
+        try:
+            return await coro
+        except asyncio.CancelledError as e:
+            if not expire.expired:
+                raise
+            raise ApiError("env_timeout", f"the env did not answer within {self.limits.step_timeout_s:g} s "
+                                          "(ServerLimits.step_timeout_s)") from e
+        except InvalidTaskError as e:
+            raise ApiError("invalid_task", str(e)) from e
+        except InvalidActionError as e:
+            raise ApiError("invalid_action", str(e)) from e
+        except EpisodeDoneError as e:
+            raise ApiError("episode_done", str(e)) from e
+        except ResetNeededError as e:
+            raise ApiError("reset_needed", str(e)) from e
+        except ApiError:
+            raise
+        except Exception as e:
+            raise self._env_crash(e) from e
+        finally:
+            self.deadlines.discard(expire)
+            if expire.expired:
+                expire.task.uncancel()
+
+    def _env_crash(self, e: BaseException) -> ApiError:
+        log.error("env %s raised", self.env_name, exc_info=e)
+        kind = "broke the contract" if isinstance(e, EnvError) else "raised"
+        return ApiError("env_error", f"the env {kind}: {type(e).__name__}: {e}")
+
+    # ---- operations ------------------------------------------------------------------------------------------
+
+    async def create(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Make a new env for a new session; answers its id and tools."""
+        if not await self.slots.admit(self.limits.max_sessions):  # held from here until _close_env
+            raise ApiError("capacity", f"the server is at its limit of {self.limits.max_sessions} sessions "
+                                       "(ServerLimits.max_sessions); delete sessions or retry later")
+        try:
+            env = envkit.make(self.env_name, **{**self.env_kwargs, **kwargs})
+        except BaseException as e:
+            await self.slots.release()
+            if isinstance(e, EnvLoadError):
+                raise ApiError("invalid_kwargs", str(e)) from e
+            raise
+        now = time.monotonic()
+        session = _Session(id=secrets.token_urlsafe(16), env=env, created=now, last_used=now)
+        try:
+            await self._call(env.init())
+        except BaseException:
+            await asyncio.shield(self._close_env(session, "failed"))
+            raise
+        self.sessions[session.id] = session
+        self.metrics.sessions_created += 1
+        return {"session_id": session.id, "env": self.env_name, "tools": [t.to_openai() for t in env.tools]}
+
+    def get(self, session_id: str) -> _Session:
+        """The open session ``session_id``."""
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise self._not_found(session_id)
+        return session
+
+    def _not_found(self, session_id: str) -> ApiError:
+        return ApiError("session_not_found", f"no session {session_id!r} (unknown, deleted, or closed after "
+                                             f"{self.limits.session_ttl_s:g} s idle); create a new one")
+
+    async def reset(self, session_id: str, seed: int | None, task: dict[str, Any] | None) -> dict[str, Any]:
+        """Start an episode in the session."""
+        s = self.get(session_id)
+        async with s.lock:
+            self._check_open(s)
+            s.episode = "failed"  # until the env answers
+            try:
+                messages, info = await self._call(s.env.reset(seed=seed, task=task))
+            finally:
+                s.last_used = time.monotonic()
+            s.episode, s.episodes = "active", s.episodes + 1
+            return {"observation": messages, "info": info}
+
+    async def step(self, session_id: str, action: dict[str, Any]) -> dict[str, Any]:
+        """Apply one assistant message in the session's episode."""
+        s = self.get(session_id)
+        async with s.lock:
+            self._check_open(s)
+            if s.episode != "active":
+                raise self._not_active(s)
+            try:
+                result = await self._call(s.env.step(action))  # type: ignore[arg-type]
+            except ApiError as e:
+                if e.code in ("env_error", "env_timeout"):
+                    s.episode = "failed"
+                raise
+            finally:
+                s.last_used = time.monotonic()
+            s.steps += 1
+            if result.terminated or result.truncated:
+                s.episode = "done"
+            return {"observation": result.observation, "reward": float(result.reward),
+                    "terminated": result.terminated, "truncated": result.truncated, "info": result.info}
+
+    def state(self, session_id: str) -> dict[str, Any]:
+        """Where the session stands."""
+        s = self.get(session_id)
+        now = time.monotonic()
+        return {"session_id": s.id, "env": self.env_name, "episode_active": s.episode == "active",
+                "episodes": s.episodes, "steps": s.steps, "idle_s": now - s.last_used, "age_s": now - s.created}
+
+    async def delete(self, session_id: str, reason: str = "deleted") -> None:
+        """Close the session's env and forget the session."""
+        s = self.get(session_id)
+        del self.sessions[session_id]
+        async with s.lock:  # let a running step finish first
+            await self._close_env(s, reason)
+
+    def _check_open(self, s: _Session) -> None:
+        if self.sessions.get(s.id) is not s:  # deleted or reaped while this request waited for the lock
+            raise self._not_found(s.id)
+
+    @staticmethod
+    def _not_active(s: _Session) -> ApiError:
+        if s.episode == "done":
+            return ApiError("episode_done", "step() after the episode ended (terminated or truncated); reset first")
+        if s.episode == "failed":
+            return ApiError("reset_needed", "the last reset or step of this session failed; reset to go on")
+        return ApiError("reset_needed", "step() before reset(); reset the session first")
+
+    def tasks(self, split: str, offset: int, limit: int) -> dict[str, Any]:
+        """One page of the served env's task list for ``split`` (the ``/tasks`` body)."""
+        if split not in self._task_lists:
+            try:
+                tasks = self._probe.tasks(split)
+            except ValueError as e:
+                raise ApiError("invalid_split", str(e)) from e
+            if tasks is None:
+                raise ApiError("no_tasks", f"env {self.env_name!r} does not list its tasks; draw its episodes by "
+                                           "seed instead")
+            self._task_lists[split] = tasks if isinstance(tasks, Sequence) else list(tasks)
+        tasks = self._task_lists[split]
+        page = [dict(tasks[i]) for i in range(min(offset, len(tasks)), min(offset + limit, len(tasks)))]
+        return {"split": split, "total": len(tasks), "offset": offset, "tasks": page}
+
+    async def answer(self, op: str, transport: str, work: Awaitable[Any], status: int = 200) -> tuple[int, bytes]:
+        """Await one operation and return the answer's status and body (204 and no body for None, an error's
+        status and body for an ApiError), counting its latency and any error."""
+        start = time.perf_counter()
+        try:
+            body = await work
+            return (204, b"") if body is None else (status, encode(body))
+        except ApiError as e:
+            self.metrics.errors[e.code] += 1
+            return e.status, e.encoded()
+        finally:
+            self.metrics.observe(op, transport, time.perf_counter() - start)
+
+    async def server_info(self) -> dict[str, Any]:
+        """The ``/info`` body: ``sessions`` counts the whole server's, ``worker`` says which process answered."""
+        limits = self.limits
+        worker = {"pid": os.getpid(), "workers": self.slots.workers, "sessions": len(self.sessions)}
+        return {**self.info, "sessions": await self.slots.total(), "worker": worker,
+                "max_sessions": limits.max_sessions, "session_ttl_s": limits.session_ttl_s,
+                "step_timeout_s": limits.step_timeout_s, "max_request_bytes": limits.max_request_bytes,
+                "rest_sessions": self.rest_sessions}
