@@ -4,20 +4,19 @@ A REST env session sends one request and waits for its answer before the next. h
 (connection pools, redirects, streaming, HTTP/2, a timer per wait) and spends about a millisecond of CPU on each of
 these small requests, several times what the env server spends answering them. This writes the request line and
 headers itself, parses answers with httptools (llhttp, the parser uvicorn serves with), and times answers out with
-:class:`~envkit.remote.deadlines.Deadlines`, as :mod:`envkit.remote.wsclient` does for WebSockets.
+:class:`~envkit.remote.deadlines.Deadlines` (:mod:`envkit.remote.lockstep`), as :mod:`envkit.remote.wsclient` does for
+WebSockets.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ssl
-from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
 
-from envkit.remote.deadlines import Deadlines
-from envkit.remote.wsclient import read_buffer
+from envkit.remote.lockstep import LockstepConnection, read_buffer
 
 
 def _header_block(headers: dict[str, str]) -> bytes:
@@ -35,23 +34,19 @@ class HttpClosedError(ConnectionError):
     """The connection closed (or was closed) before the whole answer came."""
 
 
-class HttpConnection(asyncio.BufferedProtocol):
+class HttpConnection(LockstepConnection[tuple[int, bytes]]):
     """One client connection to ``http(s)://host:port`` on which requests and answers alternate; open it with
     :meth:`connect`. Every request carries ``headers`` (fixed for the connection's life)."""
 
+    closed_error = HttpClosedError
+
     def __init__(self, origin: str, headers: dict[str, str]) -> None:
-        parts = urlsplit(origin)
+        super().__init__(origin)
         self.origin = origin
-        self._loop = asyncio.get_running_loop()
-        self._head_tail = f"host: {parts.netloc}\r\n".encode() + _header_block(headers)
+        self._head_tail = f"host: {urlsplit(origin).netloc}\r\n".encode() + _header_block(headers)
         self._parser = httptools.HttpResponseParser(self)
-        self._transport: asyncio.Transport | None = None
-        self._lost: asyncio.Future[None] = self._loop.create_future()
-        self._answer: asyncio.Future[tuple[int, bytes]] | None = None
         self._body: list[bytes] = []
         self._keep_alive = True
-        self._deadlines = Deadlines()
-        self._why_closed = ""
 
     @classmethod
     async def connect(cls, origin: str, *, headers: dict[str, str] | None = None, timeout_s: float = 5.0
@@ -78,7 +73,7 @@ class HttpConnection(asyncio.BufferedProtocol):
     @property
     def closed(self) -> bool:
         """True once no further request can be sent on this connection."""
-        return self._transport is None or self._transport.is_closing() or not self._keep_alive
+        return super().closed or not self._keep_alive
 
     async def request(self, method: str, target: str, body: bytes | None, timeout_s: float) -> tuple[int, bytes]:
         """Send one request (``target`` is the path and query) and return the answer's status and body.
@@ -87,53 +82,18 @@ class HttpConnection(asyncio.BufferedProtocol):
         not HTTP). Either way, and on cancellation, the connection is closed, since a late answer would otherwise
         be read as the next one's.
         """
-        if self._answer is not None:
-            raise RuntimeError("HttpConnection carries one request at a time")
-        if self.closed:
-            raise HttpClosedError(f"the connection to {self.origin} is closed{self._why_closed}")
-        transport = cast(asyncio.Transport, self._transport)
-        answer = self._answer = self._loop.create_future()
-        self._deadlines.add(self, timeout_s, self._expire)
         head = f"{method} {target} HTTP/1.1\r\ncontent-length: {len(body) if body else 0}\r\n".encode()
-        transport.write(head + self._head_tail + b"\r\n" + body if body else head + self._head_tail + b"\r\n")
+        request = head + self._head_tail + b"\r\n" + body if body else head + self._head_tail + b"\r\n"
         try:
-            return await answer
-        except BaseException:
-            self.abort()
-            raise
+            return await self._exchange(lambda transport: transport.write(request), timeout_s)
         finally:
-            self._deadlines.discard(self)
-            self._answer = None
-            if not self._keep_alive:
-                transport.close()
-
-    async def close(self) -> None:
-        """Close the connection and wait (briefly) for it to end; idempotent."""
-        if self._transport is None:
-            return
-        self._transport.close()
-        try:
-            async with asyncio.timeout(1.0):
-                await asyncio.shield(self._lost)
-        except TimeoutError:
-            self.abort()
-
-    def abort(self) -> None:
-        """Drop the connection at once."""
-        if self._transport is not None:
-            self._transport.abort()
+            if not self._keep_alive and self._transport is not None:
+                self._transport.close()
 
     # ---- asyncio.BufferedProtocol ----------------------------------------------------------------------------
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports implement asyncio.Transport without subclassing it, so no isinstance check here.
-        self._transport = cast(asyncio.Transport, transport)
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return read_buffer()
-
     def buffer_updated(self, nbytes: int) -> None:
-        if self._answer is None or self._answer.done():
+        if not self._awaiting:  # not even part of an answer may come unasked: it would be read as the next one's
             return self._unsolicited()
         try:
             self._parser.feed_data(bytes(read_buffer()[:nbytes]))
@@ -143,12 +103,6 @@ class HttpConnection(asyncio.BufferedProtocol):
 
     def eof_received(self) -> bool:
         return False  # close our side too
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._deadlines.clear()
-        self._fail(HttpClosedError(f"the connection to {self.origin} closed{f': {exc}' if exc else ''}"))
-        if not self._lost.done():
-            self._lost.set_result(None)
 
     # ---- httptools callbacks ---------------------------------------------------------------------------------
 
@@ -162,22 +116,4 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._keep_alive = self._parser.should_keep_alive()
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         self._body.clear()
-        if self._answer is None or self._answer.done():
-            return self._unsolicited()
-        self._answer.set_result((self._parser.get_status_code(), body))
-
-    # ---- internals -------------------------------------------------------------------------------------------
-
-    def _fail(self, exc: BaseException) -> None:
-        if not self._why_closed:
-            self._why_closed = f" ({exc})"
-        if self._answer is not None and not self._answer.done():
-            self._answer.set_exception(exc)
-
-    def _unsolicited(self) -> None:
-        self._fail(HttpClosedError(f"{self.origin} sent an answer nobody asked for"))
-        self.abort()
-
-    def _expire(self) -> None:
-        if self._answer is not None and not self._answer.done():
-            self._answer.set_exception(TimeoutError())  # request() then drops the connection
+        self._deliver((self._parser.get_status_code(), body))
