@@ -15,10 +15,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from envkit.remote.client import RemoteConfig, RemoteEnv
 
-__all__ = ["TOKEN_ENV", "RemoteConfig", "RemoteEnv"]
+__all__ = ["KEEP_ALIVE_S", "TOKEN_ENV", "RemoteConfig", "RemoteEnv"]
 
 TOKEN_ENV = "ENVKIT_TOKEN"
 """The environment variable both ends read the bearer token from."""
+KEEP_ALIVE_S = 75
+"""How long ``envkit serve`` keeps an idle HTTP connection open; RemoteEnv reopens one well before."""
 
 
 def __getattr__(name: str) -> Any:

@@ -39,7 +39,7 @@ from envkit.errors import (
 )
 from envkit.messages import Message
 from envkit.registry import EnvSpec
-from envkit.remote import TOKEN_ENV, wire
+from envkit.remote import KEEP_ALIVE_S, TOKEN_ENV, wire
 from envkit.remote.httpclient import HttpClosedError, HttpConnection
 from envkit.remote.wsclient import WsClosedError, WsConnection
 from envkit.tasks import LazyTasks
@@ -102,9 +102,9 @@ class _Rest:
     """REST transport: one keep-alive connection, reopened when the server has closed it; a session is an id in
     the URL."""
 
-    # Reopen a connection idle this long rather than race the server's keep-alive close (envkit serve: 75 s),
-    # which would lose a request that may not be sent twice.
-    REUSE_IDLE_S = 50.0
+    # Reopen a connection idle this long rather than race the server's keep-alive close, which would lose a
+    # request that may not be sent twice.
+    REUSE_IDLE_S = KEEP_ALIVE_S * 2 / 3
 
     def __init__(self, base: str, config: RemoteConfig, headers: dict[str, str]) -> None:
         self.base, self.config = base, config

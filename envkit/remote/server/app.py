@@ -5,7 +5,6 @@ sessions, and ``/exec`` in sandboxes) on an :class:`~envkit.remote.server.sessio
 from __future__ import annotations
 
 import base64
-import logging
 import sys
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
@@ -39,12 +38,10 @@ from envkit.remote.protocol import (
 )
 from envkit.remote.server.config import ServerLimits
 from envkit.remote.server.guard import Guard
-from envkit.remote.server.sessions import EnvServer, encode
+from envkit.remote.server.sessions import EnvServer, encode, internal_error
 from envkit.remote.server.workers import LocalSlots
 
 MAX_TASK_PAGE = 1024
-
-log = logging.getLogger(__name__)
 
 
 def create_app(env: str, *, env_kwargs: dict[str, Any] | None = None, token: str | None = None,
@@ -77,19 +74,21 @@ def _answer(body: Any, status: int = 200) -> Response:
     return Response(encode(body), status_code=status, media_type="application/json")
 
 
+def _json(status: int, payload: bytes) -> Response:
+    if status == 204:
+        return Response(status_code=204)
+    # 503 is `capacity`: sessions or connections free up, so a client may come back
+    return Response(payload, status_code=status, media_type="application/json",
+                    headers={"retry-after": "1"} if status == 503 else None)
+
+
 def _error(server: EnvServer, err: ApiError) -> Response:
     server.metrics.errors[err.code] += 1
-    headers = {"retry-after": "1"} if err.code == "capacity" else None
-    return Response(err.encoded(), status_code=err.status, media_type="application/json",
-                    headers=headers)
+    return _json(err.status, err.encoded())
 
 
 async def _timed(server: EnvServer, op: str, work: Awaitable[Any], status: int = 200) -> Response:
-    code, payload = await server.answer(op, "rest", work, status)
-    if code == 204:
-        return Response(status_code=204)
-    return Response(payload, status_code=code, media_type="application/json",
-                    headers={"retry-after": "1"} if code == 503 else None)
+    return _json(*await server.answer(op, "rest", work, status))
 
 
 def _responses(*codes: str) -> dict[int | str, dict[str, Any]]:
@@ -133,8 +132,7 @@ def _add_error_handlers(app: FastAPI, server: EnvServer) -> None:
 
     @app.exception_handler(Exception)
     async def on_bug(_: Request, exc: Exception) -> Response:
-        log.error("internal error", exc_info=exc)
-        return _error(server, ApiError("internal_error", f"{type(exc).__name__}: {exc}"))
+        return _error(server, internal_error(exc))
 
 
 def _add_server_routes(app: FastAPI, server: EnvServer) -> None:

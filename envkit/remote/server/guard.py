@@ -153,6 +153,8 @@ class Guard:
         self.ws = WsEndpoint(server)
         self.token = token.encode() if token else None
         self.max_bytes = server.limits.max_request_bytes
+        self.too_large = ApiError("payload_too_large", f"request body over {self.max_bytes} bytes "
+                                                       "(ServerLimits.max_request_bytes)")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -188,8 +190,7 @@ class Guard:
             await send({"type": "websocket.close", "code": 1008, "reason": err.code})
 
     async def _limit_body(self, scope: Scope, receive: Receive, send: Send) -> None:
-        too_large = ApiError("payload_too_large", f"request body over {self.max_bytes} bytes "
-                                                  "(ServerLimits.max_request_bytes)")
+        too_large = self.too_large
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
                 self.server.metrics.errors[too_large.code] += 1
@@ -220,7 +221,6 @@ class Guard:
             return await receive()
 
         await self.app(scope, replay, send)
-
 
     async def _fast_step(self, scope: Scope, body: bytes, send: Send) -> bool:
         """Answer ``POST /sessions/{id}/step`` with a plain text action past FastAPI's routing and validation

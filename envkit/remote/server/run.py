@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from envkit import untrusted
-from envkit.remote import TOKEN_ENV
+from envkit.remote import KEEP_ALIVE_S, TOKEN_ENV
 from envkit.remote.server.app import create_app
 from envkit.remote.server.config import ServeConfig, ServerLimits
 from envkit.remote.server.guard import GuardedHttp, descriptor_budget
@@ -102,7 +102,7 @@ def serve(config: ServeConfig) -> None:
                     "env. Set %s or pass --token.", config.host, TOKEN_ENV)
     common: dict[str, Any] = {
         "host": config.host, "port": config.port, "log_level": config.log_level, "access_log": False,
-        "ws_max_size": config.limits.max_request_bytes, "timeout_keep_alive": 75, "lifespan": "on",
+        "ws_max_size": config.limits.max_request_bytes, "timeout_keep_alive": KEEP_ALIVE_S, "lifespan": "on",
         "log_config": _log_config(config.log_level, [config.token or ""]), "http": GuardedHttp,
     }
     if config.exec_user is not None and not config.token:

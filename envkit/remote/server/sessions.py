@@ -47,6 +47,13 @@ class _Session:
     episodes: int = 0
     steps: int = 0
 
+
+def internal_error(e: Exception) -> ApiError:
+    """The answer to a bug in the server itself (logged with its traceback)."""
+    log.error("internal error", exc_info=e)
+    return ApiError("internal_error", f"{type(e).__name__}: {e}")
+
+
 def encode(body: Any) -> bytes:
     """The JSON of an answer's body; a value JSON cannot carry is the env's fault (``env_error``)."""
     try:
@@ -313,14 +320,16 @@ class EnvServer:
 
     async def answer(self, op: str, transport: str, work: Awaitable[Any], status: int = 200) -> tuple[int, bytes]:
         """Await one operation and return the answer's status and body (204 and no body for None, an error's
-        status and body for an ApiError), counting its latency and any error."""
+        status and body for an ApiError, ``internal_error`` for anything else), counting its latency and any
+        error."""
         start = time.perf_counter()
         try:
             body = await work
             return (204, b"") if body is None else (status, encode(body))
-        except ApiError as e:
-            self.metrics.errors[e.code] += 1
-            return e.status, e.encoded()
+        except Exception as e:
+            err = e if isinstance(e, ApiError) else internal_error(e)
+            self.metrics.errors[err.code] += 1
+            return err.status, err.encoded()
         finally:
             self.metrics.observe(op, transport, time.perf_counter() - start)
 

@@ -4,20 +4,17 @@
 from __future__ import annotations
 
 import asyncio
-import logging
-import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from pydantic import ValidationError
 
 from envkit.remote.deadlines import Canceller
 from envkit.remote.protocol import ApiError, WsRequest
-from envkit.remote.server.sessions import EnvServer, encode, plain_step_action
+from envkit.remote.server.sessions import EnvServer, plain_step_action
 
 if TYPE_CHECKING:  # guard.py imports this module
     from envkit.remote.server.guard import Receive, Scope, Send
-
-log = logging.getLogger(__name__)
 
 _WS_STEP = frozenset({"op", "action"})
 
@@ -61,6 +58,10 @@ class WsEndpoint:
             await handler.close()
 
 
+async def _refused(err: ApiError) -> NoReturn:
+    raise err
+
+
 class _WsSession:
     """The state of one WebSocket connection: at most one session, deleted when the connection ends."""
 
@@ -69,15 +70,18 @@ class _WsSession:
         self.session_id: str | None = None
 
     async def handle(self, text: str | None) -> str:
-        start = time.perf_counter()
-        op = "invalid"
+        """The answer frame to one request frame."""
+        op, work = self._operation(text)
+        _, payload = await self.server.answer(op, "ws", work)
+        return payload.decode()
+
+    def _operation(self, text: str | None) -> tuple[str, Awaitable[dict[str, Any]]]:
         try:
             if text is None:
                 raise ApiError("bad_request", "send JSON text frames, not binary ones")
             action = plain_step_action(text, _WS_STEP)
             if action is not None and self.session_id is not None:
-                op = "step"
-                return encode(await self.server.step(self.session_id, action)).decode()
+                return "step", self.server.step(self.session_id, action)
             try:
                 req = WsRequest.model_validate_json(text)
             except ValidationError as e:
@@ -85,18 +89,9 @@ class _WsSession:
                     raise ApiError("bad_request", "the frame is not valid JSON") from e
                 problems = "; ".join(f"{'.'.join(map(str, p['loc']))}: {p['msg']}" for p in e.errors()[:5])
                 raise ApiError("validation_error", problems) from e
-            op = req.op
-            return encode(await self._run(req)).decode()
         except ApiError as e:
-            self.server.metrics.errors[e.code] += 1
-            return e.encoded().decode()
-        except Exception as e:
-            log.error("internal error", exc_info=e)
-            err = ApiError("internal_error", f"{type(e).__name__}: {e}")
-            self.server.metrics.errors[err.code] += 1
-            return err.encoded().decode()
-        finally:
-            self.server.metrics.observe(op, "ws", time.perf_counter() - start)
+            return "invalid", _refused(e)
+        return req.op, self._run(req)
 
     async def _run(self, req: WsRequest) -> dict[str, Any]:
         server = self.server
