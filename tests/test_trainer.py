@@ -28,6 +28,12 @@ def _trainer(*overrides: str, timeout: float = 900) -> subprocess.CompletedProce
                           cwd=REPO, timeout=timeout)
 
 
+def _why(result: subprocess.CompletedProcess[str]) -> str:
+    """A failed run's first traceback (a chained exception's cause prints first) and the end of its stderr."""
+    first = result.stderr.find("Traceback")
+    return f"{result.stderr[first:first + 2500] if first >= 0 else ''}\n[...]\n{result.stderr[-3000:]}"
+
+
 def _metrics(out: Path) -> dict[int, dict]:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r for r in rows if "reward/mean" in r}
@@ -56,7 +62,7 @@ def test_two_step_run_with_vllm_and_weight_sync(tmp_path):
     # 4 prompts x 8 samples: every group all-equal (no update) is a 1e-5 event on arithmetic level 1
     result = _trainer("trainer.steps=2", f"trainer.output_dir={out}", *TINY, "generator.prompts_per_step=4",
                       "generator.samples_per_prompt=8")
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, _why(result)
     metrics = _metrics(out)
     assert sorted(metrics) == [1, 2]
     for step, m in metrics.items():
@@ -120,7 +126,7 @@ def _update(*args: str, ranks: int = 1, tmp: Path) -> dict:
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
     result = subprocess.run([*launcher, str(REPO / "tests" / "dist_update.py"), "--out", str(out), *args],
                             capture_output=True, text=True, cwd=REPO, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, _why(result)
     return json.loads(out.read_text())
 
 
@@ -172,7 +178,7 @@ def test_kill_9_then_resume_reproduces_the_next_step(tmp_path):
               "trainer.eval_tasks=0", "trainer.lr=1e-5", "trainer.warmup_steps=0", mixture, *TINY[:3]]
     reference = tmp_path / "reference"
     result = _trainer(*common, f"trainer.output_dir={reference}")
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, _why(result)
 
     killed = tmp_path / "killed"
     log = tmp_path / "killed.log"
@@ -191,7 +197,7 @@ def test_kill_9_then_resume_reproduces_the_next_step(tmp_path):
     assert {label: pos["drawn"] for label, pos in state["data"].items()} == {"easy": 1, "hard": 1}
 
     result = _trainer(*common, f"trainer.output_dir={killed}", "trainer.resume=latest")
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, _why(result)
     expected, resumed = _metrics(reference)[2], _metrics(killed)[2]
     assert _metrics(reference)[1]["env/hard/rollouts"] == 4  # step 1 drew from both envs (1+1), step 2 from one
     assert not any(key.startswith("env/") for key in resumed)
