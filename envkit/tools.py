@@ -39,6 +39,13 @@ class Tool:
             "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
         }
 
+    @classmethod
+    def from_openai(cls, schema: dict[str, Any]) -> Tool:
+        """The tool an OpenAI ``tools=[...]`` entry describes (no ``fn``: it runs where the env does)."""
+        function = schema["function"]
+        return cls(name=function["name"], description=function.get("description", ""),
+                   parameters=function.get("parameters", {}))
+
     def validate_arguments(self, arguments: Any) -> str | None:
         """Return an error message if ``arguments`` do not fit the schema's top level, else None."""
         if not isinstance(arguments, dict):

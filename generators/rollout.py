@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import envkit
 from envkit import Env, Message, Task
 from generators.engines.base import Completion, InferenceEngine, SamplingParams
+from generators.engines.replicas import Session, rollout_session
 from generators.trajectory import StopReason, Trajectory
 
 if TYPE_CHECKING:
@@ -147,6 +148,7 @@ class Generator:
         state = _Rollout(traj)
         start = time.perf_counter()
         env: Env | None = None
+        session = rollout_session.set(Session())  # a replicated engine sends all of this rollout's turns to one
         try:
             async with asyncio.timeout(self.config.timeout_s):
                 env = make_env()
@@ -157,6 +159,7 @@ class Generator:
             traj.stop_reason, traj.error = "error", f"{type(e).__name__}: {e}"
             log.debug("rollout failed", exc_info=True)
         finally:
+            rollout_session.reset(session)
             if env is not None:
                 await self._close(env, traj)
             traj.timings = {"generate": state.generate_s, "env": state.env_s, "total": time.perf_counter() - start}

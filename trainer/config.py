@@ -308,6 +308,42 @@ class LoggingConfig:
 
 
 @dataclass
+class PlacementConfig:
+    """Where the run's processes live: all in this one (``local``; ``torchrun`` for more ranks), or as actors of a
+    Ray cluster (``ray``): trainer ranks, inference replicas and env workers. See docs/multi-node.md."""
+
+    backend: str = "local"
+    """local or ray."""
+    address: str | None = None
+    """ray: the cluster to join (``auto``, ``HOST:6379``); unset starts a one-machine cluster for this run."""
+    trainer_ranks: int = 1
+    """ray: FSDP/DeepSpeed ranks, one actor each, forming one process group (gloo on CPU, NCCL on GPU)."""
+    inference_replicas: int = 1
+    """ray: inference servers, one actor each; rollouts are routed among them (generators/engines/replicas.py)."""
+    env_workers: int = 0
+    """ray: actors the envs run in (0: in rank 0's event loop, as with local)."""
+    trainer_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
+    """ray: per trainer rank (add ``GPU: 1`` on GPU nodes)."""
+    replica_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
+    """ray: per inference replica."""
+    env_worker_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 0.5})
+    """ray: per env worker."""
+    cluster_cpus: int = 0
+    """ray without ``address``: logical CPUs of the cluster this run starts (0: enough for the actors above)."""
+
+    def __post_init__(self) -> None:
+        _one_of("placement.backend", self.backend, ("local", "ray"))
+        for name in ("trainer_ranks", "inference_replicas"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"placement.{name} must be >= 1, got {getattr(self, name)}")
+        if self.env_workers < 0:
+            raise ConfigError(f"placement.env_workers must be >= 0, got {self.env_workers}")
+        if self.backend == "local" and (self.trainer_ranks, self.inference_replicas, self.env_workers) != (1, 1, 0):
+            raise ConfigError("placement.trainer_ranks/inference_replicas/env_workers place Ray actors: set "
+                              "placement.backend=ray (locally, more ranks come from torchrun)")
+
+
+@dataclass
 class Config:
     """The whole run."""
 
@@ -318,6 +354,7 @@ class Config:
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
 
     @property
     def mini_batch_size(self) -> int:
@@ -335,6 +372,9 @@ class Config:
         if self.algorithm.advantage in ("grpo", "dr_grpo", "rloo") and self.generator.samples_per_prompt < 2:
             raise ConfigError(f"algorithm.advantage={self.algorithm.advantage} compares samples of one prompt: "
                               "set generator.samples_per_prompt >= 2")
+        if self.placement.backend == "ray" and self.inference.url:
+            raise ConfigError("inference.url attaches to one running server; placement.backend=ray starts "
+                              "placement.inference_replicas servers of its own: drop one of them")
         if self.algorithm.aggregation == "seq-mean-token-sum-norm" and self.generator.max_total_tokens < 1:
             raise ConfigError("seq-mean-token-sum-norm normalizes by generator.max_total_tokens, which must be >= 1")
 

@@ -34,7 +34,6 @@ import torch
 
 from generators import ChatTokenizer, Generator, Trajectory
 from generators.engines.base import InferenceEngine
-from generators.engines.factory import make_engine
 from generators.models import resolve_model
 from generators.report import passed
 from trainer import algorithms as algo
@@ -45,6 +44,7 @@ from trainer.checkpoint import CheckpointManager, TrainState
 from trainer.config import Config
 from trainer.distributed import all_reduce_values, broadcast_from_rank0, max_over_ranks, shutdown_distributed
 from trainer.metrics import RunLogger, rollout_metrics
+from trainer.placement import make_placement
 from trainer.sources import Mixture
 
 log = logging.getLogger(__name__)
@@ -74,8 +74,9 @@ def train(cfg: Config) -> dict[str, Any]:
         state = checkpoints.load(checkpoints.resolve(cfg.trainer.resume), backend)
 
     runner = asyncio.Runner()  # the generator is async; the trainer drives it from this synchronous loop
-    envs = Mixture(cfg.env, seed=cfg.trainer.seed) if is_main else None  # rank 0 generates
-    engine = make_engine(cfg.inference, model_path, log_dir=out) if is_main else None
+    placement = make_placement(cfg) if is_main else None  # rank 0 generates: here, or with Ray actors
+    envs = Mixture(cfg.env, seed=cfg.trainer.seed, make_env=placement.make_env) if placement else None
+    engine = placement.engine(model_path, out) if placement else None
     logger = RunLogger(out, cfg, total_steps=cfg.trainer.steps, start_step=state.step) if is_main else None
     results: dict[str, Any] = {}
     try:
@@ -119,6 +120,7 @@ def train(cfg: Config) -> dict[str, Any]:
                 metrics = {
                     **rollout_metrics(trajs, batch, state.policy_version - 1),
                     **train_metrics,
+                    **(placement.metrics() if placement else {}),
                     "time/generate_s": gen_s, "time/train_s": train_s, "time/sync_s": sync_s,
                     "time/step_s": time.perf_counter() - t_step,
                 }
@@ -137,6 +139,8 @@ def train(cfg: Config) -> dict[str, Any]:
             runner.run(engine.stop())
         if envs is not None:
             runner.run(envs.close())
+        if placement is not None:
+            runner.run(placement.close())
         runner.close()
         if logger is not None:
             logger.close()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,14 +112,16 @@ class EnvStream:
     """Prompts drawn so far (what the mixture's quotas balance)."""
     pool: Any = None
     """The warm SandboxPool of a sandboxed env."""
+    make_env: Callable[..., Env] = envkit.make
+    """``envkit.make`` or the placement's (an env in an env worker)."""
     _order: tuple[int, list[int]] | None = field(default=None, repr=False)
 
-    def make(self) -> Env:
-        """A fresh env for one rollout."""
+    def make(self, *, here: bool = False) -> Env:
+        """A fresh env for one rollout (``here``: in this process, wherever the placement runs envs)."""
         kwargs = dict(self.cfg.kwargs)
         if self.cfg.sandbox is not None:
             kwargs.update(sandbox=self.cfg.sandbox, sandbox_options={"pool": self.pool})
-        return envkit.make(self.cfg.name, **kwargs)
+        return (envkit.make if here else self.make_env)(self.cfg.name, **kwargs)
 
     async def open(self, *, pool_size: int) -> None:
         """Start the sandbox pool (if any) and load the train and eval starts."""
@@ -181,7 +183,7 @@ class EnvStream:
     async def _env_tasks(self, splits: tuple[str, ...]) -> list[list[Task] | None]:
         """The env's own list for each split (None where it lists none), from one env; a sandboxed env is asked
         from inside its sandbox."""
-        env = self.make()
+        env = self.make(here=True)
         try:
             try:
                 return [await asyncio.to_thread(_listed_tasks, env, split) for split in splits]
@@ -227,8 +229,8 @@ class EnvStream:
 class Mixture:
     """The envs of a run (``env`` or ``env.mixture``), each step's prompts split among them by weight."""
 
-    def __init__(self, cfg: EnvConfig, *, seed: int) -> None:
-        self.streams = [EnvStream(c, c.display_name) for c in cfg.members]
+    def __init__(self, cfg: EnvConfig, *, seed: int, make_env: Callable[..., Env] = envkit.make) -> None:
+        self.streams = [EnvStream(c, c.display_name, make_env=make_env) for c in cfg.members]
         self.weights = [c.weight for c in cfg.members]
         self.seed = seed
 

@@ -320,8 +320,7 @@ class RemoteEnv(Env):
             await transport.close()
             raise
         self._transport, self.session_id = transport, created["session_id"]
-        self.tools = [Tool(name=t["function"]["name"], description=t["function"].get("description", ""),  # type: ignore[misc]
-                           parameters=t["function"].get("parameters", {})) for t in created["tools"]]
+        self.tools = [Tool.from_openai(t) for t in created["tools"]]  # type: ignore[misc]
 
     async def reset(self, *, seed: int | None = None, task: Task | None = None) -> tuple[list[Message], dict]:
         """Start an episode on the server."""

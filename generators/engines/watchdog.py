@@ -23,6 +23,7 @@ import time
 
 GRACE_S = 5.0
 _PR_SET_CHILD_SUBREAPER = 36
+_PR_SET_PDEATHSIG = 1
 
 
 def descendants(root: int) -> set[int]:
@@ -82,9 +83,13 @@ def _watch(fd: int) -> None:
     os._exit(128 + signal.SIGKILL)
 
 
-def _default_signals() -> None:
+def _server_preexec() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if sys.platform == "linux":
+        # A watchdog killed outright (SIGKILL: Ray ends a dead actor's child processes that way) cannot clean up;
+        # the kernel then sends the server SIGTERM, and it shuts down its engine processes itself.
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def main(argv: list[str]) -> int:
@@ -98,7 +103,7 @@ def main(argv: list[str]) -> int:
     # to clean up after it.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    server = subprocess.Popen(argv[2:], preexec_fn=_default_signals)  # ignored signals would survive the exec
+    server = subprocess.Popen(argv[2:], preexec_fn=_server_preexec)  # ignored signals would survive the exec
     threading.Thread(target=_watch, args=(int(argv[0]),), daemon=True).start()
     code = server.wait()
     print(f"[watchdog] the server exited with code {code}", flush=True)

@@ -1,0 +1,66 @@
+"""Where a run's processes live, behind one interface the loop uses the same way for both backends.
+
+    local   everything in this process: one inference engine, envs in rank 0's event loop (torchrun adds ranks)
+    ray     trainer ranks, inference replicas and env workers as actors of a Ray cluster (trainer/placement/cluster.py
+            launches the ranks, trainer/placement/actors.py holds the replica and env-worker actors)
+
+Rank 0 asks its :class:`Placement` for the engine it generates with, how a rollout's env is made, and per-step health
+metrics; :func:`launch` runs :func:`trainer.loop.train` here or on the cluster.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import envkit
+from envkit import Env
+from generators.engines.base import InferenceEngine
+from generators.engines.factory import make_engine
+from trainer.config import Config
+
+
+class RunFailed(RuntimeError):
+    """A trainer rank failed or died; the run's other actors were ended."""
+
+
+class Placement:
+    """The local placement: one engine in this process, envs made in rank 0's event loop."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+
+    def engine(self, model_path: str | Path, out: Path) -> InferenceEngine:
+        """The engine rank 0 generates with (not started)."""
+        return make_engine(self.cfg.inference, model_path, log_dir=out)
+
+    def make_env(self, name: str, **kwargs: Any) -> Env:
+        """A fresh env for one rollout."""
+        return envkit.make(name, **kwargs)
+
+    def metrics(self) -> dict[str, float]:
+        """Health of the placed processes, logged with every step."""
+        return {}
+
+    async def close(self) -> None:
+        """Release what the placement started; idempotent."""
+
+
+def make_placement(cfg: Config) -> Placement:
+    """The placement ``cfg.placement.backend`` names (called on rank 0)."""
+    if cfg.placement.backend == "ray":
+        from trainer.placement.actors import RayPlacement
+
+        return RayPlacement(cfg)
+    return Placement(cfg)
+
+
+def launch(cfg: Config) -> dict[str, Any]:
+    """Run the training loop: in this process, or as ``placement.trainer_ranks`` actors of a Ray cluster."""
+    if cfg.placement.backend == "ray":
+        from trainer.placement.cluster import launch_on_ray
+
+        return launch_on_ray(cfg)
+    from trainer.loop import train
+
+    return train(cfg)

@@ -1,0 +1,100 @@
+"""Launch the training loop on a Ray cluster: ``placement.trainer_ranks`` actors, one process group.
+
+    driver (python -m trainer placement.backend=ray)
+      ├── joins placement.address, or starts a one-machine cluster for this run
+      ├── TrainerRank × N (one placement group)   each runs trainer.loop.train(cfg) with RANK/WORLD_SIZE/MASTER_*
+      │     └── rank 0 owns: EngineActor × replicas, EnvWorker × workers   (trainer/placement/actors.py)
+      └── waits; the first rank that fails or dies ends the run, and every actor goes with it
+
+Checkpoints are written atomically by the ranks, so a run that died resumes with ``trainer.resume=latest``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.util.placement_group import remove_placement_group
+
+from trainer.config import Config
+from trainer.placement import RunFailed
+from trainer.placement.actors import actor_options, ready_group
+
+log = logging.getLogger(__name__)
+
+
+@ray.remote
+class TrainerRank:
+    """One FSDP/DeepSpeed rank: the whole loop, as torchrun would run it."""
+
+    def rendezvous(self) -> tuple[str, int]:
+        """This node's address and a free port for the process group's store (rank 0 hosts it)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def train(self, cfg: Config, rank: int, world_size: int, master: tuple[str, int], cwd: str) -> dict[str, Any]:
+        """Run :func:`trainer.loop.train` as rank ``rank`` of ``world_size``."""
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        if os.path.isdir(cwd):  # relative paths in the config mean what they meant to the user
+            os.chdir(cwd)
+        # Ray gives each GPU actor only its own GPU (CUDA_VISIBLE_DEVICES), so it is device 0 here.
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0", MASTER_ADDR=master[0],
+                          MASTER_PORT=str(master[1]))
+        from trainer.loop import train
+
+        return train(cfg)
+
+
+def launch_on_ray(cfg: Config) -> dict[str, Any]:
+    """Run ``cfg`` on the cluster; returns rank 0's results. Raises :class:`RunFailed` if a rank fails."""
+    p = cfg.placement
+    cfg = replace(cfg, trainer=replace(cfg.trainer, output_dir=str(Path(cfg.trainer.output_dir).resolve())))
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init(address=p.address, num_cpus=None if p.address else p.cluster_cpus or _cpus_needed(cfg),
+                 namespace=f"envkit-{os.getpid()}", include_dashboard=False, log_to_driver=True)
+    group = ready_group(p.trainer_resources, p.trainer_ranks, "trainer ranks")
+    ranks = [TrainerRank.options(name=f"trainer-rank-{i}", **actor_options(p.trainer_resources, group)).remote()  # type: ignore[attr-defined]
+             for i in range(p.trainer_ranks)]
+    try:
+        master = ray.get(ranks[0].rendezvous.remote())
+        runs = [r.train.remote(cfg, i, p.trainer_ranks, master, os.getcwd()) for i, r in enumerate(ranks)]
+        pending = list(runs)
+        while pending:  # the first failure ends the run: the other ranks would wait on it forever
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(done[0])
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+                how = "died" if isinstance(e, ray.exceptions.RayActorError) else "failed"
+                raise RunFailed(f"trainer rank {runs.index(done[0])} {how}: {_first_line(e)}\nCheckpoints under "
+                                f"{cfg.trainer.output_dir}/checkpoints are intact: rerun with trainer.resume=latest "
+                                "to continue") from e
+        return ray.get(runs[0])
+    finally:
+        for rank_actor in ranks:
+            ray.kill(rank_actor)
+        remove_placement_group(group)
+        if started_here:
+            ray.shutdown()
+
+
+def _cpus_needed(cfg: Config) -> int:
+    """Logical CPUs a one-machine cluster needs to place every actor of the run (a replacement takes the bundle
+    its dead predecessor freed)."""
+    p = cfg.placement
+    total = (p.trainer_ranks * p.trainer_resources.get("CPU", 0)
+             + p.inference_replicas * p.replica_resources.get("CPU", 0)
+             + p.env_workers * p.env_worker_resources.get("CPU", 0))
+    return max(int(total + 0.999), os.cpu_count() or 1)
+
+
+def _first_line(error: BaseException) -> str:
+    cause = getattr(error, "cause", None) or error
+    return f"{type(cause).__name__}: {str(cause).strip().splitlines()[-1] if str(cause).strip() else ''}"
