@@ -42,8 +42,8 @@ def cluster() -> Iterator[str]:
         port = s.getsockname()[1]
     address = f"127.0.0.1:{port}"
     with pytest.MonkeyPatch.context() as env:
-        # Ray 2.60's token auth: `ray start` and the clients here disagreed about the token on a machine where an
-        # earlier ray.init() had written one; a loopback test cluster needs none.
+        # Ray 2.59+ turns token auth on for clusters ray.init() starts, not (before 2.61) for `ray start` ones, so
+        # clients and this cluster would disagree; a loopback test cluster needs none.
         env.setenv("RAY_AUTH_MODE", "disabled")
         started = subprocess.run([RAY, "start", "--head", f"--port={port}", "--num-cpus=8",
                                   "--include-dashboard=false", "--disable-usage-stats"], capture_output=True, text=True)
@@ -170,3 +170,28 @@ def test_a_replica_and_an_env_worker_killed_mid_step_do_not_fail_the_step(cluste
 
     assert _run_actors(namespace) == []
     assert _vllm_servers() <= before
+
+
+def test_a_trainer_rank_that_dies_ends_the_run_cleanly_and_resume_continues_it(cluster, tmp_path):
+    import ray
+
+    out = tmp_path / "run"
+    common = ["inference.engine=hf", "generator.seed=7", *TINY, "trainer.save_every=1", "placement.trainer_ranks=2"]
+    process = _start(out, cluster, *common)
+    namespace = f"envkit-{process.pid}"
+    deadline = time.monotonic() + 600
+    while not (out / "checkpoints" / "step-000001").is_dir():
+        assert process.poll() is None, process.communicate()[0][-4000:]
+        assert time.monotonic() < deadline, "no step-1 checkpoint within 600 s"
+        time.sleep(0.2)
+    ray.kill(ray.get_actor("trainer-rank-1", namespace=namespace))
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 1, output[-4000:]
+    assert "run failed: trainer rank 1 died" in output and "trainer.resume=latest" in output
+    assert _run_actors(namespace) == []  # rank 0 (blocked in a collective) and its replica went with it
+
+    resumed = _start(out, cluster, *common, "trainer.resume=latest")
+    _finish(resumed)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "reward/mean" in r].count(2) == 1  # step 2 ran once: after the resume
+    assert _run_actors(f"envkit-{resumed.pid}") == []

@@ -35,7 +35,8 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> Config:
 
 
 def run(overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
-    """Compose the config from ``overrides`` and train; returns the results ``python -m trainer`` prints."""
-    from trainer.loop import train
+    """Compose the config from ``overrides`` and train (here, or on Ray with ``placement.backend=ray``); returns the
+    results ``python -m trainer`` prints."""
+    from trainer.placement import launch
 
-    return train(compose(overrides))
+    return launch(compose(overrides))

@@ -324,6 +324,9 @@ class PlacementConfig:
     """ray: actors the envs run in (0: in rank 0's event loop, as with local)."""
     trainer_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
     """ray: per trainer rank (add ``GPU: 1`` on GPU nodes)."""
+    trainer_threads: int = 0
+    """ray: torch CPU threads per rank (0: the node's cores over the run's ranks). Ray would give a rank as many as
+    its ``CPU`` resource, but the loop trains and generates in turn, so on CPU the update can have the cores."""
     replica_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
     """ray: per inference replica."""
     env_worker_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 0.5})
@@ -333,6 +336,8 @@ class PlacementConfig:
 
     def __post_init__(self) -> None:
         _one_of("placement.backend", self.backend, ("local", "ray"))
+        if self.trainer_threads < 0:
+            raise ConfigError(f"placement.trainer_threads must be >= 0, got {self.trainer_threads}")
         for name in ("trainer_ranks", "inference_replicas"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"placement.{name} must be >= 1, got {getattr(self, name)}")

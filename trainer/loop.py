@@ -13,8 +13,10 @@
         optimizer step
     export weights v(step+1) → engine.load_weights(v)                      checkpoint-based weight sync
 
-With N ranks (torchrun) rank 0 generates, every rank trains on its slice of each mini-batch, and FSDP averages
-gradients; losses are scaled so the result equals the single-rank loss on the whole mini-batch.
+With N ranks (torchrun, or Ray actors: trainer/placement) rank 0 generates, every rank trains on its slice of each
+mini-batch, and FSDP averages gradients; losses are scaled so the result equals the single-rank loss on the whole
+mini-batch. Rank 0's placement supplies the engine (one server, or replicas behind a router) and each rollout's env
+(made here, or in an env worker); the step reads the same either way.
 """
 
 from __future__ import annotations

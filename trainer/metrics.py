@@ -98,7 +98,7 @@ class RunLogger:
         tps = metrics.get("rollout/model_tokens", 0.0) / step_s if step_s else 0.0
         self.progress.update(self.task, completed=step, reward=f"{metrics.get('reward/mean', 0.0):.3f}",
                              tps=f"{tps:.0f}")
-        if not self.cfg.logging.progress:
+        if not self.cfg.logging.progress or not self.console.is_terminal:  # a bar draws only on a terminal
             self.console.print(f"step {step}: reward {metrics.get('reward/mean', 0.0):.3f}, "
                                f"loss {metrics.get('train/loss', 0.0):.4f}, {step_s:.1f} s")
 

@@ -47,6 +47,9 @@ class TrainerRank:
         # Ray gives each GPU actor only its own GPU (CUDA_VISIBLE_DEVICES), so it is device 0 here.
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0", MASTER_ADDR=master[0],
                           MASTER_PORT=str(master[1]))
+        import torch
+
+        torch.set_num_threads(cfg.placement.trainer_threads or max(1, (os.cpu_count() or 1) // world_size))
         from trainer.loop import train
 
         return train(cfg)
