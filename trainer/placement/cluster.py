@@ -25,8 +25,6 @@ from trainer.config import Config
 from trainer.placement import RunFailed
 from trainer.placement.actors import actor_options, ready_group
 
-log = logging.getLogger(__name__)
-
 
 @ray.remote
 class TrainerRank:
@@ -63,10 +61,11 @@ def launch_on_ray(cfg: Config) -> dict[str, Any]:
     if started_here:
         ray.init(address=p.address, num_cpus=None if p.address else p.cluster_cpus or _cpus_needed(cfg),
                  namespace=f"envkit-{os.getpid()}", include_dashboard=False, log_to_driver=True)
-    group = ready_group(p.trainer_resources, p.trainer_ranks, "trainer ranks")
-    ranks = [TrainerRank.options(name=f"trainer-rank-{i}", **actor_options(p.trainer_resources, group)).remote()  # type: ignore[attr-defined]
-             for i in range(p.trainer_ranks)]
+    group, ranks = None, []
     try:
+        group = ready_group(p.trainer_resources, p.trainer_ranks, "trainer ranks")
+        ranks = [TrainerRank.options(name=f"trainer-rank-{i}", **actor_options(p.trainer_resources, group)).remote()  # type: ignore[attr-defined]
+                 for i in range(p.trainer_ranks)]
         master = ray.get(ranks[0].rendezvous.remote())
         runs = [r.train.remote(cfg, i, p.trainer_ranks, master, os.getcwd()) for i, r in enumerate(ranks)]
         pending = list(runs)
@@ -76,14 +75,15 @@ def launch_on_ray(cfg: Config) -> dict[str, Any]:
                 ray.get(done[0])
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
                 how = "died" if isinstance(e, ray.exceptions.RayActorError) else "failed"
-                raise RunFailed(f"trainer rank {runs.index(done[0])} {how}: {_first_line(e)}\nCheckpoints under "
+                raise RunFailed(f"trainer rank {runs.index(done[0])} {how}: {_summary(e)}\nCheckpoints under "
                                 f"{cfg.trainer.output_dir}/checkpoints are intact: rerun with trainer.resume=latest "
                                 "to continue") from e
         return ray.get(runs[0])
     finally:
         for rank_actor in ranks:
             ray.kill(rank_actor)
-        remove_placement_group(group)
+        if group is not None:
+            remove_placement_group(group)
         if started_here:
             ray.shutdown()
 
@@ -98,6 +98,7 @@ def _cpus_needed(cfg: Config) -> int:
     return max(int(total + 0.999), os.cpu_count() or 1)
 
 
-def _first_line(error: BaseException) -> str:
+def _summary(error: BaseException) -> str:
+    """The original error's type and the last line of its message (a rank's traceback is in the log above)."""
     cause = getattr(error, "cause", None) or error
     return f"{type(cause).__name__}: {str(cause).strip().splitlines()[-1] if str(cause).strip() else ''}"
