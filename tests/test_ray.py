@@ -195,3 +195,46 @@ def test_a_trainer_rank_that_dies_ends_the_run_cleanly_and_resume_continues_it(c
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "reward/mean" in r].count(2) == 1  # step 2 ran once: after the resume
     assert _run_actors(f"envkit-{resumed.pid}") == []
+
+
+def test_sandboxed_envs_run_in_env_workers_and_a_dead_worker_leaves_no_container(cluster, tmp_path, docker_client,
+                                                                               arithmetic_image):
+    """Each env worker borrows containers from its own warm pool. A worker killed mid-step fails only its rollouts;
+    the containers its pool held are removed (the worker cannot: it was SIGKILLed), and so are the others' at the
+    end."""
+    import ray
+
+    from sandboxes.docker import SANDBOX_LABEL
+
+    def sandboxes() -> set[str]:
+        return {c.id for c in docker_client.containers.list(all=True, filters={"label": SANDBOX_LABEL})}
+
+    before = sandboxes()
+    out = tmp_path / "run"
+    process = _start(out, cluster, "inference.engine=hf", *TINY, "env.sandbox=docker",
+                     "placement.env_workers=2")
+    namespace = f"envkit-{process.pid}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert process.poll() is None, process.communicate()[0][-4000:]
+            assert time.monotonic() < deadline, "env-worker-0 never got an episode"
+            try:
+                worker = ray.get_actor("env-worker-0", namespace=namespace)
+                if ray.get(worker.episodes.remote(), timeout=10) > 0 and sandboxes() - before:
+                    break
+            except (ValueError, ray.exceptions.RayError):
+                pass
+            time.sleep(0.2)
+        ray.kill(worker)
+        output = _finish(process)
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+    metrics = _metrics(out)
+    assert sorted(metrics) == [1, 2], output[-4000:]
+    assert sum(m["rollout/failed"] for m in metrics.values()) > 0
+    assert metrics[2]["envs/worker_restarts"] == 1
+    assert _run_actors(namespace) == []
+    assert sandboxes() <= before

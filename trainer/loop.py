@@ -83,7 +83,7 @@ def train(cfg: Config) -> dict[str, Any]:
     results: dict[str, Any] = {}
     try:
         if envs is not None:  # first: a wrong env or task source fails before the inference server starts
-            runner.run(envs.open(pool_size=min(cfg.generator.concurrency, cfg.generator.batch_size)))
+            runner.run(envs.open(pool_size=placement.sandbox_pool_size()))
             if state.data:
                 envs.load_state(state.data)
         if engine is not None:

@@ -124,8 +124,8 @@ class EnvStream:
         return (envkit.make if here else self.make_env)(self.cfg.name, **kwargs)
 
     async def open(self, *, pool_size: int) -> None:
-        """Start the sandbox pool (if any) and load the train and eval starts."""
-        if self.cfg.sandbox is not None:
+        """Start the sandbox pool (if any, and ``pool_size`` > 0) and load the train and eval starts."""
+        if self.cfg.sandbox is not None and pool_size:
             from sandboxes.env import open_pool
 
             self.pool = await open_pool(self.cfg.name, self.cfg.sandbox, size=self.cfg.pool_size or pool_size)

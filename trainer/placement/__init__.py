@@ -38,6 +38,11 @@ class Placement:
         """A fresh env for one rollout."""
         return envkit.make(name, **kwargs)
 
+    def sandbox_pool_size(self) -> int:
+        """Warm sandboxes rank 0 keeps per sandboxed env (0: none, its episodes run elsewhere): one per rollout in
+        flight."""
+        return min(self.cfg.generator.concurrency, self.cfg.generator.batch_size)
+
     def metrics(self) -> dict[str, float]:
         """Health of the placed processes, logged with every step."""
         return {}

@@ -13,6 +13,7 @@ watchdog ends the server with its actor.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import logging
@@ -35,6 +36,7 @@ from trainer.placement import Placement
 log = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 600.0
+SHUTDOWN_TIMEOUT_S = 60.0
 
 
 def actor_options(resources: dict[str, float], group: PlacementGroup | None = None) -> dict[str, Any]:
@@ -148,15 +150,29 @@ class ActorEngine(InferenceEngine):
 
 @ray.remote
 class EnvWorker:
-    """Runs the envs of many rollouts at once (each by key), in this actor's event loop."""
+    """Runs the envs of many rollouts at once (each by key), in this actor's event loop; a sandboxed env's episodes
+    borrow containers from this worker's own warm pool of its image."""
 
-    def __init__(self) -> None:
+    def __init__(self, pool_size: int) -> None:
         self.envs: dict[int, Env] = {}
+        self.pool_size = pool_size
+        self.pools: dict[tuple[str, str], Any] = {}
+        self.pools_lock = asyncio.Lock()
 
     async def open(self, key: int, name: str, kwargs: dict[str, Any]) -> None:
+        if "sandbox" in kwargs:
+            kwargs = {**kwargs, "sandbox_options": {"pool": await self._pool(name, kwargs["sandbox"])}}
         env = envkit.make(name, **kwargs)
         self.envs[key] = env
         await env.init()
+
+    async def _pool(self, name: str, kind: str) -> Any:
+        async with self.pools_lock:  # one pool per image, however many rollouts ask for it at once
+            if (name, kind) not in self.pools:
+                from sandboxes.env import open_pool
+
+                self.pools[name, kind] = await open_pool(name, kind, size=self.pool_size, wait=False)
+            return self.pools[name, kind]
 
     async def reset(self, key: int, seed: int | None, task: Task | None) -> tuple[list[Message], dict, list[dict]]:
         env = self.envs[key]
@@ -175,13 +191,25 @@ class EnvWorker:
         """Envs open now (what a test waits for before it kills a worker mid-step)."""
         return len(self.envs)
 
+    async def shutdown(self) -> None:
+        """Close every env and drain the sandbox pools (their containers are removed)."""
+        await asyncio.gather(*(env.close() for env in self.envs.values()), return_exceptions=True)
+        self.envs.clear()
+        await asyncio.gather(*(pool.close() for pool in self.pools.values()), return_exceptions=True)
+        self.pools.clear()
+
 
 class EnvWorkerPool:
-    """``size`` env workers; each rollout's env goes to the worker with the fewest open envs."""
+    """``size`` env workers; each rollout's env goes to the worker with the fewest open envs. A worker that died
+    leaves its containers behind: the next sandbox any process on that Docker engine starts removes them
+    (:func:`sandboxes.docker.reap_orphans`), and so does closing the pool."""
 
-    def __init__(self, size: int, resources: dict[str, float]) -> None:
+    def __init__(self, size: int, resources: dict[str, float], *, sandbox_pool_size: int) -> None:
         self.group = ready_group(resources, size, "env workers")
         self.resources = resources
+        self.sandbox_pool_size = sandbox_pool_size
+        self.sandboxed = False
+        """Whether any env went to a sandbox (then closing reaps what dead workers left)."""
         self.keys = itertools.count()
         self.indices = itertools.count()
         self.load: dict[Any, int] = {}
@@ -192,7 +220,8 @@ class EnvWorkerPool:
 
     def _spawn(self) -> None:
         name = f"env-worker-{next(self.indices)}"
-        worker = EnvWorker.options(name=name, **actor_options(self.resources, self.group)).remote()  # type: ignore[attr-defined]
+        worker = EnvWorker.options(name=name, **actor_options(self.resources, self.group)).remote(  # type: ignore[attr-defined]
+            self.sandbox_pool_size)
         self.load[worker] = 0
         self.names[worker] = name
 
@@ -215,12 +244,19 @@ class EnvWorkerPool:
         self.restarts += 1
         self._spawn()
 
-    def close(self) -> None:
-        """End every worker."""
-        for worker in list(self.load):
+    async def close(self) -> None:
+        """Drain every worker's sandbox pools, end the workers, and remove what dead workers' pools left."""
+        workers, self.load = list(self.load), {}
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(SHUTDOWN_TIMEOUT_S):
+                await asyncio.gather(*(w.shutdown.remote() for w in workers), return_exceptions=True)
+        for worker in workers:
             ray.kill(worker)
-        self.load.clear()
         remove_placement_group(self.group)
+        if self.sandboxed:
+            from sandboxes.docker import connect, reap_orphans
+
+            await asyncio.to_thread(reap_orphans, connect())
 
 
 class EnvWorkerDied(RuntimeError):
@@ -283,7 +319,10 @@ class RayPlacement(Placement):
         p = cfg.placement
         self.replicas: ReplicaSet | None = None
         self.group: PlacementGroup | None = None
-        self.workers = EnvWorkerPool(p.env_workers, p.env_worker_resources) if p.env_workers else None
+        # each worker's pool holds its share of the rollouts in flight
+        share = max(1, -(-super().sandbox_pool_size() // max(p.env_workers, 1)))
+        self.workers = EnvWorkerPool(p.env_workers, p.env_worker_resources,
+                                     sandbox_pool_size=share) if p.env_workers else None
 
     def engine(self, model_path: str | Path, out: Path) -> InferenceEngine:
         p = self.cfg.placement
@@ -299,9 +338,15 @@ class RayPlacement(Placement):
         self.replicas = ReplicaSet(spawn, p.inference_replicas)
         return self.replicas
 
+    def sandbox_pool_size(self) -> int:
+        return super().sandbox_pool_size() if self.workers is None else 0
+
     def make_env(self, name: str, **kwargs: Any) -> Env:
-        if self.workers is None or "sandbox" in kwargs:  # a sandboxed env's warm pool lives in rank 0
+        if self.workers is None:
             return super().make_env(name, **kwargs)
+        if "sandbox" in kwargs:  # the worker borrows from a pool of its own
+            kwargs.pop("sandbox_options", None)
+            self.workers.sandboxed = True
         return WorkerEnv(self.workers, name, kwargs)
 
     def metrics(self) -> dict[str, float]:
@@ -312,7 +357,7 @@ class RayPlacement(Placement):
 
     async def close(self) -> None:
         if self.workers is not None:
-            self.workers.close()
+            await self.workers.close()
             self.workers = None
         if self.group is not None:
             remove_placement_group(self.group)
