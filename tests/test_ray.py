@@ -17,8 +17,9 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -83,6 +84,41 @@ def _start(out: Path, address: str, *overrides: str) -> subprocess.Popen[str]:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
+def _kill_when_busy(process: subprocess.Popen[str], namespace: str, name: str, busy: Callable[[Any], bool]) -> None:
+    """Kill the run's actor ``name`` as soon as ``busy(actor)`` says it has work (the run must still be going)."""
+    import ray
+
+    deadline = time.monotonic() + 600
+    while True:
+        assert process.poll() is None, process.communicate()[0][-4000:]
+        assert time.monotonic() < deadline, f"{name} never got work"
+        try:
+            actor = ray.get_actor(name, namespace=namespace)
+            if busy(actor):
+                break
+        except (ValueError, ray.exceptions.RayError):
+            pass  # not created yet, or still starting
+        time.sleep(0.2)
+    ray.kill(actor)
+
+
+def _run_through_kills(process: subprocess.Popen[str], out: Path,
+                       kills: list[tuple[str, Callable[[Any], bool]]]) -> tuple[str, dict[int, dict]]:
+    """Kill each (actor name, busy) of the run as soon as it is busy, then let the run finish; its output and
+    metrics. Both steps must have run, and an env worker's open rollouts were counted failed, not fatal."""
+    try:
+        for name, busy in kills:
+            _kill_when_busy(process, f"envkit-{process.pid}", name, busy)
+        output = _finish(process)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    metrics = _metrics(out)
+    assert sorted(metrics) == [1, 2], output[-4000:]
+    assert sum(m["rollout/failed"] for m in metrics.values()) > 0
+    return output, metrics
+
+
 def _finish(process: subprocess.Popen[str], timeout: float = 900) -> str:
     try:
         output, _ = process.communicate(timeout=timeout)
@@ -138,31 +174,9 @@ def test_a_replica_and_an_env_worker_killed_mid_step_do_not_fail_the_step(cluste
                      "generator.prompts_per_step=4", "generator.max_tokens=48", "placement.inference_replicas=2",
                      "placement.env_workers=2")
     namespace = f"envkit-{process.pid}"
-    try:
-        killed = []
-        for name, busy in (("env-worker-0", "episodes"), ("replica-0", "requests_in_flight")):
-            deadline = time.monotonic() + 600
-            while True:
-                assert process.poll() is None, process.communicate()[0][-4000:]
-                assert time.monotonic() < deadline, f"{name} never got work"
-                try:
-                    actor = ray.get_actor(name, namespace=namespace)
-                    if ray.get(getattr(actor, busy).remote(), timeout=10) > 0:
-                        break
-                except (ValueError, ray.exceptions.RayError):
-                    pass  # not created yet, or still starting
-                time.sleep(0.2)
-            ray.kill(actor)
-            killed.append(name)
-        output = _finish(process)
-    finally:
-        if process.poll() is None:
-            process.kill()
-
-    metrics = _metrics(out)
-    assert sorted(metrics) == [1, 2], output[-4000:]
-    lost_rollouts = sum(m["rollout/failed"] for m in metrics.values())
-    assert lost_rollouts > 0  # the killed worker's open rollouts, counted, not fatal
+    output, metrics = _run_through_kills(process, out, [
+        (name, lambda actor, method=method: ray.get(getattr(actor, method).remote(), timeout=10) > 0)
+        for name, method in (("env-worker-0", "episodes"), ("replica-0", "requests_in_flight"))])
     assert metrics[2]["envs/worker_restarts"] == 1 and metrics[2]["envs/workers"] == 2
     assert metrics[2]["inference/replicas_lost"] == 1
     assert "inference replica 0 died under a request" in output and "env worker env-worker-0 died" in output
@@ -214,27 +228,10 @@ def test_sandboxed_envs_run_in_env_workers_and_a_dead_worker_leaves_no_container
     process = _start(out, cluster, "inference.engine=hf", *TINY, "env.sandbox=docker",
                      "placement.env_workers=2")
     namespace = f"envkit-{process.pid}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert process.poll() is None, process.communicate()[0][-4000:]
-            assert time.monotonic() < deadline, "env-worker-0 never got an episode"
-            try:
-                worker = ray.get_actor("env-worker-0", namespace=namespace)
-                if ray.get(worker.episodes.remote(), timeout=10) > 0 and sandboxes() - before:
-                    break
-            except (ValueError, ray.exceptions.RayError):
-                pass
-            time.sleep(0.2)
-        ray.kill(worker)
-        output = _finish(process)
-    finally:
-        if process.poll() is None:
-            process.kill()
+    def busy(worker: Any) -> bool:  # with containers in its pool
+        return ray.get(worker.episodes.remote(), timeout=10) > 0 and bool(sandboxes() - before)
 
-    metrics = _metrics(out)
-    assert sorted(metrics) == [1, 2], output[-4000:]
-    assert sum(m["rollout/failed"] for m in metrics.values()) > 0
+    _, metrics = _run_through_kills(process, out, [("env-worker-0", busy)])
     assert metrics[2]["envs/worker_restarts"] == 1
     assert _run_actors(namespace) == []
     assert sandboxes() <= before
