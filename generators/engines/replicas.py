@@ -49,8 +49,6 @@ class Replica:
     engine: InferenceEngine
     inflight: int = 0
     requests: int = 0
-    failovers: int = 0
-    """Requests that were sent again elsewhere because this replica died under them."""
 
 
 class ReplicaSet(InferenceEngine):
@@ -132,7 +130,6 @@ class ReplicaSet(InferenceEngine):
             try:
                 return await call(replica.engine)
             except ReplicaDied as e:
-                replica.failovers += 1
                 self._lose(replica, f"died under a request ({e})")
             finally:
                 replica.inflight -= 1
