@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import socket
 import subprocess
@@ -136,8 +137,9 @@ def test_two_ranks_two_replicas_and_an_env_pool_train_as_the_local_run_does(clus
     ones. The loss is a sum of near-cancelling advantage-weighted ratios, so it is compared absolutely."""
     common = ["inference.engine=hf", "generator.seed=7", "trainer.dtype=fp32", *TINY]
     local = tmp_path / "local"
+    # One torch thread, as Ray gives a 1-CPU replica actor: the same sampling logits, bit for bit, whatever the cores.
     result = subprocess.run([sys.executable, "-m", "trainer", *common, f"trainer.output_dir={local}"], cwd=REPO,
-                            capture_output=True, text=True, timeout=900)
+                            capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-4000:]
 
     before = _vllm_servers()
