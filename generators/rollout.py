@@ -112,11 +112,14 @@ class Generator:
         seeds: Sequence[int] | None = None,
         env_name: str = "",
         on_done: Callable[[Trajectory], None] | None = None,
+        on_group: Callable[[int, list[Trajectory]], None] | None = None,
     ) -> list[Trajectory]:
         """``samples_per_prompt`` rollouts for each task (or seed), ``concurrency`` at a time, in request order.
 
         Samples of one task/seed share a ``group_id`` and the same episode start. ``on_done`` is called as each
-        rollout finishes (progress bars). Failed rollouts come back with ``stop_reason`` error/timeout.
+        rollout finishes (progress bars), ``on_group(i, rollouts)`` as the last sample of the i-th start finishes
+        (an async trainer takes groups as they complete). Failed rollouts come back with ``stop_reason``
+        error/timeout.
         """
         if (tasks is None) == (seeds is None):
             raise ValueError("pass exactly one of tasks= or seeds=")
@@ -133,12 +136,15 @@ class Generator:
                 on_done(traj)
             return traj
 
-        jobs = [
-            one(task, seed, _group_id(task, seed, i), k)
-            for i, (task, seed) in enumerate(starts)
-            for k in range(self.config.samples_per_prompt)
-        ]
-        return list(await asyncio.gather(*jobs))
+        async def group(i: int, task: Task | None, seed: int | None) -> list[Trajectory]:
+            samples = await asyncio.gather(*(one(task, seed, _group_id(task, seed, i), k)
+                                             for k in range(self.config.samples_per_prompt)))
+            if on_group is not None:
+                on_group(i, samples)
+            return samples
+
+        groups = await asyncio.gather(*(group(i, task, seed) for i, (task, seed) in enumerate(starts)))
+        return [t for samples in groups for t in samples]
 
     async def rollout(self, make_env: EnvFactory, *, task: Task | None = None, seed: int | None = None,
                       group_id: str = "", sample_index: int = 0, env_name: str = "") -> Trajectory:

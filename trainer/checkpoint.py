@@ -1,8 +1,8 @@
 """Training checkpoints: backend state (model, optimizer, scheduler), loop state, RNG states; atomic; keep-last-k.
 
 Layout: ``<root>/step-000010/`` holding the backend's files, ``state.json`` (step, policy version, every env's
-data position) and ``rng.pt``. A checkpoint is written into a temp dir and renamed into place, so a crash mid-save
-leaves the previous checkpoint as the latest.
+data position, async mode's untrained groups) and ``rng.pt``. A checkpoint is written into a temp dir and renamed
+into place, so a crash mid-save leaves the previous checkpoint as the latest.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import random
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,6 +33,8 @@ class TrainState:
     """Version of the weights the inference engine serves."""
     data: dict[str, dict[str, int]] = field(default_factory=dict)
     """Each env's data position (epoch, position in the epoch's order, prompts drawn), by label."""
+    pending: list[dict[str, Any]] = field(default_factory=list)
+    """Async mode: groups drawn but not trained (trainer/async_rollouts.py), so a resume loses none of them."""
 
 
 class CheckpointManager:

@@ -245,6 +245,12 @@ class TrainerConfig:
     zero_stage: int = 2
     """DeepSpeed only: 2 or 3."""
     steps: int = 20
+    mode: str = "sync"
+    """sync (generate, then train, in turn) or async (the next steps' rollouts are generated while a step trains,
+    at most ``max_staleness`` weight versions behind: trainer/async_rollouts.py)."""
+    max_staleness: int = 1
+    """async: a group sampled more than this many versions before the policy it would train is dropped (0 trains
+    exactly what sync mode trains)."""
     lr: float = 1e-5
     weight_decay: float = 0.0
     warmup_steps: int = 2
@@ -284,6 +290,7 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         _one_of("trainer.backend", self.backend, ("fsdp", "deepspeed"))
+        _one_of("trainer.mode", self.mode, ("sync", "async"))
         _one_of("trainer.lr_schedule", self.lr_schedule, ("constant", "cosine"))
         _one_of("trainer.dtype", self.dtype, ("auto", "bf16", "fp32"))
         _one_of("trainer.attention", self.attention, ("auto", "eager", "sdpa", "flash_attention_2"))
@@ -292,6 +299,8 @@ class TrainerConfig:
         for name in ("steps", "epochs", "micro_batch_tokens", "keep_last", "save_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_staleness < 0:
+            raise ConfigError(f"trainer.max_staleness must be >= 0, got {self.max_staleness}")
         if self.lr <= 0:
             raise ConfigError(f"trainer.lr must be > 0, got {self.lr}")
 

@@ -13,6 +13,9 @@
         optimizer step
     export weights v(step+1) → engine.load_weights(v)                      checkpoint-based weight sync
 
+``trainer.mode=async`` generates the next steps' rollouts while a step trains, at most ``trainer.max_staleness``
+weight versions behind (trainer/async_rollouts.py); the step then takes its rollouts from there instead.
+
 With N ranks (torchrun, or Ray actors: trainer/placement) rank 0 generates, every rank trains on its slice of each
 mini-batch, and FSDP averages gradients; losses are scaled so the result equals the single-rank loss on the whole
 mini-batch. Rank 0's placement supplies the engine (one server, or replicas behind a router) and each rollout's env
@@ -39,6 +42,7 @@ from generators.engines.base import InferenceEngine
 from generators.models import resolve_model
 from generators.report import passed
 from trainer import algorithms as algo
+from trainer.async_rollouts import AsyncRollouts, LoopThread
 from trainer.backends import make_backend
 from trainer.backends.base import Batch, TrainBackend
 from trainer.batching import micro_batches, stack_rows, to_padded
@@ -75,12 +79,15 @@ def train(cfg: Config) -> dict[str, Any]:
     if cfg.trainer.resume:
         state = checkpoints.load(checkpoints.resolve(cfg.trainer.resume), backend)
 
-    runner = asyncio.Runner()  # the generator is async; the trainer drives it from this synchronous loop
+    # The generator is async; the trainer drives it from this synchronous loop. In async mode the event loop runs in
+    # a thread of its own, so generation goes on while this thread trains.
+    runner: asyncio.Runner | LoopThread = LoopThread() if cfg.trainer.mode == "async" else asyncio.Runner()
     placement = make_placement(cfg) if is_main else None  # rank 0 generates: here, or with Ray actors
     envs = Mixture(cfg.env, seed=cfg.trainer.seed, make_env=placement.make_env) if placement else None
     engine = placement.engine(model_path, out) if placement else None
     logger = RunLogger(out, cfg, total_steps=cfg.trainer.steps, start_step=state.step) if is_main else None
     results: dict[str, Any] = {}
+    rollouts: AsyncRollouts | None = None
     try:
         if envs is not None:  # first: a wrong env or task source fails before the inference server starts
             runner.run(envs.open(pool_size=placement.sandbox_pool_size()))
@@ -97,15 +104,27 @@ def train(cfg: Config) -> dict[str, Any]:
             before = _evaluate(generator, envs, runner, cfg, logger, step=0)
             results.update({f"{k}_before": v for k, v in before.items()})
 
+        if cfg.trainer.mode == "async" and generator is not None and envs is not None:
+            rollouts = AsyncRollouts(envs, generator, prompts_per_step=cfg.generator.prompts_per_step,
+                                     max_staleness=cfg.trainer.max_staleness)
+            runner.run(rollouts.start(step=state.step, version=state.policy_version, pending=state.pending))
+
         while state.step < cfg.trainer.steps:
             t_step = time.perf_counter()
             t0 = time.perf_counter()
-            trajs = runner.run(envs.rollouts(generator, cfg.generator.prompts_per_step)) if generator and envs else []
-            state.data = envs.state() if envs is not None else {}
+            stale = 0
+            if rollouts is not None:
+                trajs, stale = runner.run(rollouts.batch(state.step))
+            elif generator is not None and envs is not None:
+                trajs = runner.run(envs.rollouts(generator, cfg.generator.prompts_per_step))
+                state.data = envs.state()
+            else:  # ranks > 0 get rank 0's rollouts
+                trajs = []
             trajs = broadcast_from_rank0(trajs)
             gen_s = time.perf_counter() - t0
 
             batch = prepare_batch(trajs, cfg)
+            batch.counts["stale_dropped"] = stale
             t0 = time.perf_counter()
             train_metrics = update_policy(backend, batch, cfg, tokenizer.pad_id)
             train_s = time.perf_counter() - t0
@@ -114,9 +133,13 @@ def train(cfg: Config) -> dict[str, Any]:
             state.step += 1
             state.policy_version = state.step
             _sync_weights(backend, engine, runner, out, state.policy_version)
+            if rollouts is not None:
+                runner.run(rollouts.set_version(state.policy_version))
             sync_s = time.perf_counter() - t0
 
             if state.step % cfg.trainer.save_every == 0 or state.step == cfg.trainer.steps:
+                if rollouts is not None and envs is not None:  # a consistent cut: nothing runs on the loop meanwhile
+                    state.data, state.pending = runner.run(_snapshot(envs, rollouts))
                 checkpoints.save(backend, state)
             if logger is not None:
                 metrics = {
@@ -137,6 +160,8 @@ def train(cfg: Config) -> dict[str, Any]:
         if logger is not None:
             results.update(logger.finish(results))
     finally:
+        if rollouts is not None:
+            runner.run(rollouts.close())
         if engine is not None:
             runner.run(engine.stop())
         if envs is not None:
@@ -341,6 +366,11 @@ def _sync_weights(backend: TrainBackend, engine: InferenceEngine | None, runner:
         for old in (out / "weights").glob("v*"):
             if old != path and old.name[1:].isdigit():
                 shutil.rmtree(old, ignore_errors=True)
+
+
+async def _snapshot(envs: Mixture, rollouts: AsyncRollouts) -> tuple[dict[str, dict[str, int]], list[dict[str, Any]]]:
+    """The data positions and the drawn-but-untrained groups, taken in one go on the event loop."""
+    return envs.state(), rollouts.pending()
 
 
 def _evaluate(generator: Generator, envs: Mixture, runner: asyncio.Runner, cfg: Config, logger: RunLogger, *,

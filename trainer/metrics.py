@@ -161,6 +161,15 @@ class RunLogger:
             points = [(e["step"], e[key]) for e in self.evals if key in e]
             if points:
                 ax.plot(*zip(*points, strict=True), style, label=label)
+        if self.cfg.trainer.mode == "async":  # how far behind the trained policy each step's rollouts were sampled
+            versions = ax.twinx()
+            versions.plot(steps, [h.get("rollout/staleness_mean", 0.0) for h in self.history], "c-.",
+                          label="staleness (mean, versions)")
+            versions.plot(steps, [h.get("rollout/staleness", 0.0) for h in self.history], "m:",
+                          label="staleness (max, versions)")
+            versions.set_ylim(-0.1, self.cfg.trainer.max_staleness + 1.1)
+            versions.set_ylabel("staleness")
+            versions.legend(fontsize=8, loc="lower right")
         ax.set_xlabel("step")
         ax.set_ylim(-0.05, 1.05)
         ax.set_title(f"{self.env_names}: {self.cfg.algorithm.advantage} on {self.cfg.model.path}")
@@ -190,6 +199,8 @@ def rollout_metrics(trajs: list[Trajectory], batch: StepBatch, version: int) -> 
         "rollout/response_tokens": _mean([t.num_model_tokens for t in trajs if not t.failed]),
         "rollout/turns": _mean([t.num_turns for t in trajs if not t.failed]),
         "rollout/staleness": max((version - t.policy_version for t in trajs), default=0),
+        "rollout/staleness_mean": _mean([version - t.policy_version for t in trajs]),
+        "rollout/stale_dropped": batch.counts.get("stale_dropped", 0),
         "rollout/trained": batch.counts.get("trained", 0),
         "rollout/failed": batch.counts.get("failed", 0),
         "rollout/zero_variance_groups": batch.counts.get("zero_variance_groups", 0),

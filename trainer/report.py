@@ -21,7 +21,8 @@ from generators.trajectory import Trajectory
 STEP_COLUMNS = {
     "reward/mean": "reward", "reward/pass_rate": "pass rate", "rollout/turns": "turns",
     "rollout/response_tokens": "model tokens/rollout", "rollout/trained": "trained", "rollout/failed": "failed",
-    "rollout/zero_variance_groups": "flat groups", "train/loss": "loss", "train/grad_norm": "grad norm",
+    "rollout/zero_variance_groups": "flat groups", "rollout/staleness": "staleness",
+    "rollout/stale_dropped": "stale dropped", "train/loss": "loss", "train/grad_norm": "grad norm",
     "train/entropy": "entropy", "train/clip_fraction": "clipped", "time/generate_s": "generate s",
     "time/train_s": "train s", "time/step_s": "step s",
 }

@@ -264,18 +264,21 @@ class Mixture:
             quotas[deficit.index(max(deficit))] += 1
         return quotas
 
+    def draw(self, k: int) -> list[tuple[EnvStream, list[Start]]]:
+        """The next ``k`` prompts split among the envs by quota: each env that gets some, with its starts."""
+        return [(stream, stream.next_starts(quota, self.seed))
+                for stream, quota in zip(self.streams, self.quotas(k), strict=True) if quota]
+
     async def rollouts(self, generator: Generator, k: int) -> list[Trajectory]:
         """The generator's ``samples_per_prompt`` rollouts for each of the next ``k`` prompts, split among the envs
         by quota."""
-        jobs = []
-        for stream, quota in zip(self.streams, self.quotas(k), strict=True):
-            if quota:
-                jobs.append(_generate(generator, stream, stream.next_starts(quota, self.seed)))
+        jobs = [generate_starts(generator, stream, starts) for stream, starts in self.draw(k)]
         return [t for trajs in await asyncio.gather(*jobs) for t in trajs]
 
     async def eval_rollouts(self, generator: Generator, limit: int) -> list[Trajectory]:
         """The generator's ``samples_per_prompt`` rollouts of each env's first ``limit`` held-out starts."""
-        jobs = [_generate(generator, s, [s.eval[i] for i in range(min(limit, len(s.eval)))]) for s in self.streams]
+        jobs = [generate_starts(generator, s, [s.eval[i] for i in range(min(limit, len(s.eval)))])
+                for s in self.streams]
         return [t for trajs in await asyncio.gather(*jobs) for t in trajs]
 
     def state(self) -> dict[str, dict[str, int]]:
@@ -297,16 +300,21 @@ def _listed_tasks(env: Env, split: str) -> list[Task] | None:
     return None if tasks is None else list(tasks)
 
 
-async def _generate(generator: Generator, stream: EnvStream, starts: list[Start]) -> list[Trajectory]:
-    """Rollouts of ``starts`` in ``stream``'s env; group ids carry the env's label, so mixtures never merge groups."""
+async def generate_starts(generator: Generator, stream: EnvStream, starts: list[Start],
+                    on_group: Callable[[int, list[Trajectory]], None] | None = None) -> list[Trajectory]:
+    """Rollouts of ``starts`` in ``stream``'s env; group ids carry the env's label, so mixtures never merge groups.
+    ``on_group(i, rollouts)`` is called as the group of ``starts[i]`` completes."""
     if not starts:
         return []
+
+    def labelled(i: int, trajs: list[Trajectory]) -> None:
+        for t in trajs:
+            t.group_id = f"{stream.label}/{t.group_id}"
+        if on_group is not None:
+            on_group(i, trajs)
+
     if starts[0][0] is not None:
-        trajs = await generator.generate(stream.make, tasks=[t for t, _ in starts if t is not None],
-                                         env_name=stream.label)
-    else:
-        trajs = await generator.generate(stream.make, seeds=[s for _, s in starts if s is not None],
-                                         env_name=stream.label)
-    for t in trajs:
-        t.group_id = f"{stream.label}/{t.group_id}"
-    return trajs
+        return await generator.generate(stream.make, tasks=[t for t, _ in starts if t is not None],
+                                        env_name=stream.label, on_group=labelled)
+    return await generator.generate(stream.make, seeds=[s for _, s in starts if s is not None],
+                                    env_name=stream.label, on_group=labelled)
