@@ -178,7 +178,7 @@ def _round_trip(zero_stage: int, dtype: str, tmp: Path) -> dict:
     lap("fsdp: build, 1 step")
 
     backend = DeepSpeedBackend(config, zero_stage=zero_stage)
-    original, masters = load_file(model_dir / "model.safetensors"), backend._full_state_dict()
+    original, masters = load_file(model_dir / "model.safetensors"), backend.full_state_dict()
     r["initial_masters_max_abs_diff"] = max(max_diff(original[k], masters[k]) for k in original)
     before = backend.logprobs(batch)
     reference = backend.logprobs(batch, reference=True)

@@ -11,6 +11,7 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 import envkit
@@ -209,6 +210,46 @@ async def test_weight_reload_changes_outputs_and_bumps_the_server_reported_versi
     restored = await vllm_engine.generate(prompt, greedy)
     assert restored.token_ids == before.token_ids and restored.weight_version == 2
     assert await vllm_engine.server_weight_version() == "2"
+
+
+def _perturbed(src: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the model moved by seeded noise, and the final norm negated (greedy output must change)."""
+    tensors = {name: t for f in sorted(src.glob("*.safetensors")) for name, t in load_file(f).items()}
+    noise = torch.Generator().manual_seed(0)
+    moved = {name: t + 0.01 * torch.randn(t.shape, generator=noise, dtype=t.dtype) for name, t in tensors.items()}
+    moved["model.norm.weight"] = -moved["model.norm.weight"]
+    return moved
+
+
+async def test_weights_sent_from_memory_serve_what_a_reload_from_disk_serves(
+        vllm_engine, chat_tokenizer, bundled_model, tmp_path):
+    """The same perturbed policy, once as a checkpoint the server reloads and once broadcast over the process group:
+    the next greedy request gets the same tokens and logprobs. A second broadcast (the original weights) reuses the
+    group and brings the original output back; so does the restart test below, which restores pushed weights."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    prompt = chat_tokenizer.prompt_ids([envkit.user("Name a color.")])
+    original = await vllm_engine.generate(prompt, greedy)
+    perturbed = _perturbed(bundled_model)
+    disk = tmp_path / "perturbed"
+    shutil.copytree(bundled_model, disk, ignore=shutil.ignore_patterns("*.safetensors", ".envkit-complete"))
+    save_file(perturbed, disk / "model.safetensors", metadata={"format": "pt"})
+
+    await vllm_engine.load_weights(disk, version=11)
+    from_disk = await vllm_engine.generate(prompt, greedy)
+    assert from_disk.token_ids != original.token_ids
+    await vllm_engine.load_weights(bundled_model, version=12)
+    assert (await vllm_engine.generate(prompt, greedy)).token_ids == original.token_ids
+
+    await vllm_engine.push_weights(perturbed, version=13)
+    from_memory = await vllm_engine.generate(prompt, greedy)
+    assert from_memory.weight_version == 13 and await vllm_engine.server_weight_version() == "13"
+    assert from_memory.token_ids == from_disk.token_ids
+    assert from_memory.logprobs == from_disk.logprobs
+
+    await vllm_engine.push_weights({n: t for f in bundled_model.glob("*.safetensors") for n, t in load_file(f).items()},
+                                   version=14)
+    restored = await vllm_engine.generate(prompt, greedy)
+    assert restored.token_ids == original.token_ids and restored.logprobs == original.logprobs
 
 
 async def test_engine_restarts_after_kill_9_and_keeps_its_weights(vllm_engine, chat_tokenizer):

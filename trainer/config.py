@@ -251,6 +251,10 @@ class TrainerConfig:
     max_staleness: int = 1
     """async: a group sampled more than this many versions before the policy it would train is dropped (0 trains
     exactly what sync mode trains)."""
+    weight_sync: str = "auto"
+    """How new weights reach the engine: memory (broadcast from rank 0 to the server's workers, no files), disk (an HF
+    checkpoint the server reloads), or auto (memory where the engine can take it, else disk; disk again after a
+    failed broadcast)."""
     lr: float = 1e-5
     weight_decay: float = 0.0
     warmup_steps: int = 2
@@ -291,6 +295,7 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         _one_of("trainer.backend", self.backend, ("fsdp", "deepspeed"))
         _one_of("trainer.mode", self.mode, ("sync", "async"))
+        _one_of("trainer.weight_sync", self.weight_sync, ("auto", "memory", "disk"))
         _one_of("trainer.lr_schedule", self.lr_schedule, ("constant", "cosine"))
         _one_of("trainer.dtype", self.dtype, ("auto", "bf16", "fp32"))
         _one_of("trainer.attention", self.attention, ("auto", "eager", "sdpa", "flash_attention_2"))

@@ -11,7 +11,7 @@
             loss     = policy_loss(logprobs, old, A) · TIS + kl_coef·KL − entropy_coef·H (+ vf_coef·value_loss)
             backward(loss · share of the mini-batch)
         optimizer step
-    export weights v(step+1) → engine.load_weights(v)                      checkpoint-based weight sync
+    weights v(step+1) → engine                                             broadcast from memory, or a checkpoint
 
 ``trainer.mode=async`` generates the next steps' rollouts while a step trains, at most ``trainer.max_staleness``
 weight versions behind (trainer/async_rollouts.py); the step then takes its rollouts from there instead.
@@ -45,6 +45,7 @@ from trainer import algorithms as algo
 from trainer.async_rollouts import AsyncRollouts, LoopThread
 from trainer.backends import make_backend
 from trainer.backends.base import Batch, TrainBackend
+from trainer.backends.hf_export import write_hf_checkpoint
 from trainer.batching import micro_batches, stack_rows, to_padded
 from trainer.checkpoint import CheckpointManager, TrainState
 from trainer.config import Config
@@ -96,7 +97,7 @@ def train(cfg: Config) -> dict[str, Any]:
         if engine is not None:
             runner.run(engine.start())
         if state.policy_version:  # resumed: serve the checkpoint's policy, not the initial one
-            _sync_weights(backend, engine, runner, out, state.policy_version)
+            _sync_weights(backend, engine, runner, out, state.policy_version, cfg.trainer.weight_sync)
         generator = Generator(engine, tokenizer, cfg.generator) if engine is not None else None
         evaluate = (generator is not None and envs is not None and logger is not None and cfg.trainer.eval_tasks > 0
                     and any(s.eval for s in envs.streams))
@@ -132,7 +133,7 @@ def train(cfg: Config) -> dict[str, Any]:
             t0 = time.perf_counter()
             state.step += 1
             state.policy_version = state.step
-            _sync_weights(backend, engine, runner, out, state.policy_version)
+            _sync_weights(backend, engine, runner, out, state.policy_version, cfg.trainer.weight_sync)
             if rollouts is not None:
                 runner.run(rollouts.set_version(state.policy_version))
             sync_s = time.perf_counter() - t0
@@ -154,6 +155,8 @@ def train(cfg: Config) -> dict[str, Any]:
                 if evaluate and every and state.step % every == 0 and state.step < cfg.trainer.steps:
                     _evaluate(generator, envs, runner, cfg, logger, step=state.step)
 
+        if state.policy_version and cfg.trainer.weight_sync != "disk":  # synced from memory: put the policy on disk
+            backend.export_weights(out / "weights" / f"v{state.policy_version}")
         if evaluate:
             after = _evaluate(generator, envs, runner, cfg, logger, step=state.step)
             results.update({f"{k}_after": v for k, v in after.items()})
@@ -356,16 +359,29 @@ def _add(stats: dict[str, list[float]], key: str, value: float | torch.Tensor) -
 # ------------------------------------------------------------------------------------------------- plumbing
 
 
-def _sync_weights(backend: TrainBackend, engine: InferenceEngine | None, runner: asyncio.Runner, out: Path,
-                  version: int) -> None:
-    """Export the policy as an HF checkpoint and have the engine serve it; keep only the newest export."""
+def _sync_weights(backend: TrainBackend, engine: InferenceEngine | None, runner: asyncio.Runner | LoopThread,
+                  out: Path, version: int, how: str) -> None:
+    """Have the engine serve the policy as ``version``: broadcast from memory (``how`` memory, or auto where the
+    engine can take it), else as an HF checkpoint it reloads (only the newest is kept). Every rank gathers the
+    weights; rank 0, which holds the engine, sends them."""
+    weights = backend.served_weights()
+    if engine is None:
+        return
+    if how != "disk" and engine.supports_weight_push:
+        try:
+            runner.run(engine.push_weights(weights, version))
+            return
+        except Exception as e:
+            if how == "memory":
+                raise
+            log.warning("sending weights v%d from memory failed (%s: %s); loading them from disk instead", version,
+                        type(e).__name__, e)
     path = out / "weights" / f"v{version}"
-    backend.export_weights(path)
-    if engine is not None:
-        runner.run(engine.load_weights(path, version))
-        for old in (out / "weights").glob("v*"):
-            if old != path and old.name[1:].isdigit():
-                shutil.rmtree(old, ignore_errors=True)
+    write_hf_checkpoint(weights, Path(backend.config.model_path), path)
+    runner.run(engine.load_weights(path, version))
+    for old in (out / "weights").glob("v*"):
+        if old != path and old.name[1:].isdigit():
+            shutil.rmtree(old, ignore_errors=True)
 
 
 async def _snapshot(envs: Mixture, rollouts: AsyncRollouts) -> tuple[dict[str, dict[str, int]], list[dict[str, Any]]]:

@@ -98,6 +98,13 @@ class InferenceEngine(abc.ABC):
         """Serve the HF safetensors checkpoint in ``path`` as weight ``version`` (same architecture)."""
         raise NotImplementedError(f"{type(self).__name__} cannot load weights")
 
+    supports_weight_push: bool = False
+    """Whether ``push_weights`` can move weights without the filesystem."""
+
+    async def push_weights(self, tensors: dict[str, Any], version: int) -> None:
+        """Serve ``tensors`` (HF parameter names to torch tensors) as weight ``version``, with no file in between."""
+        raise NotImplementedError(f"{type(self).__name__} cannot take weights from memory; use load_weights")
+
     async def __aenter__(self) -> InferenceEngine:
         await self.start()
         return self

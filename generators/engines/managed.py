@@ -2,7 +2,8 @@
 restart-and-retry, restoring the latest weights after a restart, and chat through the server's OpenAI routes.
 
 A backend subclasses :class:`ServerBackedEngine` and supplies the launch command (``_command``), how to load a
-checkpoint into the running server (``_apply_weights``, built only from ``_send``), and ``generate``.
+checkpoint into the running server (``_apply_weights``, built only from ``_send``), and ``generate``; one that can
+take weights from memory also supplies ``_apply_tensors`` (see ``push_weights``).
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class ServerBackedEngine(InferenceEngine):
         self.auto_restart = auto_restart and url is None
         self.restarts = 0
         self._version = 0
-        self._weights_path: Path | None = None
+        self._weights: Path | dict[str, Any] | None = None
+        """What the server must serve after a restart: the last checkpoint loaded, or the last tensors pushed."""
         self._client: httpx.AsyncClient | None = None
         self._chat: OpenAIChat | None = None
         self._model_path = ""
@@ -98,6 +100,10 @@ class ServerBackedEngine(InferenceEngine):
     async def _apply_weights(self, path: Path, version: int) -> None:
         """Load the checkpoint in ``path`` into the running server as ``version``, using only ``_send`` (it also
         runs inside a restart, where ``_request`` would wait on that restart)."""
+
+    async def _apply_tensors(self, tensors: dict[str, Any], version: int) -> None:
+        """Send ``tensors`` into the running server as ``version``, using only ``_send``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot take weights from memory")
 
     # --- lifecycle -------------------------------------------------------------------------------------
 
@@ -155,7 +161,14 @@ class ServerBackedEngine(InferenceEngine):
         path = await asyncio.to_thread(checkpoint_dir, path)
         async with self._weights_lock:
             await self._with_restart(f"loading weights from {path}", lambda: self._apply_weights(path, version))
-            self._weights_path, self._version = path, version
+            self._weights, self._version = path, version
+
+    async def push_weights(self, tensors: dict[str, Any], version: int) -> None:
+        """Serve ``tensors`` (HF names) as ``version`` without a checkpoint on disk; if the server dies meanwhile it
+        is restarted and they are sent again. The engine keeps a reference to them, to restore after a restart."""
+        async with self._weights_lock:
+            await self._with_restart("sending weights", lambda: self._apply_tensors(tensors, version))
+            self._weights, self._version = tensors, version
 
     # --- requests --------------------------------------------------------------------------------------
 
@@ -243,8 +256,10 @@ class ServerBackedEngine(InferenceEngine):
                 await self.server.start()
                 self._connect()
                 await self._on_started()
-                if self._weights_path is not None:
-                    await self._apply_weights(self._weights_path, self._version)
+                if isinstance(self._weights, Path):
+                    await self._apply_weights(self._weights, self._version)
+                elif self._weights is not None:
+                    await self._apply_tensors(self._weights, self._version)
             except BaseException as e:
                 # Never leave a server up with the wrong weights: the next request restarts it again.
                 await self._disconnect()

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 import os
+import socket
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from generators.engines.base import Completion, EngineError, FinishReason, SamplingParams
 from generators.engines.managed import ServerBackedEngine
 from generators.models import cache_dir
 from generators.precision import auto_dtype
+
+if TYPE_CHECKING:
+    from generators.engines.weight_sync import WeightSender
 
 
 def _is_cpu_build() -> bool:
@@ -28,7 +33,9 @@ class VLLMEngine(ServerBackedEngine):
     Generation is token-in/token-out over ``/v1/completions`` (prompt as token ids, ``return_token_ids``), with
     logprobs after temperature (``--logprobs-mode processed_logprobs``), so they are the sampler's. Weights
     reload in place from an HF safetensors dir (dev-mode ``/collective_rpc``) while generation is paused, and
-    the server itself reports the weight version (``/weight_info``). If the server dies, the next request
+    the server itself reports the weight version (``/weight_info``); or, with ``push_weights``, they are broadcast from
+    this process to the server's workers over a process group (:mod:`generators.engines.weight_sync`, a worker
+    extension every server here is started with). If the server dies, the next request
     restarts it and restores the latest weights. ``dtype="auto"`` computes in bfloat16 on a GPU or a CPU with
     native bfloat16 and in float32 on other CPUs (:mod:`generators.precision`). ``compile=None`` compiles the
     model (torch.compile, CUDA graphs) on a GPU and runs it eagerly on the CPU build, where compiling costs more
@@ -65,6 +72,8 @@ class VLLMEngine(ServerBackedEngine):
         # On a 2-vCPU CPU, vLLM's torch.compile warm-up made a start take 157 s instead of 50 s and sped generation
         # up by under 10% (104 -> 114 tokens/s): a long job's worth. On a GPU it also captures CUDA graphs.
         self.compile = not self.cpu_build if compile is None else compile
+        self._sender: WeightSender | None = None
+        self._sender_of: object = None  # the server process the group was formed with
         super().__init__(
             model,
             served_model_name=served_model_name,
@@ -88,6 +97,7 @@ class VLLMEngine(ServerBackedEngine):
             "--host", self.server.host, "--port", str(port),
             "--max-model-len", str(self.max_model_len), "--dtype", self.dtype,
             "--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log",
+            "--worker-extension-cls", "generators.engines.weight_sync.WeightReceiver",
             *(() if self.compile else ("--enforce-eager",)), *self.extra_args,
         ]
 
@@ -105,6 +115,44 @@ class VLLMEngine(ServerBackedEngine):
             await self._send("POST", "/update_weight_version", {"new_version": str(version)})
         finally:
             await self._send("POST", "/resume")
+
+    supports_weight_push = True
+
+    async def _apply_tensors(self, tensors: dict[str, Any], version: int) -> None:
+        """Pause, broadcast the tensors to the workers (which load them as a disk reload would), drop the prefix
+        cache, tag, resume."""
+        from generators.engines.weight_sync import manifest, plan_buckets
+
+        sender = await self._weight_group()
+        buckets = plan_buckets(tensors)
+        await self._send("POST", "/pause", params={"mode": "wait"})
+        try:
+            receive = self._send("POST", "/collective_rpc", {"method": "envkit_receive_weights",
+                                                             "kwargs": {"manifest": manifest(buckets, version)}})
+            try:
+                await asyncio.gather(receive, asyncio.to_thread(sender.send, tensors, buckets, version))
+            except BaseException:
+                self._sender = None  # a half-done transfer leaves the group out of step: the next one forms anew
+                raise
+            await self._send("POST", "/reset_prefix_cache")
+            await self._send("POST", "/update_weight_version", {"new_version": str(version)})
+        finally:
+            await self._send("POST", "/resume")
+
+    async def _weight_group(self) -> WeightSender:
+        """The process group with this server's workers, formed once per server process."""
+        from generators.engines.weight_sync import WeightSender
+
+        if self._sender is not None and self._sender_of is self.server.process:
+            return self._sender
+        sender = WeightSender(_address_towards(self.server.host), device="cpu" if self.cpu_build else "cuda")
+        port = await asyncio.to_thread(sender.listen)
+        workers = len((await self._send("POST", "/collective_rpc", {"method": "envkit_rank"}))["results"])
+        join = self._send("POST", "/collective_rpc", {"method": "envkit_open_weight_group", "kwargs": {
+            "host": sender.host, "port": str(port), "world_size": str(1 + workers)}})
+        await asyncio.gather(join, asyncio.to_thread(sender.join, 1 + workers))
+        self._sender, self._sender_of = sender, self.server.process
+        return sender
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Completion:
         if sampling.seed is not None and self.cpu_build:
@@ -130,6 +178,13 @@ class VLLMEngine(ServerBackedEngine):
     async def server_weight_version(self) -> str:
         """The weight version as the server reports it (``/weight_info``)."""
         return str((await self._get("/weight_info"))["weight_version"])
+
+
+def _address_towards(host: str) -> str:
+    """This machine's address on the route to ``host``: where that host's server can reach a group we listen for."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))  # UDP: no packet is sent
+        return probe.getsockname()[0]
 
 
 def _completion(data: dict[str, Any], prompt_ids: list[int], version: int) -> Completion:

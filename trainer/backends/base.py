@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from trainer.backends.hf_export import served_tensors, write_hf_checkpoint
+
 if TYPE_CHECKING:
     from trainer.backends.common import TokenOutputs
 
@@ -99,12 +101,26 @@ class TrainBackend(abc.ABC):
     def logprobs(self, batch: Batch, *, reference: bool = False) -> torch.Tensor:
         """Per-token logprobs without grad, from the policy or (``reference=True``) the frozen reference."""
 
+    config: BackendConfig
+
     @abc.abstractmethod
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full policy weights by parameter name, on the CPU of rank 0 (empty on other ranks). Collective."""
+
+    def served_weights(self) -> dict[str, torch.Tensor]:
+        """What an inference engine serves (:meth:`full_state_dict` less the trainer's own parts), on rank 0."""
+        return served_tensors(self.full_state_dict(), Path(self.config.model_path))
+
     def export_weights(self, path: Path) -> None:
         """Write the full policy weights as an HF checkpoint dir (safetensors + config + tokenizer) at ``path``.
 
         Collective: every rank calls it; rank 0 writes. The directory appears atomically.
         """
+        weights = self.served_weights()
+        if self.rank == 0:
+            write_hf_checkpoint(weights, Path(self.config.model_path), path)
+        if self.world_size > 1:
+            torch.distributed.barrier()
 
     @abc.abstractmethod
     def save_state(self, path: Path) -> None:

@@ -2,22 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import shutil
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from trainer.backends.base import BackendConfig
-
-# Non-weight files an exported checkpoint needs to be served (vLLM) and reloaded (transformers).
-_CHECKPOINT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                     "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt")
 
 
 def load_model(config: BackendConfig, device: torch.device) -> PreTrainedModel:
@@ -133,27 +124,3 @@ def lr_lambda(config: BackendConfig):
         return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor
-
-
-def write_hf_checkpoint(state_dict: dict[str, torch.Tensor], source: Path, path: Path) -> None:
-    """Write ``state_dict`` as ``model.safetensors`` plus ``source``'s config and tokenizer files, atomically:
-    into a temp dir renamed into place, so a reader (vLLM) never sees a half-written checkpoint."""
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for name in _CHECKPOINT_FILES:
-        if (source / name).exists():
-            shutil.copy2(source / name, tmp / name)
-    # Tied weights share storage; safetensors refuses shared tensors, and HF reloads ties from the config.
-    # The critic is the trainer's own: inference engines serve the language model alone.
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()
-               if not k.startswith("value_head.") and (k != "lm_head.weight" or not _tied(source))}
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    if path.exists():
-        shutil.rmtree(path)
-    os.replace(tmp, path)
-
-
-def _tied(source: Path) -> bool:
-    config = json.loads((source / "config.json").read_text())
-    return bool(config.get("tie_word_embeddings", False))

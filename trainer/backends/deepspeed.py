@@ -43,7 +43,6 @@ from trainer.backends.common import (
     load_model,
     lr_lambda,
     model_logprobs,
-    write_hf_checkpoint,
 )
 from trainer.distributed import init_distributed
 
@@ -156,14 +155,7 @@ class DeepSpeedBackend(TrainBackend):
         norm = self.engine.get_global_grad_norm()  # before clipping, like clip_grad_norm_'s return value
         return StepStats(grad_norm=float(norm), lr=float(lr))
 
-    def export_weights(self, path: Path) -> None:
-        state = self._full_state_dict()
-        if self.rank == 0:
-            write_hf_checkpoint(state, Path(self.config.model_path), path)
-        if self.world_size > 1:
-            dist.barrier()
-
-    def _full_state_dict(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 weights (the optimizer's master copy, not bf16 compute weights) plus persistent buffers, on
         rank 0 (empty elsewhere).
 

@@ -27,7 +27,6 @@ from trainer.backends.common import (
     load_model,
     lr_lambda,
     model_logprobs,
-    write_hf_checkpoint,
 )
 from trainer.distributed import init_distributed
 
@@ -89,13 +88,9 @@ class FSDPBackend(TrainBackend):
         self.optimizer.zero_grad(set_to_none=True)
         return StepStats(grad_norm=float(norm), lr=float(lr))
 
-    def export_weights(self, path: Path) -> None:
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = get_model_state_dict(self.model, options=options)
-        if self.rank == 0:
-            write_hf_checkpoint(state, Path(self.config.model_path), path)
-        if self.world_size > 1:
-            dist.barrier()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return state if self.rank == 0 else {}
 
     def save_state(self, path: Path) -> None:
         model_state, optim_state = get_state_dict(self.model, self.optimizer)

@@ -1,0 +1,182 @@
+"""In-memory weight sync: the trainer broadcasts its weights to the inference server's workers over a process group
+(gloo on CPU, NCCL on GPU), with no file in between.
+
+    trainer (rank 0)                                    vLLM worker i (rank 1 + i), a worker extension
+    WeightSender.open()  ── TCPStore + process group ── envkit_open_weight_group(host, port, world_size)
+    WeightSender.send()  ── header: version, tensors ── envkit_receive_weights(manifest)
+                         ── all-reduce: both agree? ──     (a mismatch ends the transfer on both sides)
+                         ── bucket 0, 1, ... ────────       unpack, then reload_weights(those tensors)
+
+The manifest (names, dtypes, shapes, bucket layout, version) travels in the RPC that starts the receive, so the group
+carries only tensor bytes. Tensors under 1 MB are packed into flat buckets (one broadcast for many norms and
+biases); bigger ones go alone and in place: packing them meant copying most of the model into fresh memory, which
+took longer than the broadcast itself. The receiver loads them through vLLM's own
+``reload_weights``, the same loader a reload from disk uses, so both serve identical weights. Its receive buffers are
+kept for the next sync of the same layout (allocating 0.5 GB afresh costs more than sending it).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+PACK_BELOW = 1 << 20
+BUCKET_BYTES = 16 << 20
+TIMEOUT = datetime.timedelta(seconds=120)
+
+
+def _group(store: dist.TCPStore, rank: int, world_size: int, device: str) -> Any:
+    """A process group outside torch.distributed's default one, so the trainer's FSDP group and vLLM's own stay
+    untouched."""
+    if device == "cuda":
+        return dist.ProcessGroupNCCL(store, rank, world_size)
+    return dist.ProcessGroupGloo(store, rank, world_size, TIMEOUT)
+
+
+@dataclass
+class Bucket:
+    """Tensors sent in one broadcast: packed flat when there are several, in place when alone."""
+
+    dtype: str
+    tensors: list[tuple[str, list[int]]]
+
+    @property
+    def numel(self) -> int:
+        """Elements in the bucket."""
+        return sum(_numel(shape) for _, shape in self.tensors)
+
+
+def plan_buckets(tensors: dict[str, torch.Tensor], pack_below: int = PACK_BELOW, bucket_bytes: int = BUCKET_BYTES
+                 ) -> list[Bucket]:
+    """A tensor of ``pack_below`` bytes or more is a bucket alone (sent in place, no copy); smaller ones share
+    buckets of one dtype up to ``bucket_bytes`` (one broadcast for many norms and biases)."""
+    buckets: list[Bucket] = []
+    open_: dict[str, tuple[Bucket, int]] = {}  # dtype -> the bucket small tensors go into, its bytes so far
+    for name, t in tensors.items():
+        dtype, nbytes = str(t.dtype).removeprefix("torch."), t.numel() * t.element_size()
+        if nbytes >= pack_below:
+            buckets.append(Bucket(dtype, [(name, list(t.shape))]))
+            continue
+        bucket, size = open_.get(dtype, (None, 0))
+        if bucket is None or size + nbytes > bucket_bytes:
+            bucket, size = Bucket(dtype, []), 0
+            buckets.append(bucket)
+        bucket.tensors.append((name, list(t.shape)))
+        open_[dtype] = (bucket, size + nbytes)
+    return buckets
+
+
+def manifest(buckets: list[Bucket], version: int) -> str:
+    """The JSON the receiver needs to unpack a transfer."""
+    return json.dumps({"version": version, "buckets": [{"dtype": b.dtype, "tensors": b.tensors} for b in buckets]})
+
+
+class WeightSender:
+    """Rank 0 of the weight group: opens it and broadcasts weights through it (blocking calls, run in a thread)."""
+
+    def __init__(self, host: str, *, device: str = "cpu") -> None:
+        self.host = host
+        self.device = device
+        self._group: Any = None
+        self._store: dist.TCPStore | None = None
+
+    def listen(self) -> int:
+        """Start the group's store and return its port (the receivers join at it)."""
+        self._store = dist.TCPStore(self.host, 0, 1, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
+        return self._store.port
+
+    def join(self, world_size: int) -> None:
+        """Form the group with the ``world_size - 1`` receivers (blocks until they have joined too)."""
+        assert self._store is not None, "listen() first"
+        self._group = _group(self._store, 0, world_size, self.device)
+
+    @property
+    def ready(self) -> bool:
+        """Whether the group is formed."""
+        return self._group is not None
+
+    def send(self, tensors: dict[str, torch.Tensor], buckets: list[Bucket], version: int) -> None:
+        """Broadcast ``tensors`` as ``buckets`` after both sides agree on the transfer (version, count)."""
+        _handshake(self._group, version, sum(len(b.tensors) for b in buckets), self.device, sender=True)
+        for bucket in buckets:
+            if len(bucket.tensors) == 1:
+                flat = tensors[bucket.tensors[0][0]].detach().to(self.device).contiguous().view(-1)
+            else:
+                flat = torch.cat([tensors[name].detach().to(self.device).reshape(-1) for name, _ in bucket.tensors])
+            self._group.broadcast(flat, 0).wait()
+
+    def close(self) -> None:
+        """Drop the group (the receivers' side goes with their process)."""
+        self._group, self._store = None, None
+
+
+def _handshake(group: Any, version: int, count: int, device: str, *, sender: bool, expected: tuple[int, int] = (0, 0)
+               ) -> None:
+    """The sender's (version, tensor count) reach every receiver, and all agree that it is the transfer they expect;
+    on a mismatch every side raises, so none waits for bytes that never come."""
+    header = torch.tensor([version, count] if sender else [0, 0], dtype=torch.int64, device=device)
+    group.broadcast(header, 0).wait()
+    agree = torch.tensor([1 if sender or tuple(header.tolist()) == expected else 0], dtype=torch.int64, device=device)
+    _all_min(group, agree)
+    if int(agree.item()) != 1:
+        raise RuntimeError(f"weight transfer mismatch: the sender sends version {int(header[0])} with "
+                           f"{int(header[1])} tensors" + ("" if sender else f", this side expected {expected}"))
+
+
+def _all_min(group: Any, flag: torch.Tensor) -> None:
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MIN
+    group.allreduce([flag], opts).wait()
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+class WeightReceiver:
+    """vLLM worker extension (``--worker-extension-cls generators.engines.weight_sync.WeightReceiver``): joins the
+    trainer's weight group and loads what it sends. Its methods are called through ``/collective_rpc``, whose
+    arguments are strings."""
+
+    def envkit_rank(self) -> int:
+        """This worker's rank (the trainer counts the workers by calling it on all of them)."""
+        return int(self.rank)  # type: ignore[attr-defined]
+
+    def envkit_open_weight_group(self, host: str, port: str, world_size: str) -> None:
+        """Join the group the trainer listens for at ``host:port`` as rank 1 + this worker's rank."""
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self._envkit_store = dist.TCPStore(host, int(port), int(world_size), is_master=False, timeout=TIMEOUT)
+        self._envkit_group = _group(self._envkit_store, 1 + self.rank, int(world_size), device)  # type: ignore[attr-defined]
+        self._envkit_device = device
+        self._envkit_buffers: dict[str, list[torch.Tensor]] = {}
+
+    def envkit_receive_weights(self, manifest: str) -> int:
+        """Receive one transfer described by ``manifest``, load it, and return its version."""
+        plan = json.loads(manifest)
+        buckets = [Bucket(b["dtype"], [(name, shape) for name, shape in b["tensors"]]) for b in plan["buckets"]]
+        expected = (plan["version"], sum(len(b.tensors) for b in buckets))
+        _handshake(self._envkit_group, 0, 0, self._envkit_device, sender=False, expected=expected)
+        layout = json.dumps(plan["buckets"])
+        buffers = self._envkit_buffers.get(layout)
+        if buffers is None:
+            buffers = [torch.empty(b.numel, dtype=getattr(torch, b.dtype), device=self._envkit_device)
+                       for b in buckets]
+            self._envkit_buffers = {layout: buffers}  # one layout kept: a model has one
+        weights: list[tuple[str, torch.Tensor]] = []
+        for bucket, flat in zip(buckets, buffers, strict=True):
+            self._envkit_group.broadcast(flat, 0).wait()
+            offset = 0
+            for name, shape in bucket.tensors:
+                n = _numel(shape)
+                weights.append((name, flat[offset:offset + n].view(shape)))
+                offset += n
+        self.reload_weights(weights_iterator=iter(weights))  # type: ignore[attr-defined]
+        return int(plan["version"])
