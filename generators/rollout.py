@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 EnvFactory = Callable[[], Env]
+MAX_CONTINUATIONS = 8
+"""How often one model turn is continued after weight updates interrupted it, before it ends as it is."""
 
 
 @dataclass
@@ -182,7 +184,6 @@ class Generator:
         if self.tokenizer is not None:
             traj.prompt_ids = self.tokenizer.prompt_ids(traj.messages, state.tools)
             state.ids = list(traj.prompt_ids)
-        first = True
         pending: list[int] = []  # env tokens, appended only once another model turn follows them
         while True:
             if traj.num_turns >= cfg.max_turns:
@@ -192,8 +193,6 @@ class Generator:
                 return "max_tokens"
             self._append(state, pending, None)
             action, completion = await self._model_turn(state, min(cfg.sampling.max_tokens, budget))
-            if first:
-                traj.policy_version, first = completion.weight_version, False
             traj.messages.append(action)
             traj.num_turns += 1
 
@@ -215,21 +214,43 @@ class Generator:
 
     async def _model_turn(self, state: _Rollout, max_tokens: int) -> tuple[Message, Completion]:
         sampling = replace(self.config.sampling, max_tokens=max_tokens)
-        if sampling.seed is not None:  # one seed per request, so samples of a group differ yet reproduce
-            sampling = replace(sampling, seed=_request_seed(sampling.seed, state.traj, self.engine.weight_version))
         t0 = time.perf_counter()
         if self.tokenizer is None:  # chat mode: no token ids; the endpoint's tool calls, else ones in the text
-            chat = await self.engine.chat(state.traj.messages, sampling, state.tools)
+            chat = await self.engine.chat(state.traj.messages, self._seeded(sampling, state, 0), state.tools)
+            self._mark_version(state.traj, chat.weight_version)
             state.generate_s += time.perf_counter() - t0
             calls = chat.tool_calls or envkit.parse_tool_calls(chat.content)[0]
             action = envkit.assistant(chat.content or "", calls or None)
             return action, Completion([], [], chat.finish_reason, chat.weight_version)
-        completion = await self.engine.generate(state.ids, sampling)
+        ids: list[int] = []
+        for continuation in range(MAX_CONTINUATIONS + 1):
+            part = await self.engine.generate(state.ids, self._seeded(sampling, state, continuation))
+            self._mark_version(state.traj, part.weight_version)
+            self._append(state, part.token_ids, part.logprobs)
+            ids += part.token_ids
+            # A weight update stopped this request (partial rollouts): continue it from here on the new weights.
+            if part.finish_reason != "abort" or len(ids) >= max_tokens:
+                break
+            sampling = replace(sampling, max_tokens=max_tokens - len(ids))
         state.generate_s += time.perf_counter() - t0
-        self._append(state, completion.token_ids, completion.logprobs)
-        text = self.tokenizer.decode(completion.token_ids)
+        text = self.tokenizer.decode(ids)
         calls, _ = envkit.parse_tool_calls(text)
-        return envkit.assistant(text, calls or None), completion
+        return envkit.assistant(text, calls or None), Completion(ids, [], part.finish_reason, part.weight_version)
+
+    def _seeded(self, sampling: SamplingParams, state: _Rollout, continuation: int) -> SamplingParams:
+        if sampling.seed is None:
+            return sampling
+        # one seed per request, so samples of a group differ yet reproduce
+        return replace(sampling, seed=_request_seed(sampling.seed, state.traj, self.engine.weight_version,
+                                                    continuation))
+
+    @staticmethod
+    def _mark_version(traj: Trajectory, version: int) -> None:
+        """Record that model tokens from here on are sampled by ``version``."""
+        if not traj.version_spans:
+            traj.policy_version = version
+        if not traj.version_spans or traj.version_spans[-1][1] != version:
+            traj.version_spans.append([len(traj.response_ids), version])
 
     @staticmethod
     def _append(state: _Rollout, ids: list[int], logprobs: list[float] | None) -> None:
@@ -248,9 +269,12 @@ class Generator:
                         type(e).__name__, e)
 
 
-def _request_seed(base: int, traj: Trajectory, version: int) -> int:
-    """A stable per-request seed from the base seed, the rollout's identity, its turn and the weight version."""
+def _request_seed(base: int, traj: Trajectory, version: int, continuation: int = 0) -> int:
+    """A stable per-request seed from the base seed, the rollout's identity, its turn, the weight version and, for
+    a turn continued after a weight update, which continuation."""
     key = f"{base}:{traj.group_id}:{traj.sample_index}:{traj.num_turns}:{version}".encode()
+    if continuation:
+        key += f":{continuation}".encode()
     return int.from_bytes(hashlib.sha256(key).digest()[:4], "big")
 
 

@@ -36,6 +36,10 @@ class Trajectory:
     """The env ended the episode by truncation (its own budget) rather than termination."""
     error: str | None = None
     policy_version: int = 0
+    """The weight version that sampled the first model token (the oldest, so the one staleness counts from)."""
+    version_spans: list[list[int]] = field(default_factory=list)
+    """``[response position, weight version]`` at the first model token and wherever the version that sampled the
+    model tokens changes: within a turn when a weight update interrupted it (partial rollouts), else between turns."""
     messages: list[dict[str, Any]] = field(default_factory=list)
     env_name: str = ""
     task_id: str | None = None

