@@ -7,14 +7,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 from safetensors.torch import load_file
-from test_trainer import REPO, TINY, _metrics, _why
+from test_trainer import REPO, TINY, _metrics, _why, kill_at_step_1_checkpoint
 
 pytestmark = pytest.mark.e2e
 
@@ -71,19 +69,7 @@ def test_async_with_max_staleness_1_drops_and_counts_a_group_that_finished_too_l
 def test_kill_9_in_async_mode_resumes_with_the_groups_drawn_but_not_trained(tmp_path):
     common = [*SEEDED, "trainer.steps=3", "trainer.mode=async", "trainer.max_staleness=1", "trainer.save_every=1"]
     out = tmp_path / "run"
-    log = tmp_path / "killed.log"
-    env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
-    with log.open("w") as sink:
-        process = subprocess.Popen([sys.executable, "-m", "trainer", *common, f"trainer.output_dir={out}"], cwd=REPO,
-                                   env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 600
-    while not (out / "checkpoints" / "step-000001").is_dir():
-        assert process.poll() is None, f"the run ended before its step-1 checkpoint:\n{log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, "no step-1 checkpoint within 600 s"
-        time.sleep(0.2)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-    assert 2 not in _metrics(out)
+    kill_at_step_1_checkpoint(out, common, tmp_path / "killed.log")
     state = json.loads((out / "checkpoints" / "step-000001" / "state.json").read_text())
     pending = state["pending"]
     # step 1 trained 2 of the 4 groups drawn at version 0; after the sync 2 more were drawn at version 1

