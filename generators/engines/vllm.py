@@ -80,6 +80,7 @@ class VLLMEngine(ServerBackedEngine):
         self.compile = not self.cpu_build if compile is None else compile
         self._sender: WeightSender | None = None
         self._sender_of: object = None  # the server process the group was formed with
+        self._wire_dtype: str | None = None  # what floating tensors are sent as: the server's own dtype
         super().__init__(
             model,
             served_model_name=served_model_name,
@@ -131,7 +132,7 @@ class VLLMEngine(ServerBackedEngine):
         from generators.engines.weight_sync import manifest, plan_buckets
 
         sender = await self._weight_group()
-        buckets = plan_buckets(tensors)
+        buckets = plan_buckets(tensors, cast=self._wire_dtype)
         await self._send("POST", "/pause", params={"mode": self._pause_mode})
         try:
             receive = self._send("POST", "/collective_rpc", {"method": "envkit_receive_weights",
@@ -155,6 +156,8 @@ class VLLMEngine(ServerBackedEngine):
         sender = WeightSender(_address_towards(self.server.host), device="cpu" if self.cpu_build else "cuda")
         port = await asyncio.to_thread(sender.listen)
         workers = len((await self._send("POST", "/collective_rpc", {"method": "envkit_rank"}))["results"])
+        dtypes = set((await self._send("POST", "/collective_rpc", {"method": "envkit_model_dtype"}))["results"])
+        self._wire_dtype = dtypes.pop() if len(dtypes) == 1 else None  # "" (mixed) sends each tensor as it is
         join = self._send("POST", "/collective_rpc", {"method": "envkit_open_weight_group", "kwargs": {
             "host": sender.host, "port": str(port), "world_size": str(1 + workers)}})
         await asyncio.gather(join, asyncio.to_thread(sender.join, 1 + workers))

@@ -10,15 +10,19 @@
 The manifest (names, dtypes, shapes, bucket layout, version) travels in the RPC that starts the receive, so the group
 carries only tensor bytes. Tensors under 1 MB are packed into flat buckets (one broadcast for many norms and
 biases); bigger ones go alone and in place: packing them meant copying most of the model into fresh memory, which
-took longer than the broadcast itself. The receiver loads them through vLLM's own
-``reload_weights``, the same loader a reload from disk uses, so both serve identical weights. Its receive buffers are
-kept for the next sync of the same layout (allocating 0.5 GB afresh costs more than sending it).
+took longer than the broadcast itself. Floating tensors travel in the dtype the server computes in when all its
+parameters share one (an fp32 master copy sent to a bf16 server: half the bytes, and the same rounding the server's
+load would do). The receiver loads them through vLLM's own ``reload_weights``, the same loader a reload from disk
+uses, so both serve identical weights; it asks for bucket i + 1 before it loads bucket i, so the bytes of the next
+bucket arrive while the loader repacks the last one. Its receive buffers are kept for the next sync of the same
+layout (allocating 0.5 GB afresh costs more than sending it).
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,14 +55,16 @@ class Bucket:
         return sum(_numel(shape) for _, shape in self.tensors)
 
 
-def plan_buckets(tensors: dict[str, torch.Tensor], pack_below: int = PACK_BELOW, bucket_bytes: int = BUCKET_BYTES
-                 ) -> list[Bucket]:
+def plan_buckets(tensors: dict[str, torch.Tensor], pack_below: int = PACK_BELOW, bucket_bytes: int = BUCKET_BYTES,
+                 cast: str | None = None) -> list[Bucket]:
     """A tensor of ``pack_below`` bytes or more is a bucket alone (sent in place, no copy); smaller ones share
-    buckets of one dtype up to ``bucket_bytes`` (one broadcast for many norms and biases)."""
+    buckets of one dtype up to ``bucket_bytes`` (one broadcast for many norms and biases). ``cast``: the dtype
+    (a torch name, e.g. "bfloat16") floating tensors travel in; their own when None."""
     buckets: list[Bucket] = []
     open_: dict[str, tuple[Bucket, int]] = {}  # dtype -> the bucket small tensors go into, its bytes so far
     for name, t in tensors.items():
-        dtype, nbytes = str(t.dtype).removeprefix("torch."), t.numel() * t.element_size()
+        sent = _sent_dtype(t, cast)
+        dtype, nbytes = str(sent).removeprefix("torch."), t.numel() * sent.itemsize
         if nbytes >= pack_below:
             buckets.append(Bucket(dtype, [(name, list(t.shape))]))
             continue
@@ -69,6 +75,10 @@ def plan_buckets(tensors: dict[str, torch.Tensor], pack_below: int = PACK_BELOW,
         bucket.tensors.append((name, list(t.shape)))
         open_[dtype] = (bucket, size + nbytes)
     return buckets
+
+
+def _sent_dtype(t: torch.Tensor, cast: str | None) -> torch.dtype:
+    return getattr(torch, cast) if cast and t.is_floating_point() else t.dtype
 
 
 def manifest(buckets: list[Bucket], version: int) -> str:
@@ -101,13 +111,13 @@ class WeightSender:
         return self._group is not None
 
     def send(self, tensors: dict[str, torch.Tensor], buckets: list[Bucket], version: int) -> None:
-        """Broadcast ``tensors`` as ``buckets`` after both sides agree on the transfer (version, count)."""
+        """Broadcast ``tensors`` as ``buckets`` (in their dtypes) after both sides agree on the transfer (version,
+        count)."""
         _handshake(self._group, version, sum(len(b.tensors) for b in buckets), self.device, sender=True)
         for bucket in buckets:
-            if len(bucket.tensors) == 1:
-                flat = tensors[bucket.tensors[0][0]].detach().to(self.device).contiguous().view(-1)
-            else:
-                flat = torch.cat([tensors[name].detach().to(self.device).reshape(-1) for name, _ in bucket.tensors])
+            dtype = getattr(torch, bucket.dtype)
+            parts = [tensors[name].detach().to(self.device, dtype) for name, _ in bucket.tensors]
+            flat = parts[0].contiguous().view(-1) if len(parts) == 1 else torch.cat([p.reshape(-1) for p in parts])
             self._group.broadcast(flat, 0).wait()
 
     def close(self) -> None:
@@ -150,6 +160,11 @@ class WeightReceiver:
         """This worker's rank (the trainer counts the workers by calling it on all of them)."""
         return int(self.rank)  # type: ignore[attr-defined]
 
+    def envkit_model_dtype(self) -> str:
+        """The dtype every floating parameter of the served model has ("" if they differ): what the trainer sends."""
+        dtypes = {p.dtype for p in self.model_runner.get_model().parameters() if p.is_floating_point()}  # type: ignore[attr-defined]
+        return str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else ""
+
     def envkit_open_weight_group(self, host: str, port: str, world_size: str) -> None:
         """Join the group the trainer listens for at ``host:port`` as rank 1 + this worker's rank."""
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -170,13 +185,19 @@ class WeightReceiver:
             buffers = [torch.empty(b.numel, dtype=getattr(torch, b.dtype), device=self._envkit_device)
                        for b in buckets]
             self._envkit_buffers = {layout: buffers}  # one layout kept: a model has one
-        weights: list[tuple[str, torch.Tensor]] = []
-        for bucket, flat in zip(buckets, buffers, strict=True):
-            self._envkit_group.broadcast(flat, 0).wait()
-            offset = 0
-            for name, shape in bucket.tensors:
-                n = _numel(shape)
-                weights.append((name, flat[offset:offset + n].view(shape)))
-                offset += n
-        self.reload_weights(weights_iterator=iter(weights))  # type: ignore[attr-defined]
+        group = self._envkit_group
+
+        def received() -> Iterator[tuple[str, torch.Tensor]]:
+            arriving = group.broadcast(buffers[0], 0)
+            for i, (bucket, flat) in enumerate(zip(buckets, buffers, strict=True)):
+                arriving.wait()
+                if i + 1 < len(buffers):  # the next bucket's bytes come in while the loader takes this one
+                    arriving = group.broadcast(buffers[i + 1], 0)
+                offset = 0
+                for name, shape in bucket.tensors:
+                    n = _numel(shape)
+                    yield name, flat[offset:offset + n].view(shape)
+                    offset += n
+
+        self.reload_weights(weights_iterator=received())  # type: ignore[attr-defined]
         return int(plan["version"])
