@@ -497,6 +497,28 @@ async def test_taxi_over_envkit_serve_gives_the_local_episode_with_info_as_json(
             assert theirs.info == as_json(mine.info)
 
 
+@pytest.mark.e2e
+@pytest.mark.parametrize("gym_id", ["FrozenLake-v1", TAXI_IDS[-1], "CliffWalking-v1"])
+async def test_the_bundled_model_plays_each_board_game_greedily(vllm_engine, chat_tokenizer, gym_id: str):
+    from generators.rollout import Generator, GeneratorConfig, env_factory
+
+    name = f"gym:{gym_id}"
+    config = GeneratorConfig(temperature=0.0, max_tokens=48, max_turns=3)
+    [traj] = await Generator(vllm_engine, chat_tokenizer, config).generate(env_factory(name), seeds=[0],
+                                                                           env_name=name)
+    assert not traj.failed, traj.error
+    assert traj.stop_reason in ("done", "max_turns") and traj.num_turns >= 1
+    traj.check()
+    async with envkit.make(name) as env:
+        opening, _ = await env.reset(seed=0)
+    assert traj.messages[:2] == opening
+    prompt = chat_tokenizer.decode(traj.prompt_ids)
+    assert all(line in prompt for line in opening[1]["content"].splitlines())  # the board, as the model saw it
+    replies = [m["content"] for m in traj.messages[2:] if m["role"] == "user"]  # the env's answer to each turn
+    assert len(replies) == traj.num_turns
+    assert all(r.startswith("Invalid reply: ") or "\nLegend: " in r for r in replies), replies
+
+
 # ---------------------------------------------------------------------------------------------- envkit → gymnasium
 
 
