@@ -45,14 +45,13 @@ class RegistryError(EnvkitError):
 class EnvNotFoundError(RegistryError, KeyError):
     """No environment is registered under the requested name."""
 
-    def __init__(self, name: str, suggestions: Sequence[str] = ()) -> None:
+    def __init__(self, name: str, suggestions: Sequence[str] = (), *, fix: str | None = None) -> None:
         self.name = name
         self.suggestions = list(suggestions)
         hint = f" Did you mean: {', '.join(repr(s) for s in self.suggestions)}?" if self.suggestions else ""
-        super().__init__(
-            f"No environment named {name!r}.{hint} "
-            "Run `envkit list` to see installed envs, or `pip install` the package that provides it."
-        )
+        if fix is None:
+            fix = "Run `envkit list` to see installed envs, or `pip install` the package that provides it."
+        super().__init__(f"No environment named {name!r}.{hint} {fix}")
 
     def __str__(self) -> str:
         # KeyError.__str__ would wrap the message in quotes.

@@ -18,16 +18,21 @@ gymnasium is the optional ``envkit[gym]`` extra, so this module is the only one 
 from __future__ import annotations
 
 import copy
+import difflib
+import importlib
 import re
 import string
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import gymnasium
 from gymnasium.envs.registration import EnvSpec as GymSpec
+from gymnasium.envs.registration import load_env_creator
 from gymnasium.spaces import Discrete, Text
 
 from envkit.core import ContractChecker, Env, StepResult, Task
+from envkit.errors import EnvNotFoundError
 from envkit.messages import Message, system, user
 from envkit.registry import EnvSpec, first_doc_line, make
 from envkit.sync import SyncEnv
@@ -35,25 +40,55 @@ from envkit.sync import SyncEnv
 # ---------------------------------------------------------------------------------------------- gymnasium → envkit
 
 
+_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def ansi_board(env: gymnasium.Env) -> str:
+    """``env``'s own text rendering without its colour codes; "" unless it was made with ``render_mode="ansi"``."""
+    if env.render_mode != "ansi":
+        return ""
+    text = _COLOUR.sub("", env.render())
+    return "\n".join(line.rstrip() for line in text.splitlines()).strip("\n")
+
+
+@dataclass(frozen=True)
 class Renderer:
-    """Turns one kind of gymnasium env into text. This base class is the generic fallback: ``str(obs)`` and
-    actions named by their numbers. Subclass it for a specific env and add it to :data:`RENDERERS`."""
+    """How one kind of gymnasium env reads as text: its rules, each observation, the names of its actions.
+
+    Every part is optional, and ``Renderer()`` is the generic fallback. An observation is the ``board`` (by
+    default the env's own ansi rendering, see :func:`ansi_board`) above the ``state``, the observation in words;
+    with neither, ``"Observation: <obs>"``. The renderers of known games are in :data:`RENDERERS`.
+    """
+
+    names: tuple[str, ...] = ()
+    """The Discrete actions' names in order; empty: their numbers."""
+    rules: Callable[[gymnasium.Env], str] | None = None
+    """The game's rules, the system prompt's first paragraph; None: a sentence naming the env."""
+    board: Callable[[gymnasium.Env, Any], str] | None = None
+    """``(env, obs)`` drawn as text; None: :func:`ansi_board`. Give one where the ansi rendering shows the state
+    only in colour, which text loses."""
+    state: Callable[[gymnasium.Env, Any], str] | None = None
+    """``(env, obs)`` in words, below the board."""
 
     def describe(self, env: gymnasium.Env) -> str:
         """The system prompt: the rules of the game and how to answer."""
-        name = env.spec.id if env.spec is not None else type(env.unwrapped).__name__
-        return (
-            f"You are playing the gymnasium environment {name}. Each turn you see an observation and choose "
-            f"one action.\n\n{self.how_to_answer(env)}"
-        )
+        if self.rules is not None:
+            rules = self.rules(env)
+        else:
+            name = env.spec.id if env.spec is not None else type(env.unwrapped).__name__
+            rules = (f"You are playing the gymnasium environment {name}. Each turn you see an observation and "
+                     "choose one action.")
+        return f"{rules}\n\n{self.how_to_answer(env)}"
 
     def render(self, env: gymnasium.Env, obs: Any, info: dict[str, Any]) -> str:
         """One observation as text (``env`` gives access to state the observation only indexes, e.g. a map)."""
-        return f"Observation: {obs}"
+        board = self.board(env, obs) if self.board is not None else ansi_board(env)
+        state = self.state(env, obs) if self.state is not None else ""
+        return "\n".join(part for part in (board, state) if part) or f"Observation: {obs}"
 
     def action_names(self, env: gymnasium.Env) -> list[str]:
         """The names of the Discrete actions in order; the model answers with one of them."""
-        return [str(i) for i in range(int(env.action_space.n))]
+        return list(self.names) if self.names else [str(i) for i in range(int(env.action_space.n))]
 
     def how_to_answer(self, env: gymnasium.Env) -> str:
         """The answer-format paragraph that every ``describe`` ends with."""
@@ -64,77 +99,150 @@ class Renderer:
         )
 
 
-class FrozenLakeRenderer(Renderer):
-    """FrozenLake: the lake as rows of letters with the player marked P."""
-
-    def describe(self, env: gymnasium.Env) -> str:
-        """The rules of FrozenLake, saying whether the ice is slippery."""
-        lake = env.unwrapped
-        rules = (
-            f"You are crossing a frozen lake, a grid of {lake.nrow} rows and {lake.ncol} columns. Walk from the "
-            "start S to the goal G. F is safe frozen ice; H is a hole, and stepping into one ends the game. Each "
-            "turn you move one cell Left, Down, Right or Up; walking into the edge leaves you where you are. "
-            "Row 1 is the top row, column 1 the left column. Reaching G gives reward 1, everything else 0."
-        )
-        # gymnasium keeps no is_slippery flag; a slippery lake is one whose moves have several outcomes.
-        if any(len(outcomes) > 1 for moves in lake.P.values() for outcomes in moves.values()):
-            rules += " The ice is slippery: you do not always move the way you choose, sometimes you slide sideways."
-        return f"{rules}\n\n{self.how_to_answer(env)}"
-
-    def render(self, env: gymnasium.Env, obs: Any, info: dict[str, Any]) -> str:
-        """The map with the player's cell replaced by P, where the player is, and a legend."""
-        lake = env.unwrapped
-        row, col = divmod(int(obs), lake.ncol)
-        grid = [[cell.decode() for cell in line] for line in lake.desc]
-        under, grid[row][col] = grid[row][col], "P"
-        lines = [" ".join(line) for line in grid]
-        lines.append(f"You (P) are at row {row + 1}, column {col + 1}.")
-        lines.append({"H": "You fell into a hole!", "G": "You reached the goal!"}.get(under, ""))
-        lines.append("Legend: P you, S start, F frozen ice, H hole, G goal.")
-        return "\n".join(line for line in lines if line)
-
-    def action_names(self, env: gymnasium.Env) -> list[str]:
-        """FrozenLake's actions 0-3."""
-        return ["Left", "Down", "Right", "Up"]
+def _slippery(env: gymnasium.Env) -> bool:
+    # The toy-text grids keep their dynamics in P; a slippery grid is one where a move has several outcomes.
+    return any(len(outcomes) > 1 for moves in env.unwrapped.P.values() for outcomes in moves.values())
 
 
-class BlackjackRenderer(Renderer):
-    """Blackjack: the player's total, the dealer's face-up card, and whether an ace counts 11."""
-
-    def describe(self, env: gymnasium.Env) -> str:
-        """The rules of gymnasium's Blackjack."""
-        rules = (
-            "You are playing blackjack against the dealer. Cards 2-10 count their value, J, Q and K count 10, "
-            "and an ace counts 11 unless that would take your total over 21, then 1. Hit to take another card; "
-            "Stick to stop. Going over 21 loses at once. After you stick, the dealer draws until reaching 17 or "
-            "more, and whoever is closer to 21 wins. Reward: +1 for a win, -1 for a loss, 0 for a draw."
-        )
-        return f"{rules}\n\n{self.how_to_answer(env)}"
-
-    def render(self, env: gymnasium.Env, obs: Any, info: dict[str, Any]) -> str:
-        """E.g. "Your cards total 15 (an ace counts as 11). The dealer shows an ace."."""
-        total, dealer, usable_ace = (int(x) for x in obs)
-        ace = " (an ace counts as 11)" if usable_ace else ""
-        shown = {1: "an ace", 10: "a 10 or a face card"}.get(dealer, f"a {dealer}")
-        return f"Your cards total {total}{ace}. The dealer shows {shown}."
-
-    def action_names(self, env: gymnasium.Env) -> list[str]:
-        """Blackjack's actions 0-1."""
-        return ["Stick", "Hit"]
+def _frozenlake_rules(env: gymnasium.Env) -> str:
+    lake = env.unwrapped
+    rules = (
+        f"You are crossing a frozen lake, a grid of {lake.nrow} rows and {lake.ncol} columns. Walk from the "
+        "start S to the goal G. F is safe frozen ice; H is a hole, and stepping into one ends the game. Each "
+        "turn you move one cell Left, Down, Right or Up; walking into the edge leaves you where you are. "
+        "Row 1 is the top row, column 1 the left column. Reaching G gives reward 1, everything else 0."
+    )
+    if _slippery(env):
+        rules += " The ice is slippery: you do not always move the way you choose, sometimes you slide sideways."
+    return rules
 
 
-RENDERERS: dict[str, type[Renderer]] = {
-    "FrozenLake": FrozenLakeRenderer,
-    "FrozenLake8x8": FrozenLakeRenderer,
-    "Blackjack": BlackjackRenderer,
+def _frozenlake_board(env: gymnasium.Env, obs: Any) -> str:
+    # Drawn from the map, because the ansi rendering marks the player only by colour and packs the cells together.
+    lake = env.unwrapped
+    row, col = divmod(int(obs), lake.ncol)
+    grid = [[cell.decode() for cell in line] for line in lake.desc]
+    grid[row][col] = "P"
+    return "\n".join(" ".join(line) for line in grid)
+
+
+def _frozenlake_state(env: gymnasium.Env, obs: Any) -> str:
+    lake = env.unwrapped
+    row, col = divmod(int(obs), lake.ncol)
+    lines = [f"You (P) are at row {row + 1}, column {col + 1}."]
+    under = lake.desc[row][col].decode()
+    if under in "HG":
+        lines.append("You fell into a hole!" if under == "H" else "You reached the goal!")
+    lines.append("Legend: P you, S start, F frozen ice, H hole, G goal.")
+    return "\n".join(lines)
+
+
+TAXI_STANDS = "RGYB"
+"""Taxi's four stands in gymnasium's order (Red, Green, Yellow, Blue): passenger and destination indices."""
+
+
+def _taxi_rules(env: gymnasium.Env) -> str:
+    taxi = env.unwrapped
+    rules = (
+        f"You drive a taxi in a town of {taxi.max_row + 1} by {taxi.max_col + 1} cells, shown as a map: '|' is a "
+        "wall you cannot drive through, ':' an open side between two cells. There are four stands, R, G, Y and B. "
+        "A passenger waits at one stand and wants to go to another. Drive to the passenger, Pickup, drive to the "
+        "destination and Dropoff. South is down, North up, East right, West left; driving into a wall leaves you "
+        "where you are. Row 1 is the top row, column 1 the left column. Reward: -1 per turn, +20 for dropping "
+        "the passenger off at the destination, which ends the game, -10 for a Pickup or Dropoff in the wrong place."
+    )
+    if _slippery(env):
+        rules += " It is raining: the taxi sometimes slides sideways instead of moving the way you choose."
+    if getattr(taxi, "fickle_passenger", False):  # gymnasium < 1.2 has no fickle passenger
+        rules += " The passenger may change their mind about the destination once you have picked them up."
+    return rules
+
+
+def _taxi_board(env: gymnasium.Env, obs: Any) -> str:
+    # Drawn from the map, because the ansi rendering marks the taxi, the passenger and the destination only by colour.
+    taxi = env.unwrapped
+    row, col, _, _ = taxi.decode(int(obs))
+    grid = [[cell.decode() for cell in line] for line in taxi.desc]
+    grid[1 + row][2 * col + 1] = "T"
+    return "\n".join("".join(line) for line in grid)
+
+
+def _taxi_state(env: gymnasium.Env, obs: Any) -> str:
+    taxi = env.unwrapped
+    row, col, passenger, destination = taxi.decode(int(obs))
+
+    def stand(i: int) -> str:
+        stand_row, stand_col = taxi.locs[i]
+        return f"{TAXI_STANDS[i]} (row {stand_row + 1}, column {stand_col + 1})"
+
+    at = f"row {row + 1}, column {col + 1}"
+    if (row, col) in taxi.locs:
+        at += f", on stand {TAXI_STANDS[taxi.locs.index((row, col))]}"
+    if passenger == len(taxi.locs):
+        where = f"The passenger is in the taxi and wants to go to {stand(destination)}."
+    elif passenger == destination:
+        where = f"The passenger has arrived at {stand(destination)}."
+    else:
+        where = f"The passenger waits at {stand(passenger)} and wants to go to {stand(destination)}."
+    return f"The taxi (T) is at {at}.\n{where}\nLegend: T taxi, R G Y B stands, | wall, : open side."
+
+
+def _cliffwalking_rules(env: gymnasium.Env) -> str:
+    rows, cols = env.unwrapped.shape
+    rules = (
+        f"You walk along a cliff on a grid of {rows} rows and {cols} columns. You are x; you start at the bottom "
+        "left and the goal T is at the bottom right. o is safe ground; C is the cliff along the bottom row: "
+        "stepping onto it costs -100 and sends you back to the start. Each turn you move one cell Up, Right, Down "
+        "or Left; walking into the edge leaves you where you are. Row 1 is the top row, column 1 the left column. "
+        "Every move costs -1, so take a short path; reaching T ends the game."
+    )
+    if _slippery(env):
+        rules += " The ground is slippery: you do not always move the way you choose, sometimes you slide sideways."
+    return rules
+
+
+def _cliffwalking_state(env: gymnasium.Env, obs: Any) -> str:
+    rows, cols = env.unwrapped.shape
+    row, col = divmod(int(obs), cols)
+    goal = " You reached the goal!" if (row, col) == (rows - 1, cols - 1) else ""
+    return f"You (x) are at row {row + 1}, column {col + 1}.{goal}\nLegend: x you, o safe ground, C cliff, T goal."
+
+
+def _blackjack_rules(env: gymnasium.Env) -> str:
+    return (
+        "You are playing blackjack against the dealer. Cards 2-10 count their value, J, Q and K count 10, "
+        "and an ace counts 11 unless that would take your total over 21, then 1. Hit to take another card; "
+        "Stick to stop. Going over 21 loses at once. After you stick, the dealer draws until reaching 17 or "
+        "more, and whoever is closer to 21 wins. Reward: +1 for a win, -1 for a loss, 0 for a draw."
+    )
+
+
+def _blackjack_state(env: gymnasium.Env, obs: Any) -> str:
+    total, dealer, usable_ace = (int(x) for x in obs)
+    ace = " (an ace counts as 11)" if usable_ace else ""
+    shown = {1: "an ace", 10: "a 10 or a face card"}.get(dealer, f"a {dealer}")
+    return f"Your cards total {total}{ace}. The dealer shows {shown}."
+
+
+_FROZENLAKE = Renderer(("Left", "Down", "Right", "Up"), _frozenlake_rules, _frozenlake_board, _frozenlake_state)
+_CLIFFWALKING = Renderer(("Up", "Right", "Down", "Left"), _cliffwalking_rules, state=_cliffwalking_state)
+
+RENDERERS: dict[str, Renderer] = {
+    "FrozenLake": _FROZENLAKE,
+    "FrozenLake8x8": _FROZENLAKE,
+    "Taxi": Renderer(("South", "North", "East", "West", "Pickup", "Dropoff"), _taxi_rules, _taxi_board, _taxi_state),
+    "CliffWalking": _CLIFFWALKING,
+    "CliffWalkingSlippery": _CLIFFWALKING,
+    "Blackjack": Renderer(("Stick", "Hit"), _blackjack_rules, state=_blackjack_state),
 }
-"""The renderer :class:`GymTextEnv` picks for a gym id without its version; others get :class:`Renderer`."""
+"""The renderer :class:`GymTextEnv` picks for a gym id without its version (action names in gymnasium's order);
+other ids get ``Renderer()``. Add an entry to teach it a game, or pass ``renderer=`` or ``action_names=``."""
 
 
 def renderer_for(env: gymnasium.Env) -> Renderer:
-    """The registered renderer for ``env``'s gym id, else the generic :class:`Renderer`."""
+    """The registered renderer for ``env``'s gym id, else the generic ``Renderer()``."""
     key = re.sub(r"-v\d+$", "", env.spec.id) if env.spec is not None else ""
-    return RENDERERS.get(key, Renderer)()
+    return RENDERERS.get(key, Renderer())
 
 
 # "Action: X" runs to the end of the line or to the next "Action:", whichever comes first.
@@ -185,6 +293,41 @@ def _action_list(names: Sequence[str]) -> str:
     return listed
 
 
+def _make_gym_env(gym_id: str, **gym_kwargs: Any) -> gymnasium.Env:
+    """``gymnasium.make(gym_id, **gym_kwargs)``, with ``render_mode="ansi"`` where the env renders as text and
+    neither ``gym_kwargs`` nor the id's registration picks a render mode; an unknown id raises EnvNotFoundError."""
+    module, _, env_id = gym_id.rpartition(":")
+    if module:  # gymnasium's "module:Env-v0", whose import registers the env
+        importlib.import_module(module)
+    try:
+        spec = gymnasium.spec(env_id)
+    except gymnasium.error.Error as e:
+        # E.g. Taxi-v3 on gymnasium >= 1.2, which has Taxi-v4 only: the message names the version it has.
+        raise EnvNotFoundError(
+            gym_id, difflib.get_close_matches(env_id, list(gymnasium.registry), n=3),
+            fix=f"gymnasium {gymnasium.__version__} says: {e}",
+        ) from e
+    creator = load_env_creator(spec.entry_point) if isinstance(spec.entry_point, str) else spec.entry_point
+    renders_text = "ansi" in getattr(creator, "metadata", {}).get("render_modes", [])
+    if renders_text and "render_mode" not in {**spec.kwargs, **gym_kwargs}:
+        gym_kwargs = {**gym_kwargs, "render_mode": "ansi"}
+    return gymnasium.make(gym_id, **gym_kwargs)
+
+
+def _check_names(names: Sequence[str], env: gymnasium.Env) -> None:
+    """ValueError unless ``names`` are distinct non-empty strings (ignoring case), one per action of ``env``."""
+    space = env.action_space
+    if len(names) != space.n:
+        raise ValueError(
+            f"{len(names)} action names ({', '.join(map(str, names))}) for {env.spec.id if env.spec else env}'s "
+            f"{space}: give exactly one name per action, in order"
+        )
+    if not all(isinstance(n, str) and n.strip() for n in names):
+        raise ValueError(f"action names must be non-empty strings, got {list(names)!r}")
+    if len({n.lower() for n in names}) != len(names):
+        raise ValueError(f"action names must differ ignoring case (the model's answer is read so), got {list(names)!r}")
+
+
 class GymTextEnv(Env):
     """A gymnasium env with a Discrete action space as a multi-turn text game for an LLM.
 
@@ -193,9 +336,11 @@ class GymTextEnv(Env):
     valid actions and reward ``invalid_penalty``, and leaves the gym env untouched; ``max_invalid`` of them in a
     row truncate the episode. Rewards, termination and truncation (its TimeLimit) are the gym env's own.
 
-    ``gym_env`` is a gym id (made with ``gymnasium.make(gym_env, **gym_kwargs)``) or a ``gymnasium.Env``, which
-    this env then owns and closes. ``renderer`` defaults to :func:`renderer_for` the env; ``system_prompt``
-    replaces the renderer's ``describe()`` text. ``reset(seed=s)`` seeds the gym env; a task is ``{"seed": s}``.
+    ``gym_env`` is a gym id, made with ``gymnasium.make(gym_env, **gym_kwargs)`` and ``render_mode="ansi"`` where
+    the env renders as text and ``gym_kwargs`` picks no render mode; or a ``gymnasium.Env``, which this env then
+    owns and closes. ``renderer`` defaults to :func:`renderer_for` the env; ``action_names`` (one per action, in
+    order) replaces its names, so that any env can be played by name. ``system_prompt`` replaces the renderer's
+    ``describe()`` text. ``reset(seed=s)`` seeds the gym env; a task is ``{"seed": s}``.
     """
 
     def __init__(
@@ -204,6 +349,7 @@ class GymTextEnv(Env):
         *,
         gym_kwargs: dict[str, Any] | None = None,
         renderer: Renderer | None = None,
+        action_names: Sequence[str] | None = None,
         invalid_penalty: float = -0.1,
         max_invalid: int | None = None,
         system_prompt: str | None = None,
@@ -212,18 +358,21 @@ class GymTextEnv(Env):
             raise ValueError("gym_kwargs only apply when GymTextEnv makes the gym env from an id.")
         if max_invalid is not None and max_invalid < 1:
             raise ValueError(f"max_invalid must be >= 1 or None, got {max_invalid}")
-        self.gym_env = gymnasium.make(gym_env, **(gym_kwargs or {})) if isinstance(gym_env, str) else gym_env
-        if not isinstance(self.gym_env.action_space, Discrete):
+        self.gym_env = _make_gym_env(gym_env, **(gym_kwargs or {})) if isinstance(gym_env, str) else gym_env
+        try:
+            if not isinstance(self.gym_env.action_space, Discrete):
+                raise TypeError(
+                    f"GymTextEnv needs a Discrete action space, {self.gym_env} has {self.gym_env.action_space}"
+                )
+            self.renderer = renderer if renderer is not None else renderer_for(self.gym_env)
+            if action_names is not None:
+                self.renderer = replace(self.renderer, names=tuple(action_names))
+            self.action_names = self.renderer.action_names(self.gym_env)
+            _check_names(self.action_names, self.gym_env)
+        except (TypeError, ValueError):
             if isinstance(gym_env, str):
                 self.gym_env.close()
-            raise TypeError(f"GymTextEnv needs a Discrete action space, {self.gym_env} has {self.gym_env.action_space}")
-        self.renderer = renderer if renderer is not None else renderer_for(self.gym_env)
-        self.action_names = self.renderer.action_names(self.gym_env)
-        if len(self.action_names) != self.gym_env.action_space.n:
-            raise ValueError(
-                f"{type(self.renderer).__name__} names {len(self.action_names)} actions, "
-                f"but {self.gym_env} has {self.gym_env.action_space}"
-            )
+            raise
         self.invalid_penalty = invalid_penalty
         self.max_invalid = max_invalid
         self.system_prompt = system_prompt if system_prompt is not None else self.renderer.describe(self.gym_env)
@@ -246,9 +395,9 @@ class GymTextEnv(Env):
             return self._invalid(str(e))
         self._invalid_streak = 0
         obs, reward, terminated, truncated, info = self.gym_env.step(int(self.gym_env.action_space.start) + index)
-        text = self.renderer.render(self.gym_env, obs, info)
-        if terminated or truncated:
-            text += f"\n\nThe episode is over. Reward: {float(reward):g}."
+        # Each step's reward is said, since some only show there (Taxi's wrong Pickup, CliffWalking's fall).
+        over = "The episode is over. " if terminated or truncated else ""
+        text = f"{self.renderer.render(self.gym_env, obs, info)}\n\n{over}Reward: {float(reward):g}."
         return StepResult(
             [user(text)],
             reward=float(reward),

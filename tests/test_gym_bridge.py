@@ -5,17 +5,20 @@ from __future__ import annotations
 import importlib
 import random
 import warnings
+from collections import deque
 
 import gymnasium
+import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env
+from remote_envs import envkit_serve
 
 import envkit
 from envkit import Env, StepResult
+from envkit.errors import EnvNotFoundError
 from envkit.gym_bridge import (
+    RENDERERS,
     REPLACEMENT_CHAR,
-    BlackjackRenderer,
-    FrozenLakeRenderer,
     GymnasiumEnv,
     GymTextEnv,
     Renderer,
@@ -26,6 +29,12 @@ from envkit.gym_bridge import (
 FIRM_ICE = {"is_slippery": False}
 # The 4x4 map: SFFF / FHFH / FFFH / HFFG.
 PATH_TO_GOAL = ["Down", "Down", "Right", "Right", "Down", "Right"]
+# Taxi-v3 until gymnasium 1.2, Taxi-v4 since: the bridge plays whichever is installed.
+TAXI_IDS = [gym_id for gym_id in ("Taxi-v3", "Taxi-v4") if gym_id in gymnasium.registry]
+TAXI = ["South", "North", "East", "West", "Pickup", "Dropoff"]
+TAXI_MAP = ["+---------+", "|R: | : :G|", "| : | : : |", "| : : : : |", "| | : | : |", "|Y| : |B: |", "+---------+"]
+CLIFF = ["Up", "Right", "Down", "Left"]
+CLIFF_BOARD = "\n".join(["  ".join("o" * 12)] * 3 + ["  ".join("x" + "C" * 10 + "T")])
 
 
 def say(text: str) -> envkit.Message:
@@ -100,13 +109,13 @@ async def test_frozenlake_keeps_gymnasium_slippery_default():
     env = envkit.make("gym:FrozenLake-v1")
     messages, _ = await env.reset(seed=0)
     assert "slippery" in messages[0]["content"]
-    assert isinstance(env.renderer, FrozenLakeRenderer)
+    assert env.renderer is RENDERERS["FrozenLake"]
     await env.close()
 
 
 async def test_blackjack_renders_and_plays():
     env = envkit.make("gym:Blackjack-v1")
-    assert isinstance(env.renderer, BlackjackRenderer)
+    assert env.renderer is RENDERERS["Blackjack"] and env.gym_env.render_mode is None  # no ansi: words only
     messages, _ = await env.reset(seed=0)
     assert "Stick, Hit" in messages[0]["content"]
     total = env.gym_env.unwrapped._get_obs()[0]
@@ -119,20 +128,185 @@ async def test_blackjack_renders_and_plays():
     await env.close()
 
 
-async def test_generic_renderer_on_cliffwalking():
-    env = envkit.make("gym:CliffWalking-v1")
-    assert type(env.renderer) is Renderer
-    messages, _ = await env.reset(seed=0)
-    assert "Valid actions: 0, 1, 2, 3." in messages[0]["content"]
-    assert messages[1]["content"] == "Observation: 36"
-    result = await env.step(say("Action: 0"))  # up, off the start cell
-    assert result.observation[0]["content"] == "Observation: 24"
-    assert (result.info["action"], result.reward) == ("0", -1.0)
-    assert env.spaces() == {
-        "observation": "text rendering of Discrete(48)",
-        "action": "text naming one of 0, 1, 2, 3 (Discrete(4))",
-    }
+def shortest_plan(env: gymnasium.Env) -> list[int]:
+    """The actions of a shortest way from the env's state to the end of the episode (deterministic envs only)."""
+    start = env.unwrapped.s
+    came_from: dict[int, tuple[int, int] | None] = {start: None}
+    queue = deque([start])
+    while queue:
+        state = queue.popleft()
+        for action, [(_, after, _, done)] in env.unwrapped.P[state].items():
+            if done:
+                plan = [action]
+                while came_from[state] is not None:
+                    state, previous = came_from[state]
+                    plan.insert(0, previous)
+                return plan
+            if after not in came_from:
+                came_from[after] = (state, action)
+                queue.append(after)
+    raise AssertionError("no way to the end")
+
+
+# The ways a model names an action; a scripted episode cycles through them.
+REPLIES = ["Action: {name}", "I'll go {lower}.", "<action>{upper}</action>", "{number}",
+           "Not {other}, I choose {name}!"]
+
+
+async def play(env: GymTextEnv, plan: list[int]) -> list[StepResult]:
+    """Send ``plan`` as replies in every style of REPLIES; each must be read as the planned action."""
+    results = []
+    for turn, action in enumerate(plan):
+        name = env.action_names[action]
+        reply = REPLIES[turn % len(REPLIES)].format(name=name, lower=name.lower(), upper=name.upper(),
+                                                    number=action, other=env.action_names[action - 1])
+        results.append(await env.step(say(reply)))
+        assert results[-1].info["action"] == name and results[-1].info["invalid"] is False, reply
+    return results
+
+
+@pytest.mark.parametrize("gym_id", TAXI_IDS)
+async def test_taxi_shows_its_map_and_delivers_the_passenger(gym_id: str):
+    env = envkit.make(f"gym:{gym_id}")
+    messages, info = await env.reset(seed=0)
+    assert env.renderer is RENDERERS["Taxi"] and env.gym_env.render_mode == "ansi"
+    assert "Valid actions: South, North, East, West, Pickup, Dropoff (or their numbers 0-5)." in messages[0]["content"]
+    lines = messages[1]["content"].splitlines()
+    board, said = lines[:7], lines[7:]
+    row, col, passenger, destination = env.gym_env.unwrapped.decode(env.gym_env.unwrapped.s)
+    taxi_map = [list(line) for line in TAXI_MAP]
+    taxi_map[1 + row][2 * col + 1] = "T"
+    assert board == ["".join(line) for line in taxi_map]  # gymnasium's map with the taxi drawn as T
+    assert said[0].startswith(f"The taxi (T) is at row {row + 1}, column {col + 1}")
+    assert said[1].startswith(f"The passenger waits at {'RGYB'[passenger]} (row ")
+    assert f"wants to go to {'RGYB'[destination]} (row " in said[1]
+    assert info["action_mask"].dtype == np.int8
+
+    plan = shortest_plan(env.gym_env)
+    assert TAXI.index("Pickup") in plan and plan[-1] == TAXI.index("Dropoff")
+    results = await play(env, plan)
+    assert [r.reward for r in results] == [-1.0] * (len(plan) - 1) + [20.0]
+    assert results[-1].terminated and not any(r.done for r in results[:-1])
+    assert "The passenger is in the taxi" in results[plan.index(TAXI.index("Pickup"))].observation[0]["content"]
+    assert "The passenger has arrived at" in results[-1].observation[0]["content"]
+    assert results[-1].observation[0]["content"].endswith("The episode is over. Reward: 20.")
     await env.close()
+
+
+async def test_taxi_wrong_pickup_shows_its_penalty():
+    env = envkit.make(f"gym:{TAXI_IDS[-1]}")
+    await env.reset(seed=0)  # the taxi starts away from the passenger
+    result = await env.step(say("Pickup"))
+    assert result.reward == -10.0 and result.observation[0]["content"].endswith("\n\nReward: -10.")
+    await env.close()
+
+
+def test_the_taxi_gymnasium_lacks_is_not_found_and_the_one_it_has_is_named():
+    missing = {"Taxi-v3", "Taxi-v4"} - set(TAXI_IDS)
+    for gym_id in missing:
+        with pytest.raises(EnvNotFoundError, match=rf"No environment named '{gym_id}'. Did you mean: '{TAXI_IDS[0]}'"):
+            envkit.make(f"gym:{gym_id}")
+    with pytest.raises(EnvNotFoundError, match=r"Did you mean: 'Taxi-v\d'\? gymnasium .* says: .*`Taxy` doesn't exist"):
+        envkit.make("gym:Taxy-v4")
+
+
+async def test_cliffwalking_shows_its_grid_and_reaches_the_goal():
+    env = envkit.make("gym:CliffWalking-v1")
+    messages, _ = await env.reset(seed=0)
+    assert env.renderer is RENDERERS["CliffWalking"] and env.gym_env.render_mode == "ansi"
+    assert "Valid actions: Up, Right, Down, Left (or their numbers 0-3)." in messages[0]["content"]
+    assert messages[1]["content"] == f"{CLIFF_BOARD}\nYou (x) are at row 4, column 1.\n" \
+        "Legend: x you, o safe ground, C cliff, T goal."
+
+    fall = await env.step(say("I move Right."))  # onto the cliff: back to the start, and told the cost
+    assert (fall.reward, fall.done) == (-100.0, False)
+    assert fall.observation[0]["content"].startswith(CLIFF_BOARD) and fall.observation[0]["content"].endswith(
+        "Reward: -100.")
+    plan = shortest_plan(env.gym_env)
+    assert [CLIFF[a] for a in plan] == ["Up"] + ["Right"] * 11 + ["Down"]
+    results = await play(env, plan)
+    assert sum(r.reward for r in results) == -13.0 and results[-1].terminated
+    last = results[-1].observation[0]["content"]
+    assert last.splitlines()[3].endswith("C  x") and "You reached the goal!" in last
+    await env.close()
+
+
+@pytest.mark.parametrize(
+    ("name", "gym_kwargs", "said"),
+    [
+        ("gym:CliffWalkingSlippery-v1", {}, {"slippery"}),
+        (f"gym:{TAXI_IDS[-1]}", {"is_rainy": True, "fickle_passenger": True}, {"raining", "change their mind"}),
+        (f"gym:{TAXI_IDS[-1]}", {}, set()),
+    ],
+)
+async def test_rules_say_when_moves_are_uncertain(name: str, gym_kwargs: dict, said: set[str]):
+    env = envkit.make(name, gym_kwargs=gym_kwargs)
+    rules = (await env.reset(seed=0))[0][0]["content"]
+    assert {warning for warning in ("slippery", "raining", "change their mind") if warning in rules} == said
+    await env.close()
+
+
+async def test_a_render_mode_the_caller_picks_is_kept():
+    env = envkit.make("gym:CliffWalking-v1", gym_kwargs={"render_mode": None})
+    messages, _ = await env.reset(seed=0)
+    assert env.gym_env.render_mode is None  # no ansi board to show: the state in words remains
+    assert messages[1]["content"].startswith("You (x) are at row 4, column 1.")
+    await env.close()
+
+
+async def test_generic_renderer_shows_the_ansi_rendering_without_colours():
+    env = GymTextEnv("FrozenLake-v1", gym_kwargs=FIRM_ICE, renderer=Renderer())
+    messages, _ = await env.reset(seed=0)
+    assert "You are playing the gymnasium environment FrozenLake-v1." in messages[0]["content"]
+    assert "Valid actions: 0, 1, 2, 3." in messages[0]["content"]
+    assert messages[1]["content"] == "SFFF\nFHFH\nFFFH\nHFFG"  # the player was only a colour
+    result = await env.step(say("1"))
+    assert result.observation[0]["content"] == "  (Down)\nSFFF\nFHFH\nFFFH\nHFFG\n\nReward: 0."
+    await env.close()
+
+
+async def test_generic_renderer_without_ansi_shows_the_observation():
+    env = envkit.make("gym:CartPole-v1")
+    assert env.renderer == Renderer() and env.gym_env.render_mode is None
+    messages, _ = await env.reset(seed=0)
+    assert "Valid actions: 0, 1." in messages[0]["content"]
+    assert messages[1]["content"].startswith("Observation: [")
+    result = await env.step(say("Action: 1"))
+    assert result.observation[0]["content"].startswith("Observation: [")
+    assert (result.info["action"], result.reward) == ("1", 1.0)
+    assert env.spaces()["action"] == "text naming one of 0, 1 (Discrete(2))"
+    await env.close()
+
+
+async def test_action_names_passed_by_the_user():
+    env = envkit.make("gym:CartPole-v1", action_names=["push left", "push right"])
+    messages, _ = await env.reset(seed=0)
+    assert "Valid actions: push left, push right (or their numbers 0-1)." in messages[0]["content"]
+    assert (await env.step(say("I will push right."))).info["action"] == "push right"
+    assert (await env.step(say("0"))).info["action"] == "push left"
+    assert env.spec.kwargs["action_names"] == ["push left", "push right"]  # in the spec, for a remake or a server
+    await env.close()
+
+    lake = GymTextEnv("FrozenLake-v1", gym_kwargs=FIRM_ICE, action_names=["West", "South", "East", "North"])
+    messages, _ = await lake.reset(seed=0)
+    assert "Valid actions: West, South, East, North" in messages[0]["content"]
+    assert messages[1]["content"].startswith("P F F F")  # the game's board and rules stay
+    assert (await lake.step(say("south"))).observation[0]["content"].startswith("S F F F\nP H F H")
+    await lake.close()
+
+
+@pytest.mark.parametrize(
+    ("names", "problem"),
+    [
+        (["Left", "Down", "Right"], r"3 action names \(Left, Down, Right\) for CartPole-v1's Discrete\(2\): give "
+                                    r"exactly one name per action, in order"),
+        (["Go", "go"], "action names must differ ignoring case"),
+        (["Go", " "], "action names must be non-empty strings"),
+    ],
+)
+def test_action_names_are_checked(names: list[str], problem: str):
+    with pytest.raises(ValueError, match=problem):
+        GymTextEnv("CartPole-v1", action_names=names)
 
 
 async def test_invalid_reply_gets_feedback_and_penalty_without_moving():
@@ -203,8 +377,8 @@ def test_rejects_what_it_cannot_play():
         GymTextEnv("Pendulum-v1")
     with pytest.raises(ValueError, match="gym_kwargs"):
         GymTextEnv(gymnasium.make("FrozenLake-v1"), gym_kwargs=FIRM_ICE)
-    with pytest.raises(ValueError, match="names 2 actions"):
-        GymTextEnv("FrozenLake-v1", renderer=BlackjackRenderer())
+    with pytest.raises(ValueError, match=r"2 action names \(Stick, Hit\) for FrozenLake-v1's Discrete\(4\)"):
+        GymTextEnv("FrozenLake-v1", renderer=RENDERERS["Blackjack"])
 
 
 FROZEN = ["Left", "Down", "Right", "Up"]
@@ -250,10 +424,99 @@ def test_parse_action_errors(reply: str | None, problem: str):
         parse_action(reply, FROZEN)
 
 
+@pytest.mark.parametrize(
+    ("reply", "names", "action"),
+    [
+        ("I move Right.", CLIFF, 1),
+        ("Pickup", TAXI, 4),
+        ("action: DROPOFF", TAXI, 5),
+        ("Drive north, then I can pick the passenger up.", TAXI, 1),  # "pick ... up" is no name
+        ("West or east? East.", TAXI, 2),
+        ("5", TAXI, 5),
+    ],
+)
+def test_parse_action_with_the_games_names(reply: str, names: list[str], action: int):
+    assert parse_action(reply, names) == action
+
+
+@pytest.mark.parametrize(
+    ("reply", "problem"),
+    [
+        ("I'll drop off the passenger.", "no action found in your reply"),
+        ("Action: drop off", "'Action: drop off' names no valid action"),
+        ("6", "there is no action number 6"),
+    ],
+)
+async def test_unreadable_taxi_replies_are_invalid_and_say_why(reply: str, problem: str):
+    env = envkit.make(f"gym:{TAXI_IDS[-1]}")
+    await env.reset(seed=0)
+    state = env.gym_env.unwrapped.s
+    result = await env.step(say(reply))
+    assert (result.reward, result.done, result.info) == (-0.1, False, {"action": None, "invalid": True,
+                                                                       "error": problem})
+    assert result.observation[0]["content"] == (
+        f"Invalid reply: {problem}. Valid actions: South, North, East, West, Pickup, Dropoff (or their numbers "
+        "0-5). End your reply with a line 'Action: <action>'.")
+    assert env.gym_env.unwrapped.s == state
+    await env.close()
+
+
 def test_parse_action_other_names():
     assert parse_action("Hit me? No, I'll stick.", ["Stick", "Hit"]) == 0
     assert parse_action("From state 36 I pick 1", ["0", "1", "2", "3"]) == 1
     assert parse_action("hit me now", ["Hit", "Hit me"]) == 1
+
+
+def as_json(value: object) -> object:
+    """``value`` with every numpy array and scalar as the Python lists and numbers it holds."""
+    if isinstance(value, dict):
+        return {k: as_json(v) for k, v in value.items()}
+    return value.tolist() if isinstance(value, np.ndarray | np.generic) else value
+
+
+@pytest.fixture(scope="module")
+def taxi_server():
+    with envkit_serve(f"gym:{TAXI_IDS[-1]}") as server:
+        yield server
+
+
+@pytest.mark.parametrize("scheme", ["http", "ws"])
+async def test_taxi_over_envkit_serve_gives_the_local_episode_with_info_as_json(taxi_server, scheme: str):
+    name = f"gym:{TAXI_IDS[-1]}"
+    async with envkit.make(name) as local, envkit.make(f"{scheme}://127.0.0.1:{taxi_server.port}/{name}") as remote:
+        (local_messages, local_info), (remote_messages, remote_info) = await local.reset(seed=3), \
+            await remote.reset(seed=3)
+        assert remote_messages == local_messages and isinstance(local_info["action_mask"], np.ndarray)
+        assert remote_info == as_json(local_info) == {"prob": 1.0, "action_mask": local_info["action_mask"].tolist()}
+        assert all(type(x) is int for x in remote_info["action_mask"])
+        for reply in ["North", "Pickup", "hmm", "Action: West", "Dropoff"]:
+            mine, theirs = await local.step(say(reply)), await remote.step(say(reply))
+            assert theirs.observation == mine.observation
+            assert (theirs.reward, theirs.terminated, theirs.truncated) == (mine.reward, mine.terminated,
+                                                                            mine.truncated)
+            assert theirs.info == as_json(mine.info)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("gym_id", ["FrozenLake-v1", TAXI_IDS[-1], "CliffWalking-v1"])
+async def test_the_bundled_model_plays_each_board_game_greedily(vllm_engine, chat_tokenizer, gym_id: str):
+    from generators.rollout import Generator, GeneratorConfig, env_factory
+
+    name = f"gym:{gym_id}"
+    config = GeneratorConfig(temperature=0.0, max_tokens=48, max_turns=3)
+    [traj] = await Generator(vllm_engine, chat_tokenizer, config).generate(env_factory(name), seeds=[0],
+                                                                           env_name=name)
+    assert not traj.failed, traj.error
+    assert traj.stop_reason in ("done", "max_turns") and traj.num_turns >= 1
+    traj.check()
+    async with envkit.make(name) as env:
+        opening, _ = await env.reset(seed=0)
+    assert traj.messages[:2] == opening
+    prompt = chat_tokenizer.decode(traj.prompt_ids)
+    assert all(line in prompt for line in opening[1]["content"].splitlines())  # the board, as the model saw it
+    replies = [m["content"] for m in traj.messages[2:] if m["role"] == "user"]  # the env's answer to each turn
+    assert len(replies) == traj.num_turns
+    assert all(r.startswith("Invalid reply: ") or "\nLegend: " in r for r in replies), replies
 
 
 # ---------------------------------------------------------------------------------------------- envkit → gymnasium
