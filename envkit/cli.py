@@ -1,4 +1,5 @@
-"""The ``envkit`` command line: list installed environments, inspect one, serve one, and plugin commands (``eval``).
+"""The ``envkit`` command line: list installed environments, inspect one, start a new one, serve one, and plugin
+commands (``eval``, ``build``).
 
 A plugin command is a function ``add_parser(subparsers)`` that adds its subparser and sets ``func(args, console)
 -> int`` as its default; it is registered under the ``envkit.commands`` entry-point group.
@@ -13,6 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -20,6 +22,7 @@ from rich.table import Table
 
 import envkit
 from envkit.errors import EnvkitError
+from envkit.scaffold import KINDS, new_env
 from envkit.tasks import task_counts
 from envkit.untrusted import EXEC_USER_ENV
 
@@ -87,6 +90,44 @@ def _cmd_info(args: argparse.Namespace, console: Console) -> int:
     else:
         console.print("tools: none")
     return 0
+
+
+def _cmd_new(args: argparse.Namespace, console: Console) -> int:
+    target = new_env(args.name, kind=args.kind, parent=args.dir)
+    shown = os.path.relpath(target)
+    files = "\n".join(f"  {os.path.relpath(p)}" for p in sorted(target.rglob("*")) if p.is_file())
+    # markup=False: "[test]" is an extra, not a rich style.
+    console.print(f"Created {shown}/ (--kind {args.kind}):\n{files}\n"
+                  f"Next:\n  cd {shown}\n  pip install -e '.[test]'\n  pytest\n  envkit info {args.name}\n"
+                  f"Then {os.path.join(shown, 'README.md')} shows how to serve, build, eval and train it.",
+                  markup=False, highlight=False)
+    return 0
+
+
+def _add_new_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "new", help="start a new environment package: env class, tasks, tests and README, ready to edit",
+        description="Write NAME/, an env package that passes its own tests as generated:\n"
+                    "  pyproject.toml        registers the env as NAME (entry point group envkit.envs)\n"
+                    "  MODULE/env.py         the env class, its train/test tasks, docstrings on what to change\n"
+                    "  tests/test_MODULE.py  tests of reset, step, rewards and tasks\n"
+                    "  README.md             how to install, test, serve, build, eval and train it\n"
+                    "MODULE is NAME with '-' as '_'. Existing files are never overwritten.",
+        epilog="kinds:\n"
+               "  single  one question, one graded answer (envkit.Env)\n"
+               "  multi   several turns, a reward for each; terminated vs truncated (envkit.Env)\n"
+               "  tool    the model calls tools defined with @envkit.tool, then answers (envkit.ToolEnv)\n\n"
+               "examples:\n  envkit new word-count\n  envkit new sokoban --kind multi --dir ~/envs\n"
+               "  envkit new shop --kind tool",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("name", metavar="NAME", help="env, distribution and directory name: lowercase letters and "
+                                               "digits, words joined by '-' or '_'")
+    p.add_argument("--kind", choices=tuple(KINDS), default="single",
+                   help="the kind of episode to start from (default: single)")
+    p.add_argument("--dir", type=Path, default=Path("."), metavar="PATH",
+                   help="where to create NAME/ (default: the current directory)")
+    p.set_defaults(func=_cmd_new)
 
 
 def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
@@ -214,6 +255,7 @@ def build_parser(console: Console | None = None) -> argparse.ArgumentParser:
     p_info.add_argument("name", help="env name as shown by `envkit list`, or gym:<gymnasium id>")
     p_info.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p_info.set_defaults(func=_cmd_info)
+    _add_new_parser(sub)
     _add_serve_parser(sub)
     _add_plugin_commands(sub, console or Console(stderr=True))
     return parser

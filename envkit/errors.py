@@ -10,6 +10,7 @@ fault inside one environment (record it on that rollout, keep the batch), a regi
     │   ├── EnvLoadError         an env package failed to import or construct
     │   ├── DuplicateEnvError    two sources claim one name
     │   └── InvalidEnvNameError  a name that breaks the name grammar
+    ├── ScaffoldError            setup: `envkit new` got a name it cannot use or a directory it would overwrite
     ├── ContractError            the caller misused the Env API
     │   ├── ResetNeededError     step() before reset()
     │   ├── EpisodeDoneError     step() after terminated/truncated
@@ -68,6 +69,10 @@ class DuplicateEnvError(RegistryError):
 
 class InvalidEnvNameError(RegistryError, ValueError):
     """An environment name does not follow the name grammar."""
+
+
+class ScaffoldError(EnvkitError, ValueError):
+    """``envkit new`` cannot write the package: a bad or taken name, an existing directory, no envkit distribution."""
 
 
 class ContractError(EnvkitError):

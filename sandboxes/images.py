@@ -30,7 +30,7 @@ from sandboxes.engine import BASE_IMAGE, cache_dir, docker_client, ensure_base_i
 RECIPE_VERSION = "1"
 ENV_LABEL = "org.envkit.env"
 # Files that make up a local project's wheel; folders that never do (tests, caches, other projects).
-_SOURCE_SUFFIXES = {".py", ".toml", ".yaml", ".yml", ".cfg", ".md", ".txt", ".json", ".typed"}
+_SOURCE_SUFFIXES = {".py", ".toml", ".yaml", ".yml", ".cfg", ".md", ".txt", ".json", ".typed", ".tmpl"}
 _SKIP_DIRS = {".git", "__pycache__", "build", "dist", "tests", "benchmarks", "docs", "examples", "scripts", "runs",
               "outputs", "node_modules"}
 
