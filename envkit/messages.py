@@ -1,8 +1,9 @@
 """Chat messages in OpenAI format: the observations and actions of every envkit env.
 
 A message is a plain dict (JSON round-trips for free): ``{"role": ..., "content": ...}`` plus ``tool_calls`` on
-assistant messages and ``tool_call_id``/``name`` on tool results. The TypedDicts below document the shape;
-the constructors build well-formed ones.
+assistant messages and ``tool_call_id``/``name`` on tool results. An assistant message read from a model's text may
+also carry its reasoning (``reasoning_content``) and the errors of tool calls it wrote malformed
+(``tool_call_errors``). The TypedDicts below document the shape; the constructors build well-formed ones.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ class Message(TypedDict):
     tool_calls: NotRequired[list[ToolCall]]
     tool_call_id: NotRequired[str]
     name: NotRequired[str]
+    reasoning_content: NotRequired[str]
+    """The model's reasoning (its ``<think>`` text), kept out of ``content``; the key vLLM's OpenAI server uses."""
+    tool_call_errors: NotRequired[list[str]]
+    """Set by whoever read tool calls from the model's text (a generator, in the model's own format): one readable
+    error per malformed call, for the env to report to the model (``ToolEnv`` does)."""
 
 
 def system(content: str) -> Message:
@@ -89,6 +95,12 @@ def validate_action(action: Any) -> Message:
                     f"tool_calls[{i}] must look like {{'id': ..., 'type': 'function', "
                     f"'function': {{'name': str, 'arguments': str}}}}, got {call!r:.120}"
                 )
+    reasoning = action.get("reasoning_content")
+    if reasoning is not None and not isinstance(reasoning, str):
+        raise InvalidActionError(f"Action reasoning_content must be a string, got {type(reasoning).__name__}.")
+    errors = action.get("tool_call_errors")
+    if errors is not None and not (isinstance(errors, list) and all(isinstance(e, str) for e in errors)):
+        raise InvalidActionError(f"Action tool_call_errors must be a list of strings, got {errors!r:.120}")
     if content is None and not tool_calls:
         raise InvalidActionError("An assistant action needs content or tool_calls; both are empty.")
     return action  # type: ignore[return-value]

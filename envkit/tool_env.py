@@ -1,8 +1,9 @@
 """ToolEnv: the multi-turn pattern "call tools until you answer", so a tool env is only its tools and its grader.
 
-Each assistant turn either calls tools (native ``tool_calls`` or ``<tool_call>`` text) and gets ``tool``
-messages back, or gives a final answer that ``grade`` scores and that ends the episode. ``max_turns`` bounds
-the episode (``truncated=True``, reward 0 when it runs out).
+Each assistant turn either calls tools (native ``tool_calls``, or ``<tool_call>`` text; a generator that read
+calls in another format passes them as ``tool_calls`` and ``tool_call_errors``) and gets ``tool`` messages back,
+or gives a final answer that ``grade`` scores and that ends the episode. ``max_turns`` bounds the episode
+(``truncated=True``, reward 0 when it runs out).
 """
 
 from __future__ import annotations
@@ -62,8 +63,11 @@ class ToolEnv(Env):
             return StepResult([], reward=reward, terminated=True, info={"turn": self.turn, **info})
         observation = [await self.call_tool(c) for c in calls]
         if errors:
-            fix = 'Write tool calls as <tool_call>{"name": "...", "arguments": {...}}</tool_call>.'
-            observation.append(user("Malformed tool call: " + "; ".join(errors) + " " + fix))
+            # errors read in the model's own format (tool_call_errors) say what that format wants; our own reading
+            # of the text is the <tool_call> form
+            fix = "" if action.get("tool_call_errors") else (
+                ' Write tool calls as <tool_call>{"name": "...", "arguments": {...}}</tool_call>.')
+            observation.append(user("Malformed tool call: " + "; ".join(errors) + fix))
         truncated = self.turn >= self.max_turns
         return StepResult(
             observation, truncated=truncated, info={"turn": self.turn, "tool_calls": len(calls),

@@ -142,6 +142,9 @@ def parse_tool_calls(text: str | None) -> tuple[list[ToolCall], list[str]]:
         except json.JSONDecodeError as e:
             errors.append(f"tool call {i} is not valid JSON ({e.msg} at char {e.pos}): {raw[:120]}")
             continue
+        except RecursionError:
+            errors.append(f"tool call {i} is nested too deeply to read: {raw[:120]}")
+            continue
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             errors.append(f'tool call {i} must be an object like {{"name": "...", "arguments": {{...}}}}')
             continue
@@ -159,8 +162,11 @@ def parse_tool_calls(text: str | None) -> tuple[list[ToolCall], list[str]]:
 
 
 def tool_calls_of(message: Message) -> tuple[list[ToolCall], list[str]]:
-    """The tool calls of an assistant message: native ``tool_calls`` if present, else parsed from its text."""
+    """The tool calls of an assistant message and the errors of malformed ones: its ``tool_calls`` and
+    ``tool_call_errors`` when it has either (the reader of the model's text already parsed it), else the
+    ``<tool_call>`` blocks of its text."""
     native = message.get("tool_calls")
-    if native:
-        return list(native), []
+    errors = message.get("tool_call_errors")
+    if native or errors:
+        return list(native or []), list(errors or [])
     return parse_tool_calls(message.get("content"))

@@ -17,7 +17,9 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 _PREFIX: list[dict[str, Any]] = [
     {"role": "system", "content": "S"},
     {"role": "user", "content": "U"},
-    {"role": "assistant", "content": "A"},
+    # Qwen3's template writes an empty <think></think> into the last assistant turn only while it is last; with
+    # reasoning of its own the turn renders the same once tool results follow
+    {"role": "assistant", "content": "A", "reasoning_content": "R"},
 ]
 
 
@@ -38,6 +40,24 @@ class ChatTokenizer:
     def from_pretrained(cls, path: str | Path) -> ChatTokenizer:
         """Load the tokenizer (and its chat template) of a checkpoint dir or hub name."""
         return cls(AutoTokenizer.from_pretrained(str(path)))
+
+    @property
+    def template(self) -> str:
+        """The chat template's source (named templates joined): what ``OutputParser.for_template`` reads."""
+        template = self.tokenizer.chat_template
+        return template if isinstance(template, str) else "\n".join(template.values())
+
+    @cached_property
+    def generation_prompt(self) -> str:
+        """The text the template writes to open the model's turn (``<|im_start|>assistant\n``; DeepSeek-R1's ends
+        in ``<think>\n``, so the model's output starts inside its reasoning)."""
+        chat = [{"role": "user", "content": "U"}]
+        try:
+            opened = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+            closed = self.tokenizer.apply_chat_template(chat, add_generation_prompt=False, tokenize=False)
+        except Exception:  # a template may refuse a chat without tools or a system message: then it says nothing
+            return ""
+        return opened[len(closed):] if opened.startswith(closed) else ""
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *,
                generation_prompt: bool = True) -> list[int]:

@@ -34,6 +34,7 @@ from envkit.errors import EnvkitError
 from generators.engines.base import EngineError
 from generators.engines.factory import EngineConfig, make_engine
 from generators.models import BUNDLED
+from generators.parsers import REASONING_PARSER_CHOICES, TOOL_PARSER_CHOICES
 from generators.report import EvalSummary, passed, summarize, write_html_report
 from generators.rollout import GeneratorConfig
 from generators.trajectory import Trajectory, write_jsonl
@@ -300,6 +301,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--env-arg", type=_env_arg, action="append", default=[], metavar="KEY=VALUE",
                    help="keyword argument for the env, repeatable; VALUE is parsed as JSON if it can be")
     p.add_argument("--out", type=Path, metavar="DIR", help="output dir (default: runs/eval/<env>-<YYYYmmdd-HHMMSS>)")
+    p.add_argument("--tool-parser", choices=TOOL_PARSER_CHOICES, default="auto",
+                   help="the format the model writes tool calls in (default: auto, read off its chat template)")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSER_CHOICES, default="auto",
+                   help="think: <think> text goes to reasoning_content, not the env (default: auto, when the chat "
+                        "template writes <think>)")
     p.add_argument("--seed", type=int, help="sampling seed: the managed vLLM server's --seed, or the base of "
                                           "per-request seeds for --base-url (default: none)")
     p.set_defaults(func=_cmd_eval)
@@ -315,7 +321,8 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         rollout = GeneratorConfig(
             samples_per_prompt=args.samples, temperature=args.temperature, max_tokens=args.max_tokens,
             max_turns=args.max_turns, timeout_s=args.timeout, concurrency=args.concurrency,
-            seed=args.seed if endpoint else None,
+            seed=args.seed if endpoint else None, tool_parser=args.tool_parser,
+            reasoning_parser=args.reasoning_parser,
         )
         engine = EngineConfig("openai" if endpoint else "vllm", url=args.base_url, api_key=args.api_key,
                               server_seed=None if endpoint else args.seed)

@@ -241,12 +241,17 @@ def _message(m: dict[str, Any]) -> str:
         (f" · answers {m['tool_call_id']}" if m.get("tool_call_id") else "")
     content = m.get("content")
     parts = [f'<div class="msg role-{escape(role)}"><div class=role>{escape(who)}</div>']
+    if m.get("reasoning_content"):
+        parts.append(f"<details class=reasoning><summary>reasoning</summary><pre>{escape(m['reasoning_content'])}"
+                     "</pre></details>")
     if content:
         parts.append(f"<pre>{escape(content)}</pre>")
     for call in m.get("tool_calls") or []:
         fn = call.get("function", {})
         parts.append(f'<div class=call>tool call <b>{escape(fn.get("name", "?"))}</b> <span class=muted>'
                      f'{escape(call.get("id", ""))}</span><pre>{escape(_pretty_args(fn.get("arguments")))}</pre></div>')
+    for error in m.get("tool_call_errors") or []:
+        parts.append(f"<div class=call>malformed tool call <pre>{escape(error)}</pre></div>")
     if not content and not m.get("tool_calls"):
         parts.append("<pre class=muted>(empty)</pre>")
     parts.append("</div>")
@@ -291,4 +296,5 @@ color:#fff;padding:1px 4px}
 .role-tool{background:#fff7e8}
 pre{white-space:pre-wrap;word-break:break-word;margin:4px 0;font:13px/1.4 ui-monospace,monospace}
 .call{border-left:3px solid #8a6bd1;padding-left:8px;margin:4px 0}
+.reasoning summary{color:#777}
 """

@@ -24,6 +24,7 @@ import envkit
 from envkit import Env, Message, Task
 from generators.engines.base import Completion, InferenceEngine, SamplingParams
 from generators.engines.replicas import Session, rollout_session
+from generators.parsers import REASONING_PARSER_CHOICES, TOOL_PARSER_CHOICES, OutputParser
 from generators.trajectory import StopReason, Trajectory
 
 if TYPE_CHECKING:
@@ -61,6 +62,13 @@ class GeneratorConfig:
     """Count turns where re-rendering the chat would not reproduce the running ids (diagnostic only)."""
     close_timeout_s: float = 10.0
     """How long env.close() may take before it is abandoned (logged)."""
+    tool_parser: str = "auto"
+    """The format the model writes tool calls in: auto (read off the chat template; hermes without one), hermes,
+    llama3_json, mistral, qwen3_coder or pythonic. An endpoint's own tool_calls (chat mode) come first."""
+    reasoning_parser: str = "auto"
+    """think: ``<think>...</think>`` text goes to the message's reasoning_content, not its content, and calls in it
+    are not made; none: the env sees the text as written; auto: think when the chat template writes ``<think>``
+    (always in chat mode). The trajectory's token ids are the same either way."""
 
     @property
     def sampling(self) -> SamplingParams:
@@ -76,6 +84,9 @@ class GeneratorConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         self.sampling  # noqa: B018 (validates temperature and top_p)
+        for name, choices in (("tool_parser", TOOL_PARSER_CHOICES), ("reasoning_parser", REASONING_PARSER_CHOICES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
 
 
 @dataclass
@@ -86,6 +97,8 @@ class _Rollout:
     tools: list[dict[str, Any]] | None = None
     ids: list[int] = field(default_factory=list)
     """The running context: prompt plus response so far."""
+    written: dict[int, str] = field(default_factory=dict)
+    """What the model wrote, by the index of its message in ``traj.messages`` (which holds it parsed)."""
     generate_s: float = 0.0
     env_s: float = 0.0
 
@@ -105,6 +118,11 @@ class Generator:
         self.engine = engine
         self.tokenizer = tokenizer
         self.config = config or GeneratorConfig()
+        self.parser = OutputParser.for_template(
+            tokenizer.template if tokenizer else None, tokenizer.generation_prompt if tokenizer else "",
+            tool_parser=self.config.tool_parser, reasoning_parser=self.config.reasoning_parser)
+        log.info("tool calls read as %s, reasoning %s", self.parser.tool_parser,
+                 "split off" if self.parser.think else "left in the content")
 
     async def generate(
         self,
@@ -192,7 +210,8 @@ class Generator:
             if budget <= 0:
                 return "max_tokens"
             self._append(state, pending, None)
-            action, completion = await self._model_turn(state, min(cfg.sampling.max_tokens, budget))
+            action, completion, text = await self._model_turn(state, min(cfg.sampling.max_tokens, budget))
+            state.written[len(traj.messages)] = text
             traj.messages.append(action)
             traj.num_turns += 1
 
@@ -208,20 +227,21 @@ class Generator:
             if self.tokenizer is not None:
                 pending = self.tokenizer.close_turn(completion.token_ids)
                 pending += self.tokenizer.observation_ids(list(result.observation), state.tools)
-                if cfg.check_template and self.tokenizer.render(_as_text(traj.messages), state.tools) != (
-                        state.ids + pending):
+                if cfg.check_template and self.tokenizer.render(_as_written(traj.messages, state.written),
+                                                                state.tools) != state.ids + pending:
                     traj.template_mismatches += 1
 
-    async def _model_turn(self, state: _Rollout, max_tokens: int) -> tuple[Message, Completion]:
+    async def _model_turn(self, state: _Rollout, max_tokens: int) -> tuple[Message, Completion, str]:
+        """One model turn: the assistant message the env sees, the completion, and the text the model wrote."""
         sampling = replace(self.config.sampling, max_tokens=max_tokens)
         t0 = time.perf_counter()
         if self.tokenizer is None:  # chat mode: no token ids; the endpoint's tool calls, else ones in the text
             chat = await self.engine.chat(state.traj.messages, self._seeded(sampling, state, 0), state.tools)
             self._mark_version(state.traj, chat.weight_version)
             state.generate_s += time.perf_counter() - t0
-            calls = chat.tool_calls or envkit.parse_tool_calls(chat.content)[0]
-            action = envkit.assistant(chat.content or "", calls or None)
-            return action, Completion([], [], chat.finish_reason, chat.weight_version)
+            text = chat.content or ""
+            action = self.parser.parse(text, state.tools, native_calls=chat.tool_calls, reasoning=chat.reasoning)
+            return action, Completion([], [], chat.finish_reason, chat.weight_version), text
         ids: list[int] = []
         for continuation in range(MAX_CONTINUATIONS + 1):
             part = await self.engine.generate(state.ids, self._seeded(sampling, state, continuation))
@@ -234,8 +254,8 @@ class Generator:
             sampling = replace(sampling, max_tokens=max_tokens - len(ids))
         state.generate_s += time.perf_counter() - t0
         text = self.tokenizer.decode(ids)
-        calls, _ = envkit.parse_tool_calls(text)
-        return envkit.assistant(text, calls or None), Completion(ids, [], part.finish_reason, part.weight_version)
+        completion = Completion(ids, [], part.finish_reason, part.weight_version)
+        return self.parser.parse(text, state.tools), completion, text
 
     def _seeded(self, sampling: SamplingParams, state: _Rollout, continuation: int) -> SamplingParams:
         if sampling.seed is None:
@@ -278,9 +298,9 @@ def _request_seed(base: int, traj: Trajectory, version: int, continuation: int =
     return int.from_bytes(hashlib.sha256(key).digest()[:4], "big")
 
 
-def _as_text(messages: list[Message]) -> list[Message]:
-    """The chat with assistant turns as the plain text the model wrote (parsed tool calls are ours, not its)."""
-    return [{"role": m["role"], "content": m["content"]} if m["role"] == "assistant" else m for m in messages]
+def _as_written(messages: list[Message], written: dict[int, str]) -> list[Message]:
+    """The chat with the model's turns as the plain text it wrote (parsed reasoning and tool calls are ours)."""
+    return [{"role": "assistant", "content": written[i]} if i in written else m for i, m in enumerate(messages)]
 
 
 def _group_id(task: Task | None, seed: int | None, index: int) -> str:

@@ -49,6 +49,8 @@ class ChatCompletion:
     finish_reason: FinishReason = "stop"
     completion_tokens: int = 0
     weight_version: int = 0
+    reasoning: str | None = None
+    """Reasoning the endpoint returned apart from ``content`` (a server running a reasoning parser)."""
 
 
 class EngineError(RuntimeError):

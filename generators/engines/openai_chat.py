@@ -46,7 +46,10 @@ class OpenAIChat:
         ]
         finish = "length" if choice.finish_reason == "length" else "stop"  # "tool_calls" ends a turn normally
         tokens = response.usage.completion_tokens if response.usage else 0
-        return ChatCompletion(choice.message.content, calls, finish, tokens, weight_version)
+        # vLLM's reasoning parsers answer reasoning_content (newer servers: reasoning), an extra field of the message
+        reasoning = getattr(choice.message, "reasoning_content", None) or getattr(choice.message, "reasoning", None)
+        return ChatCompletion(choice.message.content, calls, finish, tokens, weight_version,
+                              reasoning if isinstance(reasoning, str) else None)
 
     async def _create(self, kwargs: dict[str, Any], tools: list[dict[str, Any]] | None) -> Any:
         if not tools or not self.native_tools:
