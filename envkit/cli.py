@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 import envkit
+from envkit.distribution import install_hint
 from envkit.errors import EnvkitError
 from envkit.scaffold import KINDS, new_env
 from envkit.tasks import task_counts
@@ -135,7 +136,7 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
         from envkit.remote import TOKEN_ENV
         from envkit.remote.server import ServeConfig, ServerLimits, serve
     except ImportError as e:
-        console.print(f"[red]error:[/red] envkit serve needs the server extra: pip install 'envkit[server]' ({e})")
+        console.print(f"[red]error:[/red] envkit serve needs the server extra: {install_hint('server')} ({e})")
         return 2
     try:
         env_kwargs = json.loads(args.kwargs)

@@ -12,7 +12,7 @@ envkit → gymnasium, a synchronous ``gymnasium.Env`` with Text spaces::
     obs, info = env.reset(seed=0)
     obs, reward, terminated, truncated, info = env.step("Action: Down")
 
-gymnasium is the optional ``envkit[gym]`` extra, so this module is the only one that imports it.
+gymnasium is the optional ``envkit-rl[gym]`` extra, so this module is the only one that imports it.
 """
 
 from __future__ import annotations

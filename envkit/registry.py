@@ -44,6 +44,7 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 from envkit.core import ContractChecker, Env
+from envkit.distribution import install_hint
 from envkit.errors import DuplicateEnvError, EnvLoadError, EnvNotFoundError, InvalidEnvNameError
 
 ENTRY_POINT_GROUP = "envkit.envs"
@@ -265,7 +266,7 @@ class Registry:
 def _sandbox_provider(kind: str) -> EnvFactory:
     """The ``envkit.sandboxes`` entry point called ``kind``: ``provider(name, **kwargs) -> Env``."""
     return _provider(SANDBOX_GROUP, kind, "sandbox", "the docker, local and auto sandboxes come with envkit's "
-                                                     "sandboxes package: pip install 'envkit[docker]'")
+                                                     f"sandboxes package: {install_hint('docker')}")
 
 
 def _scheme(name: str) -> str | None:
@@ -280,7 +281,7 @@ def _scheme(name: str) -> str | None:
 def _scheme_provider(scheme: str) -> EnvFactory:
     """The ``envkit.schemes`` entry point called ``scheme``: ``provider(name, **kwargs) -> Env``."""
     extra = _SCHEME_EXTRAS.get(scheme)
-    install = (f"the {scheme!r} scheme comes with envkit's {extra} extra: pip install 'envkit[{extra}]'" if extra
+    install = (f"the {scheme!r} scheme comes with envkit's {extra} extra: {install_hint(extra)}" if extra
                else f"reinstall the package that provides the {scheme!r} scheme (entry-point group {SCHEME_GROUP})")
     return _provider(SCHEME_GROUP, scheme, "scheme", install)
 

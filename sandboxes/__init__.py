@@ -7,7 +7,7 @@
 - ``sandboxes.local``: ``LocalSandbox``, the same interface as a child process (no isolation)
 - ``sandboxes.env``: the ``envkit.make(NAME, sandbox="docker" | "local" | "auto")`` providers
 
-The docker SDK is imported only by the modules that talk to the engine (``pip install 'envkit[docker]'``).
+The docker SDK is imported only by the modules that talk to the engine (``pip install 'envkit-rl[docker]'``).
 """
 
 from sandboxes.base import (

@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 
 import httpx
 
+from envkit.distribution import install_hint
 from envkit.untrusted import EXEC_USER_ENV
 from sandboxes.base import (
     EXEC_DIR,
@@ -72,7 +73,7 @@ def connect() -> Any:
     try:
         import docker
     except ImportError as e:
-        raise SandboxUnavailableError("the docker SDK is missing: pip install 'envkit[docker]'") from e
+        raise SandboxUnavailableError(f"the docker SDK is missing: {install_hint('docker')}") from e
     host = os.environ.get("DOCKER_HOST", "")
     if host not in _shared:
         try:

@@ -24,6 +24,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import envkit
+from envkit.distribution import DISTRIBUTION
 from sandboxes.base import EXEC_UID, SERVER_PORT
 from sandboxes.engine import BASE_IMAGE, cache_dir, docker_client, ensure_base_image, image_exists
 
@@ -164,7 +165,7 @@ def provider(env: str) -> tuple[str, str]:
 def plan(env: str, base: str = BASE_IMAGE) -> tuple[str, dict[str, _Source], str]:
     """The tag an up-to-date image of ``env`` has, the distributions it holds, and the requirements it installs."""
     package, _ = provider(env)
-    sources = _closure([("envkit", {"server"}), (package, set())])
+    sources = _closure([(DISTRIBUTION, {"server"}), (package, set())])
     digest = hashlib.sha256(f"{RECIPE_VERSION}\n{base}\n{env}\n{DOCKERFILE}".encode())
     requirements = []
     for cname in sorted(sources):

@@ -12,7 +12,7 @@ import pytest
 import envkit
 from envkit import assistant
 
-pytest.importorskip("docker", reason="the docker SDK is not installed: pip install 'envkit[docker]'")
+pytest.importorskip("docker", reason="the docker SDK is not installed: pip install 'envkit-rl[docker]'")
 
 from envkit_compute import ComputeEnv
 

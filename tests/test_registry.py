@@ -150,10 +150,11 @@ def test_names_that_only_look_like_schemes_behave_as_before(reg, monkeypatch):
     with pytest.raises(EnvNotFoundError):
         reg.make("ws")  # a registered name, not a scheme: only the part before a ':' is one
     monkeypatch.setattr(registry_module, "_entry_points", lambda group: {})  # envkit installed without its schemes
-    with pytest.raises(EnvLoadError, match=re.escape("unknown scheme 'ws' (known: none installed); the 'ws' scheme "
-                                                     "comes with envkit's server extra: pip install 'envkit[server]'")):
+    with pytest.raises(EnvLoadError, match=re.escape(
+            "unknown scheme 'ws' (known: none installed); the 'ws' scheme comes with envkit's server extra: "
+            "pip install 'envkit-rl[server]'")):
         reg.make("ws://127.0.0.1:1/echo")
-    with pytest.raises(EnvLoadError, match=re.escape("pip install 'envkit[gym]'")):
+    with pytest.raises(EnvLoadError, match=re.escape("pip install 'envkit-rl[gym]'")):
         reg.make("gym:FrozenLake-v1")
 
 
@@ -186,7 +187,7 @@ def _write_package(root: Path, dist: str, module: str, entry_points: dict[str, s
         [project]
         name = "{dist}"
         version = "1.2.3"
-        dependencies = ["envkit"]
+        dependencies = ["envkit-rl"]
 
         [tool.setuptools]
         packages = ["{module}"]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("docker", reason="the docker SDK is not installed: pip install 'envkit[docker]'")
+pytest.importorskip("docker", reason="the docker SDK is not installed: pip install 'envkit-rl[docker]'")
 
 import envkit
 from sandboxes.base import SandboxLimits

@@ -16,7 +16,7 @@ import pytest
 import envkit
 from envkit.errors import EnvLoadError
 
-pytest.importorskip("docker", reason="the docker SDK is not installed: pip install 'envkit[docker]'")
+pytest.importorskip("docker", reason="the docker SDK is not installed: pip install 'envkit-rl[docker]'")
 
 from sandboxes.base import EXEC_UID, SandboxStartError, SandboxStateError
 from sandboxes.docker import DockerSandbox, reap_orphans
@@ -62,13 +62,13 @@ async def test_unchanged_env_is_not_rebuilt(docker_client, arithmetic_image) -> 
 
 
 def test_a_stale_egg_info_in_the_working_directory_does_not_shadow_the_project(tmp_path, arithmetic_image) -> None:
-    """`pip install -e .` and wheel builds leave `envkit.egg-info` in the project root; a build run from there sees
-    it first on sys.path. It must still find envkit as the local project and never ask an index for it."""
-    stale = tmp_path / "envkit.egg-info"
+    """`pip install -e .` and wheel builds leave `envkit_rl.egg-info` in the project root; a build run from there
+    sees it first on sys.path. It must still find envkit as the local project and never ask an index for it."""
+    stale = tmp_path / "envkit_rl.egg-info"
     stale.mkdir()
-    (stale / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: envkit\nVersion: 0.0.1\n")
+    (stale / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: envkit-rl\nVersion: 0.0.1\n")
     probe = ("import json; from sandboxes.images import plan; tag, sources, _ = plan('arithmetic'); "
-             "print(json.dumps([tag, sources['envkit'].version, str(sources['envkit'].project_dir)]))")
+             "print(json.dumps([tag, sources['envkit-rl'].version, str(sources['envkit-rl'].project_dir)]))")
     done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     tag, version, project = json.loads(done.stdout)

@@ -1,7 +1,7 @@
 """Envs in other processes, both sides of the wire: the client side (:class:`RemoteEnv` in :mod:`.client` for
 ``envkit serve``, :class:`~envkit.remote.openenv.OpenEnvEnv` for OpenEnv servers, on the connections of
 :mod:`.httpclient` and :mod:`.wsclient`), the server side (:mod:`.server`, ``envkit serve``), and what both speak
-(:mod:`.protocol`, :mod:`.wire`, :mod:`.deadlines`). All of it needs the ``envkit[server]`` extra.
+(:mod:`.protocol`, :mod:`.wire`, :mod:`.deadlines`). All of it needs the ``envkit-rl[server]`` extra.
 
 ``RemoteEnv`` and ``RemoteConfig`` are importable from here; the client module is imported on first use of either,
 so a server process, which imports this package too, never loads the client's httpx.
