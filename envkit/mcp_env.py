@@ -15,8 +15,9 @@ URL spoken to over streamable HTTP. ``init()`` starts or reaches it, finishes th
 which become the env's ``tools`` (OpenAI function schemas made from their input schemas) next to any ``@tool``
 methods of a subclass. Each episode has an MCP session of its own: a ``reset`` after an episode that called tools
 reconnects first, so no session state carries over (a stdio server is a fresh process; an HTTP server's own global
-state is out of reach). ``close()`` ends the session: a stdio server gets its stdin closed, then SIGTERM, then
-SIGKILL, with every process it started, also when the rollout was cancelled or timed out.
+state is out of reach). ``close()`` ends the session and returns once a stdio server's process has exited: its stdin
+closes, and one that lingers gets SIGTERM, then SIGKILL, sent to its process group. That holds when the rollout was
+cancelled or timed out too: the session lives in a task of its own, which a cancelled caller still shuts down.
 
 Calls go through ``tools/call``. Text content becomes the ``tool`` message (structured content as JSON when there
 is no text; images, audio and binary resources as a line saying what they were). A result flagged ``isError``, an
@@ -64,9 +65,13 @@ Grader = Callable[[str, Task], GradeResult | Awaitable[GradeResult]]
 """``grader(reply, task)``: the reward of the final reply (or ``(reward, info)``), sync or async."""
 
 DEFAULT_SYSTEM_PROMPT = """\
-You can call tools. To call one, write exactly:
+You can call these tools:
+{tools}
+To call one, write exactly:
 <tool_call>{"name": "TOOL_NAME", "arguments": {...}}</tool_call>
 Its result comes back in the next message. When you are done, give your final answer without a tool call."""
+"""The system prompt of an MCPToolEnv unless told otherwise; ``{tools}`` becomes one JSON schema line per tool, so
+models whose chat template leaves out ``tools`` (SmolLM2's does) still learn what they can call."""
 
 _MAX_TOOL_PAGES = 100  # a server whose tools/list cursor never ends cannot hang init()
 
@@ -81,7 +86,7 @@ class MCPTimeouts:
     call_s: float = 60.0
     """One tool call; past it the model reads ``Error: the tool ... did not answer`` and the episode goes on."""
     close_s: float = 10.0
-    """Shut the session down (a stdio server's stdin closes, then SIGTERM, then SIGKILL after 2 s each); past it the
+    """Shut the session down (a stdio server's stdin closes; SIGTERM after 2 s, SIGKILL 2 s later); past it the
     session is cancelled, and past that again abandoned with a warning."""
 
     def __post_init__(self) -> None:
@@ -186,15 +191,13 @@ class _Session:
         try:
             async with asyncio.timeout(self.timeouts.connect_s):
                 self.client = await asyncio.shield(ready)
-        except TimeoutError as e:
-            await self.close()
-            raise MCPServerError(f"the MCP server {self.target} did not finish the handshake within "
-                                 f"{self.timeouts.connect_s:g} s (MCPTimeouts.connect_s)") from e
-        except MCPServerError:
-            await self.close()
-            raise
-        except BaseException:  # cancelled while connecting: nothing of the session may outlive this
+        except BaseException as e:  # failed, timed out or cancelled: nothing of the session may outlive this
             await asyncio.shield(self.close())
+            if ready.done() and not ready.cancelled():
+                ready.exception()  # read, so asyncio does not report it: what is raised here says it all
+            if isinstance(e, TimeoutError):
+                raise MCPServerError(f"the MCP server {self.target} did not finish the handshake within "
+                                     f"{self.timeouts.connect_s:g} s (MCPTimeouts.connect_s)") from e
             raise
 
     async def _hold(self, ready: asyncio.Future[Client]) -> None:
@@ -210,7 +213,7 @@ class _Session:
                 ready.set_exception(MCPServerError(f"cannot start or reach the MCP server {self.target}: "
                                                    f"{_describe(e)}"))
             else:
-                log.warning("the session with the MCP server %s ended badly: %s", self.target, _describe(e))
+                log.info("the session with the MCP server %s ended with %s", self.target, _describe(e))
         finally:
             if not ready.done():
                 ready.set_exception(MCPServerError(f"the session with the MCP server {self.target} was cancelled "
@@ -232,7 +235,7 @@ class _Session:
 
     async def close(self) -> None:
         """End the session and wait (``close_s``, then as long again after cancelling it) for its transport to shut
-        down: for a stdio server, until the process and its children are gone. Safe to call twice."""
+        down: for a stdio server, until its process has exited. Safe to call twice."""
         task, self._task, self.client = self._task, None, None
         if task is None:
             return
@@ -259,7 +262,10 @@ class _Session:
         """Every tool the server lists, page by page."""
         client, tools, cursor = self._connected(), [], None
         for _ in range(_MAX_TOOL_PAGES):
-            page = await self._request("tools/list", client.list_tools(cursor=cursor))
+            try:
+                page = await self._request("tools/list", client.list_tools(cursor=cursor))
+            except MCPError as e:
+                raise MCPServerError(f"the MCP server {self.target} refused tools/list: {e.message}") from e
             tools += page.tools
             cursor = page.next_cursor
             if cursor is None:
@@ -308,7 +314,8 @@ class MCPToolEnv(ToolEnv):
         """``server``: ``"python my_server.py"``, ``["python", "my_server.py"]`` or ``"http://host:port/mcp"``.
 
         ``tasks``: a list (the train split) or ``{"train": [...], "test": [...]}``. ``grader``: a callable or a
-        ``"module:function"`` path. ``system_prompt``: None for :data:`DEFAULT_SYSTEM_PROMPT`, "" for none.
+        ``"module:function"`` path. ``system_prompt``: None for :data:`DEFAULT_SYSTEM_PROMPT`, "" for none; a
+        ``{tools}`` in it becomes the tools' schemas.
         ``allowed_tools``: expose only these of the server's tools. ``headers``: sent with every HTTP request
         (e.g. a bearer token). ``env`` and ``cwd``: a stdio server's extra environment variables (the SDK passes it
         only a safe few of ours, PATH among them) and working directory.
@@ -387,8 +394,8 @@ class MCPToolEnv(ToolEnv):
     async def start_episode(self, *, seed: int | None, task: Task | None) -> tuple[list[Message], dict]:
         """The system prompt and the task's ``question``; the task is ``task``, else ``tasks()[seed % n]``.
 
-        Override it to build the opening from the server (``await self.run_tool(name, arguments)``), setting
-        ``self.task`` when the default ``grade`` should grade against it.
+        Override it to build the opening from the server (``await self.run_tool(name, arguments)``, then
+        ``self.opening(question)``), setting ``self.task`` when the default ``grade`` should grade against it.
         """
         if task is None:
             tasks = self.tasks("train")
@@ -401,8 +408,14 @@ class MCPToolEnv(ToolEnv):
         else:
             check_task(task, question=str)
         self.task = task
-        opening = [system(self.system_prompt)] if self.system_prompt else []
-        return [*opening, user(task["question"])], {"task": task}
+        return self.opening(task["question"]), {"task": task}
+
+    def opening(self, question: str) -> list[Message]:
+        """The system prompt (its ``{tools}`` replaced by the tools' schemas, one JSON line each) and ``question``."""
+        if not self.system_prompt:
+            return [user(question)]
+        schemas = "\n".join(json.dumps(t.to_openai()["function"]) for t in self.tools)
+        return [system(self.system_prompt.replace("{tools}", schemas)), user(question)]
 
     async def grade(self, answer: str) -> tuple[float, dict[str, Any]]:
         """``grader(answer, task)`` when given, else :func:`match_answer` against the task's ``answer``."""

@@ -2,8 +2,8 @@
 `python mcp_server.py --http PORT` streamable HTTP at /mcp on 127.0.0.1 (with /health for the test's wait).
 
 Tools: add(a, b); lookup(key) from a small table (an unknown key is the tool's error); sleep(seconds); count() (this
-process's calls so far: per-session state); pid() and spawn_child() (the test checks that closing kills them);
-picture() (an image, which a chat cannot carry).
+process's calls so far: per-session state); pid() (the tests check that closing ends the process); picture() (an
+image, which a chat cannot carry).
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ import argparse
 import asyncio
 import base64
 import os
-import subprocess
-import sys
 
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
@@ -60,12 +58,6 @@ def count() -> int:
 def pid() -> int:
     """This server's process id."""
     return os.getpid()
-
-
-@server.tool()
-def spawn_child() -> int:
-    """Start a long-lived child process and return its pid."""
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]).pid
 
 
 @server.tool()
