@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import sys
@@ -163,13 +164,18 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
         config = ServeConfig(env=args.name, env_kwargs=env_kwargs, host=args.host, port=args.port,
                              token=args.token or os.environ.get(TOKEN_ENV) or None, limits=limits,
                              workers=args.workers, log_level=args.log_level,
-                             exec_user=int(exec_user) if exec_user is not None else None, exec_dir=args.exec_dir)
+                             exec_user=int(exec_user) if exec_user is not None else None, exec_dir=args.exec_dir,
+                             mcp=args.mcp)
     except ValueError as e:
         console.print(f"[red]error:[/red] {e}", highlight=False)
         return 2
+    if args.mcp and importlib.util.find_spec("mcp") is None:
+        console.print("[red]error:[/red] --mcp needs the MCP SDK: pip install 'envkit[mcp]'", highlight=False)
+        return 2
     auth = "bearer token" if config.token else "no auth"
+    mcp = f", MCP at http://{args.host}:{args.port}/mcp" if args.mcp else ""
     Console(stderr=True).print(f"envkit serve {args.name} on http://{args.host}:{args.port} ({auth}, "
-                               f"{args.workers} worker(s)); Ctrl-C to stop", highlight=False, soft_wrap=True)
+                               f"{args.workers} worker(s){mcp}); Ctrl-C to stop", highlight=False, soft_wrap=True)
     try:
         serve(config)
     except (PermissionError, ValueError) as e:
@@ -186,6 +192,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                     "/health, /info, /metrics, /docs, /sessions (REST) and /ws (one session per WebSocket).",
         epilog="examples:\n  envkit serve arithmetic --port 8000\n"
                "  ENVKIT_TOKEN=secret envkit serve calculator --host 0.0.0.0 --max-sessions 512\n"
+               "  envkit serve calculator --mcp    # also its calculator tool for any MCP client at /mcp\n"
                "  envkit serve my_pkg.envs:MyEnv --kwargs '{\"level\": 2}'",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -223,6 +230,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="also serve /exec and /exec/scrub, running commands as this uid in --exec-dir (what sandbox "
                         f"containers do; needs root with CAP_SETUID/SETGID/KILL; default: ${EXEC_USER_ENV})")
     p.add_argument("--exec-dir", default="/work", help="where /exec commands run (default /work)")
+    p.add_argument("--mcp", action="store_true",
+                   help="also serve the env's tools as an MCP server (streamable HTTP at /mcp, behind the same token): "
+                        "each tool call runs in a fresh env instance; needs a ToolEnv and the mcp extra")
     p.set_defaults(func=_cmd_serve)
 
 

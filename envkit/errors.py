@@ -17,8 +17,12 @@ fault inside one environment (record it on that rollout, keep the batch), a regi
     │   ├── EnvClosedError       reset()/step() after close()
     │   ├── InvalidActionError   the action is not an assistant message
     │   └── InvalidTaskError     reset(task=...) got a task the env cannot use
+    ├── ToolCallError            the model's tool call cannot run (unknown tool, bad arguments, the tool failed):
+    │                            a ToolEnv answers the model with the message, nothing crashed
     ├── EnvError                 the environment itself misbehaved
-    │   └── InvalidStepResultError  step()/reset() returned the wrong shape
+    │   ├── InvalidStepResultError  step()/reset() returned the wrong shape
+    │   └── MCPServerError       an MCP server behind an env could not be started or reached, or dropped the
+    │                            connection (envkit.mcp_env)
     └── RemoteEnvError           an env server (envkit serve, OpenEnv) refused a request or could not be reached;
         │                        ``.code`` is the server's error code, ``.status`` the HTTP status (None: no answer)
         ├── RemoteConnectionError       no connection after the retries (nothing was sent)
@@ -99,12 +103,25 @@ class InvalidTaskError(ContractError, ValueError):
     """reset(task=...) got a task that does not have the fields and types the env needs."""
 
 
+class ToolCallError(EnvkitError):
+    """A tool call the model made cannot run: unknown tool, bad arguments, or the tool itself failed.
+
+    The model's mistake, not a fault of the env: :meth:`envkit.ToolEnv.call_tool` answers it with a ``tool`` message
+    reading ``Error: <message>`` and the episode goes on.
+    """
+
+
 class EnvError(EnvkitError):
     """The environment implementation itself failed or misbehaved."""
 
 
 class InvalidStepResultError(EnvError, TypeError):
     """reset() or step() returned a value that does not follow the contract."""
+
+
+class MCPServerError(EnvError):
+    """The MCP server an env gets its tools from could not be started or reached, did not finish the handshake in
+    time, or dropped the connection; the rollout fails (a tool's own failure is a :class:`ToolCallError`)."""
 
 
 class RemoteEnvError(EnvkitError):

@@ -4,8 +4,9 @@ Name grammar: ``[namespace/]name`` where each part is letters, digits, ``.``, ``
 letter or digit (``arithmetic``, ``guess-number``, ``acme/sokoban-v2``). ``make`` also takes:
 
 - ``package.module:EnvClass``: an env class by entry point, registered or not;
-- ``SCHEME:...``, where SCHEME (the part before the first ``:``) names a provider in the entry-point group
-  ``envkit.schemes``, called as ``provider(name, **kwargs) -> Env``. envkit registers its own schemes there, so this
+- ``SCHEME:...``, where SCHEME (the part before the first ``:``, up to a ``+``: ``mcp+stdio:...`` is the ``mcp``
+  scheme's, as ``git+ssh`` is git's) names a provider in the entry-point group ``envkit.schemes``, called as
+  ``provider(name, **kwargs) -> Env`` with the whole name. envkit registers its own schemes there, so this
   module imports none of the env kinds behind them:
 
   - ``gym:<gymnasium id>`` (e.g. ``gym:Blackjack-v1``): any installed gymnasium env through the text bridge
@@ -14,7 +15,10 @@ letter or digit (``arithmetic``, ``guess-number``, ``acme/sokoban-v2``). ``make`
     serve`` on that host, as a :class:`envkit.remote.RemoteEnv` over REST or WebSocket (``remote=RemoteConfig(...)``
     sets the token and timeouts; the other kwargs go to the server's env; the ``server`` extra);
   - ``openenv:http://host:port``: an OpenEnv environment server, through
-    :class:`envkit.remote.openenv.OpenEnvEnv` (the ``server`` extra).
+    :class:`envkit.remote.openenv.OpenEnvEnv` (the ``server`` extra);
+  - ``mcp+stdio:COMMAND LINE`` (e.g. ``mcp+stdio:python my_server.py``) and ``mcp+http://host:port/mcp`` (and
+    ``mcp+https``): the tools of an MCP server, run as a stdio child process or reached over streamable HTTP, as
+    an :class:`envkit.mcp_env.MCPToolEnv`; tasks and a grader come as kwargs (the ``mcp`` extra).
 
 ``make(NAME, sandbox="docker" | "local" | "auto")`` runs the env inside a sandbox of its own (a container from its
 image, or an ``envkit serve`` child process), a RemoteEnv underneath; ``sandbox_options={...}`` tunes it. The
@@ -53,7 +57,7 @@ SCHEME_GROUP = "envkit.schemes"
 # envkit's own schemes and the extra each needs: a name with one of them is never read as `module:Class`, and
 # gets a clear error when its provider is not installed.
 _SCHEME_EXTRAS = {"http": "server", "https": "server", "ws": "server", "wss": "server", "openenv": "server",
-                  "gym": "gym"}
+                  "gym": "gym", "mcp": "mcp"}
 _NAME_RE = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 EnvFactory = Callable[..., Env]
@@ -270,9 +274,10 @@ def _sandbox_provider(kind: str) -> EnvFactory:
 
 
 def _scheme(name: str) -> str | None:
-    """The scheme of ``name`` (the part before its first ``:``) when one is installed or envkit's own, else None
-    (a registered name, or a ``module:Class``)."""
-    scheme, colon, _ = name.partition(":")
+    """The scheme of ``name`` (the part before its first ``:``, up to a ``+``) when one is installed or envkit's own,
+    else None (a registered name, or a ``module:Class``)."""
+    head, colon, _ = name.partition(":")
+    scheme = head.partition("+")[0]
     if colon and (scheme in _SCHEME_EXTRAS or scheme in _entry_points(SCHEME_GROUP)):
         return scheme
     return None

@@ -14,7 +14,7 @@ import json
 from typing import Any, ClassVar
 
 from envkit.core import Env, StepResult, Task
-from envkit.errors import EnvkitError
+from envkit.errors import EnvkitError, ToolCallError
 from envkit.messages import Message, ToolCall, tool_result, user
 from envkit.tools import Tool, tool_calls_of
 
@@ -78,24 +78,36 @@ class ToolEnv(Env):
         """Run one tool call and return its ``tool`` message; model mistakes become error text, not exceptions
         (an :class:`EnvkitError`, a failure of the env's own machinery, propagates and fails the rollout)."""
         name = call["function"]["name"]
-        by_name = {t.name: t for t in self.tools}
-        if name not in by_name:
-            return tool_result(f"Error: unknown tool {name!r}. Available: {', '.join(by_name)}.", call["id"], name)
-        spec = by_name[name]
         try:
             args = json.loads(call["function"].get("arguments") or "{}")
         except json.JSONDecodeError as e:
             return tool_result(f"Error: arguments are not valid JSON: {e.msg}", call["id"], name)
-        problem = spec.validate_arguments(args)
+        try:
+            out = await self.run_tool(name, args)
+        except ToolCallError as e:
+            return tool_result(f"Error: {e}", call["id"], name)
+        return tool_result(out, call["id"], name)
+
+    async def run_tool(self, name: str, arguments: Any) -> str:
+        """Run tool ``name`` with ``arguments`` (decoded JSON) and return its text (JSON for non-string results).
+
+        Raises :class:`ToolCallError` for the model's mistakes: an unknown tool, arguments that do not fit its
+        schema, a tool that raised. Override it to run tools elsewhere (an MCP server, a sandbox).
+        """
+        by_name = {t.name: t for t in self.tools}
+        if name not in by_name:
+            raise ToolCallError(f"unknown tool {name!r}. Available: {', '.join(by_name)}.")
+        spec = by_name[name]
+        problem = spec.validate_arguments(arguments)
         if problem:
-            return tool_result(f"Error: {problem}", call["id"], name)
+            raise ToolCallError(problem)
         assert spec.fn is not None  # every ToolEnv tool comes from @tool, which sets fn
         try:
-            out = spec.fn(self, **args)
+            out = spec.fn(self, **arguments)
             if inspect.isawaitable(out):
                 out = await out
         except EnvkitError:  # infrastructure (a sandbox, a server) failed, not the model: the rollout fails
             raise
         except Exception as e:  # the tool's failure is the model's feedback, not the env's crash
-            return tool_result(f"Error: {type(e).__name__}: {e}", call["id"], name)
-        return tool_result(out if isinstance(out, str) else json.dumps(out), call["id"], name)
+            raise ToolCallError(f"{type(e).__name__}: {e}") from e
+        return out if isinstance(out, str) else json.dumps(out)

@@ -120,6 +120,8 @@ SCHEMES = {
     "openenv:http://127.0.0.1:1": ("openenv", "envkit.remote.openenv:make_openenv",
                                    "envkit.remote.openenv:OpenEnvEnv"),
     "gym:FrozenLake-v1": ("gym", "envkit.gym_bridge:make_gym", "envkit.gym_bridge:GymTextEnv"),
+    "mcp+stdio:python my_server.py": ("mcp", "envkit.mcp_env:make_mcp", "envkit.mcp_env:MCPToolEnv"),
+    "mcp+http://127.0.0.1:1/mcp": ("mcp", "envkit.mcp_env:make_mcp", "envkit.mcp_env:MCPToolEnv"),
 }
 
 
@@ -156,6 +158,9 @@ def test_names_that_only_look_like_schemes_behave_as_before(reg, monkeypatch):
         reg.make("ws://127.0.0.1:1/echo")
     with pytest.raises(EnvLoadError, match=re.escape("pip install 'envkit-rl[gym]'")):
         reg.make("gym:FrozenLake-v1")
+    with pytest.raises(EnvLoadError, match=re.escape("unknown scheme 'mcp' (known: none installed); the 'mcp' scheme "
+                                                     "comes with envkit's mcp extra: pip install 'envkit[mcp]'")):
+        reg.make("mcp+stdio:python my_server.py")  # the scheme is the part before ':' up to a '+'
 
 
 def test_bundled_env_packages_are_selected_by_name_in_a_fresh_process():

@@ -17,7 +17,8 @@ every session, so CPU-heavy envs should offload to threads themselves, or the se
 The modules, by concern: :mod:`.config` (what ``envkit serve`` takes), :mod:`.sessions` (the sessions and their
 envs), :mod:`.app` (the FastAPI app: routes and error handlers), :mod:`.guard` (the connection guard and the ASGI
 middleware: token, body limit, hot paths), :mod:`.ws` (the WebSocket endpoint), :mod:`.metrics` (``/metrics``),
-:mod:`.workers` (session slots shared by ``--workers N``), :mod:`.run` (``serve``: uvicorn, workers, logging).
+:mod:`.workers` (session slots shared by ``--workers N``), :mod:`.run` (``serve``: uvicorn, workers, logging),
+:mod:`.mcp` (``--mcp``: the env's tools as an MCP server at ``/mcp``, one env per tool call; the ``mcp`` extra).
 """
 
 from envkit.remote.server.app import create_app

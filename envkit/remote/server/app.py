@@ -1,13 +1,13 @@
 """The FastAPI app of ``envkit serve``: :func:`create_app` puts the error handlers and the REST routes (server,
-sessions, and ``/exec`` in sandboxes) on an :class:`~envkit.remote.server.sessions.EnvServer`, behind the
-:class:`~envkit.remote.server.guard.Guard` middleware."""
+sessions, ``/exec`` in sandboxes, ``/mcp`` with ``--mcp``) on an :class:`~envkit.remote.server.sessions.EnvServer`,
+behind the :class:`~envkit.remote.server.guard.Guard` middleware."""
 
 from __future__ import annotations
 
 import base64
 import sys
 from collections.abc import AsyncIterator, Awaitable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from typing import Any
 
 from fastapi import FastAPI, Query, Request
@@ -46,14 +46,21 @@ MAX_TASK_PAGE = 1024
 
 def create_app(env: str, *, env_kwargs: dict[str, Any] | None = None, token: str | None = None,
                limits: ServerLimits | None = None, slots: LocalSlots | None = None,
-               workspace: untrusted.Workspace | None = None) -> FastAPI:
+               workspace: untrusted.Workspace | None = None, mcp: bool = False, loopback: bool = True) -> FastAPI:
     """The FastAPI app serving ``env`` (a registered name or ``module:Class``); see the package docstring.
-    With ``workspace``, also ``/exec`` and ``/exec/scrub`` (commands next to the env, in a sandbox)."""
+    With ``workspace``, also ``/exec`` and ``/exec/scrub`` (commands next to the env, in a sandbox); with ``mcp``,
+    also ``/mcp``, the env's tools as an MCP server (:mod:`.mcp`; ``loopback``: the server binds only loopback)."""
     server = EnvServer(env, env_kwargs=env_kwargs, limits=limits, slots=slots)
+    mcp_sessions: AbstractAsyncContextManager[Any] = nullcontext()
+    if mcp:
+        from envkit.remote.server.mcp import MCP_PATH, mcp_endpoint  # the mcp extra: imported only when asked for
+
+        endpoint, manager = mcp_endpoint(server, loopback=loopback)
+        mcp_sessions = manager.run()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        async with server.running():
+        async with server.running(), mcp_sessions:
             yield
 
     # The package docstring says what the server guarantees; its first paragraph heads the OpenAPI page.
@@ -66,6 +73,8 @@ def create_app(env: str, *, env_kwargs: dict[str, Any] | None = None, token: str
     _add_session_routes(app, server)
     if workspace is not None:
         _add_exec_routes(app, server, workspace)
+    if mcp:
+        app.add_route(MCP_PATH, endpoint, include_in_schema=False)
     app.add_middleware(Guard, server=server, token=token)
     return app
 

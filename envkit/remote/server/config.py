@@ -62,6 +62,9 @@ class ServeConfig:
     CAP_SETUID, CAP_SETGID and CAP_KILL). None: no such routes."""
     exec_dir: str = "/work"
     """Where ``/exec`` commands run; their files persist there until ``/exec/scrub``."""
+    mcp: bool = False
+    """Also serve the env's tools as an MCP server (streamable HTTP at ``/mcp``; the ``mcp`` extra), one fresh env
+    instance per tool call (:mod:`envkit.remote.server.mcp`)."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.port, int) and 1 <= self.port <= 65535):

@@ -43,7 +43,8 @@ def _app_from_environ() -> FastAPI:
     config = ServeConfig.from_json(json.loads(os.environ[_CONFIG_ENV]))
     _guard_connections(config.limits)
     return create_app(config.env, env_kwargs=config.env_kwargs, token=config.token, limits=config.limits,
-                      slots=WorkerSlots(os.environ[RUN_DIR_ENV], config.workers))
+                      slots=WorkerSlots(os.environ[RUN_DIR_ENV], config.workers), mcp=config.mcp,
+                      loopback=is_loopback(config.host))
 
 
 def _guard_connections(limits: ServerLimits) -> None:
@@ -111,12 +112,16 @@ def serve(config: ServeConfig) -> None:
     if config.workers == 1:
         workspace = untrusted.Workspace(config.exec_user, config.exec_dir) if config.exec_user is not None else None
         app = create_app(config.env, env_kwargs=config.env_kwargs, token=config.token, limits=config.limits,
-                         workspace=workspace)
+                         workspace=workspace, mcp=config.mcp, loopback=is_loopback(config.host))
         uvicorn.run(app, **common)
         return
     if config.exec_user is not None:
         raise ValueError("--exec-user serves one workspace, so it needs --workers 1")
-    _ = EnvServer(config.env, env_kwargs=config.env_kwargs, limits=config.limits)  # fail here, not in N workers
+    probe = EnvServer(config.env, env_kwargs=config.env_kwargs, limits=config.limits)  # fail here, not in N workers
+    if config.mcp:
+        from envkit.remote.server.mcp import mcp_endpoint
+
+        mcp_endpoint(probe, loopback=is_loopback(config.host))
     with tempfile.TemporaryDirectory(prefix="envkit-serve-") as run_dir:
         os.environ[_CONFIG_ENV] = json.dumps(config.to_json())
         os.environ[RUN_DIR_ENV] = run_dir

@@ -23,6 +23,7 @@ from envkit.errors import (
     InvalidActionError,
     InvalidTaskError,
     ResetNeededError,
+    ToolCallError,
 )
 from envkit.remote import wire
 from envkit.remote.deadlines import Canceller, Deadlines
@@ -31,6 +32,7 @@ from envkit.remote.server.config import ServerLimits
 from envkit.remote.server.metrics import Metrics
 from envkit.remote.server.workers import FLUSH_S, LocalSlots, WorkerSlots
 from envkit.tasks import task_counts
+from envkit.tool_env import ToolEnv
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -98,6 +100,8 @@ class EnvServer:
         self.deadlines = Deadlines()
         """Step timeouts and idle WebSockets: a timer per call would cost more than a fast env's step."""
         self._probe = envkit.make(env, **self.env_kwargs)  # fail fast on a bad name or kwargs; describes the env
+        self.is_tool_env = isinstance(self._probe.unwrapped, ToolEnv)
+        """Whether the env's tools are functions :meth:`run_tool` can call (``envkit serve --mcp``)."""
         self._task_lists: dict[str, Sequence[dict[str, Any]]] = {}
         spec = self._probe.spec
         self.info = {
@@ -232,6 +236,25 @@ class EnvServer:
         self.metrics.sessions_created += 1
         return {"session_id": session.id, "env": self.env_name, "tools": [t.to_openai() for t in env.tools]}
 
+    async def run_tool(self, name: str, arguments: dict[str, Any]) -> tuple[str, bool]:
+        """Run one tool call in an env of its own, made and initialised for it and closed after (``envkit serve
+        --mcp``): ``(text, failed)``, failed for the model's mistakes (unknown tool, bad arguments, the tool raised).
+        The env's own failures raise ApiError, as a session's would."""
+        start = time.perf_counter()
+        try:
+            created = await self.create({})
+            s = self.sessions[created["session_id"]]
+            try:
+                async with s.lock:
+                    return await self._call(_run_tool(s.env.unwrapped, name, arguments))
+            finally:
+                self._drop_in_background(s, "mcp")  # no await here: a cancelled call still closes its env
+        except ApiError as e:
+            self.metrics.errors[e.code] += 1
+            raise
+        finally:
+            self.metrics.observe("tool_call", "mcp", time.perf_counter() - start)
+
     def get(self, session_id: str) -> _Session:
         """The open session ``session_id``."""
         session = self.sessions.get(session_id)
@@ -341,3 +364,12 @@ class EnvServer:
                 "max_sessions": limits.max_sessions, "session_ttl_s": limits.session_ttl_s,
                 "step_timeout_s": limits.step_timeout_s, "max_request_bytes": limits.max_request_bytes,
                 "rest_sessions": self.rest_sessions}
+
+
+async def _run_tool(env: Env, name: str, arguments: dict[str, Any]) -> tuple[str, bool]:
+    if not isinstance(env, ToolEnv):
+        raise TypeError(f"{type(env).__name__} is not a ToolEnv: its tools run inside step(), not one by one")
+    try:
+        return await env.run_tool(name, arguments), False
+    except ToolCallError as e:
+        return str(e), True
