@@ -170,7 +170,7 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
         console.print(f"[red]error:[/red] {e}", highlight=False)
         return 2
     if args.mcp and importlib.util.find_spec("mcp") is None:
-        console.print("[red]error:[/red] --mcp needs the MCP SDK: pip install 'envkit[mcp]'", highlight=False)
+        console.print(f"[red]error:[/red] --mcp needs the MCP SDK: {install_hint('mcp')}", highlight=False)
         return 2
     auth = "bearer token" if config.token else "no auth"
     mcp = f", MCP at http://{args.host}:{args.port}/mcp" if args.mcp else ""

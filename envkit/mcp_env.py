@@ -24,7 +24,7 @@ is no text; images, audio and binary resources as a line saying what they were).
 unknown tool, arguments that do not fit the tool's schema, and a call that outlives ``MCPTimeouts.call_s`` come back
 to the model as ``Error: ...`` and the episode goes on. A server that cannot be started or reached within
 ``MCPTimeouts.connect_s``, or that drops the connection, raises :class:`~envkit.errors.MCPServerError`: that
-rollout fails and the others go on. Needs the ``mcp`` extra (``pip install 'envkit[mcp]'``).
+rollout fails and the others go on. Needs the ``mcp`` extra (``pip install 'envkit-rl[mcp]'``).
 """
 
 from __future__ import annotations

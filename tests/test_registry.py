@@ -159,7 +159,7 @@ def test_names_that_only_look_like_schemes_behave_as_before(reg, monkeypatch):
     with pytest.raises(EnvLoadError, match=re.escape("pip install 'envkit-rl[gym]'")):
         reg.make("gym:FrozenLake-v1")
     with pytest.raises(EnvLoadError, match=re.escape("unknown scheme 'mcp' (known: none installed); the 'mcp' scheme "
-                                                     "comes with envkit's mcp extra: pip install 'envkit[mcp]'")):
+                                                     "comes with envkit's mcp extra: pip install 'envkit-rl[mcp]'")):
         reg.make("mcp+stdio:python my_server.py")  # the scheme is the part before ':' up to a '+'
 
 
