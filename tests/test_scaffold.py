@@ -308,11 +308,12 @@ async def policy_url(vllm_engine, bundled_model: Path):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("kind", list(KINDS))
-def test_a_new_env_installs_passes_its_tests_serves_and_trains(kind: str, policy_url: str, tmp_path: Path) -> None:
+def test_a_new_env_installs_passes_its_tests_serves_and_trains(policy_url: str, tmp_path: Path) -> None:
+    """The README's way, with the default kind (the installed fixture above serves every kind)."""
     from generators.models import bundled_model_dir
 
-    _run([sys.executable, "-m", "envkit.cli", "new", "demo", "--kind", kind], cwd=tmp_path)
+    kind = "single"
+    _run([sys.executable, "-m", "envkit.cli", "new", "demo"], cwd=tmp_path)
     project = tmp_path / "demo"
     python = layered_venv(tmp_path / "venv")
     pip_install_editable(python, project)
@@ -320,15 +321,12 @@ def test_a_new_env_installs_passes_its_tests_serves_and_trains(kind: str, policy
     assert f"{TESTS_PER_KIND[kind]} passed" in out.stdout, out.stdout
     serve_and_play(python, "demo", kind)
 
-    # 8 samples per prompt as tests/test_train_anywhere.py; 48 tokens leave room for a tool call. Rewards vary
-    # within a group at these rates (measured with the bundled model, temperature 1): single about 1 sample in 8
-    # right, so 8 prompts make a step without an update a 1e-4 event; multi a third per right turn; tool the
-    # format bonus in about 1 reply in 5.
+    # 8 samples per prompt as tests/test_train_anywhere.py. About 1 sample in 8 is right (measured with the bundled
+    # model at temperature 1), so 8 prompts make a step without an update a 1e-4 event.
     run = tmp_path / "run"
     _run([python, "-m", "trainer", "env.name=demo", f"inference.url={policy_url}", f"trainer.output_dir={run}",
           "trainer.steps=2", "generator.samples_per_prompt=8", "generator.max_tokens=48",
-          f"generator.prompts_per_step={8 if kind == 'single' else 4}", "trainer.eval_tasks=4",
-          "trainer.eval_samples=2", "trainer.eval_greedy=false", "trainer.warmup_steps=0", "logging.progress=false"],
+          "generator.prompts_per_step=8", "trainer.eval_tasks=0", "trainer.warmup_steps=0", "logging.progress=false"],
          cwd=project, timeout=900)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = {r["step"]: r for r in rows if "reward/mean" in r}
