@@ -181,7 +181,7 @@ class Registry:
         validate_name(name)
         raise EnvNotFoundError(name, self._suggest(name))
 
-    def make(self, name: str, *, checked: bool = True, **kwargs: Any) -> Env:
+    def make(self, name: str, /, *, checked: bool = True, **kwargs: Any) -> Env:
         """Construct the env registered as ``name`` with its default kwargs updated by ``kwargs``.
 
         The result is wrapped in :class:`ContractChecker` unless ``checked=False``. ``sandbox="docker"`` (or another
@@ -332,7 +332,7 @@ def register(name: str, entry_point: str | EnvFactory, *, description: str | Non
     return registry.register(name, entry_point, description=description, **kwargs)
 
 
-def make(name: str, *, checked: bool = True, **kwargs: Any) -> Env:
+def make(name: str, /, *, checked: bool = True, **kwargs: Any) -> Env:
     """Make the env called ``name``; ``kwargs`` override its registered defaults."""
     return registry.make(name, checked=checked, **kwargs)
 

@@ -174,6 +174,10 @@ def test_every_error_code_has_its_status_and_a_structured_body(server: Server, h
     expect("validation_error", http.post(f"/sessions/{sid}/reset", json={"seed": "seven"}))
     expect("invalid_task", http.post(f"/sessions/{sid}/reset", json={"task": {"word": 3}}))
     expect("invalid_kwargs", http.post("/sessions", json={"kwargs": {"nonsense": 1}}))
+    expect("invalid_kwargs", http.post("/sessions", json={"kwargs": {"name": "echo"}}))  # the fuzz's 500, once
+    # where and how envs run is the operator's: a client cannot start a container on the server's host
+    expect("invalid_kwargs", http.post("/sessions", json={"kwargs": {"sandbox": "docker"}}))
+    expect("invalid_kwargs", http.post("/sessions", json={"kwargs": {"checked": False}}))
     expect("payload_too_large", http.post(step, json=say("x" * 70_000)))
     http.post(f"/sessions/{sid}/reset", json={"seed": 1})
     expect("invalid_action", http.post(step, json=say(None)))

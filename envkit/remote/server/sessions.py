@@ -37,6 +37,9 @@ from envkit.tool_env import ToolEnv
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+SERVER_CHOSEN = frozenset({"checked", "sandbox"})
+"""``envkit.make`` options a session's kwargs may not set: they say where and how the server runs its envs."""
+
 
 @dataclass(eq=False)
 class _Session:
@@ -215,6 +218,10 @@ class EnvServer:
 
     async def create(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """Make a new env for a new session; answers its id and tools."""
+        chosen = sorted(SERVER_CHOSEN & kwargs.keys())
+        if chosen:  # where and how the env runs is the operator's choice (a client must not start containers here)
+            raise ApiError("invalid_kwargs", f"{', '.join(chosen)} cannot be set by a session: the server chooses it "
+                                             "(envkit serve's own options)")
         if not await self.slots.admit(self.limits.max_sessions):  # held from here until _close_env
             raise ApiError("capacity", f"the server is at its limit of {self.limits.max_sessions} sessions "
                                        "(ServerLimits.max_sessions); delete sessions or retry later")
