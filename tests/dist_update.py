@@ -74,6 +74,7 @@ def main() -> None:
     torch.manual_seed(0)
     backend = make_backend(cfg, str(bundled_model_dir()))
     trajs = synthetic_trajectories()
+    params = dict(backend.model.named_parameters())  # FSDP's sharded parameters, which the optimizer holds
     batch = prepare_batch(trajs, cfg)
     padded = to_padded(trajs, pad_id=2)
     before = float((backend.logprobs(padded) * padded["loss_mask"]).sum())
@@ -85,11 +86,10 @@ def main() -> None:
         reference = backend.logprobs(padded, reference=True)
         result["reference_logprob_sum_after"] = float((reference * padded["loss_mask"]).sum())
     if args.lora:
-        names = {id(param): name for name, param in backend.model.named_parameters()}
-        result["requires_grad"] = sorted(name for name, param in backend.model.named_parameters()
-                                         if param.requires_grad)
+        names = {id(param): name for name, param in params.items()}
+        result["requires_grad"] = sorted(name for name, param in params.items() if param.requires_grad)
         result["optimizer_state"] = sorted(names[id(param)] for param in backend.optimizer.state)
-        result["parameters"] = len(names)
+        result["parameters"] = len(params)
     if args.export:
         backend.export_weights(args.export)
     if backend.rank == 0:
