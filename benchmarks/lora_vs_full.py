@@ -5,8 +5,9 @@ backend as ``python -m trainer`` does, runs one warm-up update, then ``--updates
 ``--rollouts`` synthetic rollouts (a prompt of 40-80 tokens, a response of 16-48; rewards differ within each group of
 8, so every update has a gradient). No inference engine runs, so the memory is the trainer's own:
 
-    peak RSS      the process's peak resident memory (``ru_maxrss``), everything included
-    model state   torch's accounting: parameters (+ a KL reference model), gradients and AdamW state, in bytes
+    built RSS     the process's resident memory once the backend is built (imports, model, reference)
+    peak RSS      the process's peak resident memory (``ru_maxrss``), everything included: activations too
+    model state   torch's accounting: fp32 parameters (+ a KL reference model), gradients and AdamW state, in bytes
     tokens/s      prompt + response tokens of the batch per second of ``update_policy`` (forward, backward, step)
 
 ``--kl-coef`` > 0 adds the KL term: full fine-tuning then keeps a second (frozen) model as the reference, LoRA
@@ -50,6 +51,7 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     )
     torch.manual_seed(0)
     backend = make_backend(cfg, str(bundled_model_dir()))
+    built_rss = _rss_mb()
     rng = random.Random(0)
     trajs = []
     for g in range(args.rollouts // group):
@@ -72,17 +74,24 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
         tensor = local() if local else tensor
         return tensor.numel() * tensor.element_size()
 
+    # fp32 master parameters (FSDP registers its gathered compute-dtype copies in their place between a forward and
+    # the next reshard, so count elements, not the registered tensors' bytes); gradients are fp32 like them.
     models = [backend.model] + ([backend.reference] if backend.reference is not None else [])
-    params = sum(size(p) for model in models for p in model.parameters())
+    params = sum(p.numel() * 4 for model in models for p in model.parameters())
     trainable = [p for p in backend.model.parameters() if p.requires_grad]
-    grads = sum(size(p) for p in trainable)  # fp32 gradients of every trainable parameter, between step()s
+    grads = sum(p.numel() * 4 for p in trainable)
     optimizer = sum(size(v) for state in backend.optimizer.state.values() for v in state.values()
                     if isinstance(v, torch.Tensor) and v.dim() > 0)
     shutdown_distributed()
-    return {"tokens_per_s": tokens / seconds, "update_s": seconds, "peak_rss_mb": _peak_rss_mb(),
+    return {"tokens_per_s": tokens / seconds, "update_s": seconds, "built_rss_mb": built_rss,
+            "peak_rss_mb": _peak_rss_mb(),
             "params_mb": params / 2**20, "grads_mb": grads / 2**20, "optimizer_mb": optimizer / 2**20,
             "model_state_mb": (params + grads + optimizer) / 2**20,
             "trainable": sum(p.numel() for p in trainable), "tokens": tokens}
+
+
+def _rss_mb() -> float:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize() / 2**20
 
 
 def _peak_rss_mb() -> float:
@@ -122,7 +131,8 @@ def main() -> None:
     print(f"{'':14}{'full':>12}{f'LoRA r={args.rank}':>14}{'LoRA / full':>14}")
     rows = [("trainable", "trainable", "{:,.0f}"), ("params MB", "params_mb", "{:.0f}"),
             ("grads MB", "grads_mb", "{:.0f}"), ("Adam MB", "optimizer_mb", "{:.0f}"),
-            ("model state MB", "model_state_mb", "{:.0f}"), ("peak RSS MB", "peak_rss_mb", "{:.0f}"),
+            ("model state MB", "model_state_mb", "{:.0f}"), ("built RSS MB", "built_rss_mb", "{:.0f}"),
+            ("peak RSS MB", "peak_rss_mb", "{:.0f}"),
             ("update s", "update_s", "{:.2f}"), ("tokens/s", "tokens_per_s", "{:.0f}")]
     for label, key, fmt in rows:
         print(f"{label:14}{fmt.format(full[key]):>12}{fmt.format(lora[key]):>14}{lora[key] / full[key]:>13.3f}x")

@@ -77,11 +77,15 @@ def main() -> None:
     params = dict(backend.model.named_parameters())  # FSDP's sharded parameters, which the optimizer holds
     batch = prepare_batch(trajs, cfg)
     padded = to_padded(trajs, pad_id=2)
+    result: dict = {}
+    if args.kl_coef > 0:  # first, while FSDP holds the sharded parameters: LoRA's reference pass starts there
+        reference = backend.logprobs(padded, reference=True)
+        result["reference_logprob_sum_before"] = float((reference * padded["loss_mask"]).sum())
     before = float((backend.logprobs(padded) * padded["loss_mask"]).sum())
     history = [update_policy(backend, batch, cfg, pad_id=2) for _ in range(args.updates)]
     logprobs = backend.logprobs(padded)
-    result = {**history[-1], "history": history, "logprob_sum_before": before,
-              "logprob_sum_after": float((logprobs * padded["loss_mask"]).sum()), "world_size": backend.world_size}
+    result |= {**history[-1], "history": history, "logprob_sum_before": before,
+               "logprob_sum_after": float((logprobs * padded["loss_mask"]).sum()), "world_size": backend.world_size}
     if args.kl_coef > 0:
         reference = backend.logprobs(padded, reference=True)
         result["reference_logprob_sum_after"] = float((reference * padded["loss_mask"]).sum())

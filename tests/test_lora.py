@@ -129,6 +129,7 @@ def test_only_the_adapters_train_and_the_kl_reference_is_the_base_model(tmp_path
     kl = [h["train/kl"] for h in one["history"]]
     assert kl[0] < 1e-7 < kl[1], kl  # the policy is the base model until the first update
     assert abs(one["logprob_sum_after"] - one["logprob_sum_before"]) > 1.0  # the adapters moved the policy
+    assert one["reference_logprob_sum_before"] == one["logprob_sum_before"]  # B = 0: the policy is the base
     assert math.isclose(one["reference_logprob_sum_after"], one["logprob_sum_before"], rel_tol=1e-6)
 
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32)  # no peft involved
