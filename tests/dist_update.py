@@ -3,9 +3,11 @@
     python tests/dist_update.py --backend fsdp --out result.json
     torchrun --nproc_per_node 2 tests/dist_update.py --backend fsdp --out result.json
     python tests/dist_update.py --algorithm ppo --updates 3 --export DIR --out result.json
+    python tests/dist_update.py --lora 8 --kl-coef 0.1 --out result.json
 
 Writes (rank 0) the last update's metrics, every update's ``history`` and the policy's logprob sum on the batch
-after the updates, so runs with different world sizes or backends can be compared number for number.
+before and after the updates (and the reference's after, with KL), so runs with different world sizes or backends
+can be compared number for number; with LoRA also which parameters require grad and which have optimizer state.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from generators.models import bundled_model_dir
 from generators.trajectory import Trajectory
 from trainer.backends import make_backend
 from trainer.batching import to_padded
-from trainer.config import AlgorithmConfig, Config, RolloutConfig, TrainerConfig
+from trainer.config import AlgorithmConfig, Config, LoraConfig, ModelConfig, RolloutConfig, TrainerConfig
 from trainer.distributed import shutdown_distributed
 from trainer.loop import prepare_batch, update_policy
 
@@ -55,25 +57,43 @@ def main() -> None:
     parser.add_argument("--algorithm", choices=["grpo", "ppo"], default="grpo")
     parser.add_argument("--updates", type=int, default=1)
     parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--lora", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
+    parser.add_argument("--kl-coef", type=float, default=0.0)
     parser.add_argument("--export", type=Path, help="export the weights for serving into this dir afterwards")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
     cfg = Config(
+        model=ModelConfig(lora=LoraConfig(r=args.lora)),
         generator=RolloutConfig(prompts_per_step=4, samples_per_prompt=4),
-        algorithm=AlgorithmConfig(advantage="grpo" if args.algorithm == "grpo" else "gae", tis_cap=2.0),
+        algorithm=AlgorithmConfig(advantage="grpo" if args.algorithm == "grpo" else "gae", tis_cap=2.0,
+                                  kl_coef=args.kl_coef),
         trainer=TrainerConfig(backend=args.backend, zero_stage=args.zero_stage, dtype=args.dtype, lr=args.lr,
                               warmup_steps=0, packing=args.packing, micro_batch_tokens=args.micro_batch_tokens),
     )
     torch.manual_seed(0)
     backend = make_backend(cfg, str(bundled_model_dir()))
     trajs = synthetic_trajectories()
+    params = dict(backend.model.named_parameters())  # FSDP's sharded parameters, which the optimizer holds
     batch = prepare_batch(trajs, cfg)
+    padded = to_padded(trajs, pad_id=2)
+    result: dict = {}
+    if args.kl_coef > 0:  # first, while FSDP holds the sharded parameters: LoRA's reference pass starts there
+        reference = backend.logprobs(padded, reference=True)
+        result["reference_logprob_sum_before"] = float((reference * padded["loss_mask"]).sum())
+    before = float((backend.logprobs(padded) * padded["loss_mask"]).sum())
     history = [update_policy(backend, batch, cfg, pad_id=2) for _ in range(args.updates)]
-    after = to_padded(trajs, pad_id=2)
-    logprobs = backend.logprobs(after)
-    result = {**history[-1], "history": history, "logprob_sum_after": float((logprobs * after["loss_mask"]).sum()),
-              "world_size": backend.world_size}
+    logprobs = backend.logprobs(padded)
+    result |= {**history[-1], "history": history, "logprob_sum_before": before,
+               "logprob_sum_after": float((logprobs * padded["loss_mask"]).sum()), "world_size": backend.world_size}
+    if args.kl_coef > 0:
+        reference = backend.logprobs(padded, reference=True)
+        result["reference_logprob_sum_after"] = float((reference * padded["loss_mask"]).sum())
+    if args.lora:
+        names = {id(param): name for name, param in params.items()}
+        result["requires_grad"] = sorted(name for name, param in params.items() if param.requires_grad)
+        result["optimizer_state"] = sorted(names[id(param)] for param in backend.optimizer.state)
+        result["parameters"] = len(params)
     if args.export:
         backend.export_weights(args.export)
     if backend.rank == 0:

@@ -125,11 +125,47 @@ class EnvConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters (``peft``) instead of full fine-tuning: the base weights stay frozen and only the adapters (and
+    PPO's value head) train, so gradients and optimizer state exist for them alone. The engine serves the policy
+    with the adapters merged into the base weights, and the KL reference is the policy with its adapters off."""
+
+    r: int = 0
+    """Adapter rank; 0 is full fine-tuning (every weight trains)."""
+    alpha: float = 32.0
+    """The adapters' output is scaled by ``alpha / r``."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input while training."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Names (or name suffixes) of the linear layers that get an adapter, e.g. ``[q_proj, v_proj]``; ``all-linear``
+    is every linear layer but the output head."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.r > 0
+
+    def __post_init__(self) -> None:
+        if self.r < 0:
+            raise ConfigError(f"model.lora.r must be >= 0 (0: full fine-tuning), got {self.r}")
+        if not self.enabled:
+            return
+        if not self.alpha > 0:
+            raise ConfigError(f"model.lora.alpha must be > 0, got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"model.lora.dropout must be in [0, 1), got {self.dropout}")
+        if not self.target_modules:
+            raise ConfigError("model.lora.target_modules is empty: name the layers to adapt, e.g. [q_proj, v_proj], "
+                              "or [all-linear]")
+
+
+@dataclass
 class ModelConfig:
     """The initial policy."""
 
     path: str = "bundled"
     """``bundled`` (SmolLM2-135M-Instruct) or an HF checkpoint dir."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Train LoRA adapters instead of every weight (``model.lora.r > 0``)."""
 
 
 @dataclass
@@ -394,6 +430,9 @@ class Config:
         if self.placement.backend == "ray" and self.inference.url:
             raise ConfigError("inference.url attaches to one running server; placement.backend=ray starts "
                               "placement.inference_replicas servers of its own: drop one of them")
+        if self.model.lora.enabled and self.trainer.backend != "fsdp":
+            raise ConfigError(f"model.lora.r={self.model.lora.r} needs trainer.backend=fsdp: LoRA is FSDP-only for "
+                              "now (set model.lora.r=0 to fine-tune every weight with DeepSpeed)")
         if self.algorithm.aggregation == "seq-mean-token-sum-norm" and self.generator.max_total_tokens < 1:
             raise ConfigError("seq-mean-token-sum-norm normalizes by generator.max_total_tokens, which must be >= 1")
 

@@ -21,7 +21,8 @@ def make_backend(cfg: Config, model_path: str) -> TrainBackend:
         model_path=model_path, lr=t.lr, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps,
         total_steps=t.steps * cfg.steps_per_update, lr_schedule=t.lr_schedule, grad_clip=t.grad_clip,
         temperature=cfg.generator.temperature, dtype=train_dtype(t.dtype), reference=cfg.algorithm.kl_coef > 0,
-        value_head=cfg.algorithm.critic,
+        value_head=cfg.algorithm.critic, lora_r=cfg.model.lora.r, lora_alpha=cfg.model.lora.alpha,
+        lora_dropout=cfg.model.lora.dropout, lora_target_modules=tuple(cfg.model.lora.target_modules),
         gradient_checkpointing=t.gradient_checkpointing, attention=t.attention, seed=t.seed,
     )
     if t.backend == "deepspeed":

@@ -51,7 +51,12 @@ class BackendConfig:
     dtype: Literal["bf16", "fp32"] = "bf16"
     """Compute dtype; parameters and optimizer state stay fp32."""
     reference: bool = False
-    """Keep a frozen copy of the initial policy for KL."""
+    """Keep a frozen copy of the initial policy for KL (with LoRA: the policy with its adapters disabled)."""
+    lora_r: int = 0
+    """LoRA adapter rank (``peft``); 0 trains every weight. See :mod:`trainer.backends.lora`."""
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.0
+    lora_target_modules: tuple[str, ...] = ("all-linear",)
     value_head: bool = False
     """Add PPO's critic (:class:`trainer.backends.common.ValueHead`); ``forward`` then also returns values."""
     gradient_checkpointing: bool = False
@@ -65,6 +70,8 @@ class BackendConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0 for training logprobs, got {self.temperature}")
+        if self.lora_r < 0:
+            raise ValueError(f"lora_r must be >= 0, got {self.lora_r}")
         if self.total_steps < 1 or self.warmup_steps < 0:
             raise ValueError(f"need total_steps >= 1 and warmup_steps >= 0, got {self.total_steps}, "
                              f"{self.warmup_steps}")
@@ -105,7 +112,10 @@ class TrainBackend(abc.ABC):
 
     @abc.abstractmethod
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full policy weights by parameter name, on the CPU of rank 0 (empty on other ranks). Collective."""
+        """The full policy weights by parameter name, on the CPU of rank 0 (empty on other ranks). Collective.
+
+        With LoRA, the adapters merged into the base weights, under the base model's names: the policy as a plain
+        model."""
 
     def served_weights(self) -> dict[str, torch.Tensor]:
         """What an inference engine serves (:meth:`full_state_dict` less the trainer's own parts), on rank 0."""

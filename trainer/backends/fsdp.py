@@ -2,6 +2,10 @@
 
 World size 1 runs in-process (a one-rank gloo/NCCL group, so the code path is the same); N ranks come from
 ``torchrun``. Parameters and optimizer state are fp32; compute runs in bf16 via ``MixedPrecisionPolicy``.
+
+With LoRA (``lora_r > 0``, :mod:`trainer.backends.lora`) the policy is a ``PeftModel`` sharded the same way (FSDP2
+shards frozen and trainable parameters alike); the optimizer and checkpoints cover the trainable parameters only,
+and the KL reference is the policy with its adapters disabled instead of a second model.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from trainer.backends.common import (
     lr_lambda,
     model_logprobs,
 )
+from trainer.backends.lora import add_lora, lora_scalings, merged_state_dict
 from trainer.distributed import init_distributed
 
 
@@ -41,8 +46,13 @@ class FSDPBackend(TrainBackend):
         compute = torch.bfloat16 if config.dtype == "bf16" else torch.float32
         self._mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
         self.model = self._load(train=True)
-        self.reference = self._load(train=False) if config.reference else None
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, betas=config.betas,
+        self.lora = config.lora_r > 0
+        self._scalings = lora_scalings(self.model) if self.lora else {}
+        # With LoRA the reference is the base model: the policy with its adapters off, not a second copy.
+        self.reference = self._load(train=False) if config.reference and not self.lora else None
+        # Adam state for the trainable parameters only (with LoRA: the adapters, a small fraction of the model).
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=config.lr, betas=config.betas,
                                            weight_decay=config.weight_decay, foreach=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
 
@@ -51,15 +61,18 @@ class FSDPBackend(TrainBackend):
         model.to(self.device)
         if train and self.config.gradient_checkpointing:
             model.gradient_checkpointing_enable()
+        base = model
+        if train and self.config.lora_r > 0:
+            model = add_lora(base, self.config)  # base is the HF model inside, its linear layers adapted
         if train and self.config.value_head:
-            add_value_head(model)
+            add_value_head(base)  # after the adapters: the critic is new and trains whole
         # Shard every decoder layer, then the root (embeddings, final norm, tied head): one all-gather per layer.
         # One rank has nothing to free between forward and backward: keeping the gathered (bf16) parameters saves
         # the backward's second gather and cast, a third of FSDP's copies.
         reshard = self.world_size > 1
-        for layer in model.model.layers:
+        for layer in base.model.layers:
             fully_shard(layer, mp_policy=self._mp, reshard_after_forward=reshard)
-        fully_shard(model, mp_policy=self._mp, reshard_after_forward=reshard)
+        fully_shard(base, mp_policy=self._mp, reshard_after_forward=reshard)
         model.train(train)
         if not train:
             model.requires_grad_(False)
@@ -70,8 +83,18 @@ class FSDPBackend(TrainBackend):
 
     @torch.no_grad()
     def logprobs(self, batch: Batch, *, reference: bool = False) -> torch.Tensor:
-        if reference and self.reference is None:
+        if reference and not self.config.reference:
             raise ValueError("this backend was built without a reference model (BackendConfig.reference=False)")
+        if reference and self.lora:
+            try:
+                with self.model.disable_adapter():  # peft: the base model's forward
+                    return model_logprobs(self.model, batch, self.device, self.config.temperature).logprobs
+            finally:
+                # peft turns requires_grad off and on again on the parameters the modules hold at entry and at exit:
+                # FSDP's sharded ones or its gathered copies. The sharded ones are what FSDP copies it from when it
+                # next gathers; left off, the adapters would silently stop training.
+                for param in self.trainable:
+                    param.requires_grad_(True)
         model = self.reference if reference else self.model
         return model_logprobs(model, batch, self.device, self.config.temperature).logprobs
 
@@ -79,7 +102,7 @@ class FSDPBackend(TrainBackend):
         loss.backward()
 
     def step(self) -> StepStats:
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.config.grad_clip)
         # clip_grad_norm_ on sharded (DTensor) grads returns a DTensor; the full norm is its local value here.
         norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         lr = self.scheduler.get_last_lr()[0]
@@ -90,10 +113,21 @@ class FSDPBackend(TrainBackend):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return state if self.rank == 0 else {}
+        if self.rank != 0:
+            return {}
+        return merged_state_dict(state, self._scalings) if self.lora else state
+
+    def _train_state(self) -> tuple[dict, dict]:
+        """The model and optimizer state a checkpoint holds: with LoRA only what trains, as the frozen base (a head
+        tied to its embeddings included) is ``model.path`` itself."""
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        if self.lora:
+            trainable = {name for name, param in self.model.named_parameters() if param.requires_grad}
+            model_state = {k: v for k, v in model_state.items() if k in trainable}
+        return model_state, optim_state
 
     def save_state(self, path: Path) -> None:
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = self._train_state()
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path / "dcp"))
         if self.rank == 0:
             torch.save(self.scheduler.state_dict(), path / "scheduler.pt")
@@ -101,8 +135,9 @@ class FSDPBackend(TrainBackend):
             dist.barrier()
 
     def load_state(self, path: Path) -> None:
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = self._train_state()
         state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=str(path / "dcp"))
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        dcp.load(state, checkpoint_id=str(path / "dcp"))  # raises if the checkpoint lacks any of these keys
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(strict=not self.lora))
         self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))

@@ -1,0 +1,91 @@
+"""LoRA with ``peft``: adapters on the policy before sharding, and the policy as a plain model for serving.
+
+``add_lora`` wraps the loaded model in a ``PeftModel``: every base weight is frozen, each targeted linear layer
+computes ``W x + (alpha / r) · B A x`` with trainable ``A`` (r, in) and ``B`` (out, r; zero-initialized, so the
+policy starts as the base model). A PPO value head, added after, is new and trains whole. The backend shards the
+wrapped model like any other and hands only the trainable parameters to the optimizer: that is where LoRA saves
+memory (no gradients, no Adam moments for the base weights), and checkpoints hold only those parameters (the base
+comes from ``model.path``).
+
+Engines never see the adapters: :func:`merged_state_dict` turns the wrapped model's full state dict into the base
+model's names with ``B A`` merged into each adapted weight, so weight sync (from memory or disk), ``weights/vN`` and
+exported checkpoints are ordinary HF models that load without ``peft``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import PreTrainedModel
+
+from trainer.backends.base import BackendConfig
+
+if TYPE_CHECKING:  # peft takes seconds to import: only LoRA runs import it
+    from peft import PeftModel
+
+ADAPTER = "default"  # peft's name for the one adapter
+_WRAPPER = "base_model.model."  # PeftModel → LoraModel → the HF model, in state-dict keys
+
+
+def add_lora(model: PreTrainedModel, config: BackendConfig) -> PeftModel:
+    """``model`` with LoRA adapters on ``config.lora_target_modules``; only the adapters require grad. (A value head
+    added afterwards to the model inside trains whole.)"""
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import LoraLayer
+
+    targets = config.lora_target_modules
+    lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                      target_modules="all-linear" if list(targets) == ["all-linear"] else list(targets),
+                      task_type="CAUSAL_LM")
+    try:
+        wrapped = get_peft_model(model, lora)
+    except ValueError as e:  # peft: no module matched the targets
+        linear = sorted({name.rpartition(".")[2] for name, module in model.named_modules()
+                         if isinstance(module, torch.nn.Linear)})
+        raise ValueError(f"model.lora.target_modules={list(targets)} does not name a linear layer of "
+                         f"{config.model_path}: its linear layers are {', '.join(linear)} (or use [all-linear])"
+                         ) from e
+    for name, module in wrapped.named_modules():
+        if isinstance(module, LoraLayer) and not isinstance(module.get_base_layer(), torch.nn.Linear):
+            raise ValueError(f"model.lora.target_modules matches {name} "
+                             f"({type(module.get_base_layer()).__name__}): only linear layers can take an adapter "
+                             "here (the served weights merge B·A into a linear layer's weight)")
+    return wrapped
+
+
+def lora_scalings(model: PeftModel) -> dict[str, tuple[float, bool]]:
+    """Each adapted layer's state-dict prefix → (``alpha / r``, ``fan_in_fan_out``), as :func:`merged_state_dict`
+    needs them."""
+    from peft.tuners.lora import LoraLayer
+
+    return {name: (float(module.scaling[ADAPTER]), bool(module.fan_in_fan_out))
+            for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+
+
+def merged_state_dict(state: dict[str, torch.Tensor], scalings: dict[str, tuple[float, bool]]
+                      ) -> dict[str, torch.Tensor]:
+    """A wrapped model's full state dict as the base model's, with each adapter merged into its layer's weight:
+    ``W + (alpha / r) · B A``, in fp32 (what ``peft``'s ``merge_and_unload`` computes)."""
+    if not state:
+        return {}
+    state = dict(state)
+    merged: dict[str, torch.Tensor] = {}
+    for prefix, (scaling, fan_in_fan_out) in scalings.items():
+        a = state.pop(f"{prefix}.lora_A.{ADAPTER}.weight").float()  # (r, in)
+        b = state.pop(f"{prefix}.lora_B.{ADAPTER}.weight").float()  # (out, r)
+        weight = state.pop(f"{prefix}.base_layer.weight")  # (out, in)
+        delta = (b @ a).T if fan_in_fan_out else b @ a  # (out, in) as the base layer stores it
+        delta = delta * scaling
+        merged[_base_name(f"{prefix}.weight")] = (weight.float() + delta).to(weight.dtype)
+        if f"{prefix}.base_layer.bias" in state:
+            merged[_base_name(f"{prefix}.bias")] = state.pop(f"{prefix}.base_layer.bias")
+    leftover = [k for k in state if ".lora_" in k or ".base_layer." in k]
+    if leftover:
+        raise ValueError(f"adapter tensors without a layer to merge into: {leftover[:4]}")
+    merged.update({_base_name(k): v for k, v in state.items()})
+    return merged
+
+
+def _base_name(key: str) -> str:
+    return key.removeprefix(_WRAPPER)
