@@ -74,7 +74,8 @@ def main() -> None:
     torch.manual_seed(0)
     backend = make_backend(cfg, str(bundled_model_dir()))
     trajs = synthetic_trajectories()
-    params = dict(backend.model.named_parameters())  # FSDP's sharded parameters, which the optimizer holds
+    # LoRA runs on FSDP: its sharded parameters, which the optimizer holds
+    params = dict(backend.model.named_parameters()) if args.lora else {}
     batch = prepare_batch(trajs, cfg)
     padded = to_padded(trajs, pad_id=2)
     result: dict = {}
