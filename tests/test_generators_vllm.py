@@ -20,6 +20,7 @@ from generators.chat import ChatTokenizer
 from generators.engines.base import EngineError, SamplingParams
 from generators.engines.openai_chat import OpenAIEndpoint
 from generators.engines.vllm import VLLMEngine
+from generators.engines.weight_sync import SHARED_DIR, SHARED_PREFIX
 from generators.precision import cpu_has_bf16
 from generators.rollout import Generator, GeneratorConfig, env_factory
 from generators.trajectory import Trajectory
@@ -231,11 +232,20 @@ def _perturbed(src: Path) -> dict[str, torch.Tensor]:
     return moved
 
 
+def _shared_files() -> dict[Path, int]:
+    """This process's shared-memory weight files and when each was last written."""
+    return {p: p.stat().st_mtime_ns for p in SHARED_DIR.glob(f"{SHARED_PREFIX}{os.getpid()}-*")}
+
+
+@pytest.mark.parametrize("transport", ["shared", "group"])
 async def test_weights_sent_from_memory_serve_what_a_reload_from_disk_serves(
-        vllm_engine, chat_tokenizer, bundled_model, tmp_path):
-    """The same perturbed policy, once as a checkpoint the server reloads and once broadcast over the process group:
-    the next greedy request gets the same tokens and logprobs. A second broadcast (the original weights) reuses the
-    group and brings the original output back; so does the restart test below, which restores pushed weights."""
+        vllm_engine, chat_tokenizer, bundled_model, tmp_path, monkeypatch, transport):
+    """The same perturbed policy, once as a checkpoint the server reloads and once from memory (through shared
+    memory, or broadcast over the process group): the next greedy request gets the same tokens and logprobs. A
+    second push (the original weights) reuses the transport and brings the original output back; so does the
+    restart test below, which restores pushed weights."""
+    monkeypatch.setattr(vllm_engine, "weight_transport", transport)
+    unwritten = _shared_files()
     greedy = SamplingParams(temperature=0.0, max_tokens=12)
     prompt = chat_tokenizer.prompt_ids([envkit.user("Name a color.")])
     original = await vllm_engine.generate(prompt, greedy)
@@ -260,6 +270,11 @@ async def test_weights_sent_from_memory_serve_what_a_reload_from_disk_serves(
                                    version=14)
     restored = await vllm_engine.generate(prompt, greedy)
     assert restored.token_ids == original.token_ids and restored.logprobs == original.logprobs
+    written = _shared_files()
+    if transport == "shared":
+        assert len(written) == 1, written  # one file, kept for the next sync
+    else:
+        assert written == unwritten  # the group carried both pushes: no shared file was made or written
 
 
 @pytest.mark.parametrize("weight_swap", ["finish", "interrupt"])

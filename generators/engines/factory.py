@@ -34,8 +34,13 @@ class EngineConfig:
     """vllm: what requests in flight do when new weights arrive: finish (on the weights they started with) or
     interrupt (stop, then the generator continues each on the new weights; partial rollouts, every token's version
     in ``Trajectory.version_spans``)."""
+    weight_transport: str = "auto"
+    """vllm, when weights sync from memory: shared (through /dev/shm, for a CPU server this run started), group (a
+    process group with the server's workers: gloo on CPU, NCCL on a GPU) or auto (shared where it can be used)."""
 
     def __post_init__(self) -> None:
+        if self.weight_transport not in ("auto", "shared", "group"):
+            raise ValueError(f"weight_transport must be auto, shared or group, got {self.weight_transport!r}")
         if self.weight_swap not in ("finish", "interrupt"):
             raise ValueError(f"weight_swap must be finish or interrupt, got {self.weight_swap!r}")
         if self.weight_swap == "interrupt" and self.engine != "vllm":
@@ -73,4 +78,4 @@ def make_engine(config: EngineConfig, model: str | Path, *, log_dir: Path | None
     seed_args = ("--seed", str(config.server_seed)) if config.server_seed is not None else ()
     return VLLMEngine(model, max_model_len=config.max_model_len, dtype=config.dtype, kv_cache_gib=config.kv_cache_gib,
                       extra_args=seed_args, log_path=log_path, request_timeout=config.request_timeout_s,
-                      url=config.url, weight_swap=config.weight_swap)
+                      url=config.url, weight_swap=config.weight_swap, weight_transport=config.weight_transport)

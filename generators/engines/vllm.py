@@ -16,7 +16,9 @@ from generators.models import cache_dir
 from generators.precision import auto_dtype
 
 if TYPE_CHECKING:
-    from generators.engines.weight_sync import WeightSender
+    from generators.engines.weight_sync import Bucket, SharedWeights, WeightSender
+
+WEIGHT_TRANSPORTS = ("auto", "shared", "group")
 
 
 def _is_cpu_build() -> bool:
@@ -33,9 +35,11 @@ class VLLMEngine(ServerBackedEngine):
     Generation is token-in/token-out over ``/v1/completions`` (prompt as token ids, ``return_token_ids``), with
     logprobs after temperature (``--logprobs-mode processed_logprobs``), so they are the sampler's. Weights
     reload in place from an HF safetensors dir (dev-mode ``/collective_rpc``) while generation is paused, and
-    the server itself reports the weight version (``/weight_info``); or, with ``push_weights``, they are broadcast from
-    this process to the server's workers over a process group (:mod:`generators.engines.weight_sync`, a worker
-    extension every server here is started with). If the server dies, the next request
+    the server itself reports the weight version (``/weight_info``); or, with ``push_weights``, they go from this
+    process's memory to the server's workers (:mod:`generators.engines.weight_sync`, a worker extension every server
+    here is started with): ``weight_transport="auto"`` writes them to shared memory for a CPU server this engine
+    started (``"shared"``) and broadcasts them over a process group otherwise (``"group"``: gloo on CPU, NCCL on a
+    GPU). If the server dies, the next request
     restarts it and restores the latest weights. ``dtype="auto"`` computes in bfloat16 on a GPU or a CPU with
     native bfloat16 and in float32 on other CPUs (:mod:`generators.precision`). ``compile=None`` compiles the
     model (torch.compile, CUDA graphs) on a GPU and runs it eagerly on the CPU build, where compiling costs more
@@ -64,9 +68,14 @@ class VLLMEngine(ServerBackedEngine):
         max_restarts: int = 3,
         url: str | None = None,
         weight_swap: str = "finish",
+        weight_transport: str = "auto",
     ) -> None:
         if weight_swap not in ("finish", "interrupt"):
             raise ValueError(f"weight_swap must be finish or interrupt, got {weight_swap!r}")
+        if weight_transport not in WEIGHT_TRANSPORTS:
+            raise ValueError(f"weight_transport must be one of {', '.join(WEIGHT_TRANSPORTS)}, "
+                             f"got {weight_transport!r}")
+        self.weight_transport = weight_transport
         # finish: requests in flight when new weights arrive complete on the old ones. interrupt: they stop (finish
         # reason abort, with the tokens so far) and the generator continues them on the new weights.
         self._pause_mode = "abort" if weight_swap == "interrupt" else "wait"
@@ -78,9 +87,10 @@ class VLLMEngine(ServerBackedEngine):
         # On a 2-vCPU CPU, vLLM's torch.compile warm-up made a start take 157 s instead of 50 s and sped generation
         # up by under 10% (104 -> 114 tokens/s): a long job's worth. On a GPU it also captures CUDA graphs.
         self.compile = not self.cpu_build if compile is None else compile
-        self._sender: WeightSender | None = None
-        self._sender_of: object = None  # the server process the group was formed with
+        self._senders: dict[str, WeightSender | SharedWeights] = {}  # by transport, set up for one server process:
+        self._senders_of: object = None  # that process
         self._wire_dtype: str | None = None  # what floating tensors are sent as: the server's own dtype
+        self._wire_dtype_of: object = object()  # the server process it was asked of
         super().__init__(
             model,
             served_model_name=served_model_name,
@@ -127,42 +137,84 @@ class VLLMEngine(ServerBackedEngine):
     supports_weight_push = True
 
     async def _apply_tensors(self, tensors: dict[str, Any], version: int) -> None:
-        """Pause, broadcast the tensors to the workers (which load them as a disk reload would), drop the prefix
-        cache, tag, resume."""
-        from generators.engines.weight_sync import manifest, plan_buckets
+        """Send the tensors (to shared memory before the pause: the server generates meanwhile), pause, have the
+        workers load them as a disk reload would, drop the prefix cache, tag, resume."""
+        from generators.engines.weight_sync import SharedWeights, manifest, plan_buckets
 
-        sender = await self._weight_group()
-        buckets = plan_buckets(tensors, cast=self._wire_dtype)
+        buckets = plan_buckets(tensors, cast=await self._server_dtype())
+        sender = await self._weight_sender(buckets)
+        if isinstance(sender, SharedWeights):
+            await asyncio.to_thread(sender.write, tensors, buckets, version)
         await self._send("POST", "/pause", params={"mode": self._pause_mode})
         try:
-            receive = self._send("POST", "/collective_rpc", {"method": "envkit_receive_weights",
-                                                             "kwargs": {"manifest": manifest(buckets, version)}})
-            try:
-                await asyncio.gather(receive, asyncio.to_thread(sender.send, tensors, buckets, version))
-            except BaseException:
-                self._sender = None  # a half-done transfer leaves the group out of step: the next one forms anew
-                raise
+            if isinstance(sender, SharedWeights):
+                await self._send("POST", "/collective_rpc", {"method": "envkit_load_shared_weights", "kwargs": {
+                    "manifest": manifest(buckets, version), "path": str(sender.path)}})
+            else:
+                receive = self._send("POST", "/collective_rpc", {"method": "envkit_receive_weights",
+                                                                 "kwargs": {"manifest": manifest(buckets, version)}})
+                try:
+                    await asyncio.gather(receive, asyncio.to_thread(sender.send, tensors, buckets, version))
+                except BaseException:
+                    self._senders.pop("group")  # a half-done transfer leaves the group out of step: form it anew
+                    raise
             await self._send("POST", "/reset_prefix_cache")
             await self._send("POST", "/update_weight_version", {"new_version": str(version)})
         finally:
             await self._send("POST", "/resume")
 
+    async def _server_dtype(self) -> str | None:
+        """The dtype floating tensors travel in: the server's own, when all its parameters share one."""
+        if self._wire_dtype_of is not self.server.process:
+            dtypes = set((await self._send("POST", "/collective_rpc", {"method": "envkit_model_dtype"}))["results"])
+            self._wire_dtype = dtypes.pop() if len(dtypes) == 1 else None  # "" (mixed): each tensor as it is
+            self._wire_dtype_of = self.server.process
+        return self._wire_dtype or None
+
+    async def _weight_sender(self, buckets: list[Bucket]) -> WeightSender | SharedWeights:
+        """The transport for this server process: shared memory where it can be used and ``weight_transport``
+        allows it, else the process group with the workers (formed once per server process)."""
+        from generators.engines.weight_sync import SharedWeights, shared_layout
+
+        if self._senders_of is not self.server.process:
+            self._close_senders()
+            self._senders_of = self.server.process
+        if self.weight_transport != "group" and "shared" in self._senders:
+            return self._senders["shared"]  # its file already holds the room it needs
+        local = self.cpu_build and self.server.process is not None  # a CPU server we started: this machine
+        room = local and SharedWeights.fits(shared_layout(buckets)[1])
+        if self.weight_transport == "shared" and not room:
+            raise EngineError("weight_transport=shared needs a CPU server this engine started and room in "
+                              f"/dev/shm for {shared_layout(buckets)[1] / 2**20:.0f} MB" + ("" if not local else
+                              " (a container's /dev/shm is 64 MB unless run with --shm-size)"))
+        kind = "shared" if room and self.weight_transport != "group" else "group"
+        if kind not in self._senders:
+            self._senders[kind] = SharedWeights() if kind == "shared" else await self._weight_group()
+        return self._senders[kind]
+
+    def _close_senders(self) -> None:
+        from generators.engines.weight_sync import SharedWeights
+
+        for sender in self._senders.values():
+            if isinstance(sender, SharedWeights):
+                sender.close()
+        self._senders = {}
+
     async def _weight_group(self) -> WeightSender:
-        """The process group with this server's workers, formed once per server process."""
+        """A process group with this server's workers."""
         from generators.engines.weight_sync import WeightSender
 
-        if self._sender is not None and self._sender_of is self.server.process:
-            return self._sender
         sender = WeightSender(_address_towards(self.server.host), device="cpu" if self.cpu_build else "cuda")
         port = await asyncio.to_thread(sender.listen)
         workers = len((await self._send("POST", "/collective_rpc", {"method": "envkit_rank"}))["results"])
-        dtypes = set((await self._send("POST", "/collective_rpc", {"method": "envkit_model_dtype"}))["results"])
-        self._wire_dtype = dtypes.pop() if len(dtypes) == 1 else None  # "" (mixed) sends each tensor as it is
         join = self._send("POST", "/collective_rpc", {"method": "envkit_open_weight_group", "kwargs": {
             "host": sender.host, "port": str(port), "world_size": str(1 + workers)}})
         await asyncio.gather(join, asyncio.to_thread(sender.join, 1 + workers))
-        self._sender, self._sender_of = sender, self.server.process
         return sender
+
+    async def stop(self) -> None:
+        await super().stop()
+        self._close_senders()
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Completion:
         if sampling.seed is not None and self.cpu_build:

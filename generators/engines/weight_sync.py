@@ -16,14 +16,23 @@ load would do). The receiver loads them through vLLM's own ``reload_weights``, t
 uses, so both serve identical weights; it asks for bucket i + 1 before it loads bucket i, so the bytes of the next
 bucket arrive while the loader repacks the last one. Its receive buffers are kept for the next sync of the same
 layout (allocating 0.5 GB afresh costs more than sending it).
+
+A CPU server this process started runs on this machine, so there :class:`SharedWeights` takes the place of the
+group: the trainer casts its weights into one file in shared memory (``/dev/shm``, a tmpfs) while the server still
+generates, and the workers map that file and load from it (``envkit_load_shared_weights``). On a 2-vCPU box this
+took a sync of the bundled model from 0.5-1.2 s over loopback gloo to 0.26-0.30 s: no bytes through a socket, and no
+loopback TCP competing with vLLM's repacking for the same cores.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import os
+import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +41,10 @@ import torch.distributed as dist
 PACK_BELOW = 1 << 20
 BUCKET_BYTES = 16 << 20
 TIMEOUT = datetime.timedelta(seconds=120)
+SHARED_DIR = Path("/dev/shm")
+SHARED_PREFIX = "envkit-weights-"
+HEADER_BYTES = 64
+"""The shared file starts with the version (int64), written after the tensors."""
 
 
 def _group(store: dist.TCPStore, rank: int, world_size: int, device: str) -> Any:
@@ -94,6 +107,7 @@ class WeightSender:
         self.device = device
         self._group: Any = None
         self._store: dist.TCPStore | None = None
+        self._buffers: tuple[str, list[torch.Tensor]] = ("", [])
 
     def listen(self) -> int:
         """Start the group's store and return its port (the receivers join at it)."""
@@ -114,15 +128,98 @@ class WeightSender:
         """Broadcast ``tensors`` as ``buckets`` (in their dtypes) after both sides agree on the transfer (version,
         count)."""
         _handshake(self._group, version, sum(len(b.tensors) for b in buckets), self.device, sender=True)
-        for bucket in buckets:
-            dtype = getattr(torch, bucket.dtype)
-            parts = [tensors[name].detach().to(self.device, dtype) for name, _ in bucket.tensors]
-            flat = parts[0].contiguous().view(-1) if len(parts) == 1 else torch.cat([p.reshape(-1) for p in parts])
+        buffers = self._buffers_for(buckets)
+        for bucket, flat in zip(buckets, buffers, strict=True):
+            first = tensors[bucket.tensors[0][0]].detach()
+            if len(bucket.tensors) == 1 and first.dtype == flat.dtype and first.device == flat.device \
+                    and first.is_contiguous():
+                flat = first.view(-1)  # already in the wire dtype: sent in place
+            else:
+                offset = 0
+                for name, shape in bucket.tensors:
+                    n = _numel(shape)
+                    flat[offset:offset + n].view(shape).copy_(tensors[name].detach())  # casts on the way in
+                    offset += n
             self._group.broadcast(flat, 0).wait()
+
+    def _buffers_for(self, buckets: list[Bucket]) -> list[torch.Tensor]:
+        """One flat send buffer per bucket, kept for the next sync of the same layout: casting into memory that is
+        already mapped costs a fifth of casting into fresh tensors."""
+        layout = manifest(buckets, 0)
+        if self._buffers[0] != layout:
+            self._buffers = (layout, [torch.empty(b.numel, dtype=getattr(torch, b.dtype), device=self.device)
+                                      for b in buckets])
+        return self._buffers[1]
 
     def close(self) -> None:
         """Drop the group (the receivers' side goes with their process)."""
         self._group, self._store = None, None
+
+
+def shared_layout(buckets: list[Bucket]) -> tuple[list[tuple[str, list[int], torch.dtype, int]], int]:
+    """Where each tensor lies in the shared file (name, shape, dtype, byte offset), and the file's size: the
+    header, then the buckets in order, each starting on a 64-byte boundary."""
+    slots, offset = [], HEADER_BYTES
+    for bucket in buckets:
+        dtype = getattr(torch, bucket.dtype)
+        for name, shape in bucket.tensors:
+            slots.append((name, shape, dtype, offset))
+            offset += _numel(shape) * dtype.itemsize
+        offset = -(-offset // 64) * 64
+    return slots, offset
+
+
+def _owner_alive(path: Path) -> bool:
+    try:
+        os.kill(int(path.name.removeprefix(SHARED_PREFIX).split("-")[0]), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class SharedWeights:
+    """The same-machine transport: weights cast into one file in shared memory, which the server's workers map.
+
+    The file is this process's (mode 0600, named by its pid); it is kept between syncs, so later writes land in
+    memory that is already mapped, and removed by :meth:`close`. Files left by processes that died (a kill -9) are
+    removed when the next one is made."""
+
+    def __init__(self, directory: Path = SHARED_DIR) -> None:
+        for stale in directory.glob(f"{SHARED_PREFIX}*"):
+            if not _owner_alive(stale):
+                stale.unlink(missing_ok=True)
+        self.path = directory / f"{SHARED_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+        self._raw: torch.Tensor | None = None
+
+    @staticmethod
+    def fits(size: int, directory: Path = SHARED_DIR) -> bool:
+        """Whether ``directory`` exists and has ``size`` bytes free (a container's /dev/shm is often 64 MB, and a
+        write past a full tmpfs kills the writer with SIGBUS, so this is checked before, not found out)."""
+        try:
+            stat = os.statvfs(directory)
+        except OSError:
+            return False
+        return stat.f_bavail * stat.f_frsize >= size
+
+    def write(self, tensors: dict[str, torch.Tensor], buckets: list[Bucket], version: int) -> None:
+        """Cast ``tensors`` into the file as ``buckets`` lay them out, then stamp it with ``version``."""
+        slots, size = shared_layout(buckets)
+        if self._raw is None or self._raw.numel() != size:
+            self._raw = None
+            self.path.unlink(missing_ok=True)
+            self.path.touch(mode=0o600)
+            self._raw = torch.from_file(str(self.path), shared=True, size=size, dtype=torch.uint8)
+        raw = self._raw
+        for name, shape, dtype, offset in slots:
+            raw[offset:offset + _numel(shape) * dtype.itemsize].view(dtype).view(shape).copy_(tensors[name].detach())
+        raw[:8].view(torch.int64).fill_(version)
+
+    def close(self) -> None:
+        """Remove the file (the workers' mappings of it go with their next load)."""
+        self._raw = None
+        self.path.unlink(missing_ok=True)
 
 
 def _handshake(group: Any, version: int, count: int, device: str, *, sender: bool, expected: tuple[int, int] = (0, 0)
@@ -201,3 +298,20 @@ class WeightReceiver:
 
         self.reload_weights(weights_iterator=received())  # type: ignore[attr-defined]
         return int(plan["version"])
+
+    def envkit_load_shared_weights(self, manifest: str, path: str) -> int:
+        """Load the transfer ``manifest`` describes from the shared file at ``path``; return its version."""
+        plan = json.loads(manifest)
+        slots, size = shared_layout([Bucket(b["dtype"], [(n, s) for n, s in b["tensors"]]) for b in plan["buckets"]])
+        if os.path.getsize(path) != size:
+            raise RuntimeError(f"weight transfer mismatch: {path} holds {os.path.getsize(path)} bytes, the manifest "
+                               f"lays out {size}")
+        raw = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
+        version = int(raw[:8].view(torch.int64).item())
+        if version != plan["version"]:
+            raise RuntimeError(f"weight transfer mismatch: {path} holds version {version}, the manifest says "
+                               f"{plan['version']}")
+        self.reload_weights(weights_iterator=(  # type: ignore[attr-defined]
+            (name, raw[offset:offset + _numel(shape) * dtype.itemsize].view(dtype).view(shape))
+            for name, shape, dtype, offset in slots))
+        return version

@@ -1,0 +1,61 @@
+"""The shared-memory weight transport without a server: the layout the two sides agree on, the file a sync
+writes, and the cleanup of files whose owner died."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+from generators.engines.weight_sync import HEADER_BYTES, SHARED_PREFIX, SharedWeights, plan_buckets, shared_layout
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"a.weight": torch.randn(1024, 600, generator=g), "a.bias": torch.randn(3, generator=g),
+            "b.norm": torch.randn(7, generator=g), "c.steps": torch.arange(5)}
+
+
+def test_the_file_holds_every_tensor_cast_aligned_and_stamped_last(tmp_path):
+    tensors = _tensors()
+    buckets = plan_buckets(tensors, cast="bfloat16")
+    slots, size = shared_layout(buckets)
+    assert sorted(name for name, *_ in slots) == sorted(tensors)
+    assert all(offset >= HEADER_BYTES and offset % dtype.itemsize == 0 for _, _, dtype, offset in slots)
+    shared = SharedWeights(tmp_path)
+    shared.write(tensors, buckets, version=41)
+    assert shared.path.stat().st_size == size and shared.path.stat().st_mode & 0o777 == 0o600
+    raw = torch.from_file(str(shared.path), shared=False, size=size, dtype=torch.uint8)
+    assert int(raw[:8].view(torch.int64).item()) == 41
+    for name, shape, dtype, offset in slots:
+        got = raw[offset:offset + torch.Size(shape).numel() * dtype.itemsize].view(dtype).view(shape)
+        want = tensors[name].to(torch.bfloat16) if tensors[name].is_floating_point() else tensors[name]
+        assert got.dtype == want.dtype and got.equal(want), name
+    shared.write({k: v + 1 for k, v in tensors.items()}, buckets, version=42)  # same layout: same file, rewritten
+    again = torch.from_file(str(shared.path), shared=False, size=size, dtype=torch.uint8)
+    name, shape, dtype, offset = slots[0]
+    got = again[offset:offset + torch.Size(shape).numel() * dtype.itemsize].view(dtype).view(shape)
+    assert int(again[:8].view(torch.int64).item()) == 42 and got.equal((tensors[name] + 1).to(dtype))
+    assert list(tmp_path.iterdir()) == [shared.path]
+    shared.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_files_of_dead_owners_are_removed_and_live_ones_kept(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = tmp_path / f"{SHARED_PREFIX}{dead.stdout.strip()}-0000"
+    mine = tmp_path / f"{SHARED_PREFIX}{os.getpid()}-1111"
+    odd = tmp_path / f"{SHARED_PREFIX}not-a-pid"
+    for path in (orphan, mine, odd):
+        path.write_bytes(b"x" * 100)
+    shared = SharedWeights(tmp_path)
+    assert not orphan.exists() and not odd.exists() and mine.exists()
+    assert shared.path.name.startswith(f"{SHARED_PREFIX}{os.getpid()}-")
+
+
+def test_fits_reads_the_free_space_and_refuses_a_missing_directory(tmp_path):
+    assert SharedWeights.fits(1, tmp_path)
+    assert not SharedWeights.fits(1 << 62, tmp_path)
+    assert not SharedWeights.fits(1, tmp_path / "missing")
