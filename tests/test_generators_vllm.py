@@ -20,7 +20,7 @@ from generators.chat import ChatTokenizer
 from generators.engines.base import EngineError, SamplingParams
 from generators.engines.openai_chat import OpenAIEndpoint
 from generators.engines.vllm import VLLMEngine
-from generators.engines.weight_sync import SHARED_DIR, SHARED_PREFIX
+from generators.engines.weight_sync import SHARED_DIR, SHARED_PREFIX, plan_buckets
 from generators.precision import cpu_has_bf16
 from generators.rollout import Generator, GeneratorConfig, env_factory
 from generators.trajectory import Trajectory
@@ -265,9 +265,15 @@ async def test_weights_sent_from_memory_serve_what_a_reload_from_disk_serves(
     assert from_memory.weight_version == 13 and await vllm_engine.server_weight_version() == "13"
     assert from_memory.token_ids == from_disk.token_ids
     assert from_memory.logprobs == from_disk.logprobs
+    original_weights = {n: t for f in bundled_model.glob("*.safetensors") for n, t in load_file(f).items()}
+    if transport == "shared":
+        # The next sync writes its file while the server still generates: what the server serves must not follow.
+        layout = plan_buckets(original_weights, cast=vllm_engine._wire_dtype)  # the layout its file has
+        vllm_engine._senders["shared"].write(original_weights, layout, 99)
+        again = await vllm_engine.generate(prompt, greedy)
+        assert again.token_ids == from_memory.token_ids and again.logprobs == from_memory.logprobs
 
-    await vllm_engine.push_weights({n: t for f in bundled_model.glob("*.safetensors") for n, t in load_file(f).items()},
-                                   version=14)
+    await vllm_engine.push_weights(original_weights, version=14)
     restored = await vllm_engine.generate(prompt, greedy)
     assert restored.token_ids == original.token_ids and restored.logprobs == original.logprobs
     written = _shared_files()
