@@ -27,6 +27,7 @@ same cores.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -190,8 +191,9 @@ class SharedWeights:
     def __init__(self, directory: Path = SHARED_DIR) -> None:
         for stale in directory.glob(f"{SHARED_PREFIX}*"):
             if not _owner_alive(stale):
-                stale.unlink(missing_ok=True)
-        self.path = directory / f"{SHARED_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+                with contextlib.suppress(OSError):  # another user's, in a sticky /dev/shm: theirs to remove
+                    stale.unlink(missing_ok=True)
+        self.path = directory / f"{SHARED_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         self._raw: torch.Tensor | None = None
 
     @staticmethod
@@ -210,7 +212,7 @@ class SharedWeights:
         if self._raw is None or self._raw.numel() != size:
             self._raw = None
             self.path.unlink(missing_ok=True)
-            self.path.touch(mode=0o600)
+            self.path.touch(mode=0o600, exist_ok=False)  # a file somebody else put there first is refused
             self._raw = torch.from_file(str(self.path), shared=True, size=size, dtype=torch.uint8)
         raw = self._raw
         for name, shape, dtype, offset in slots:
