@@ -1,5 +1,5 @@
-"""The shared-memory weight transport without a server: the layout the two sides agree on, the file a sync
-writes, and the cleanup of files whose owner died."""
+"""Weight sync without a server: the shared-memory transport's layout, the file a sync writes and the cleanup of
+files whose owner died; and the in-process HF engine taking weights from memory as it takes them from disk."""
 
 from __future__ import annotations
 
@@ -7,8 +7,12 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
+from generators.engines.base import EngineError, SamplingParams
+from generators.engines.hf import HFEngine
 from generators.engines.weight_sync import HEADER_BYTES, SHARED_PREFIX, SharedWeights, plan_buckets, shared_layout
 
 
@@ -59,3 +63,27 @@ def test_fits_reads_the_free_space_and_refuses_a_missing_directory(tmp_path):
     assert SharedWeights.fits(1, tmp_path)
     assert not SharedWeights.fits(1 << 62, tmp_path)
     assert not SharedWeights.fits(1, tmp_path / "missing")
+
+
+async def test_the_hf_engine_serves_pushed_weights_as_it_serves_them_from_disk(bundled_model, tmp_path):
+    original = load_file(bundled_model / "model.safetensors")
+    noise = torch.Generator().manual_seed(0)
+    moved = {name: t + 0.02 * torch.randn(t.shape, generator=noise, dtype=t.dtype) for name, t in original.items()}
+    (tmp_path / "moved").mkdir()
+    save_file(moved, tmp_path / "moved" / "model.safetensors")
+    sampling = SamplingParams(temperature=1.0, max_tokens=12, seed=5)
+    prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3510, 28, 11173, 411, 4628, 2]
+    async with HFEngine(bundled_model) as engine:
+        before = await engine.generate(prompt, sampling)
+        await engine.load_weights(tmp_path / "moved", version=1)
+        from_disk = await engine.generate(prompt, sampling)
+        assert from_disk.token_ids != before.token_ids
+        await engine.push_weights(original, version=2)
+        assert (await engine.generate(prompt, sampling)).token_ids == before.token_ids
+        await engine.push_weights(moved, version=3)
+        from_memory = await engine.generate(prompt, sampling)
+        assert (from_memory.token_ids, from_memory.logprobs) == (from_disk.token_ids, from_disk.logprobs)
+        assert from_memory.weight_version == engine.weight_version == 3
+        with pytest.raises(EngineError, match="not this model's weights"):
+            await engine.push_weights({"model.no_such.weight": torch.zeros(2)}, version=4)
+        assert engine.weight_version == 3

@@ -102,15 +102,27 @@ class HFEngine(InferenceEngine):
             await asyncio.to_thread(self._load_weights, Path(path))
             self._version = version
 
+    supports_weight_push = True
+
+    async def push_weights(self, tensors: dict[str, Any], version: int) -> None:
+        """Copy ``tensors`` (HF names) into the model: it lives in this process, so no checkpoint is written."""
+        if self._model is None:
+            raise EngineError("HFEngine is not started; use `async with engine:`")
+        async with self._lock:
+            await asyncio.to_thread(self._load_state, tensors, "pushed weights")
+            self._version = version
+
     def _load_weights(self, path: Path) -> None:
-        assert self._model is not None
         state: dict[str, torch.Tensor] = {}
         for file in sorted(path.glob("*.safetensors")):
             state.update(load_file(file))
         if not state:
             raise FileNotFoundError(f"{path} holds no *.safetensors files")
+        self._load_state(state, f"checkpoint {path}")
+
+    def _load_state(self, state: dict[str, torch.Tensor], source: str) -> None:
+        assert self._model is not None
         missing, unexpected = self._model.load_state_dict(state, strict=False)
         if unexpected or [k for k in missing if k != "lm_head.weight"]:  # the head is tied to the embeddings
-            raise EngineError(f"checkpoint {path} does not match the model: missing {missing}, unexpected "
-                              f"{unexpected}")
+            raise EngineError(f"{source}: not this model's weights (missing {missing}, unexpected {unexpected})")
         self._model.tie_weights()
