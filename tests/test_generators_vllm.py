@@ -11,8 +11,8 @@ import signal
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
+from weights import model_tensors, perturbed_weights
 
 import envkit
 from envkit import Env, StepResult
@@ -223,15 +223,6 @@ async def test_weight_reload_changes_outputs_and_bumps_the_server_reported_versi
     assert await vllm_engine.server_weight_version() == "2"
 
 
-def _perturbed(src: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the model moved by seeded noise, and the final norm negated (greedy output must change)."""
-    tensors = {name: t for f in sorted(src.glob("*.safetensors")) for name, t in load_file(f).items()}
-    noise = torch.Generator().manual_seed(0)
-    moved = {name: t + 0.01 * torch.randn(t.shape, generator=noise, dtype=t.dtype) for name, t in tensors.items()}
-    moved["model.norm.weight"] = -moved["model.norm.weight"]
-    return moved
-
-
 def _shared_files() -> dict[Path, int]:
     """This process's shared-memory weight files and when each was last written."""
     return {p: p.stat().st_mtime_ns for p in SHARED_DIR.glob(f"{SHARED_PREFIX}{os.getpid()}-*")}
@@ -251,7 +242,7 @@ async def test_weights_sent_from_memory_serve_what_a_reload_from_disk_serves(
     greedy = SamplingParams(temperature=0.0, max_tokens=12)
     prompt = chat_tokenizer.prompt_ids([envkit.user("Name a color.")])
     original = await vllm_engine.generate(prompt, greedy)
-    perturbed = _perturbed(bundled_model)
+    perturbed = perturbed_weights(bundled_model)
     disk = tmp_path / "perturbed"
     shutil.copytree(bundled_model, disk, ignore=shutil.ignore_patterns("*.safetensors", ".envkit-complete"))
     save_file(perturbed, disk / "model.safetensors", metadata={"format": "pt"})
@@ -267,7 +258,7 @@ async def test_weights_sent_from_memory_serve_what_a_reload_from_disk_serves(
     assert from_memory.weight_version == 13 and await vllm_engine.server_weight_version() == "13"
     assert from_memory.token_ids == from_disk.token_ids
     assert from_memory.logprobs == from_disk.logprobs
-    original_weights = {n: t for f in bundled_model.glob("*.safetensors") for n, t in load_file(f).items()}
+    original_weights = model_tensors(bundled_model)
     if transport == "shared":
         # The next sync writes its file while the server still generates: what the server serves must not follow.
         layout = plan_buckets(original_weights, cast=vllm_engine._wire_dtype)  # the layout its file has

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
+from weights import model_tensors, perturbed_weights
 
 from generators.engines.base import EngineError, SamplingParams
 from generators.engines.hf import HFEngine
@@ -66,9 +67,7 @@ def test_fits_reads_the_free_space_and_refuses_a_missing_directory(tmp_path):
 
 
 async def test_the_hf_engine_serves_pushed_weights_as_it_serves_them_from_disk(bundled_model, tmp_path):
-    original = load_file(bundled_model / "model.safetensors")
-    noise = torch.Generator().manual_seed(0)
-    moved = {name: t + 0.02 * torch.randn(t.shape, generator=noise, dtype=t.dtype) for name, t in original.items()}
+    original, moved = model_tensors(bundled_model), perturbed_weights(bundled_model)
     (tmp_path / "moved").mkdir()
     save_file(moved, tmp_path / "moved" / "model.safetensors")
     sampling = SamplingParams(temperature=1.0, max_tokens=12, seed=5)
@@ -87,3 +86,16 @@ async def test_the_hf_engine_serves_pushed_weights_as_it_serves_them_from_disk(b
         with pytest.raises(EngineError, match="not this model's weights"):
             await engine.push_weights({"model.no_such.weight": torch.zeros(2)}, version=4)
         assert engine.weight_version == 3
+
+
+def test_the_transport_is_chosen_by_name_from_the_trainer_config():
+    import trainer
+    from generators.engines.vllm import VLLMEngine
+    from trainer.config import ConfigError
+
+    assert trainer.compose(["inference.weight_transport=group"]).inference.weight_transport == "group"
+    with pytest.raises(ConfigError, match=r"inference\.weight_transport must be one of auto, shared, group, "
+                                          r"got 'nfs'"):
+        trainer.compose(["inference.weight_transport=nfs"])
+    with pytest.raises(ValueError, match="weight_transport must be one of auto, shared, group, got 'nfs'"):
+        VLLMEngine(weight_transport="nfs")

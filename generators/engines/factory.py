@@ -8,6 +8,8 @@ from pathlib import Path
 from generators.engines.base import InferenceEngine
 
 ENGINES = ("vllm", "sglang", "hf", "openai")
+WEIGHT_SWAPS = ("finish", "interrupt")
+WEIGHT_TRANSPORTS = ("auto", "shared", "group")
 
 
 @dataclass
@@ -39,10 +41,11 @@ class EngineConfig:
     process group with the server's workers: gloo on CPU, NCCL on a GPU) or auto (shared where it can be used)."""
 
     def __post_init__(self) -> None:
-        if self.weight_transport not in ("auto", "shared", "group"):
-            raise ValueError(f"weight_transport must be auto, shared or group, got {self.weight_transport!r}")
-        if self.weight_swap not in ("finish", "interrupt"):
-            raise ValueError(f"weight_swap must be finish or interrupt, got {self.weight_swap!r}")
+        if self.weight_transport not in WEIGHT_TRANSPORTS:
+            raise ValueError(f"weight_transport must be one of {', '.join(WEIGHT_TRANSPORTS)}, "
+                             f"got {self.weight_transport!r}")
+        if self.weight_swap not in WEIGHT_SWAPS:
+            raise ValueError(f"weight_swap must be one of {', '.join(WEIGHT_SWAPS)}, got {self.weight_swap!r}")
         if self.weight_swap == "interrupt" and self.engine != "vllm":
             raise ValueError(f"weight_swap=interrupt needs engine=vllm (engine={self.engine!r} finishes requests "
                              "in flight before new weights go in)")

@@ -11,14 +11,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from generators.engines.base import Completion, EngineError, FinishReason, SamplingParams
+from generators.engines.factory import WEIGHT_SWAPS, WEIGHT_TRANSPORTS
 from generators.engines.managed import ServerBackedEngine
 from generators.models import cache_dir
 from generators.precision import auto_dtype
 
 if TYPE_CHECKING:
     from generators.engines.weight_sync import Bucket, SharedWeights, WeightSender
-
-WEIGHT_TRANSPORTS = ("auto", "shared", "group")
 
 
 def _is_cpu_build() -> bool:
@@ -70,8 +69,8 @@ class VLLMEngine(ServerBackedEngine):
         weight_swap: str = "finish",
         weight_transport: str = "auto",
     ) -> None:
-        if weight_swap not in ("finish", "interrupt"):
-            raise ValueError(f"weight_swap must be finish or interrupt, got {weight_swap!r}")
+        if weight_swap not in WEIGHT_SWAPS:
+            raise ValueError(f"weight_swap must be one of {', '.join(WEIGHT_SWAPS)}, got {weight_swap!r}")
         if weight_transport not in WEIGHT_TRANSPORTS:
             raise ValueError(f"weight_transport must be one of {', '.join(WEIGHT_TRANSPORTS)}, "
                              f"got {weight_transport!r}")
@@ -87,10 +86,11 @@ class VLLMEngine(ServerBackedEngine):
         # On a 2-vCPU CPU, vLLM's torch.compile warm-up made a start take 157 s instead of 50 s and sped generation
         # up by under 10% (104 -> 114 tokens/s): a long job's worth. On a GPU it also captures CUDA graphs.
         self.compile = not self.cpu_build if compile is None else compile
-        self._senders: dict[str, WeightSender | SharedWeights] = {}  # by transport, set up for one server process:
-        self._senders_of: object = None  # that process
-        self._wire_dtype: str | None = None  # what floating tensors are sent as: the server's own dtype
-        self._wire_dtype_of: object = object()  # the server process it was asked of
+        # Set up for one server process (``_set_up_for``; a restart starts them afresh): the transports by name, and
+        # the dtype floating tensors travel in (the server's own; "" when its parameters differ, None until asked).
+        self._senders: dict[str, WeightSender | SharedWeights] = {}
+        self._wire_dtype: str | None = None
+        self._set_up_for: object = object()
         super().__init__(
             model,
             served_model_name=served_model_name,
@@ -163,12 +163,19 @@ class VLLMEngine(ServerBackedEngine):
         finally:
             await self._send("POST", "/resume")
 
+    def _same_server(self) -> None:
+        """Forget what was set up for an earlier server process: its transports and its dtype."""
+        if self._set_up_for is not self.server.process:
+            self._close_senders()
+            self._wire_dtype = None
+            self._set_up_for = self.server.process
+
     async def _server_dtype(self) -> str | None:
         """The dtype floating tensors travel in: the server's own, when all its parameters share one."""
-        if self._wire_dtype_of is not self.server.process:
+        self._same_server()
+        if self._wire_dtype is None:
             dtypes = set((await self._send("POST", "/collective_rpc", {"method": "envkit_model_dtype"}))["results"])
-            self._wire_dtype = dtypes.pop() if len(dtypes) == 1 else None  # "" (mixed): each tensor as it is
-            self._wire_dtype_of = self.server.process
+            self._wire_dtype = dtypes.pop() if len(dtypes) == 1 else ""  # "": each tensor as it is
         return self._wire_dtype or None
 
     async def _weight_sender(self, buckets: list[Bucket]) -> WeightSender | SharedWeights:
@@ -176,16 +183,15 @@ class VLLMEngine(ServerBackedEngine):
         allows it, else the process group with the workers (formed once per server process)."""
         from generators.engines.weight_sync import SharedWeights, shared_layout
 
-        if self._senders_of is not self.server.process:
-            self._close_senders()
-            self._senders_of = self.server.process
+        self._same_server()
         if self.weight_transport != "group" and "shared" in self._senders:
             return self._senders["shared"]  # its file already holds the room it needs
+        size = shared_layout(buckets)[1]
         local = self.cpu_build and self.server.process is not None  # a CPU server we started: this machine
-        room = local and SharedWeights.fits(shared_layout(buckets)[1])
+        room = local and SharedWeights.fits(size)
         if self.weight_transport == "shared" and not room:
             raise EngineError("weight_transport=shared needs a CPU server this engine started and room in "
-                              f"/dev/shm for {shared_layout(buckets)[1] / 2**20:.0f} MB" + ("" if not local else
+                              f"/dev/shm for {size / 2**20:.0f} MB" + ("" if not local else
                               " (a container's /dev/shm is 64 MB unless run with --shm-size)"))
         kind = "shared" if room and self.weight_transport != "group" else "group"
         if kind not in self._senders:

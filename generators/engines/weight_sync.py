@@ -306,9 +306,9 @@ class WeightReceiver:
         """Load the transfer ``manifest`` describes from the shared file at ``path``; return its version."""
         plan = json.loads(manifest)
         slots, size = shared_layout([Bucket(b["dtype"], [(n, s) for n, s in b["tensors"]]) for b in plan["buckets"]])
-        if os.path.getsize(path) != size:
-            raise RuntimeError(f"weight transfer mismatch: {path} holds {os.path.getsize(path)} bytes, the manifest "
-                               f"lays out {size}")
+        held = os.path.getsize(path)
+        if held != size:
+            raise RuntimeError(f"weight transfer mismatch: {path} holds {held} bytes, the manifest lays out {size}")
         mapped = getattr(self, "_envkit_shared", None)
         if mapped is None or mapped[0] != (path, size):  # kept: mapping it afresh faults in every page again
             mapped = self._envkit_shared = ((path, size), torch.from_file(path, shared=True, size=size,
