@@ -8,8 +8,10 @@ import math
 import os
 import shutil
 import signal
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 from safetensors.torch import load_file, save_file
 from weights import model_tensors, perturbed_weights
@@ -200,6 +202,24 @@ def _flipped_checkpoint(src: Path, dst: Path) -> Path:
     return dst
 
 
+async def _server_metric(http: httpx.AsyncClient, name: str) -> float:
+    """One of vLLM's Prometheus metrics, summed over its labels."""
+    text = (await http.get("/metrics")).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+async def _wait_until_decoding(http: httpx.AsyncClient, tokens: int, tokens_before: float,
+                               timeout_s: float = 60.0) -> int:
+    """Wait until the server has sampled ``tokens`` more tokens than ``tokens_before``; returns how many requests
+    are running then."""
+    deadline = time.monotonic() + timeout_s
+    while await _server_metric(http, "vllm:generation_tokens_total") - tokens_before < tokens:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the server sampled fewer than {tokens} tokens in {timeout_s:.0f} s")
+        await asyncio.sleep(0.05)
+    return int(await _server_metric(http, "vllm:num_requests_running"))
+
+
 async def test_weight_reload_changes_outputs_and_bumps_the_server_reported_version(
         vllm_engine, chat_tokenizer, bundled_model, tmp_path):
     greedy = SamplingParams(temperature=0.0, max_tokens=12)
@@ -282,18 +302,21 @@ async def test_new_weights_mid_rollout_finish_or_interrupt_requests_in_flight(
     """New weights arrive while 8 long rollouts generate. finish: every rollout is sampled by one version. interrupt:
     requests in flight stop and go on from where they stopped on the new weights, so a model turn holds tokens of
     both versions, and version_spans says where the new one begins."""
+    flipped = await asyncio.to_thread(_flipped_checkpoint, bundled_model, tmp_path / "flipped")  # before, not during
     engine = VLLMEngine(url=vllm_engine.base_url, weight_swap=weight_swap)  # a second client of the same server
     await engine.start()
     try:
-        gen = Generator(engine, chat_tokenizer, _config(max_tokens=160))
-        rollouts = asyncio.create_task(gen.generate(StoryEnv, seeds=list(range(8))))
-        await asyncio.sleep(1.0)
-        assert not rollouts.done()
-        await engine.load_weights(_flipped_checkpoint(bundled_model, tmp_path / "flipped"), version=1)
+        async with httpx.AsyncClient(base_url=vllm_engine.base_url) as http:
+            tokens_before = await _server_metric(http, "vllm:generation_tokens_total")
+            gen = Generator(engine, chat_tokenizer, _config(max_tokens=160))
+            rollouts = asyncio.create_task(gen.generate(StoryEnv, seeds=list(range(8))))
+            running = await _wait_until_decoding(http, 4 * 8, tokens_before)  # a few tokens into each story
+        await engine.load_weights(flipped, version=1)
         trajs = await rollouts
     finally:
         await engine.stop()
         await vllm_engine.load_weights(bundled_model, vllm_engine.weight_version)  # the shared server as it was
+    assert running > 0, "the weights must change while requests decode"
     for t in trajs:
         assert not t.failed and t.num_turns == 1, t.error
         t.check()
