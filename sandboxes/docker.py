@@ -106,7 +106,8 @@ def reap_orphans(client: Any) -> list[str]:
     import docker.errors
 
     removed = []
-    for container in client.containers.list(all=True, filters={"label": SANDBOX_LABEL}):
+    # ignore_removed: another process may remove a container between the listing and its inspection
+    for container in client.containers.list(all=True, ignore_removed=True, filters={"label": SANDBOX_LABEL}):
         owner = container.labels.get(OWNER_LABEL, "")
         if _owner_alive(owner):
             continue

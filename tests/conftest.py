@@ -66,7 +66,7 @@ def docker_client():
         pytest.skip(f"Docker cannot run here: {e}")
     client = make_client(timeout_s=600)
     yield client
-    left = client.containers.list(all=True, filters={"label": f"{OWNER_LABEL}={owner_id()}"})
+    left = client.containers.list(all=True, ignore_removed=True, filters={"label": f"{OWNER_LABEL}={owner_id()}"})
     for container in left:
         container.remove(force=True)
     client.close()

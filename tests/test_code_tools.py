@@ -49,7 +49,7 @@ async def tool_output(env: envkit.Env, name: str, **arguments: str) -> str:
 
 
 def _ours(client) -> list:
-    return client.containers.list(all=True, filters={"label": f"{OWNER_LABEL}={owner_id()}"})
+    return client.containers.list(all=True, ignore_removed=True, filters={"label": f"{OWNER_LABEL}={owner_id()}"})
 
 
 async def test_an_episode_keeps_its_files_between_calls_and_the_next_gets_a_clean_container(docker_client) -> None:

@@ -152,7 +152,7 @@ def test_two_ranks_two_replicas_and_an_env_pool_train_as_the_local_run_does(clus
     assert sorted(got) == [1, 2]
     for step in (1, 2):
         assert got[step]["inference/replicas"] == 2 and got[step]["envs/workers"] == 2
-        assert got[step]["rollout/failed"] == 0
+        assert got[step]["rollout/failed"] == 0 and got[step]["weights/from_memory"] == 1
         assert got[step]["reward/mean"] == expected[step]["reward/mean"]
         assert got[step]["rollout/model_tokens"] == expected[step]["rollout/model_tokens"]
     # both replicas served: new rollouts go to the least-loaded one
@@ -183,6 +183,7 @@ def test_a_replica_and_an_env_worker_killed_mid_step_do_not_fail_the_step(cluste
         for name, method in (("env-worker-0", "episodes"), ("replica-0", "requests_in_flight"))])
     assert metrics[2]["envs/worker_restarts"] == 1 and metrics[2]["envs/workers"] == 2
     assert metrics[2]["inference/replicas_lost"] == 1
+    assert metrics[1]["weights/from_memory"] == metrics[2]["weights/from_memory"] == 1  # through the object store
     assert "inference replica 0 died under a request" in output and "env worker env-worker-0 died" in output
     assert any(m.get("train/grad_norm", 0) > 0 for m in metrics.values())  # the run trained
 
@@ -225,7 +226,7 @@ def test_sandboxed_envs_run_in_env_workers_and_a_dead_worker_leaves_no_container
     from sandboxes.docker import SANDBOX_LABEL
 
     def sandboxes() -> set[str]:
-        return {c.id for c in docker_client.containers.list(all=True, filters={"label": SANDBOX_LABEL})}
+        return {c.id for c in docker_client.containers.list(all=True, sparse=True, filters={"label": SANDBOX_LABEL})}
 
     before = sandboxes()
     out = tmp_path / "run"

@@ -21,6 +21,8 @@ class Recorder(InferenceEngine):
         self.model_name = "policy"
         self.dead = self.broken_loader = self.stopped = False
         self.version = 0
+        self.served: Any = None
+        """The checkpoint path or pushed tensors it serves."""
 
     @property
     def base_url(self) -> str:
@@ -39,7 +41,14 @@ class Recorder(InferenceEngine):
     async def load_weights(self, path: str | Path, version: int) -> None:
         if self.broken_loader:
             raise RuntimeError("cannot read the checkpoint")
-        self.version = version
+        self.version, self.served = version, path
+
+    supports_weight_push = True
+
+    async def push_weights(self, tensors: dict[str, Any], version: int) -> None:
+        if self.broken_loader:
+            raise RuntimeError("cannot take the tensors")
+        self.version, self.served = version, tensors
 
     async def stop(self) -> None:
         self.stopped = True
@@ -93,3 +102,15 @@ async def test_a_replica_that_cannot_load_new_weights_leaves_rotation(replicas):
     assert await _rollout(engines, 2) == [0, 0]
     await asyncio.gather(*engines._pending)
     assert [r.index for r in engines.replicas] == [0, 2] and made[2].version == 1
+
+
+async def test_pushed_weights_reach_every_replica_and_a_replacement_after_a_disk_load(replicas):
+    engines, made = replicas
+    assert engines.supports_weight_push
+    await engines.load_weights("/weights/v1", 1)
+    tensors = {"w": [1.0]}
+    made[1].broken_loader = True
+    await engines.push_weights(tensors, 2)
+    assert engines.weight_version == 2 and made[0].served is tensors and made[0].version == 2
+    await asyncio.gather(*engines._pending)  # replica 1 could not take them: its replacement gets the tensors
+    assert [r.index for r in engines.replicas] == [0, 2] and made[2].served is tensors and made[2].version == 2

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _exists(client, name: str) -> bool:
-    return bool(client.containers.list(all=True, filters={"name": f"^{name}$"}))
+    return bool(client.containers.list(all=True, ignore_removed=True, filters={"name": f"^{name}$"}))
 
 
 async def test_env_runs_in_its_own_container(docker_client, arithmetic_image) -> None:

@@ -107,7 +107,7 @@ def test_trains_on_a_docker_sandboxed_env_through_a_pool(policy_url, arithmetic_
     from sandboxes.docker import SANDBOX_LABEL
 
     def sandboxes() -> set[str]:
-        return {c.id for c in docker_client.containers.list(all=True, filters={"label": SANDBOX_LABEL})}
+        return {c.id for c in docker_client.containers.list(all=True, sparse=True, filters={"label": SANDBOX_LABEL})}
 
     before, since = sandboxes(), int(time.time())
     train(tmp_path / "run", policy_url, "env.pool_size=2", example="train_sandboxed")

@@ -96,6 +96,9 @@ def train(cfg: Config) -> dict[str, Any]:
                 envs.load_state(state.data)
         if engine is not None:
             runner.run(engine.start())
+            if cfg.trainer.weight_sync == "memory" and not engine.supports_weight_push:
+                raise ValueError(f"trainer.weight_sync=memory, but the {cfg.inference.engine} engine cannot take "
+                                 "weights from memory: use trainer.weight_sync=auto or disk")
         if state.policy_version:  # resumed: serve the checkpoint's policy, not the initial one
             _sync_weights(backend, engine, runner, out, state.policy_version, cfg.trainer.weight_sync)
         generator = Generator(engine, tokenizer, cfg.generator) if engine is not None else None
@@ -133,7 +136,7 @@ def train(cfg: Config) -> dict[str, Any]:
             t0 = time.perf_counter()
             state.step += 1
             state.policy_version = state.step
-            _sync_weights(backend, engine, runner, out, state.policy_version, cfg.trainer.weight_sync)
+            from_memory = _sync_weights(backend, engine, runner, out, state.policy_version, cfg.trainer.weight_sync)
             if rollouts is not None:
                 runner.run(rollouts.set_version(state.policy_version))
             sync_s = time.perf_counter() - t0
@@ -148,6 +151,7 @@ def train(cfg: Config) -> dict[str, Any]:
                     **train_metrics,
                     **(placement.metrics() if placement else {}),
                     "time/generate_s": gen_s, "time/train_s": train_s, "time/sync_s": sync_s,
+                    "weights/from_memory": float(from_memory),
                     "time/step_s": time.perf_counter() - t_step,
                 }
                 logger.log_step(state.step, metrics, trajs)
@@ -360,17 +364,17 @@ def _add(stats: dict[str, list[float]], key: str, value: float | torch.Tensor) -
 
 
 def _sync_weights(backend: TrainBackend, engine: InferenceEngine | None, runner: asyncio.Runner | LoopThread,
-                  out: Path, version: int, how: str) -> None:
-    """Have the engine serve the policy as ``version``: broadcast from memory (``how`` memory, or auto where the
-    engine can take it), else as an HF checkpoint it reloads (only the newest is kept). Every rank gathers the
-    weights; rank 0, which holds the engine, sends them."""
+                  out: Path, version: int, how: str) -> bool:
+    """Have the engine serve the policy as ``version``: sent from memory (``how`` memory, or auto where the engine
+    can take it), else as an HF checkpoint it reloads (only the newest is kept); whether it went from memory. Every
+    rank gathers the weights; rank 0, which holds the engine, sends them."""
     weights = backend.served_weights()
     if engine is None:
-        return
+        return False
     if how != "disk" and engine.supports_weight_push:
         try:
             runner.run(engine.push_weights(weights, version))
-            return
+            return True
         except Exception as e:
             if how == "memory":
                 raise
@@ -382,6 +386,7 @@ def _sync_weights(backend: TrainBackend, engine: InferenceEngine | None, runner:
     for old in (out / "weights").glob("v*"):
         if old != path and old.name[1:].isdigit():
             shutil.rmtree(old, ignore_errors=True)
+    return False
 
 
 async def _snapshot(envs: Mixture, rollouts: AsyncRollouts) -> tuple[dict[str, dict[str, int]], list[dict[str, Any]]]:

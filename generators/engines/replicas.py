@@ -2,8 +2,9 @@
 
     route     every turn of a rollout goes to the replica its first turn went to (prefix-cache hits); a new rollout
               goes to the replica with the fewest requests in flight
-    sync      ``load_weights`` reaches every replica before it returns, so no request at version N is sent before
-              all replicas serve N; a replica that fails to load is dropped (logged) and replaced in the background
+    sync      ``load_weights`` (a checkpoint) and ``push_weights`` (tensors in memory) reach every replica before they
+              return, so no request at version N is sent before all replicas serve N; a replica that fails to load
+              is dropped (logged) and replaced in the background
     failover  a request to a replica that died (:class:`ReplicaDied`) is sent again to another one; the dead one is
               replaced in the background and joins once it serves the current weights
 
@@ -65,7 +66,8 @@ class ReplicaSet(InferenceEngine):
         """Replacements that joined."""
         self.lost = 0
         """Replicas removed because they died or failed to load weights."""
-        self._weights: tuple[Path, int] | None = None
+        self._weights: tuple[Path | dict[str, Any], int] | None = None
+        """What every replica serves: a checkpoint dir or pushed tensors (kept for replacements), and its version."""
         self._next_index = 0
         self._lock = asyncio.Lock()
         self._pending: set[asyncio.Task[None]] = set()
@@ -73,6 +75,10 @@ class ReplicaSet(InferenceEngine):
     @property
     def supports_token_ids(self) -> bool:  # type: ignore[override]
         return all(r.engine.supports_token_ids for r in self.replicas) if self.replicas else True
+
+    @property
+    def supports_weight_push(self) -> bool:  # type: ignore[override]
+        return all(r.engine.supports_weight_push for r in self.replicas) if self.replicas else False
 
     @property
     def base_url(self) -> str:
@@ -157,7 +163,7 @@ class ReplicaSet(InferenceEngine):
             replica = await self._start_one()
             async with self._lock:  # joins serving the current weights, never an older version
                 if self._weights is not None:
-                    await replica.engine.load_weights(*self._weights)
+                    await _apply(replica.engine, *self._weights)
                 self.replicas.append(replica)
         except Exception as e:
             log.error("a replacement for inference replica %d failed to start: %s: %s", old.index,
@@ -170,12 +176,21 @@ class ReplicaSet(InferenceEngine):
     # ------------------------------------------------------------------------------------------- weights
 
     async def load_weights(self, path: str | Path, version: int) -> None:
-        """Every replica in rotation serves ``version`` when this returns; one that fails to load is replaced."""
+        """Every replica in rotation serves the checkpoint in ``path`` as ``version`` when this returns; one that
+        fails to load is replaced."""
+        await self._sync(Path(path), version)
+
+    async def push_weights(self, tensors: dict[str, Any], version: int) -> None:
+        """Every replica in rotation serves ``tensors`` as ``version`` when this returns, sent from memory; one that
+        fails to take them is replaced (and the replacement gets them too)."""
+        await self._sync(tensors, version)
+
+    async def _sync(self, weights: Path | dict[str, Any], version: int) -> None:
         async with self._lock:
             replicas = list(self.replicas)
-            results = await asyncio.gather(*(r.engine.load_weights(path, version) for r in replicas),
+            results = await asyncio.gather(*(_apply(r.engine, weights, version) for r in replicas),
                                            return_exceptions=True)
-            self._weights = (Path(path), version)
+            self._weights = (weights, version)
         for replica, result in zip(replicas, results, strict=True):
             if isinstance(result, BaseException):
                 self._lose(replica, f"failed to load weights v{version} ({type(result).__name__}: {result})")
@@ -189,3 +204,11 @@ class ReplicaSet(InferenceEngine):
         for r in self.replicas:
             values[f"inference/replica{r.index}/requests"] = r.requests
         return values
+
+
+async def _apply(engine: InferenceEngine, weights: Path | dict[str, Any], version: int) -> None:
+    """Have ``engine`` serve ``weights``: a checkpoint dir it loads, or tensors pushed to it."""
+    if isinstance(weights, Path):
+        await engine.load_weights(weights, version)
+    else:
+        await engine.push_weights(weights, version)

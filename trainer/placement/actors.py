@@ -3,6 +3,7 @@
     EngineActor    hosts one engine (a managed vLLM/SGLang server, or HF in-process) on its node
     ActorEngine    an InferenceEngine whose calls go to an EngineActor; a dead actor raises ReplicaDied, so the
                    ReplicaSet (generators/engines/replicas.py) sends the request elsewhere and replaces the replica
+    WeightStage    pushed weights, put in the object store once for all replicas
     EnvWorker      hosts the envs of many rollouts; WorkerEnv is the Env whose calls go to one
     EnvWorkerPool  picks the least-loaded worker per rollout and replaces a worker that died; the rollouts that were
                    on it fail (recorded on their trajectories, dropped from the batch and counted) and the step goes on
@@ -71,9 +72,9 @@ class EngineActor:
         self.engine = make_engine(config, model, log_dir=Path(log_dir))
         self.inflight = 0
 
-    async def start(self) -> tuple[str, bool]:
+    async def start(self) -> tuple[str, bool, bool]:
         await self.engine.start()
-        return self.engine.model_name, self.engine.supports_token_ids
+        return self.engine.model_name, self.engine.supports_token_ids, self.engine.supports_weight_push
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Completion:
         self.inflight += 1
@@ -93,6 +94,9 @@ class EngineActor:
     async def load_weights(self, path: str, version: int) -> None:
         await self.engine.load_weights(path, version)
 
+    async def push_weights(self, tensors: dict[str, Any], version: int) -> None:
+        await self.engine.push_weights(tensors, version)
+
     async def stop(self) -> None:
         await self.engine.stop()
 
@@ -101,14 +105,31 @@ class EngineActor:
         return self.inflight
 
 
-class ActorEngine(InferenceEngine):
-    """An engine living in an :class:`EngineActor`."""
+class WeightStage:
+    """The newest pushed weights, put in Ray's object store once: every replica (and a replacement joining later)
+    reads that one copy instead of each call serializing its own."""
 
-    def __init__(self, actor: Any, name: str) -> None:
+    def __init__(self) -> None:
+        self._staged: tuple[dict[str, Any], ray.ObjectRef] | None = None
+
+    def ref(self, tensors: dict[str, Any]) -> ray.ObjectRef:
+        """The object holding ``tensors`` (put now if they are not the last ones staged; the older copy is freed)."""
+        if self._staged is None or self._staged[0] is not tensors:
+            self._staged = None
+            self._staged = (tensors, ray.put(tensors))
+        return self._staged[1]
+
+
+class ActorEngine(InferenceEngine):
+    """An engine living in an :class:`EngineActor`; pushed weights travel through ``stage``."""
+
+    def __init__(self, actor: Any, name: str, stage: WeightStage) -> None:
         self.actor = actor
         self.name = name
+        self.stage = stage
         self.model_name = "policy"
         self.supports_token_ids = True
+        self.supports_weight_push = False
         self._version = 0
 
     @property
@@ -120,7 +141,7 @@ class ActorEngine(InferenceEngine):
         return self._version
 
     async def start(self) -> None:
-        self.model_name, self.supports_token_ids = await self._call("start")
+        self.model_name, self.supports_token_ids, self.supports_weight_push = await self._call("start")
 
     async def stop(self) -> None:
         with contextlib.suppress(ReplicaDied):  # a dead replica has nothing left to stop
@@ -136,6 +157,10 @@ class ActorEngine(InferenceEngine):
 
     async def load_weights(self, path: str | Path, version: int) -> None:
         await self._call("load_weights", str(path), version)
+        self._version = version
+
+    async def push_weights(self, tensors: dict[str, Any], version: int) -> None:
+        await self._call("push_weights", self.stage.ref(tensors), version)
         self._version = version
 
     async def _call(self, method: str, *args: Any) -> Any:
@@ -327,13 +352,13 @@ class RayPlacement(Placement):
     def engine(self, model_path: str | Path, out: Path) -> InferenceEngine:
         p = self.cfg.placement
         self.group = ready_group(p.replica_resources, p.inference_replicas, "inference replicas")
-        group, inference = self.group, self.cfg.inference
+        group, inference, stage = self.group, self.cfg.inference, WeightStage()
 
         async def spawn(index: int) -> InferenceEngine:
             name = f"replica-{index}"
             actor = EngineActor.options(name=name, **actor_options(p.replica_resources, group)).remote(  # type: ignore[attr-defined]
                 inference, str(model_path), str(out / name))
-            return ActorEngine(actor, name)
+            return ActorEngine(actor, name, stage)
 
         self.replicas = ReplicaSet(spawn, p.inference_replicas)
         return self.replicas
