@@ -18,10 +18,13 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import ray
+import torch
 from ray.exceptions import RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -94,8 +97,8 @@ class EngineActor:
     async def load_weights(self, path: str, version: int) -> None:
         await self.engine.load_weights(path, version)
 
-    async def push_weights(self, tensors: dict[str, Any], version: int) -> None:
-        await self.engine.push_weights(tensors, version)
+    async def push_weights(self, packed: dict[str, Packed], version: int) -> None:
+        await self.engine.push_weights(unpack(packed), version)
 
     async def stop(self) -> None:
         await self.engine.stop()
@@ -105,18 +108,37 @@ class EngineActor:
         return self.inflight
 
 
+Packed = tuple[str, tuple[int, ...], np.ndarray]
+"""A tensor as its dtype's name, its shape and its bytes."""
+
+
+def pack(tensors: dict[str, torch.Tensor]) -> dict[str, Packed]:
+    """Each tensor's bytes as a numpy array: Ray's object store takes numpy arrays with one copy and hands them out
+    with none, where it pickles torch tensors (0.05 s against 0.9 s for the bundled model's 540 MB here)."""
+    return {name: (str(t.dtype).removeprefix("torch."), tuple(t.shape),
+                   t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()) for name, t in tensors.items()}
+
+
+def unpack(packed: dict[str, Packed]) -> dict[str, torch.Tensor]:
+    """The tensors :func:`pack` packed, as read-only views of the object store's memory (engines copy them in)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return {name: torch.from_numpy(data).view(getattr(torch, dtype)).reshape(shape)
+                for name, (dtype, shape, data) in packed.items()}
+
+
 class WeightStage:
-    """The newest pushed weights, put in Ray's object store once: every replica (and a replacement joining later)
-    reads that one copy instead of each call serializing its own."""
+    """The newest pushed weights, packed into Ray's object store once: every replica (and a replacement joining
+    later) reads that one copy instead of each call serializing its own."""
 
     def __init__(self) -> None:
-        self._staged: tuple[dict[str, Any], ray.ObjectRef] | None = None
+        self._staged: tuple[dict[str, torch.Tensor], ray.ObjectRef] | None = None
 
-    def ref(self, tensors: dict[str, Any]) -> ray.ObjectRef:
+    def ref(self, tensors: dict[str, torch.Tensor]) -> ray.ObjectRef:
         """The object holding ``tensors`` (put now if they are not the last ones staged; the older copy is freed)."""
         if self._staged is None or self._staged[0] is not tensors:
             self._staged = None
-            self._staged = (tensors, ray.put(tensors))
+            self._staged = (tensors, ray.put(pack(tensors)))
         return self._staged[1]
 
 
