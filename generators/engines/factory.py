@@ -70,7 +70,7 @@ def make_engine(config: EngineConfig, model: str | Path, *, log_dir: Path | None
     if config.engine == "hf":
         from generators.engines.hf import HFEngine
 
-        return HFEngine(model)
+        return HFEngine(model, dtype=config.dtype)
     if config.engine == "sglang":
         from generators.engines.sglang import SGLangEngine
 

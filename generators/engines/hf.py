@@ -16,14 +16,21 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from generators.engines.base import ChatCompletion, Completion, EngineError, InferenceEngine, SamplingParams
 from generators.models import resolve_model
+from generators.precision import auto_dtype
 
 
 class HFEngine(InferenceEngine):
-    """``model.generate`` behind the InferenceEngine interface; a request with ``seed`` samples reproducibly."""
+    """``model.generate`` behind the InferenceEngine interface; a request with ``seed`` samples reproducibly.
+    ``dtype="auto"`` computes in bfloat16 on a CPU with native bfloat16 (twice as fast: decoding one sequence reads
+    every weight per token), else in float32 (see :mod:`generators.precision`)."""
 
-    def __init__(self, model: str | Path | None = None, *, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, model: str | Path | None = None, *, dtype: torch.dtype | str = "auto") -> None:
         self.model = model
         self.model_name = "policy"
+        if isinstance(dtype, str):
+            dtype = getattr(torch, auto_dtype(on_gpu=False) if dtype == "auto" else dtype, dtype)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"dtype must be auto or a floating torch dtype such as bfloat16, got {dtype!r}")
         self.dtype = dtype
         self._model: PreTrainedModel | None = None
         self._tokenizer: Any = None
