@@ -10,13 +10,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from updates import run_env, run_update
 
 pytestmark = pytest.mark.e2e
 
@@ -30,35 +30,20 @@ except Exception as exc:  # ImportError, or DeepSpeed failing to set up an accel
     pytest.skip(reason, allow_module_level=True)
 
 
-def _env() -> dict[str, str]:
-    cache = Path(os.environ.get("ENVKIT_CACHE_DIR") or REPO / ".cache")
-    # DeepSpeed compiles its CPU comm op on first use (~25 s); keep the build in the project cache.
-    return {**os.environ, "ENVKIT_CACHE_DIR": str(cache),
-            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR") or str(cache / "torch_extensions")}
-
-
 def _run(command: list[str], timeout: float = 600) -> None:
-    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=_env(), timeout=timeout)
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=run_env(), timeout=timeout)
     assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
-
-
-def _update(tmp: Path, *args: str, ranks: int) -> dict:
-    """One update of tests/dist_update.py; the metrics rank 0 wrote."""
-    out = tmp / f"update-{ranks}-{'-'.join(a.strip('-') for a in args)}.json"
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks)] if ranks > 1 else [
-        sys.executable]
-    _run([*launcher, str(REPO / "tests" / "dist_update.py"), "--out", str(out), *args])
-    return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
 def fsdp_one_rank(tmp_path_factory) -> dict:
-    return _update(tmp_path_factory.mktemp("fsdp"), "--backend", "fsdp", "--dtype", "fp32", ranks=1)
+    return run_update(tmp=tmp_path_factory.mktemp("fsdp"))  # the defaults: FSDP, fp32
 
 
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_zero_two_ranks_match_fsdp_one_rank(zero_stage, fsdp_one_rank, tmp_path):
-    ds = _update(tmp_path, "--backend", "deepspeed", "--zero-stage", str(zero_stage), "--dtype", "fp32", ranks=2)
+    ds = run_update("--backend", "deepspeed", "--zero-stage", str(zero_stage), "--dtype", "fp32", ranks=2,
+                    tmp=tmp_path)
     assert (ds["world_size"], fsdp_one_rank["world_size"]) == (2, 1)
     assert ds["train/lr"] == fsdp_one_rank["train/lr"] == 1e-5
     # fp32, same data, same AdamW: what may differ is rounding, i.e. the order of sums (the gradient reduction
@@ -75,7 +60,7 @@ def test_zero_two_ranks_match_fsdp_one_rank(zero_stage, fsdp_one_rank, tmp_path)
 
 
 def test_bf16_zero2_two_ranks_smoke(fsdp_one_rank, tmp_path):
-    ds = _update(tmp_path, "--backend", "deepspeed", "--zero-stage", "2", "--dtype", "bf16", ranks=2)
+    ds = run_update("--backend", "deepspeed", "--zero-stage", "2", "--dtype", "bf16", ranks=2, tmp=tmp_path)
     assert ds["world_size"] == 2
     values = {k: v for k, v in ds.items() if isinstance(v, float)}
     assert all(math.isfinite(v) for v in values.values()), values

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from test_trainer import _metrics, _trainer, _why
-from test_trainer import _update as update
+from updates import run_update
 
 import trainer
 from trainer.config import ConfigError
@@ -106,7 +106,7 @@ def test_targets_and_the_frozen_base(bundled_model):
 
 
 def _update(tmp: Path, *args: str, ranks: int = 1) -> dict:
-    return update(*args, ranks=ranks, tmp=tmp)
+    return run_update(*args, ranks=ranks, tmp=tmp)
 
 
 @pytest.mark.e2e

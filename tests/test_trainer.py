@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -14,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from updates import run_update as _update
 from weights import changed_tensors
 
 pytestmark = pytest.mark.e2e
@@ -117,17 +117,6 @@ def test_kill_9_of_a_run_takes_its_vllm_server_and_engine_processes_along(tmp_pa
     while (left := _owned_by(process.pid)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left, [Path(f"/proc/{p}/cmdline").read_bytes() for p in left]
-
-
-def _update(*args: str, ranks: int = 1, tmp: Path) -> dict:
-    out = tmp / f"update-{ranks}-{hashlib.sha1(' '.join(args).encode()).hexdigest()[:12]}.json"
-    launcher = [sys.executable]
-    if ranks > 1:  # --standalone: a free rendezvous port, so concurrent jobs never collide on 29500
-        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
-    result = subprocess.run([*launcher, str(REPO / "tests" / "dist_update.py"), "--out", str(out), *args],
-                            capture_output=True, text=True, cwd=REPO, timeout=600)
-    assert result.returncode == 0, _why(result)
-    return json.loads(out.read_text())
 
 
 def _close(a: dict, b: dict, keys: tuple[str, ...], rel: float) -> None:

@@ -1,0 +1,42 @@
+"""One policy update of tests/dist_update.py in a subprocess (``torchrun`` for several ranks), as the trainer, LoRA
+and DeepSpeed tests run it. A run without ``--export`` is computed once per test session: several tests compare
+against the same 1-rank FSDP update."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+_done: dict[tuple[tuple[str, ...], int], dict] = {}
+
+
+def run_env() -> dict[str, str]:
+    """The environment a subprocess that may build DeepSpeed's ops runs in."""
+    cache = Path(os.environ.get("ENVKIT_CACHE_DIR") or REPO / ".cache")
+    # DeepSpeed compiles its CPU comm op on first use (~25 s); keep the build in the project cache.
+    return {**os.environ, "ENVKIT_CACHE_DIR": str(cache),
+            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR") or str(cache / "torch_extensions")}
+
+
+def run_update(*args: str, ranks: int = 1, tmp: Path) -> dict:
+    """The metrics rank 0 wrote after one update with ``args`` on ``ranks`` ranks (``tmp`` holds its output)."""
+    key = (args, ranks)
+    if key in _done:
+        return _done[key]
+    out = tmp / f"update-{ranks}-{hashlib.sha1(' '.join(args).encode()).hexdigest()[:12]}.json"
+    launcher = [sys.executable]
+    if ranks > 1:  # --standalone: a free rendezvous port, so concurrent jobs never collide on 29500
+        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
+    command = [*launcher, str(REPO / "tests" / "dist_update.py"), "--out", str(out), *args]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=run_env(), timeout=600)
+    assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    metrics = json.loads(out.read_text())
+    if "--export" not in args:  # an export's files belong to the test that asked for them
+        _done[key] = metrics
+    return metrics
