@@ -47,10 +47,11 @@ def _metrics(out: Path) -> dict[int, dict]:
         ("generator.samples_per_prompt=1", "compares samples of one prompt: set generator.samples_per_prompt >= 2"),
         ("algorithm.dual_clip=0.5", "algorithm.dual_clip must be > 1"),
         ("generator.temperature=0", "generator.temperature must be > 0"),
+        ("trainer.weight_sync=memory inference.engine=sglang", "takes new weights from a checkpoint on disk only"),
     ],
 )
 def test_invalid_config_fails_fast_with_a_readable_message(override, message, tmp_path):
-    result = _trainer(override, f"trainer.output_dir={tmp_path}", timeout=120)
+    result = _trainer(*override.split(), f"trainer.output_dir={tmp_path}", timeout=120)
     assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
     assert not (tmp_path / "checkpoints").exists()
 

@@ -288,7 +288,8 @@ class TrainerConfig:
     """async: a group sampled more than this many versions before the policy it would train is dropped (0 trains
     exactly what sync mode trains)."""
     weight_sync: str = "auto"
-    """How new weights reach the engine: memory (broadcast from rank 0 to the server's workers, no files), disk (an HF
+    """How new weights reach the engine: memory (sent from rank 0 with no files: vllm, hf, and Ray replicas of them;
+    not sglang), disk (an HF
     checkpoint the server reloads), or auto (memory where the engine can take it, else disk; disk again after a
     failed broadcast)."""
     lr: float = 1e-5
@@ -433,6 +434,9 @@ class Config:
         if self.model.lora.enabled and self.trainer.backend != "fsdp":
             raise ConfigError(f"model.lora.r={self.model.lora.r} needs trainer.backend=fsdp: LoRA is FSDP-only for "
                               "now (set model.lora.r=0 to fine-tune every weight with DeepSpeed)")
+        if self.trainer.weight_sync == "memory" and self.inference.engine == "sglang":
+            raise ConfigError("trainer.weight_sync=memory, but inference.engine=sglang takes new weights from a "
+                              "checkpoint on disk only: use trainer.weight_sync=auto or disk")
         if self.algorithm.aggregation == "seq-mean-token-sum-norm" and self.generator.max_total_tokens < 1:
             raise ConfigError("seq-mean-token-sum-norm normalizes by generator.max_total_tokens, which must be >= 1")
 

@@ -96,9 +96,6 @@ def train(cfg: Config) -> dict[str, Any]:
                 envs.load_state(state.data)
         if engine is not None:
             runner.run(engine.start())
-            if cfg.trainer.weight_sync == "memory" and not engine.supports_weight_push:
-                raise ValueError(f"trainer.weight_sync=memory, but the {cfg.inference.engine} engine cannot take "
-                                 "weights from memory: use trainer.weight_sync=auto or disk")
         if state.policy_version:  # resumed: serve the checkpoint's policy, not the initial one
             _sync_weights(backend, engine, runner, out, state.policy_version, cfg.trainer.weight_sync)
         generator = Generator(engine, tokenizer, cfg.generator) if engine is not None else None
