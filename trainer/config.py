@@ -289,9 +289,8 @@ class TrainerConfig:
     exactly what sync mode trains)."""
     weight_sync: str = "auto"
     """How new weights reach the engine: memory (sent from rank 0 with no files: vllm, hf, and Ray replicas of them;
-    not sglang), disk (an HF
-    checkpoint the server reloads), or auto (memory where the engine can take it, else disk; disk again after a
-    failed broadcast)."""
+    not sglang), disk (an HF checkpoint the server reloads), or auto (memory where the engine can take it, else
+    disk; disk again after a failed transfer)."""
     lr: float = 1e-5
     weight_decay: float = 0.0
     warmup_steps: int = 2
