@@ -6,14 +6,12 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-import shutil
 import signal
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from safetensors.torch import load_file, save_file
 from weights import model_tensors, perturbed_weights
 
 import envkit
@@ -26,6 +24,7 @@ from generators.engines.weight_sync import SHARED_DIR, SHARED_PREFIX, SharedWeig
 from generators.precision import cpu_has_bf16
 from generators.rollout import Generator, GeneratorConfig, env_factory
 from generators.trajectory import Trajectory
+from trainer.backends.hf_export import write_hf_checkpoint
 
 pytestmark = pytest.mark.e2e
 
@@ -194,11 +193,9 @@ async def test_chat_mode_against_the_openai_endpoint(vllm_engine):
 
 def _flipped_checkpoint(src: Path, dst: Path) -> Path:
     """The same model with the final norm negated: every logit flips sign, so greedy output must change."""
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", ".envkit-complete"))
-    for f in src.glob("*.safetensors"):
-        tensors = load_file(f)
-        tensors["model.norm.weight"] = -tensors["model.norm.weight"]
-        save_file(tensors, dst / f.name, metadata={"format": "pt"})
+    tensors = model_tensors(src)
+    tensors["model.norm.weight"] = -tensors["model.norm.weight"]
+    write_hf_checkpoint(tensors, src, dst)
     return dst
 
 
@@ -264,8 +261,7 @@ async def test_weights_sent_from_memory_serve_what_a_reload_from_disk_serves(
     original = await vllm_engine.generate(prompt, greedy)
     perturbed = perturbed_weights(bundled_model)
     disk = tmp_path / "perturbed"
-    shutil.copytree(bundled_model, disk, ignore=shutil.ignore_patterns("*.safetensors", ".envkit-complete"))
-    save_file(perturbed, disk / "model.safetensors", metadata={"format": "pt"})
+    write_hf_checkpoint(perturbed, bundled_model, disk)
 
     await vllm_engine.load_weights(disk, version=11)
     from_disk = await vllm_engine.generate(prompt, greedy)

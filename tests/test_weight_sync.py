@@ -9,12 +9,12 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import save_file
 from weights import model_tensors, perturbed_weights
 
 from generators.engines.base import EngineError, SamplingParams
 from generators.engines.hf import HFEngine
 from generators.engines.weight_sync import HEADER_BYTES, SHARED_PREFIX, SharedWeights, plan_buckets, shared_layout
+from trainer.backends.hf_export import write_hf_checkpoint
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -68,8 +68,7 @@ def test_fits_reads_the_free_space_and_refuses_a_missing_directory(tmp_path):
 
 async def test_the_hf_engine_serves_pushed_weights_as_it_serves_them_from_disk(bundled_model, tmp_path):
     original, moved = model_tensors(bundled_model), perturbed_weights(bundled_model)
-    (tmp_path / "moved").mkdir()
-    save_file(moved, tmp_path / "moved" / "model.safetensors")
+    write_hf_checkpoint(moved, bundled_model, tmp_path / "moved")
     sampling = SamplingParams(temperature=1.0, max_tokens=12, seed=5)
     prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3510, 28, 11173, 411, 4628, 2]
     async with HFEngine(bundled_model) as engine:
