@@ -60,8 +60,13 @@ browser:  ## headless Chromium for the report tests (Debian's chromium through a
 	@command -v chromium >/dev/null || { echo ">> installing chromium with apt-get (once)"; \
 		apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; }
 
+# Two pytest workers (a training run leaves a core idle about a third of its time): the tests that share the
+# session's vLLM server, Docker containers and Ray cluster run on one of them (their xdist group, tests/conftest.py),
+# every other test on whichever is free.
+TEST_WORKERS ?= 2
+
 test: install model docker-up browser  ## the whole test suite (real vLLM servers, containers, training runs)
-	$(VENV)/bin/pytest -q --durations=25
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
 test-fast: install model browser  ## the tests that need no vLLM, Docker or training run (a few minutes): the inner loop
 	$(VENV)/bin/pytest -q -m "not e2e" --durations=10

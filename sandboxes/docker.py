@@ -20,13 +20,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import fcntl
 import logging
 import os
 import secrets
 import socket
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -53,6 +51,7 @@ from sandboxes.base import (
     process_start_ticks,
     wait_healthy,
 )
+from sandboxes.engine import host_lock
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -124,8 +123,7 @@ def _internal_network(client: Any) -> str:
 
     # Docker accepts two networks of one name, and then refuses the name as ambiguous: processes starting their
     # first sandbox at once take turns (a host-wide lock), and duplicates an older version made are removed.
-    with open(Path(tempfile.gettempdir()) / "envkit-sandbox-network.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with host_lock("sandbox-network"):
         same = sorted((n for n in client.networks.list(names=[INTERNAL_NETWORK]) if n.name == INTERNAL_NETWORK),
                       key=lambda n: n.attrs.get("Created", ""))
         if not same:

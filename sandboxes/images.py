@@ -26,7 +26,7 @@ from urllib.parse import unquote, urlsplit
 import envkit
 from envkit.distribution import DISTRIBUTION
 from sandboxes.base import EXEC_UID, SERVER_PORT
-from sandboxes.engine import BASE_IMAGE, cache_dir, docker_client, ensure_base_image, image_exists
+from sandboxes.engine import BASE_IMAGE, cache_dir, docker_client, ensure_base_image, host_lock, image_exists
 
 RECIPE_VERSION = "1"
 ENV_LABEL = "org.envkit.env"
@@ -218,6 +218,12 @@ def _build_wheels(sources: dict[str, _Source], wheels: Path, requirements: str) 
 def build(env: str, *, force: bool = False, client: Any = None, quiet: bool = False) -> EnvImage:
     """Build (or find) the image serving ``env``; rebuilds only when its inputs changed, or with ``force``."""
     client = client or docker_client(timeout_s=600)
+    # Two processes that need one image (two runs starting, two test workers) build it once: the second finds it.
+    with host_lock(f"image-{env}"):
+        return _build(env, force=force, client=client, quiet=quiet)
+
+
+def _build(env: str, *, force: bool, client: Any, quiet: bool) -> EnvImage:
     base = BASE_IMAGE if image_exists(client, BASE_IMAGE) else ensure_base_image(client)
     tag, sources, requirements = plan(env, base)
     package, version = provider(env)

