@@ -40,7 +40,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """``--dist loadgroup``: the tests of :data:`SHARED_MODULES` as one unit of work, every other test on its own.
-    (xdist's own groups come from ``xdist_group`` marks, which it cannot read under pytest 9.2.)"""
+    (xdist's own ``xdist_group`` marks do not work under pytest 9.2: xdist 3.8 tags a grouped test by rewriting
+    ``item._nodeid``, which pytest 9.2 no longer reads.)"""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
