@@ -31,12 +31,14 @@ def run_update(*args: str, ranks: int = 1, tmp: Path) -> dict:
     if key in _done:
         return _done[key]
     name = f"update-{ranks}-{hashlib.sha1(' '.join(args).encode()).hexdigest()[:12]}.json"
-    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run_id is None or "--export" in args:
+    if "--export" in args:  # an export's files belong to the test that asked for them
         return _run_update(args, ranks, tmp / name)
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        _done[key] = _run_update(args, ranks, tmp / name)
+        return _done[key]
     # Under xdist the first worker to need a run computes it and the other reads its result, in the run's base temp
     # dir that the workers share (``tmp`` is <base>/popen-gwN/<test>).
-    shared = tmp.parent.parent / f"updates-{run_id}"
+    shared = tmp.parent.parent / "updates"
     shared.mkdir(exist_ok=True)
     with open(shared / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -47,13 +49,11 @@ def run_update(*args: str, ranks: int = 1, tmp: Path) -> dict:
 
 
 def _run_update(args: tuple[str, ...], ranks: int, out: Path) -> dict:
+    """Run tests/dist_update.py with ``args`` on ``ranks`` ranks, writing ``out``; its metrics."""
     launcher = [sys.executable]
     if ranks > 1:  # --standalone: a free rendezvous port, so concurrent jobs never collide on 29500
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
     command = [*launcher, str(REPO / "tests" / "dist_update.py"), "--out", str(out), *args]
     result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=run_env(), timeout=600)
     assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
-    metrics = json.loads(out.read_text())
-    if "--export" not in args:  # an export's files belong to the test that asked for them
-        _done[(args, ranks)] = metrics
-    return metrics
+    return json.loads(out.read_text())
