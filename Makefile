@@ -15,7 +15,7 @@ OPENENV_STAMP := $(OPENENV_VENV)/.installed
 # One project cache for what is expensive and deterministic: the converted model, server logs.
 export ENVKIT_CACHE_DIR ?= $(CURDIR)/.cache
 
-.PHONY: help install model docker-up browser test test-fast lint bench train clean
+.PHONY: help install model docker-up browser test test-fast lint bench train train-agent clean
 
 help:  ## show the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -80,6 +80,7 @@ bench: install model docker-up  ## run the benchmarks (installs the peers they c
 	$(PY) benchmarks/remote_env.py
 	$(PY) benchmarks/generator_overhead.py
 	$(PY) benchmarks/grpo_vs_trl.py
+	$(PY) benchmarks/sft_vs_trl.py
 	$(PY) benchmarks/sandbox_latency.py
 	$(PY) benchmarks/ray_overhead.py
 
@@ -87,6 +88,9 @@ bench: install model docker-up  ## run the benchmarks (installs the peers they c
 PLACEMENT ?= local
 train: install model  ## the main job: GRPO on arithmetic with the bundled model; held-out accuracy before -> after
 	$(PY) -m trainer trainer.output_dir=runs/train-$$(date +%Y%m%d-%H%M%S) placement.backend=$(PLACEMENT) $(ARGS)
+
+train-agent: install model docker-up  ## an agent that learns a tool: SFT on compute's demonstrations, then GRPO, code in Docker
+	$(PY) -m trainer +recipe=tool_agent trainer.output_dir=runs/agent-$$(date +%Y%m%d-%H%M%S) $(ARGS)
 
 clean:  ## remove the venv and caches (including the converted model)
 	rm -rf $(VENV) $(OPENENV_VENV) .cache .pytest_cache .ruff_cache

@@ -26,7 +26,7 @@ from envkit.registry import (
 )
 from envkit.sync import SyncEnv
 from envkit.tool_env import ToolEnv
-from envkit.tools import Tool, parse_tool_calls, tool, tool_calls_of
+from envkit.tools import Tool, ToolOutput, parse_tool_calls, tool, tool_calls_of
 
 __version__ = "0.1.0"
 
@@ -44,6 +44,7 @@ __all__ = [
     "Tool",
     "ToolCall",
     "ToolEnv",
+    "ToolOutput",
     "Wrapper",
     "__version__",
     "assistant",

@@ -10,7 +10,8 @@ An environment is an async, gym-style episode over chat messages::
     await env.close()                        # idempotent
 
 Every subclass must implement ``reset`` and ``step``; it may set ``tools`` (OpenAI function tools the model can
-call), override ``init``/``close`` for resources, and ``tasks(split)`` when its task set is enumerable.
+call), override ``init``/``close`` for resources, ``tasks(split)`` when its task set is enumerable, and
+``demonstrate`` when it can show how a task is solved (supervised data before RL).
 ``make()`` wraps every env in :class:`ContractChecker`, which enforces call order and validates both sides.
 """
 
@@ -22,7 +23,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from envkit.errors import EnvClosedError, EpisodeDoneError, InvalidStepResultError, ResetNeededError
+from envkit.errors import (
+    EnvClosedError,
+    EpisodeDoneError,
+    InvalidActionError,
+    InvalidStepResultError,
+    ResetNeededError,
+)
 from envkit.messages import Message, is_message, validate_action
 
 if TYPE_CHECKING:
@@ -93,6 +100,17 @@ class Env(abc.ABC):
         """Describe observation and action spaces (for ``envkit info`` and the gymnasium bridge)."""
         return {"observation": "list of chat messages", "action": "assistant message"}
 
+    async def demonstrate(self, messages: list[Message]) -> Message:
+        """An expert's next assistant message in the current episode, ``messages`` being the chat so far (from the
+        opening messages on). Optional: envs that cannot demonstrate raise NotImplementedError.
+
+        A generator plays the demonstration as the model's turn and steps the env with it for real, so the env's
+        replies (tool outputs included) in the resulting supervised data are genuine. Tool calls go in
+        ``tool_calls``: the generator writes them in the model's own format.
+        """
+        raise NotImplementedError(f"{type(self).__name__} offers no demonstrations (it does not override "
+                                  "Env.demonstrate)")
+
     @property
     def unwrapped(self) -> Env:
         """The innermost env, below any wrappers."""
@@ -149,6 +167,9 @@ class Wrapper(Env):
 
     def spaces(self) -> dict[str, Any]:
         return self.env.spaces()
+
+    async def demonstrate(self, messages: list[Message]) -> Message:
+        return await self.env.demonstrate(messages)
 
     def __getattr__(self, name: str) -> Any:
         # Reached only for attributes the wrapper lacks: expose the wrapped env's extras (e.g. env.max_turns).
@@ -218,6 +239,15 @@ class ContractChecker(Wrapper):
         if result.terminated or result.truncated:
             self._episode_active = False
         return result
+
+    async def demonstrate(self, messages: list[Message]) -> Message:
+        if not self._episode_active:
+            raise ResetNeededError("demonstrate() needs an episode in progress: call reset() first.")
+        action = await self.env.demonstrate(messages)
+        try:
+            return validate_action(action)
+        except InvalidActionError as e:
+            raise InvalidStepResultError(f"{self.env!r}.demonstrate() must return an assistant message: {e}") from e
 
     async def close(self) -> None:
         if not self._closed:

@@ -111,6 +111,10 @@ class ToolCallError(EnvkitError):
     """
 
 
+class ToolTimeoutError(ToolCallError):
+    """A tool call ran past its time limit; answered like any :class:`ToolCallError`, counted as a timeout."""
+
+
 class EnvError(EnvkitError):
     """The environment implementation itself failed or misbehaved."""
 

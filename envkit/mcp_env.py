@@ -50,13 +50,13 @@ from mcp.shared.exceptions import MCPError
 
 import envkit
 from envkit.core import Task
-from envkit.errors import InvalidTaskError, MCPServerError, ResetNeededError, ToolCallError
+from envkit.errors import InvalidTaskError, MCPServerError, ResetNeededError, ToolCallError, ToolTimeoutError
 from envkit.messages import Message, system, user
 from envkit.parsing import grade_number
 from envkit.registry import EnvSpec
 from envkit.tasks import check_split, check_task, pick_task
 from envkit.tool_env import ToolEnv
-from envkit.tools import Tool
+from envkit.tools import Tool, ToolOutput
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +279,7 @@ class _Session:
             return await self._request(f"tools/call {name!r}", self._connected().call_tool(name, arguments))
         except MCPError as e:
             if e.code == types.REQUEST_TIMEOUT:
-                raise ToolCallError(f"the tool {name!r} did not answer within {self.timeouts.call_s:g} s") from e
+                raise ToolTimeoutError(f"the tool {name!r} did not answer within {self.timeouts.call_s:g} s") from e
             raise ToolCallError(e.message) from e
 
     async def _request(self, what: str, request: Awaitable[Any]) -> Any:
@@ -428,7 +428,7 @@ class MCPToolEnv(ToolEnv):
             out = await out
         return (float(out[0]), dict(out[1])) if isinstance(out, tuple) else (float(out), {})
 
-    async def run_tool(self, name: str, arguments: Any) -> str:
+    async def run_tool(self, name: str, arguments: Any) -> str | ToolOutput:
         """Run ``name`` on the MCP server (``@tool`` methods run here); its error results raise ToolCallError."""
         spec = self._remote.get(name)
         if spec is None:

@@ -3,7 +3,9 @@
 Each assistant turn either calls tools (native ``tool_calls``, or ``<tool_call>`` text; a generator that read
 calls in another format passes them as ``tool_calls`` and ``tool_call_errors``) and gets ``tool`` messages back,
 or gives a final answer that ``grade`` scores and that ends the episode. ``max_turns`` bounds the episode
-(``truncated=True``, reward 0 when it runs out).
+(``truncated=True``, reward 0 when it runs out). A tool-calling step reports each call in
+``info["tool_results"]``: ``{"name", "status": "ok"|"error"|"timeout", ...}`` plus what the tool added through
+:class:`envkit.ToolOutput`, which is what the generator counts in a rollout's tool metrics.
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ import json
 from typing import Any, ClassVar
 
 from envkit.core import Env, StepResult, Task
-from envkit.errors import EnvkitError, ToolCallError
+from envkit.errors import EnvkitError, ToolCallError, ToolTimeoutError
 from envkit.messages import Message, ToolCall, tool_result, user
-from envkit.tools import Tool, tool_calls_of
+from envkit.tools import Tool, ToolOutput, tool_calls_of
 
 
 class ToolEnv(Env):
@@ -61,7 +63,8 @@ class ToolEnv(Env):
         if not calls and not errors:
             reward, info = await self.grade(action.get("content") or "")
             return StepResult([], reward=reward, terminated=True, info={"turn": self.turn, **info})
-        observation = [await self.call_tool(c) for c in calls]
+        answered = [await self._answer(c) for c in calls]
+        observation = [message for message, _ in answered]
         if errors:
             # errors read in the model's own format (tool_call_errors) say what that format wants; our own reading
             # of the text is the <tool_call> form
@@ -69,30 +72,43 @@ class ToolEnv(Env):
                 ' Write tool calls as <tool_call>{"name": "...", "arguments": {...}}</tool_call>.')
             observation.append(user("Malformed tool call: " + "; ".join(errors) + fix))
         truncated = self.turn >= self.max_turns
-        return StepResult(
-            observation, truncated=truncated, info={"turn": self.turn, "tool_calls": len(calls),
-                                                    "tool_call_errors": len(errors)}
-        )
+        info = {"turn": self.turn, "tool_calls": len(calls), "tool_call_errors": len(errors),
+                "tool_results": [result for _, result in answered]}
+        return StepResult(observation, truncated=truncated, info=info)
 
     async def call_tool(self, call: ToolCall) -> Message:
         """Run one tool call and return its ``tool`` message; model mistakes become error text, not exceptions
         (an :class:`EnvkitError`, a failure of the env's own machinery, propagates and fails the rollout)."""
+        message, _ = await self._answer(call)
+        return message
+
+    async def _answer(self, call: ToolCall) -> tuple[Message, dict[str, Any]]:
+        """The ``tool`` message answering ``call`` and its entry in ``info["tool_results"]``."""
         name = call["function"]["name"]
         try:
             args = json.loads(call["function"].get("arguments") or "{}")
         except json.JSONDecodeError as e:
-            return tool_result(f"Error: arguments are not valid JSON: {e.msg}", call["id"], name)
-        try:
-            out = await self.run_tool(name, args)
-        except ToolCallError as e:
-            return tool_result(f"Error: {e}", call["id"], name)
-        return tool_result(out, call["id"], name)
+            out = ToolOutput(f"Error: arguments are not valid JSON: {e.msg}", "error")
+        else:
+            out = await self._output(name, args)
+        return tool_result(out.text, call["id"], name), {"name": name, "status": out.status, **out.info}
 
-    async def run_tool(self, name: str, arguments: Any) -> str:
-        """Run tool ``name`` with ``arguments`` (decoded JSON) and return its text (JSON for non-string results).
+    async def _output(self, name: str, arguments: Any) -> ToolOutput:
+        try:
+            out = await self.run_tool(name, arguments)
+        except ToolTimeoutError as e:
+            return ToolOutput(f"Error: {e}", "timeout")
+        except ToolCallError as e:
+            return ToolOutput(f"Error: {e}", "error")
+        return out if isinstance(out, ToolOutput) else ToolOutput(out)
+
+    async def run_tool(self, name: str, arguments: Any) -> str | ToolOutput:
+        """Run tool ``name`` with ``arguments`` (decoded JSON) and return its text (JSON for results that are neither
+        text nor a :class:`ToolOutput`).
 
         Raises :class:`ToolCallError` for the model's mistakes: an unknown tool, arguments that do not fit its
-        schema, a tool that raised. Override it to run tools elsewhere (an MCP server, a sandbox).
+        schema, a tool that raised (:class:`ToolTimeoutError` for one that ran out of time). Override it to run
+        tools elsewhere (an MCP server, a sandbox).
         """
         by_name = {t.name: t for t in self.tools}
         if name not in by_name:
@@ -110,4 +126,4 @@ class ToolEnv(Env):
             raise
         except Exception as e:  # the tool's failure is the model's feedback, not the env's crash
             raise ToolCallError(f"{type(e).__name__}: {e}") from e
-        return out if isinstance(out, str) else json.dumps(out)
+        return out if isinstance(out, str | ToolOutput) else json.dumps(out)

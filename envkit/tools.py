@@ -23,6 +23,21 @@ _JSON_TYPES: dict[type, str] = {str: "string", int: "integer", float: "number", 
 _TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
+ToolStatus = Literal["ok", "error", "timeout"]
+"""How a tool call went: it ran, it failed (the model's mistake or the tool's), or it ran out of time."""
+
+
+@dataclass(frozen=True, slots=True)
+class ToolOutput:
+    """What a tool may return instead of plain text: the text the model reads, how the call went, and details for
+    the run's metrics (``{"sandbox": "docker"}``). :class:`envkit.ToolEnv` reports ``status`` and ``info`` in
+    ``StepResult.info["tool_results"]``; ``envkit serve --mcp`` answers a status other than ok with ``isError``."""
+
+    text: str
+    status: ToolStatus = "ok"
+    info: dict[str, Any] = field(default_factory=dict)
+
+
 @dataclass(frozen=True, slots=True)
 class Tool:
     """A function the model may call: ``parameters`` is a JSON-schema object describing its arguments."""

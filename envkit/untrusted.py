@@ -255,6 +255,16 @@ def processes_of(uid: int | None, *, running_only: bool = False) -> list[int]:
     return found
 
 
+def _parent(pid: int) -> int | None:
+    """The parent pid of ``pid`` as this PID namespace sees it (0: outside it), None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            found = re.search(rb"\nPPid:\s+(\d+)", f.read(1024))
+    except OSError:
+        return None
+    return int(found[1]) if found else None
+
+
 async def remove_files(uid: int, *dirs: str) -> None:
     """Delete what ``uid`` owns under ``dirs`` (its processes must be gone), as ``uid`` itself; directories it
     locked (``chmod 000``) are opened first."""
@@ -295,5 +305,8 @@ class Workspace:
             # What a lease can leave is what its uid owns: /tmp may hold other users' files (on a host, plenty).
             listing = await run(["find", self.workdir, "/tmp", "-mindepth", "1", "-user", str(self.user)],
                                 user=self.user, timeout_s=5)
-        others = [pid for pid in processes_of(None) if pid not in (1, os.getpid())]
+        # Not a lease's leftovers: this server, and init and what the container engine starts from outside (its
+        # HEALTHCHECK probe, `docker exec`), whose parent is outside this PID namespace (PPid 0). A lease's processes
+        # descend from this server and are reparented to init, never to 0.
+        others = [pid for pid in processes_of(None) if pid != os.getpid() and _parent(pid) not in (0, None)]
         return others, listing.stdout.decode(errors="replace").splitlines()[:20]

@@ -7,6 +7,7 @@ messages in context (role headers, separators, the next generation prompt), what
 
 from __future__ import annotations
 
+import hashlib
 import json
 from functools import cached_property
 from pathlib import Path
@@ -40,6 +41,14 @@ class ChatTokenizer:
     def from_pretrained(cls, path: str | Path) -> ChatTokenizer:
         """Load the tokenizer (and its chat template) of a checkpoint dir or hub name."""
         return cls(AutoTokenizer.from_pretrained(str(path)))
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """``NAME@HASH``: the checkpoint's name and a hash of the vocabulary (every token and id, special ones
+        included). Two tokenizers with one hash map text to the same ids."""
+        vocab = json.dumps(sorted(self.tokenizer.get_vocab().items()), ensure_ascii=False).encode()
+        name = Path(str(self.tokenizer.name_or_path)).name or "tokenizer"
+        return f"{name}@{hashlib.sha256(vocab).hexdigest()[:16]}"
 
     @property
     def template(self) -> str:

@@ -35,8 +35,9 @@ from generators.engines.base import EngineError
 from generators.engines.factory import EngineConfig, make_engine
 from generators.models import BUNDLED
 from generators.parsers import REASONING_PARSER_CHOICES, TOOL_PARSER_CHOICES
-from generators.report import EvalSummary, passed, summarize, write_html_report
+from generators.report import EvalSummary, describe_tools, passed, summarize, write_html_report
 from generators.rollout import GeneratorConfig
+from generators.tool_prompt import TOOL_PROMPT_CHOICES
 from generators.trajectory import Trajectory, write_jsonl
 
 if TYPE_CHECKING:
@@ -237,6 +238,8 @@ def print_summary(console: Console, summary: EvalSummary, out: Path) -> None:
     table.add_row("failed", f"{s.n_failed} (error or timeout; they score 0)")
     table.add_row("stop reasons", ", ".join(f"{r} {c}" for r, c in s.stop_reasons.items() if c) or "-")
     table.add_row("mean turns", f"{s.mean_turns:.2f}")
+    if s.tools:
+        table.add_row("tool use", describe_tools(s.tools))
     tokens = f"{s.tokens_per_s:.1f} ({s.model_tokens} model tokens)" if s.tokens_counted else "n/a (chat mode)"
     table.add_row("tokens/s", tokens)
     table.add_row("wall time", f"{s.wall_s:.1f} s (rollouts)")
@@ -303,6 +306,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, metavar="DIR", help="output dir (default: runs/eval/<env>-<YYYYmmdd-HHMMSS>)")
     p.add_argument("--tool-parser", choices=TOOL_PARSER_CHOICES, default="auto",
                    help="the format the model writes tool calls in (default: auto, read off its chat template)")
+    p.add_argument("--tool-prompt", choices=TOOL_PROMPT_CHOICES, default="auto",
+                   help="where the env's tools go: auto (written into the system message, in the --tool-parser "
+                        "format, when the chat template drops tools=), template, inject, none (default: auto)")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSER_CHOICES, default="auto",
                    help="think: <think> text goes to reasoning_content, not the env (default: auto, when the chat "
                         "template writes <think>)")
@@ -322,7 +328,7 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
             samples_per_prompt=args.samples, temperature=args.temperature, max_tokens=args.max_tokens,
             max_turns=args.max_turns, timeout_s=args.timeout, concurrency=args.concurrency,
             seed=args.seed if endpoint else None, tool_parser=args.tool_parser,
-            reasoning_parser=args.reasoning_parser,
+            reasoning_parser=args.reasoning_parser, tool_prompt=args.tool_prompt,
         )
         engine = EngineConfig("openai" if endpoint else "vllm", url=args.base_url, api_key=args.api_key,
                               server_seed=None if endpoint else args.seed)

@@ -13,7 +13,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,10 +56,39 @@ class EvalSummary:
     """Wall-clock seconds of the rollouts (not of starting the model server)."""
     errors: list[str]
     """The first few distinct error messages, in order of appearance."""
+    tools: dict[str, float] = field(default_factory=dict)
+    """What the agent did with its tools (:func:`tool_stats`); empty when no rollout called one."""
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-serializable dict."""
         return asdict(self)
+
+
+def tool_stats(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """What the agent did with its tools over the finished rollouts (empty when none wrote a call).
+
+    ``calls_per_episode`` and ``episodes_with_call`` (the share with at least one call) count calls that could be
+    read; ``calls``, ``unparsed`` (calls written but unreadable), ``errors``, ``timeouts`` and ``unknown`` (an env that
+    does not report how calls went) are totals; ``turns_per_episode`` is a mean; ``calls/NAME`` counts each tool and
+    ``execs/KIND`` the calls that ran code in a sandbox of that kind (docker, local)."""
+    done = [t for t in trajectories if not t.failed]
+    log = [entry for t in done for entry in t.tool_log]
+    if not log:
+        return {}
+    statuses = Counter(entry["status"] for entry in log)
+    stats: dict[str, float] = {
+        "calls_per_episode": sum(t.tool_calls for t in done) / len(done),
+        "episodes_with_call": sum(t.tool_calls > 0 for t in done) / len(done),
+        "turns_per_episode": sum(t.num_turns for t in done) / len(done),
+        "calls": len(log) - statuses["unparsed"],
+        **{key: statuses[status] for key, status in (("unparsed", "unparsed"), ("errors", "error"),
+                                                     ("timeouts", "timeout"), ("unknown", "unknown"))},
+    }
+    for name, count in sorted(Counter(e["name"] for e in log if e["status"] != "unparsed").items()):
+        stats[f"calls/{name}"] = count
+    for kind, count in sorted(Counter(e["sandbox"] for e in log if e.get("sandbox")).items()):
+        stats[f"execs/{kind}"] = count
+    return stats
 
 
 def summarize(trajectories: Sequence[Trajectory], *, wall_s: float, pass_threshold: float = 1.0) -> EvalSummary:
@@ -91,6 +120,7 @@ def summarize(trajectories: Sequence[Trajectory], *, wall_s: float, pass_thresho
         mean_turns=sum(t.num_turns for t in trajectories) / n if n else 0.0,
         wall_s=wall_s,
         errors=errors,
+        tools=tool_stats(trajectories),
     )
 
 
@@ -155,9 +185,24 @@ def _summary_table(s: EvalSummary) -> str:
         "model tokens": tokens,
         "wall time": f"{s.wall_s:.1f} s",
     }
+    if s.tools:
+        rows["tool use"] = describe_tools(s.tools)
     if s.errors:
         rows["errors (first distinct)"] = "\n".join(s.errors)
     return kv_table(rows)
+
+
+def describe_tools(stats: dict[str, float]) -> str:
+    """:func:`tool_stats` in a line or three of words."""
+    lines = [f"{stats['calls_per_episode']:.2f} calls per episode, {stats['episodes_with_call']:.1%} of episodes "
+             f"call a tool, {stats['turns_per_episode']:.2f} turns per episode",
+             f"{stats['calls']:.0f} calls: {stats['errors']:.0f} failed, {stats['timeouts']:.0f} timed out, "
+             f"{stats['unparsed']:.0f} more unreadable"]
+    per_tool = {k.removeprefix("calls/"): v for k, v in stats.items() if k.startswith("calls/")}
+    execs = {k.removeprefix("execs/"): v for k, v in stats.items() if k.startswith("execs/")}
+    where = "; ran in sandboxes: " + ", ".join(f"{kind} {n:.0f}" for kind, n in execs.items()) if execs else ""
+    lines.append("by tool: " + ", ".join(f"{name} {n:.0f}" for name, n in per_tool.items()) + where)
+    return "\n".join(lines)
 
 
 def _bins(rewards: list[float]) -> list[tuple[str, int]]:
@@ -228,17 +273,31 @@ def trajectory_html(index: int, t: Trajectory, pass_threshold: float, attrs: dic
         "template mismatches": t.template_mismatches, "policy version": t.policy_version,
         "timings (s)": {k: round(v, 3) for k, v in t.timings.items()},
     }
+    if t.tool_log:
+        meta["tool calls"] = "\n".join(_call_note(e, with_turn=True) for e in t.tool_log)
     if t.error:
         meta = {"error": t.error, **meta}
-    messages = "".join(_message(m) for m in t.messages) or "<p class=muted>no messages</p>"
+    answered = iter([e for e in t.tool_log if e["status"] != "unparsed"])  # one tool message per call, in order
+    messages = "".join(_message(m, _call_note(next(answered, {})) if m.get("role") == "tool" else "")
+                       for m in t.messages) or "<p class=muted>no messages</p>"
     data = "".join(f' data-{escape(k)}="{escape(v)}"' for k, v in (attrs or {}).items())
     return f'<details class="traj {status}"{data}><summary>{head}</summary>{kv_table(meta)}{messages}</details>'
 
 
-def _message(m: dict[str, Any]) -> str:
+def _call_note(entry: dict[str, Any], *, with_turn: bool = False) -> str:
+    """One :attr:`Trajectory.tool_log` entry in words: ``python ok in docker (0.021 s)``."""
+    if not entry:
+        return ""
+    where = f" in {entry['sandbox']}" if entry.get("sandbox") else ""
+    took = f" ({entry['exec_s']:g} s)" if isinstance(entry.get("exec_s"), int | float) else ""
+    turn = f"turn {entry.get('turn')}: " if with_turn else ""
+    return f"{turn}{entry.get('name') or 'unreadable call'} {entry.get('status')}{where}{took}"
+
+
+def _message(m: dict[str, Any], note: str = "") -> str:
     role = str(m.get("role", "?"))
     who = role + (f" · {m['name']}" if m.get("name") else "") + \
-        (f" · answers {m['tool_call_id']}" if m.get("tool_call_id") else "")
+        (f" · answers {m['tool_call_id']}" if m.get("tool_call_id") else "") + (f" · {note}" if note else "")
     content = m.get("content")
     parts = [f'<div class="msg role-{escape(role)}"><div class=role>{escape(who)}</div>']
     if m.get("reasoning_content"):

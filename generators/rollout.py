@@ -8,6 +8,10 @@
 
 Stops: the env ends the episode (``done``), ``max_turns`` model turns, ``max_tokens`` of context, the per-rollout
 wall-clock ``timeout``, or an ``error`` raised by the env or the engine (recorded on the trajectory).
+
+The opening messages carry the env's tools as the chat template wants them, or written into the system message
+where the template drops them (:mod:`generators.tool_prompt`). :meth:`Generator.demonstrate` plays the same loop with
+the env's own demonstrations in the model's place (supervised data whose tool outputs are real).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +29,7 @@ from envkit import Env, Message, Task
 from generators.engines.base import Completion, InferenceEngine, SamplingParams
 from generators.engines.replicas import Session, rollout_session
 from generators.parsers import REASONING_PARSER_CHOICES, TOOL_PARSER_CHOICES, OutputParser
+from generators.tool_prompt import TOOL_PROMPT_CHOICES, ToolPrompt, write_calls
 from generators.trajectory import StopReason, Trajectory
 
 if TYPE_CHECKING:
@@ -69,6 +74,9 @@ class GeneratorConfig:
     """think: ``<think>...</think>`` text goes to the message's reasoning_content, not its content, and calls in it
     are not made; none: the env sees the text as written; auto: think when the chat template writes ``<think>``
     (always in chat mode). The trajectory's token ids are the same either way."""
+    tool_prompt: str = "auto"
+    """Where the env's tools go (generators/tool_prompt.py): auto (into the system message, in the tool parser's
+    format, when the chat template drops tools=; else to the template), template, inject, or none."""
 
     @property
     def sampling(self) -> SamplingParams:
@@ -84,7 +92,8 @@ class GeneratorConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         self.sampling  # noqa: B018 (validates temperature and top_p)
-        for name, choices in (("tool_parser", TOOL_PARSER_CHOICES), ("reasoning_parser", REASONING_PARSER_CHOICES)):
+        for name, choices in (("tool_parser", TOOL_PARSER_CHOICES), ("reasoning_parser", REASONING_PARSER_CHOICES),
+                              ("tool_prompt", TOOL_PROMPT_CHOICES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
 
@@ -95,6 +104,9 @@ class _Rollout:
 
     traj: Trajectory
     tools: list[dict[str, Any]] | None = None
+    """The env's tools as OpenAI schemas (what the parser types calls by)."""
+    template_tools: list[dict[str, Any]] | None = None
+    """The tools the chat template is given (None where they are written into the system message)."""
     ids: list[int] = field(default_factory=list)
     """The running context: prompt plus response so far."""
     written: dict[int, str] = field(default_factory=dict)
@@ -108,21 +120,31 @@ def env_factory(name: str, **kwargs: Any) -> EnvFactory:
     return lambda: envkit.make(name, **kwargs)
 
 
-class Generator:
-    """Runs rollouts of ``engine`` in envs. ``tokenizer`` is required for token-in/token-out engines."""
+Turn = Callable[[Env, "_Rollout", int], Awaitable[tuple[Message, Completion, str]]]
+"""Who writes an assistant turn: ``(env, rollout, max_tokens) -> (message, completion, text written)``."""
 
-    def __init__(self, engine: InferenceEngine, tokenizer: ChatTokenizer | None,
+
+class Generator:
+    """Runs rollouts of ``engine`` in envs. ``tokenizer`` is required for token-in/token-out engines; with no engine
+    the generator only plays demonstrations (:meth:`demonstrate`)."""
+
+    def __init__(self, engine: InferenceEngine | None, tokenizer: ChatTokenizer | None,
                  config: GeneratorConfig | None = None) -> None:
-        if engine.supports_token_ids and tokenizer is None:
-            raise ValueError(f"{type(engine).__name__} generates from token ids; pass its ChatTokenizer")
+        if (engine is None or engine.supports_token_ids) and tokenizer is None:
+            what = "demonstrations are token ids" if engine is None else f"{type(engine).__name__} generates from ids"
+            raise ValueError(f"{what}: pass the model's ChatTokenizer")
         self.engine = engine
         self.tokenizer = tokenizer
         self.config = config or GeneratorConfig()
         self.parser = OutputParser.for_template(
             tokenizer.template if tokenizer else None, tokenizer.generation_prompt if tokenizer else "",
             tool_parser=self.config.tool_parser, reasoning_parser=self.config.reasoning_parser)
-        log.info("tool calls read as %s, reasoning %s", self.parser.tool_parser,
-                 "split off" if self.parser.think else "left in the content")
+        self.tool_prompt = ToolPrompt.resolve(self.config.tool_prompt, self.parser.tool_parser,
+                                              tokenizer.tokenizer if tokenizer else None)
+        log.info("tool calls read as %s, reasoning %s, tools %s", self.parser.tool_parser,
+                 "split off" if self.parser.think else "left in the content",
+                 "written into the system message" if self.tool_prompt.inject
+                 else "given to the chat template" if self.tool_prompt.to_template else "left out of the prompt")
 
     async def generate(
         self,
@@ -141,6 +163,28 @@ class Generator:
         (an async trainer takes groups as they complete). Failed rollouts come back with ``stop_reason``
         error/timeout.
         """
+        if self.engine is None:
+            raise ValueError("this generator has no engine: it can only play demonstrations (demonstrate())")
+        return await self._run(make_env, self._model_turn, self.config.samples_per_prompt, tasks=tasks, seeds=seeds,
+                               env_name=env_name, on_done=on_done, on_group=on_group)
+
+    async def demonstrate(self, make_env: EnvFactory, *, tasks: Sequence[Task] | None = None,
+                          seeds: Sequence[int] | None = None, env_name: str = "",
+                          on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
+        """One episode per task (or seed) in which the env's :meth:`~envkit.Env.demonstrate` writes every assistant
+        turn in the model's place: supervised data laid out exactly as the model's rollouts are.
+
+        Each demonstrated turn is written as text the way the model is taught to write it (tool calls in the tool
+        parser's format), tokenized, given loss_mask 1 (logprobs 0.0), read back by the parser and stepped in the
+        env for real, so tool outputs and rewards are genuine. ``policy_version`` is -1: no policy sampled it. An env
+        without demonstrations fails every rollout with a NotImplementedError in ``error``.
+        """
+        return await self._run(make_env, self._demo_turn, 1, tasks=tasks, seeds=seeds, env_name=env_name,
+                               on_done=on_done)
+
+    async def _run(self, make_env: EnvFactory, turn: Turn, samples: int, *, tasks: Sequence[Task] | None,
+                   seeds: Sequence[int] | None, env_name: str, on_done: Callable[[Trajectory], None] | None = None,
+                   on_group: Callable[[int, list[Trajectory]], None] | None = None) -> list[Trajectory]:
         if (tasks is None) == (seeds is None):
             raise ValueError("pass exactly one of tasks= or seeds=")
         starts: list[tuple[Task | None, int | None]] = (
@@ -150,18 +194,17 @@ class Generator:
 
         async def one(task: Task | None, seed: int | None, group: str, k: int) -> Trajectory:
             async with limit:
-                traj = await self.rollout(make_env, task=task, seed=seed, group_id=group, sample_index=k,
-                                          env_name=env_name)
+                traj = await self._rollout(make_env, turn, task=task, seed=seed, group_id=group, sample_index=k,
+                                           env_name=env_name)
             if on_done is not None:
                 on_done(traj)
             return traj
 
         async def group(i: int, task: Task | None, seed: int | None) -> list[Trajectory]:
-            samples = await asyncio.gather(*(one(task, seed, _group_id(task, seed, i), k)
-                                             for k in range(self.config.samples_per_prompt)))
+            samples_ = await asyncio.gather(*(one(task, seed, _group_id(task, seed, i), k) for k in range(samples)))
             if on_group is not None:
-                on_group(i, samples)
-            return samples
+                on_group(i, samples_)
+            return samples_
 
         groups = await asyncio.gather(*(group(i, task, seed) for i, (task, seed) in enumerate(starts)))
         return [t for samples in groups for t in samples]
@@ -169,8 +212,15 @@ class Generator:
     async def rollout(self, make_env: EnvFactory, *, task: Task | None = None, seed: int | None = None,
                       group_id: str = "", sample_index: int = 0, env_name: str = "") -> Trajectory:
         """One episode. Never raises for env or engine faults: they end up in ``stop_reason``/``error``."""
+        return await self._rollout(make_env, self._model_turn, task=task, seed=seed, group_id=group_id,
+                                   sample_index=sample_index, env_name=env_name)
+
+    async def _rollout(self, make_env: EnvFactory, turn: Turn, *, task: Task | None, seed: int | None,
+                       group_id: str, sample_index: int, env_name: str) -> Trajectory:
+        version = -1 if turn == self._demo_turn else self.engine.weight_version if self.engine else 0
         traj = Trajectory(group_id=group_id, sample_index=sample_index, seed=seed, env_name=env_name,
-                          task_id=(task or {}).get("id"), policy_version=self.engine.weight_version)
+                          task_id=(task or {}).get("id"), policy_version=version,
+                          tokenizer=self.tokenizer.fingerprint if self.tokenizer else "")
         state = _Rollout(traj)
         start = time.perf_counter()
         env: Env | None = None
@@ -178,7 +228,7 @@ class Generator:
         try:
             async with asyncio.timeout(self.config.timeout_s):
                 env = make_env()
-                traj.stop_reason = await self._episode(env, state, task, seed)
+                traj.stop_reason = await self._episode(env, state, task, seed, turn)
         except TimeoutError:
             traj.stop_reason, traj.error = "timeout", f"rollout exceeded {self.config.timeout_s:g} s"
         except Exception as e:
@@ -191,16 +241,17 @@ class Generator:
             traj.timings = {"generate": state.generate_s, "env": state.env_s, "total": time.perf_counter() - start}
         return traj
 
-    async def _episode(self, env: Env, state: _Rollout, task: Task | None, seed: int | None) -> StopReason:
+    async def _episode(self, env: Env, state: _Rollout, task: Task | None, seed: int | None, turn: Turn
+                       ) -> StopReason:
         traj, cfg = state.traj, self.config
         t0 = time.perf_counter()
         await env.init()
         messages, _ = await env.reset(seed=seed, task=task)
         state.env_s += time.perf_counter() - t0
-        traj.messages = list(messages)
         state.tools = [t.to_openai() for t in env.tools] or None
+        traj.messages, state.template_tools = self.tool_prompt.apply(list(messages), state.tools)
         if self.tokenizer is not None:
-            traj.prompt_ids = self.tokenizer.prompt_ids(traj.messages, state.tools)
+            traj.prompt_ids = self.tokenizer.prompt_ids(traj.messages, state.template_tools)
             state.ids = list(traj.prompt_ids)
         pending: list[int] = []  # env tokens, appended only once another model turn follows them
         while True:
@@ -210,7 +261,7 @@ class Generator:
             if budget <= 0:
                 return "max_tokens"
             self._append(state, pending, None)
-            action, completion, text = await self._model_turn(state, min(cfg.sampling.max_tokens, budget))
+            action, completion, text = await turn(env, state, min(cfg.sampling.max_tokens, budget))
             state.written[len(traj.messages)] = text
             traj.messages.append(action)
             traj.num_turns += 1
@@ -221,22 +272,38 @@ class Generator:
             traj.step_rewards.append(result.reward)
             traj.reward += result.reward
             traj.messages.extend(result.observation)
+            traj.tool_log.extend(_tool_log(traj.num_turns, action, result.info))
             if result.done:
                 traj.truncated = result.truncated and not result.terminated
                 return "done"
             if self.tokenizer is not None:
                 pending = self.tokenizer.close_turn(completion.token_ids)
-                pending += self.tokenizer.observation_ids(list(result.observation), state.tools)
+                pending += self.tokenizer.observation_ids(list(result.observation), state.template_tools)
                 if cfg.check_template and self.tokenizer.render(_as_written(traj.messages, state.written),
-                                                                state.tools) != state.ids + pending:
+                                                                state.template_tools) != state.ids + pending:
                     traj.template_mismatches += 1
 
-    async def _model_turn(self, state: _Rollout, max_tokens: int) -> tuple[Message, Completion, str]:
+    async def _demo_turn(self, env: Env, state: _Rollout, max_tokens: int) -> tuple[Message, Completion, str]:
+        """The env's demonstration as a model turn: written in the taught format, tokenized, loss_mask 1."""
+        assert self.tokenizer is not None  # __init__ requires one without an engine
+        shown = await env.demonstrate(list(state.traj.messages))
+        calls = shown.get("tool_calls") or []
+        content = shown.get("content") or ""
+        text = "\n".join(part for part in (content, write_calls(calls, self.parser.tool_parser) if calls else "")
+                         if part)
+        written = self.tokenizer.tokenizer.encode(text, add_special_tokens=False)[:max_tokens - 1]
+        ids = [*written, self.tokenizer.eos_id]
+        self._append(state, ids, [0.0] * len(ids))
+        return self.parser.parse(text, state.tools), Completion(ids, [], "stop", -1), text
+
+    async def _model_turn(self, env: Env, state: _Rollout, max_tokens: int) -> tuple[Message, Completion, str]:
         """One model turn: the assistant message the env sees, the completion, and the text the model wrote."""
+        assert self.engine is not None  # generate() refuses to run without one
         sampling = replace(self.config.sampling, max_tokens=max_tokens)
         t0 = time.perf_counter()
         if self.tokenizer is None:  # chat mode: no token ids; the endpoint's tool calls, else ones in the text
-            chat = await self.engine.chat(state.traj.messages, self._seeded(sampling, state, 0), state.tools)
+            chat = await self.engine.chat(state.traj.messages, self._seeded(sampling, state, 0),
+                                          state.template_tools)
             self._mark_version(state.traj, chat.weight_version)
             state.generate_s += time.perf_counter() - t0
             text = chat.content or ""
@@ -287,6 +354,18 @@ class Generator:
         except Exception as e:  # a failing close must not turn a finished rollout into a failed one
             log.warning("env.close() failed for %s (task %s): %s: %s", traj.env_name, traj.task_id,
                         type(e).__name__, e)
+
+
+def _tool_log(turn: int, action: Message, info: dict[str, Any]) -> list[dict[str, Any]]:
+    """The entries of :attr:`Trajectory.tool_log` for one step: each call the model wrote, with how it went as the
+    env reports it (``info["tool_results"]``, :class:`envkit.ToolEnv`'s), else status unknown; and each call it
+    wrote that could not be read."""
+    calls = action.get("tool_calls") or []
+    results = info.get("tool_results") if isinstance(info, dict) else None
+    if not (isinstance(results, list) and len(results) == len(calls) and all(isinstance(r, dict) for r in results)):
+        results = [{"name": c["function"]["name"], "status": "unknown"} for c in calls]
+    unread = [{"turn": turn, "name": None, "status": "unparsed"} for _ in action.get("tool_call_errors") or []]
+    return [{"turn": turn, **r} for r in results] + unread
 
 
 def _request_seed(base: int, traj: Trajectory, version: int, continuation: int = 0) -> int:

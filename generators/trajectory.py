@@ -36,7 +36,8 @@ class Trajectory:
     """The env ended the episode by truncation (its own budget) rather than termination."""
     error: str | None = None
     policy_version: int = 0
-    """The weight version that sampled the first model token (the oldest, so the one staleness counts from)."""
+    """The weight version that sampled the first model token (the oldest, so the one staleness counts from); -1 for
+    a demonstration, whose assistant turns the env wrote (``Generator.demonstrate``)."""
     version_spans: list[list[int]] = field(default_factory=list)
     """``[response position, weight version]`` at the first model token and wherever the version that sampled the
     model tokens changes: within a turn when a weight update interrupted it (partial rollouts), else between turns."""
@@ -49,6 +50,13 @@ class Trajectory:
     seed: int | None = None
     template_mismatches: int = 0
     """Turns where re-rendering the chat would not reproduce the running token ids (counted, never fixed up)."""
+    tool_log: list[dict[str, Any]] = field(default_factory=list)
+    """One entry per tool call the model wrote, in order: ``turn``, ``name``, ``status`` (ok, error, timeout as the
+    env reports it; unknown where it does not; unparsed for a call that could not be read, with name None) and what
+    the tool added (``sandbox``: where code ran)."""
+    tokenizer: str = ""
+    """``NAME@HASH`` of the tokenizer whose ids these are (:attr:`ChatTokenizer.fingerprint`): ids mean nothing to a
+    model with another vocabulary."""
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds spent: ``generate`` (model), ``env`` (reset+step), ``total``."""
 
@@ -56,6 +64,11 @@ class Trajectory:
     def failed(self) -> bool:
         """True for rollouts that errored or timed out; trainers drop these."""
         return self.stop_reason in ("error", "timeout")
+
+    @property
+    def tool_calls(self) -> int:
+        """How many tool calls the model wrote that could be read."""
+        return sum(entry["status"] != "unparsed" for entry in self.tool_log)
 
     @property
     def num_model_tokens(self) -> int:

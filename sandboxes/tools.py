@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 from envkit.core import StepResult, Task
 from envkit.messages import Message, system
 from envkit.tool_env import ToolEnv
-from envkit.tools import tool
+from envkit.tools import ToolOutput, ToolStatus, tool
 from sandboxes.base import ExecResult, Sandbox, SandboxLimits
 from sandboxes.env import _auto_kind, open_pool
 from sandboxes.pool import SandboxPool
@@ -110,8 +110,9 @@ class _CodeSandbox(ToolEnv):
     """Each call is killed, with every process it started, after this many seconds."""
     code_output_chars: ClassVar[int] = 4000
     """The most characters of a call's output the model sees."""
-    code_pool_size: ClassVar[int] = 4
-    """Sandboxes the shared pool keeps; episodes calling code at once beyond it wait for one."""
+    code_pool_size: int = 4
+    """Sandboxes the shared pool keeps; episodes calling code at once beyond it wait for one (an env may set it
+    per instance)."""
     code_limits: ClassVar[SandboxLimits] = TOOL_LIMITS
 
     _lease: tuple[SandboxPool, Sandbox] | None = None
@@ -122,6 +123,14 @@ class _CodeSandbox(ToolEnv):
             pool = await code_pool(self.code_sandbox, limits=self.code_limits, size=self.code_pool_size)
             self._lease = (pool, await pool.acquire())
         return await self._lease[1].exec(argv, timeout=self.code_timeout_s)
+
+    async def _tool_output(self, argv: list[str]) -> ToolOutput:
+        """Run one code tool call: its report as the model reads it, with ``status`` error for a non-zero exit and
+        timeout for a killed run, and where it ran (``sandbox``) for the run's metrics."""
+        result = await self.run_code(argv)
+        kind = self._lease[1].kind if self._lease else ""
+        status: ToolStatus = "timeout" if result.timed_out else "error" if result.exit_code else "ok"
+        return ToolOutput(self._report(result), status, {"sandbox": kind, "exec_s": round(result.duration_s, 4)})
 
     async def release_sandbox(self) -> None:
         """Give this episode's sandbox back to its pool, which scrubs it (a no-op when none is leased)."""
@@ -167,26 +176,26 @@ class PythonTool(_CodeSandbox):
     """A ToolEnv with a ``python`` tool that runs code in the episode's sandbox."""
 
     @tool
-    async def python(self, code: str) -> str:
+    async def python(self, code: str) -> ToolOutput:
         """Run a Python 3 program in a sandbox and return what it printed (files persist between calls).
 
         Args:
             code: the program's source; print what you want to see
         """
-        return self._report(await self.run_code(["python3", "-I", "-c", code]))
+        return await self._tool_output(["python3", "-I", "-c", code])
 
 
 class BashTool(_CodeSandbox):
     """A ToolEnv with a ``bash`` tool that runs commands in the episode's sandbox."""
 
     @tool
-    async def bash(self, command: str) -> str:
+    async def bash(self, command: str) -> ToolOutput:
         """Run a bash command in a sandbox and return its output (files persist between calls).
 
         Args:
             command: the command line, e.g. "ls -la" or "python3 solve.py"
         """
-        return self._report(await self.run_code(["bash", "-c", command]))
+        return await self._tool_output(["bash", "-c", command])
 
 
 class CodeTools(PythonTool, BashTool):

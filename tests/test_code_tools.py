@@ -78,6 +78,24 @@ async def test_an_episode_keeps_its_files_between_calls_and_the_next_gets_a_clea
     assert not _ours(docker_client)
 
 
+async def test_each_call_reports_how_it_went_and_where_it_ran(docker_client) -> None:
+    env = Probe()
+    cases = [("python", {"code": "print(1)"}, "ok"), ("python", {"code": "1/0"}, "error"),
+             ("bash", {"command": "exit 3"}, "error"), ("python", {"code": "import time; time.sleep(60)"}, "timeout"),
+             ("python", {"source": "print(1)"}, "error")]  # the last never reaches the sandbox: a wrong argument
+    try:
+        await env.reset()
+        for name, arguments, status in cases:
+            result = await env.step(call(name, **arguments))
+            [entry] = result.info["tool_results"]
+            assert (entry["name"], entry["status"]) == (name, status), (arguments, entry)
+            ran = "source" not in arguments
+            assert (entry.get("sandbox"), entry.get("exec_s", 0) > 0) == (("docker", True) if ran else (None, False))
+    finally:
+        await env.close()
+        await close_code_pools()
+
+
 async def test_timeouts_output_caps_and_errors_reach_the_model_as_text(docker_client) -> None:
     env = Probe()
     try:

@@ -14,7 +14,8 @@ from trainer.config import Config, ConfigError
 from trainer.sources import Mixture
 
 CONF = Path(trainer.__file__).parent / "conf"
-OPTIONS = sorted(f"{path.parent.name}={path.stem}" for path in CONF.glob("*/*.yaml"))
+# Recipes are added to a run (+recipe=NAME), not chosen from its defaults list like the groups.
+OPTIONS = sorted(f"{path.parent.name}={path.stem}" for path in CONF.glob("*/*.yaml") if path.parent.name != "recipe")
 
 
 def test_every_config_group_is_covered() -> None:
@@ -30,6 +31,13 @@ def test_every_shipped_config_composes(option: str) -> None:
     chosen = getattr(cfg, group)
     for key, value in (yaml.safe_load((CONF / group / f"{name}.yaml").read_text()) or {}).items():
         assert getattr(chosen, key) == value, (option, key)  # what the file sets is what the run gets
+
+
+def test_the_agent_recipe_composes_sft_then_rl_on_compute() -> None:
+    assert sorted(path.stem for path in (CONF / "recipe").glob("*.yaml")) == ["tool_agent"]
+    cfg = trainer.compose(["+recipe=tool_agent", "trainer.steps=3"])
+    assert cfg.stages == ["sft", "rl"] and cfg.env.name == "compute" and cfg.sft.data == "demos"
+    assert cfg.trainer.steps == 3  # the user's overrides still win over the recipe's
 
 
 @pytest.mark.parametrize("name", sorted(path.stem for path in (CONF / "env").glob("*.yaml")))

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
+import pytest
 from envkit_compute.env import _KINDS, ComputeEnv
 
 import envkit
@@ -34,3 +39,42 @@ async def test_the_final_number_is_graded_and_ends_the_episode() -> None:
     await env.reset(task={"question": "What is 6 * 7?", "answer": 42})
     assert (await env.step(envkit.assistant("The answer is 41."))).reward == 0.0
     await env.close()
+
+
+def test_every_kind_has_a_program_that_prints_its_answer() -> None:
+    tasks = ComputeEnv(num_train=200).tasks("train")
+    for name in _KINDS:
+        task = next(t for t in tasks if t["kind"] == name)
+        code = _KINDS[name].program(*task["args"])
+        out = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=30)
+        assert out.stdout.strip() == str(task["answer"]), (name, code, out.stderr)
+
+
+async def test_a_demonstration_calls_python_then_answers_what_it_printed() -> None:
+    env = envkit.make("compute")
+    task = ComputeEnv().tasks("train")[0]
+    with pytest.raises(envkit.errors.ResetNeededError):
+        await env.demonstrate([])
+    messages, _ = await env.reset(task=task)
+    [call] = (await env.demonstrate(messages))["tool_calls"]
+    assert call["function"]["name"] == "python"
+    assert json.loads(call["function"]["arguments"])["code"] == _KINDS[task["kind"]].program(*task["args"])
+    printed = [*messages, envkit.assistant(None, [call]), envkit.tool_result("1234", call["id"], "python")]
+    assert (await env.demonstrate(printed))["content"] == "The answer is 1234."
+    await env.reset(task={"question": "What is 6 * 7?", "answer": 42})  # not one of its own: nothing to show
+    with pytest.raises(envkit.errors.InvalidTaskError, match="only the env's own tasks can be demonstrated"):
+        await env.demonstrate([])
+    await env.close()
+
+
+async def test_allowed_tools_narrows_what_the_model_is_offered_and_may_call() -> None:
+    env = envkit.make("compute", allowed_tools=["python"])
+    assert [t.name for t in env.tools] == ["python"]
+    await env.reset(task={"question": "What is 6 * 7?", "answer": 42})
+    call = '<tool_call>{"name": "bash", "arguments": {"command": "echo 42"}}</tool_call>'
+    result = await env.step(envkit.assistant(call))
+    assert result.observation[0]["content"].startswith("Error: unknown tool 'bash'")
+    assert result.info["tool_results"] == [{"name": "bash", "status": "error"}]
+    await env.close()
+    with pytest.raises(ValueError, match="allowed_tools must name some of"):
+        ComputeEnv(allowed_tools=["perl"])

@@ -316,6 +316,23 @@ async def test_a_recycled_container_is_handed_out_clean(docker_client, arithmeti
             await pool.release(second)
 
 
+async def test_what_the_engine_runs_inside_is_no_lease_leftover(docker_client, arithmetic_image) -> None:
+    """A process the container engine starts from outside (its HEALTHCHECK probe, `docker exec`) is not a lease's:
+    a scrub that meets one still recycles the container (it used to replace it, which under load happened to a
+    tenth of the leases, whenever a release met the health probe)."""
+    async with SandboxPool(lambda: DockerSandbox(arithmetic_image, limits=TIGHT), size=1) as pool:
+        first = await pool.acquire()
+        docker_client.containers.get(first.name).exec_run(["sleep", "60"], detach=True)
+        running = await first.exec(["sh", "-c", "cat /proc/[0-9]*/cmdline"], timeout=10)
+        assert "sleep\x0060" in running.stdout  # it runs while the pool scrubs the container
+        await pool.release(first)
+        second = await pool.acquire()
+        try:
+            assert second is first
+        finally:
+            await pool.release(second)
+
+
 GRADER_HACKS = {
     # the hidden tests through the installed env package
     "import": """

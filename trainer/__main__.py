@@ -45,12 +45,17 @@ def main(raw: DictConfig) -> None:
         return
     print(json.dumps(results, indent=2))
     t = cfg.trainer
-    for name, how in (("accuracy", f"{t.eval_samples} samples per task at temperature {t.eval_temperature:g}"),
-                      ("greedy_accuracy", "greedy, one per task")):
+    sampled = f"{t.eval_samples} samples per task at temperature {t.eval_temperature:g}"
+    for name, how in (("accuracy", sampled), ("greedy_accuracy", "greedy, one per task"),
+                      ("tool_call_rate", f"episodes calling a tool, {sampled}")):
         before, after = results.get(f"{name}_before"), results.get(f"{name}_after")
-        if before is not None and after is not None:
-            print(f"held-out {name.replace('_', ' ')} on {cfg.env.name} ({cfg.env.eval_split} split, {how}): "
-                  f"{before:.1%} -> {after:.1%} ({(after - before) * 100:+.1f} points)")
+        if before is None or after is None:
+            continue
+        # with several stages: the value after each of them
+        path = "".join(f" -> {results[f'{name}_after_{s}']:.1%} after {s}" for s in cfg.stages
+                       if f"{name}_after_{s}" in results) if len(cfg.stages) > 1 else f" -> {after:.1%}"
+        print(f"held-out {name.replace('_', ' ')} on {cfg.env.name} ({cfg.env.eval_split} split, {how}): "
+              f"{before:.1%}{path} ({(after - before) * 100:+.1f} points)")
     for key in ("reward_curve", "report", "tensorboard"):
         if key in results:
             print(f"{key.replace('_', ' ')}: {results[key]}")

@@ -16,6 +16,7 @@ from hydra.core.config_store import ConfigStore
 
 from generators.engines.factory import EngineConfig
 from generators.rollout import GeneratorConfig
+from generators.trajectory import STOP_REASONS
 
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
 POLICY_LOSSES = ("ppo", "gspo")
@@ -26,6 +27,8 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and the fix."""
 
 
+STAGES = ("sft", "rl")
+SFT_DATA = ("demos", "trajectories", "chat")
 TASK_SOURCES = ("auto", "env", "seeds", "dataset")
 SANDBOXES = ("docker", "local", "auto")
 
@@ -256,6 +259,55 @@ class RolloutConfig(GeneratorConfig):
 
 
 @dataclass
+class SFTConfig:
+    """The supervised stage (``stages=[sft]``, or ``[sft, rl]`` to run GRPO from its weights; trainer/sft.py): the
+    mean negative log-likelihood of the model's own tokens (loss_mask 1), so prompts, tool outputs and env turns
+    are never trained on. Backend, LoRA, micro-batching, checkpoints and evaluation are the ``trainer``'s."""
+
+    data: str = "demos"
+    """demos (the run's env demonstrates its train tasks, played for real in its sandbox: ``Env.demonstrate``),
+    trajectories (JSONL written by ``envkit eval`` or a training run, filtered below: rejection sampling), or chat
+    (rows with ``messages`` and optional ``tools``: JSONL, JSON, Parquet or a ``datasets`` save_to_disk dir)."""
+    paths: list[str] = field(default_factory=list)
+    """trajectories: the JSONL files; chat: the dataset file or dir (one)."""
+    num_demos: int = 256
+    """demos: how many train tasks are demonstrated (the first of the env's train split)."""
+    min_reward: float | None = 1.0
+    """demos and trajectories: keep episodes with at least this reward (null keeps every reward)."""
+    envs: list[str] = field(default_factory=list)
+    """trajectories: keep these env names only (empty keeps all)."""
+    stop_reasons: list[str] = field(default_factory=lambda: ["done"])
+    """trajectories: keep episodes that stopped for one of these reasons."""
+    eval_fraction: float = 0.1
+    """Share of the data held out for the held-out loss (seeded; at least one sequence when there are two)."""
+    epochs: int = 2
+    batch_size: int = 16
+    """Sequences per optimizer step."""
+    lr: float = 1e-4
+    eval_every: int = 0
+    """Held-out loss every k optimizer steps (0: before and after training only)."""
+
+    def __post_init__(self) -> None:
+        _one_of("sft.data", self.data, SFT_DATA)
+        for name in ("epochs", "batch_size", "num_demos"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"sft.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.eval_fraction < 1:
+            raise ConfigError(f"sft.eval_fraction must be in [0, 1), got {self.eval_fraction}")
+        if self.lr <= 0:
+            raise ConfigError(f"sft.lr must be > 0, got {self.lr}")
+        if self.eval_every < 0:
+            raise ConfigError(f"sft.eval_every must be >= 0, got {self.eval_every}")
+        if self.data != "demos" and not self.paths:
+            raise ConfigError(f"sft.data={self.data} needs sft.paths=[...]: the trajectory JSONL files, or the chat "
+                              "dataset")
+        if self.data == "chat" and len(self.paths) != 1:
+            raise ConfigError(f"sft.data=chat reads one dataset; got sft.paths={list(self.paths)}")
+        for reason in self.stop_reasons:
+            _one_of("sft.stop_reasons", reason, STOP_REASONS)
+
+
+@dataclass
 class InferenceConfig(EngineConfig):
     """The inference engine the rollouts use (shared with ``envkit eval``; see ``generators/engines/factory.py``)."""
 
@@ -402,6 +454,10 @@ class PlacementConfig:
 class Config:
     """The whole run."""
 
+    stages: list[str] = field(default_factory=lambda: ["rl"])
+    """What the run does, in order, each stage from the weights the one before it left: ``[rl]`` (the default),
+    ``[sft]``, or ``[sft, rl]`` (supervised warm-up, then RL: ``+recipe=tool_agent``). With more than one stage
+    each writes into ``trainer.output_dir/<stage>``."""
     env: EnvConfig = field(default_factory=EnvConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
@@ -410,6 +466,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
 
     @property
     def mini_batch_size(self) -> int:
@@ -417,14 +474,22 @@ class Config:
         return self.trainer.mini_batch_size or self.generator.batch_size
 
     def __post_init__(self) -> None:
+        if not self.stages or len(set(self.stages)) < len(self.stages):
+            raise ConfigError(f"stages must list each stage once, in order, e.g. [sft, rl]; got {list(self.stages)}")
+        for stage in self.stages:
+            _one_of("stages", stage, STAGES)
+        if "sft" in self.stages and self.placement.backend != "local":
+            raise ConfigError("the sft stage runs with placement.backend=local (torchrun for more ranks); "
+                              "drop placement.backend=ray or the sft stage")
         batch = self.generator.batch_size
-        if self.mini_batch_size > batch or batch % self.mini_batch_size:
+        rl = "rl" in self.stages  # the sft stage has no rollout batch and no groups
+        if rl and (self.mini_batch_size > batch or batch % self.mini_batch_size):
             raise ConfigError(
                 f"trainer.mini_batch_size={self.mini_batch_size} must divide the rollout batch "
                 f"(generator.prompts_per_step × generator.samples_per_prompt = {self.generator.prompts_per_step} × "
                 f"{self.generator.samples_per_prompt} = {batch})"
             )
-        if self.algorithm.advantage in ("grpo", "dr_grpo", "rloo") and self.generator.samples_per_prompt < 2:
+        if rl and self.algorithm.advantage in ("grpo", "dr_grpo", "rloo") and self.generator.samples_per_prompt < 2:
             raise ConfigError(f"algorithm.advantage={self.algorithm.advantage} compares samples of one prompt: "
                               "set generator.samples_per_prompt >= 2")
         if self.placement.backend == "ray" and self.inference.url:

@@ -66,8 +66,10 @@ class StepBatch:
     counts: dict[str, int] = field(default_factory=dict)
 
 
-def train(cfg: Config) -> dict[str, Any]:
-    """Run ``cfg.trainer.steps`` training steps; returns the final metrics (held-out accuracy before/after)."""
+def train(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]:
+    """Run ``cfg.trainer.steps`` training steps; returns the final metrics (held-out accuracy before/after) and the
+    final weights' dir. ``evaluate_before=False`` skips the evaluation of the initial policy (a later stage's, which
+    the stage before it evaluated last)."""
     out = Path(cfg.trainer.output_dir)
     random.seed(cfg.trainer.seed)
     torch.manual_seed(cfg.trainer.seed)
@@ -97,12 +99,12 @@ def train(cfg: Config) -> dict[str, Any]:
         if engine is not None:
             runner.run(engine.start())
         if state.policy_version:  # resumed: serve the checkpoint's policy, not the initial one
-            _sync_weights(backend, engine, runner, out, state.policy_version, cfg.trainer.weight_sync)
+            sync_weights(backend, engine, runner, out, state.policy_version, cfg.trainer.weight_sync)
         generator = Generator(engine, tokenizer, cfg.generator) if engine is not None else None
-        evaluate = (generator is not None and envs is not None and logger is not None and cfg.trainer.eval_tasks > 0
+        evaluating = (generator is not None and envs is not None and logger is not None and cfg.trainer.eval_tasks > 0
                     and any(s.eval for s in envs.streams))
-        if evaluate and state.step == 0:
-            before = _evaluate(generator, envs, runner, cfg, logger, step=0)
+        if evaluating and evaluate_before and state.step == 0:
+            before = evaluate(generator, envs, runner, cfg, logger, step=0)
             results.update({f"{k}_before": v for k, v in before.items()})
 
         if cfg.trainer.mode == "async" and generator is not None and envs is not None:
@@ -133,7 +135,7 @@ def train(cfg: Config) -> dict[str, Any]:
             t0 = time.perf_counter()
             state.step += 1
             state.policy_version = state.step
-            from_memory = _sync_weights(backend, engine, runner, out, state.policy_version, cfg.trainer.weight_sync)
+            from_memory = sync_weights(backend, engine, runner, out, state.policy_version, cfg.trainer.weight_sync)
             if rollouts is not None:
                 runner.run(rollouts.set_version(state.policy_version))
             sync_s = time.perf_counter() - t0
@@ -153,13 +155,15 @@ def train(cfg: Config) -> dict[str, Any]:
                 }
                 logger.log_step(state.step, metrics, trajs)
                 every = cfg.trainer.eval_every
-                if evaluate and every and state.step % every == 0 and state.step < cfg.trainer.steps:
-                    _evaluate(generator, envs, runner, cfg, logger, step=state.step)
+                if evaluating and every and state.step % every == 0 and state.step < cfg.trainer.steps:
+                    evaluate(generator, envs, runner, cfg, logger, step=state.step)
 
-        if state.policy_version and cfg.trainer.weight_sync != "disk":  # synced from memory: put the policy on disk
-            backend.export_weights(out / "weights" / f"v{state.policy_version}")
-        if evaluate:
-            after = _evaluate(generator, envs, runner, cfg, logger, step=state.step)
+        weights = out / "weights" / f"v{state.policy_version}"
+        if state.policy_version and not weights.exists():  # synced from memory: put the policy on disk
+            backend.export_weights(weights)
+        results["weights"] = str(weights) if state.policy_version else str(model_path)
+        if evaluating:
+            after = evaluate(generator, envs, runner, cfg, logger, step=state.step)
             results.update({f"{k}_after": v for k, v in after.items()})
         if logger is not None:
             results.update(logger.finish(results))
@@ -360,7 +364,7 @@ def _add(stats: dict[str, list[float]], key: str, value: float | torch.Tensor) -
 # ------------------------------------------------------------------------------------------------- plumbing
 
 
-def _sync_weights(backend: TrainBackend, engine: InferenceEngine | None, runner: asyncio.Runner | LoopThread,
+def sync_weights(backend: TrainBackend, engine: InferenceEngine | None, runner: asyncio.Runner | LoopThread,
                   out: Path, version: int, how: str) -> bool:
     """Have the engine serve the policy as ``version``: sent from memory (``how`` memory, or auto where the engine
     can take it), else as an HF checkpoint it reloads (only the newest is kept); whether it went from memory. Every
@@ -391,11 +395,11 @@ async def _snapshot(envs: Mixture, rollouts: AsyncRollouts) -> tuple[dict[str, d
     return envs.state(), rollouts.pending()
 
 
-def _evaluate(generator: Generator, envs: Mixture, runner: asyncio.Runner, cfg: Config, logger: RunLogger, *,
-              step: int) -> dict[str, float]:
+def evaluate(generator: Generator, envs: Mixture, runner: asyncio.Runner | LoopThread, cfg: Config,
+             logger: RunLogger, *, step: int) -> dict[str, float]:
     """Held-out accuracy (fraction of rollouts with reward >= 1) and mean reward, over every env and per env of a
     mixture: sampled at the eval temperature with ``eval_samples`` per task, and greedy (one per task) when
-    ``eval_greedy``."""
+    ``eval_greedy``. Where an env has tools, also the share of episodes that called one (``tool_call_rate``)."""
     settings = {"accuracy": (cfg.trainer.eval_temperature, cfg.trainer.eval_samples)}
     if cfg.trainer.eval_greedy:
         settings["greedy_accuracy"] = (0.0, 1)
@@ -408,10 +412,14 @@ def _evaluate(generator: Generator, envs: Mixture, runner: asyncio.Runner, cfg: 
             f"{label}/": [t for t in trajs if t.env_name == label] for label in envs.labels}}
         reward_name = "reward" if name == "accuracy" else "greedy_reward"
         values: dict[str, float] = {}
+        tool_envs = {s.label for s in envs.streams if s.tools}
         for prefix, group in groups.items():
             n = max(len(group), 1)
             values[prefix + name] = sum(passed(t) for t in group) / n
             values[prefix + reward_name] = sum(t.reward for t in group if not t.failed) / n
+            if any(t.env_name in tool_envs or t.tool_log for t in group):
+                rate = "tool_call_rate" if name == "accuracy" else "greedy_tool_call_rate"
+                values[prefix + rate] = sum(t.tool_calls > 0 for t in group if not t.failed) / n
         logger.log_eval(step, name, values, trajs)
         results.update(values)
     return results

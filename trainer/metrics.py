@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from torch.utils.tensorboard import SummaryWriter
 
-from generators.report import passed
+from generators.report import passed, tool_stats
 from generators.trajectory import Trajectory, write_jsonl
 from trainer.config import Config
 from trainer.report import Phase, RunRecord, write_run_report
@@ -36,9 +36,11 @@ MAX_STEP_PHASES = 50
 class RunLogger:
     """Everything a run reports, written under ``out`` (rank 0 only)."""
 
-    def __init__(self, out: Path, cfg: Config, *, total_steps: int, start_step: int = 0) -> None:
+    def __init__(self, out: Path, cfg: Config, *, total_steps: int, start_step: int = 0, stage: str = "rl") -> None:
         self.out = out
         self.cfg = cfg
+        self.stage = stage
+        """rl or sft: what the curves show (rewards, or losses)."""
         out.mkdir(parents=True, exist_ok=True)
         self.console = Console(stderr=True)
         self.env_names = ", ".join(m.display_name for m in cfg.env.members)
@@ -56,11 +58,11 @@ class RunLogger:
         self.wandb = self._init_wandb() if cfg.logging.wandb else None
         self.progress = Progress(
             TextColumn("[bold]train[/bold]"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("reward {task.fields[reward]}"), TextColumn("{task.fields[tps]} tok/s"),
+            TextColumn("{task.fields[headline]}"), TextColumn("{task.fields[tps]} tok/s"),
             TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
             console=self.console, disable=not cfg.logging.progress,
         )
-        self.task = self.progress.add_task("train", total=total_steps, reward="-", tps="-")
+        self.task = self.progress.add_task("train", total=total_steps, headline="-", tps="-")
         self.progress.start()
         self._t0 = time.perf_counter()
 
@@ -68,10 +70,10 @@ class RunLogger:
         """The steps and evaluations up to ``start_step`` that an earlier process of this run logged."""
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
         rows = [r for r in rows if r["step"] <= start_step]
-        steps = {r["step"]: r for r in rows if "reward/mean" in r}  # the last write of a step wins
+        steps = {r["step"]: r for r in rows if not is_eval_row(r)}  # the last write of a step wins
         self.history = [steps[s] for s in sorted(steps)]
         for row in rows:
-            if "reward/mean" not in row:
+            if is_eval_row(row):
                 self._add_eval(row["step"], {k: v for k, v in row.items() if k != "step"})
 
     def _add_eval(self, step: int, metrics: dict[str, float]) -> None:
@@ -89,34 +91,45 @@ class RunLogger:
     def log_step(self, step: int, metrics: dict[str, float], trajectories: list[Trajectory]) -> None:
         """Record one training step's metrics."""
         self.history.append({"step": step, **metrics})
-        self.last_trajectories = trajectories
-        self.phases.append(Phase(f"step-{step}", f"step {step}", _sample(trajectories, STEP_GROUPS), len(trajectories)))
+        if trajectories:
+            self.last_trajectories = trajectories
+            self.phases.append(Phase(f"step-{step}", f"step {step}", sample_groups(trajectories, STEP_GROUPS),
+                                     len(trajectories)))
         self._metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
         self._metrics_file.flush()
         self._scalars(step, metrics)
         step_s = metrics.get("time/step_s", 0.0)
-        tps = metrics.get("rollout/model_tokens", 0.0) / step_s if step_s else 0.0
-        self.progress.update(self.task, completed=step, reward=f"{metrics.get('reward/mean', 0.0):.3f}",
-                             tps=f"{tps:.0f}")
+        tokens = metrics.get("rollout/model_tokens", metrics.get("train/tokens", 0.0))
+        headline = (f"reward {metrics['reward/mean']:.3f}" if "reward/mean" in metrics
+                    else f"loss {metrics.get('train/loss', 0.0):.4f}")
+        self.progress.update(self.task, completed=step, headline=headline,
+                             tps=f"{tokens / step_s if step_s else 0.0:.0f}")
         if not self.cfg.logging.progress or not self.console.is_terminal:  # a bar draws only on a terminal
-            self.console.print(f"step {step}: reward {metrics.get('reward/mean', 0.0):.3f}, "
-                               f"loss {metrics.get('train/loss', 0.0):.4f}, {step_s:.1f} s")
+            loss = f", loss {metrics.get('train/loss', 0.0):.4f}" if "reward/mean" in metrics else ""
+            self.console.print(f"step {step}: {headline}{loss}, {step_s:.1f} s")
 
     def log_eval(self, step: int, name: str, values: dict[str, float], trajectories: list[Trajectory]) -> None:
         """Record one held-out evaluation: ``name`` (accuracy or greedy_accuracy) with the mean reward and, for a
-        mixture, both per env (``values`` keys as in :func:`trainer.loop._evaluate`)."""
+        mixture, both per env (``values`` keys as in :func:`trainer.loop.evaluate`); or the supervised stage's
+        held-out ``loss``. An accuracy evaluation's rollouts go to ``evals/step-N.jsonl``."""
         metrics = {f"eval/{key}": value for key, value in values.items()}
         self._add_eval(step, metrics)
         if name == "accuracy":
             self.eval_trajectories = trajectories
             self.phases.append(Phase(f"eval-{step}", f"held-out eval at step {step}",
-                                     _sample(trajectories, EVAL_GROUPS), len(trajectories)))
+                                     sample_groups(trajectories, EVAL_GROUPS), len(trajectories)))
+            write_jsonl(trajectories, self.out / "evals" / f"step-{step:06d}.jsonl")
         self._metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
         self._metrics_file.flush()
         self._scalars(step, metrics)
+        if name == "loss":
+            self.progress.console.print(f"held-out loss at step {step}: {values[name]:.4f}")
+            return
         reward = values.get("reward" if name == "accuracy" else "greedy_reward", 0.0)
+        calls = values.get("tool_call_rate" if name == "accuracy" else "greedy_tool_call_rate")
+        tools = f", {calls:.1%} of episodes call a tool" if calls is not None else ""
         self.progress.console.print(f"held-out {name.replace('_', ' ')} at step {step}: {values[name]:.1%}, mean "
-                                    f"reward {reward:.3f} ({len(trajectories)} rollouts)")
+                                    f"reward {reward:.3f}{tools} ({len(trajectories)} rollouts)")
 
     def _scalars(self, step: int, metrics: dict[str, float]) -> None:
         if self.tb is not None:
@@ -151,8 +164,19 @@ class RunLogger:
 
         fig, ax = plt.subplots(figsize=(8, 4.2))
         steps = [h["step"] for h in self.history]
-        ax.plot(steps, [h.get("reward/mean", 0.0) for h in self.history], label="train reward (mean)")
-        for member in self.cfg.env.members if len(self.cfg.env.members) > 1 else []:
+        supervised = self.stage == "sft"
+        if supervised:
+            losses = ax.twinx()
+            losses.plot(steps, [h.get("train/loss", float("nan")) for h in self.history], "C3-", label="train loss")
+            held = [(e["step"], e["eval/loss"]) for e in self.evals if "eval/loss" in e]
+            if held:
+                losses.plot(*zip(*held, strict=True), "C3o--", label="held-out loss")
+            losses.set_ylabel("loss (mean NLL of model tokens)")
+            losses.set_ylim(bottom=0)
+            losses.legend(fontsize=8, loc="upper right")
+        else:
+            ax.plot(steps, [h.get("reward/mean", 0.0) for h in self.history], label="train reward (mean)")
+        for member in self.cfg.env.members if len(self.cfg.env.members) > 1 and not supervised else []:
             key = f"env/{member.display_name}/reward/mean"
             ax.plot(steps, [h.get(key, float("nan")) for h in self.history], alpha=0.6,
                     label=f"train reward: {member.display_name}")
@@ -172,7 +196,8 @@ class RunLogger:
             versions.legend(fontsize=8, loc="lower right")
         ax.set_xlabel("step")
         ax.set_ylim(-0.05, 1.05)
-        ax.set_title(f"{self.env_names}: {self.cfg.algorithm.advantage} on {self.cfg.model.path}")
+        what = "sft" if supervised else self.cfg.algorithm.advantage
+        ax.set_title(f"{self.env_names}: {what} on {self.cfg.model.path}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
@@ -211,6 +236,7 @@ def rollout_metrics(trajs: list[Trajectory], batch: StepBatch, version: int) -> 
             mine = [t for t in trajs if t.env_name == label]
             metrics.update({f"env/{label}/{k}": v for k, v in _outcomes(mine).items()})
             metrics[f"env/{label}/rollouts"] = len(mine)
+    metrics.update({f"tools/{k}": v for k, v in tool_stats(trajs).items()})
     gen_s = sum(t.timings.get("generate", 0.0) for t in trajs)
     metrics["rollout/model_tokens"] = sum(t.num_model_tokens for t in trajs)
     metrics["train/tokens"] = sum(len(t.prompt_ids) + len(t.response_ids) for t in batch.trajectories)
@@ -228,6 +254,11 @@ def _outcomes(trajs: list[Trajectory]) -> dict[str, float]:
     return metrics
 
 
+def is_eval_row(row: dict[str, Any]) -> bool:
+    """A metrics.jsonl row written by an evaluation (only ``eval/`` keys beside the step)."""
+    return all(key.startswith("eval/") for key in row if key != "step")
+
+
 def _thin(phases: list[Phase], limit: int) -> list[Phase]:
     """Every evaluation, and at most ``limit`` training steps: evenly spaced, the last one included."""
     steps = [p for p in phases if p.key.startswith("step-")]
@@ -237,7 +268,7 @@ def _thin(phases: list[Phase], limit: int) -> list[Phase]:
     return [p for p in phases if not p.key.startswith("step-") or id(p) in keep]
 
 
-def _sample(trajectories: list[Trajectory], groups: int) -> list[Trajectory]:
+def sample_groups(trajectories: list[Trajectory], groups: int) -> list[Trajectory]:
     """Every rollout of the first ``groups`` groups of each env."""
     kept: dict[str, list[str]] = {}
     for t in trajectories:

@@ -22,9 +22,11 @@ STEP_COLUMNS = {
     "reward/mean": "reward", "reward/pass_rate": "pass rate", "rollout/turns": "turns",
     "rollout/response_tokens": "model tokens/rollout", "rollout/trained": "trained", "rollout/failed": "failed",
     "rollout/zero_variance_groups": "flat groups", "rollout/staleness": "staleness",
-    "rollout/stale_dropped": "stale dropped", "train/loss": "loss", "train/grad_norm": "grad norm",
-    "train/entropy": "entropy", "train/clip_fraction": "clipped", "time/generate_s": "generate s",
-    "time/train_s": "train s", "time/step_s": "step s",
+    "rollout/stale_dropped": "stale dropped", "tools/episodes_with_call": "calling a tool",
+    "tools/calls_per_episode": "tool calls/episode", "tools/errors": "tool errors", "tools/timeouts": "tool timeouts",
+    "tools/unparsed": "unreadable calls", "train/loss": "loss", "train/grad_norm": "grad norm",
+    "train/entropy": "entropy", "train/clip_fraction": "clipped", "train/tokens_per_s": "train tokens/s",
+    "time/generate_s": "generate s", "time/train_s": "train s", "time/step_s": "step s",
 }
 """metrics.jsonl keys shown in the per-step table, and their column titles (the file has them all)."""
 

@@ -112,6 +112,8 @@ class EnvStream:
     """Prompts drawn so far (what the mixture's quotas balance)."""
     pool: Any = None
     """The warm SandboxPool of a sandboxed env."""
+    tools: bool = False
+    """Whether the env offers the model tools: known once opened where its task lists are read from an env."""
     make_env: Callable[..., Env] = envkit.make
     """``envkit.make`` or the placement's (an env in an env worker)."""
     _order: tuple[int, list[int]] | None = field(default=None, repr=False)
@@ -186,10 +188,12 @@ class EnvStream:
         env = self.make(here=True)
         try:
             try:
-                return [await asyncio.to_thread(_listed_tasks, env, split) for split in splits]
+                lists = [await asyncio.to_thread(_listed_tasks, env, split) for split in splits]
             except ResetNeededError:  # sandboxed: the lists live in the sandbox, which init brings up
                 await env.init()
-                return [await asyncio.to_thread(_listed_tasks, env, split) for split in splits]
+                lists = [await asyncio.to_thread(_listed_tasks, env, split) for split in splits]
+            self.tools = bool(env.tools)
+            return lists
         except ValueError as e:  # no such split
             raise ConfigError(f"env {self.label!r}: {e}") from e
         finally:

@@ -14,16 +14,21 @@ if TYPE_CHECKING:
     from trainer.config import Config
 
 
-def make_backend(cfg: Config, model_path: str) -> TrainBackend:
-    """The training backend named by ``trainer.backend``."""
+def make_backend(cfg: Config, model_path: str, *, sft_steps: int | None = None) -> TrainBackend:
+    """The training backend named by ``trainer.backend``: for RL, or with ``sft_steps`` (its optimizer steps) for
+    the supervised stage (``sft.lr``, logprobs at temperature 1, no reference and no critic)."""
     t = cfg.trainer
+    if sft_steps is None:
+        objective = {"lr": t.lr, "total_steps": t.steps * cfg.steps_per_update,
+                     "temperature": cfg.generator.temperature, "reference": cfg.algorithm.kl_coef > 0,
+                     "value_head": cfg.algorithm.critic}
+    else:
+        objective = {"lr": cfg.sft.lr, "total_steps": sft_steps}
     config = BackendConfig(
-        model_path=model_path, lr=t.lr, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps,
-        total_steps=t.steps * cfg.steps_per_update, lr_schedule=t.lr_schedule, grad_clip=t.grad_clip,
-        temperature=cfg.generator.temperature, dtype=train_dtype(t.dtype), reference=cfg.algorithm.kl_coef > 0,
-        value_head=cfg.algorithm.critic, lora_r=cfg.model.lora.r, lora_alpha=cfg.model.lora.alpha,
+        model_path=model_path, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps, lr_schedule=t.lr_schedule,
+        grad_clip=t.grad_clip, dtype=train_dtype(t.dtype), lora_r=cfg.model.lora.r, lora_alpha=cfg.model.lora.alpha,
         lora_dropout=cfg.model.lora.dropout, lora_target_modules=tuple(cfg.model.lora.target_modules),
-        gradient_checkpointing=t.gradient_checkpointing, attention=t.attention, seed=t.seed,
+        gradient_checkpointing=t.gradient_checkpointing, attention=t.attention, seed=t.seed, **objective,
     )
     if t.backend == "deepspeed":
         from trainer.backends.deepspeed import DeepSpeedBackend

@@ -61,7 +61,12 @@ def make_placement(cfg: Config) -> Placement:
 
 
 def launch(cfg: Config) -> dict[str, Any]:
-    """Run the training loop: in this process, or as ``placement.trainer_ranks`` actors of a Ray cluster."""
+    """Run the training loop: in this process, or as ``placement.trainer_ranks`` actors of a Ray cluster; a run with
+    an sft stage runs its stages here (trainer/stages.py)."""
+    if cfg.stages != ["rl"]:
+        from trainer.stages import run_stages
+
+        return run_stages(cfg)
     if cfg.placement.backend == "ray":
         from trainer.placement.cluster import launch_on_ray
 

@@ -33,6 +33,7 @@ from envkit.remote.server.metrics import Metrics
 from envkit.remote.server.workers import FLUSH_S, LocalSlots, WorkerSlots
 from envkit.tasks import task_counts
 from envkit.tool_env import ToolEnv
+from envkit.tools import ToolOutput
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -377,6 +378,7 @@ async def _run_tool(env: Env, name: str, arguments: dict[str, Any]) -> tuple[str
     if not isinstance(env, ToolEnv):
         raise TypeError(f"{type(env).__name__} is not a ToolEnv: its tools run inside step(), not one by one")
     try:
-        return await env.run_tool(name, arguments), False
+        out = await env.run_tool(name, arguments)
     except ToolCallError as e:
         return str(e), True
+    return (out.text, out.status != "ok") if isinstance(out, ToolOutput) else (out, False)

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
-from envkit import Message, Task, system, user
-from envkit.errors import ResetNeededError
+from envkit import Message, Task, assistant, system, user
+from envkit.errors import InvalidTaskError, ResetNeededError
 from envkit.parsing import grade_number
 from envkit.tasks import Splits, check_task, pick_task, stable_split
 from sandboxes.tools import CodeTools
@@ -56,23 +57,37 @@ class _Kind:
     text: str
     ranges: tuple[tuple[int, int], ...]
     answer: Callable[..., int]
+    program: Callable[..., str]
+    """A short Python program that prints the answer (what a demonstration runs in the sandbox)."""
 
+
+_IS_PRIME = "all(p % d for d in range(2, int(p ** 0.5) + 1))"
 
 _KINDS: dict[str, _Kind] = {
     "prime_sum": _Kind("What is the sum of all prime numbers below {}?", ((100, 20_000),),
-                       lambda n: sum(_primes_below(n))),
+                       lambda n: sum(_primes_below(n)),
+                       lambda n: f"n = {n}\nprint(sum(p for p in range(2, n) if {_IS_PRIME}))"),
     "prime_count": _Kind("How many prime numbers are there below {}?", ((100, 50_000),),
-                         lambda n: len(_primes_below(n))),
+                         lambda n: len(_primes_below(n)),
+                         lambda n: f"n = {n}\nprint(sum(1 for p in range(2, n) if {_IS_PRIME}))"),
     "divisors": _Kind("How many positive divisors does {} have?", ((1_000, 999_999),),
-                      _divisor_count),
+                      _divisor_count,
+                      lambda n: f"n = {n}\nprint(sum(1 for d in range(1, n + 1) if n % d == 0))"),
     "fibonacci": _Kind("What is the {}th Fibonacci number modulo {}? (F(0) = 0, F(1) = 1)", ((50, 5_000), (97, 9_973)),
-                       _fibonacci_mod),
+                       _fibonacci_mod,
+                       lambda n, m: f"n, m = {n}, {m}\na, b = 0, 1\nfor _ in range(n):\n    a, b = b, (a + b) % m\n"
+                                    "print(a)"),
     "digit_sum": _Kind("What is the sum of the decimal digits of 2 to the power {}?", ((50, 2_000),),
-                       lambda k: sum(map(int, str(2**k)))),
+                       lambda k: sum(map(int, str(2**k))),
+                       lambda k: f"print(sum(int(c) for c in str(2 ** {k})))"),
     "collatz": _Kind("Starting from {}, how many steps of the Collatz map (n/2 if n is even, else 3n+1) reach 1?",
-                     ((10, 100_000),), _collatz_steps),
+                     ((10, 100_000),), _collatz_steps,
+                     lambda n: f"n = {n}\nsteps = 0\nwhile n != 1:\n    n = n // 2 if n % 2 == 0 else 3 * n + 1\n"
+                               "    steps += 1\nprint(steps)"),
     "multiples": _Kind("How many integers from 1 to {} are divisible by {} or by {}?",
-                       ((1_000, 1_000_000), (3, 30), (31, 97)), lambda n, a, b: n // a + n // b - n // math.lcm(a, b)),
+                       ((1_000, 1_000_000), (3, 30), (31, 97)), lambda n, a, b: n // a + n // b - n // math.lcm(a, b),
+                       lambda n, a, b: f"n, a, b = {n}, {a}, {b}\n"
+                                       "print(sum(1 for k in range(1, n + 1) if k % a == 0 or k % b == 0))"),
 }
 
 
@@ -87,7 +102,8 @@ def _problems(split: str) -> Iterator[Task]:
         key = f"{name}:{','.join(map(str, numbers))}"
         if key not in seen and stable_split(key, _TEST_SHARE) == split:
             seen.add(key)
-            yield {"question": kind.text.format(*numbers), "answer": kind.answer(*numbers), "kind": name}
+            yield {"question": kind.text.format(*numbers), "answer": kind.answer(*numbers), "kind": name,
+                   "args": numbers}
 
 
 class ComputeEnv(CodeTools):
@@ -97,14 +113,28 @@ class ComputeEnv(CodeTools):
     Each turn the model either runs code with the ``python`` or ``bash`` tool, in a sandbox leased for the episode
     (files persist between calls; see :mod:`sandboxes.tools`), or answers, which ends the episode. Running out of
     ``max_turns`` (default 6) truncates with reward 0. Train and test never share a problem.
+
+    It demonstrates its own tasks (:meth:`demonstrate`): a ``python`` call with a short program for the question,
+    then "The answer is N." with N what the program printed in the sandbox.
     """
 
     max_turns = 6
-    code_pool_size: ClassVar[int] = 4
+    code_pool_size = 4
 
     def __init__(self, *, max_turns: int | None = None, system_prompt: str | None = None, num_train: int = 10_000,
-                 num_test: int = 500) -> None:
+                 num_test: int = 500, pool_size: int | None = None, allowed_tools: Sequence[str] | None = None
+                 ) -> None:
         super().__init__(max_turns=max_turns)
+        if allowed_tools is not None:  # e.g. ["python"]: a shorter prompt, one way to run code
+            unknown = sorted(set(allowed_tools) - {t.name for t in self.tools})
+            if unknown or not allowed_tools:
+                raise ValueError(f"allowed_tools must name some of {[t.name for t in self.tools]}, got "
+                                 f"{list(allowed_tools)}")
+            self.tools = [t for t in self.tools if t.name in allowed_tools]  # type: ignore[misc]
+        if pool_size is not None:
+            if pool_size < 1:
+                raise ValueError(f"pool_size must be >= 1, got {pool_size}")
+            self.code_pool_size = pool_size
         self._splits = Splits(_problems, num_train=num_train, num_test=num_test)
         self.system_prompt = DEFAULT_SYSTEM_PROMPT if system_prompt is None else system_prompt
         self._rng = random.Random()
@@ -128,6 +158,21 @@ class ComputeEnv(CodeTools):
         info = grade_number(answer, self._task["answer"])
         info.pop("explicit")
         return float(info["correct"]), info
+
+    async def demonstrate(self, messages: list[Message]) -> Message:
+        """Run the task's program with the ``python`` tool; once it printed, answer with what it printed."""
+        if self._task is None:
+            raise ResetNeededError("demonstrate() needs an active episode; call reset() first.")
+        outputs = [m for m in messages if m["role"] == "tool"]
+        if outputs:
+            return assistant(f"The answer is {(outputs[-1]['content'] or '').strip()}.")
+        kind, args = self._task.get("kind"), self._task.get("args")
+        if kind not in _KINDS or not isinstance(args, list):
+            raise InvalidTaskError(f"only the env's own tasks can be demonstrated (a known 'kind' and its 'args'), "
+                                   f"got {self._task!r:.120}")
+        code = _KINDS[kind].program(*args)
+        return assistant(None, [{"id": "call_0", "type": "function",
+                                 "function": {"name": "python", "arguments": json.dumps({"code": code})}}])
 
     def spaces(self) -> dict[str, Any]:
         return {

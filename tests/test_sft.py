@@ -1,0 +1,187 @@
+"""The supervised stage: chat rows rendered with only the assistant's tokens trained, bad rows and foreign
+tokenizers refused at start, the rejection-sampling filter, and `python -m trainer stages=[sft]` lowering the
+held-out loss, resuming exactly, on FSDP2 (with and without LoRA) and DeepSpeed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from weights import changed_tensors
+
+from generators import ChatTokenizer, Generator, GeneratorConfig, Trajectory, write_jsonl
+from trainer.config import ConfigError, SFTConfig
+from trainer.sft_data import _chat_rows, _recorded, drop_reason, rejection_sample, render_chat
+
+REPO = Path(__file__).resolve().parent.parent
+PYTHON = {"type": "function", "function": {
+    "name": "python", "description": "Run a Python program.",
+    "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
+SECRET = "TOOLOUTPUTXYZ"
+
+
+def _row(a: int, b: int) -> dict:
+    code = f"print({a} * {b})"
+    return {"messages": [
+        {"role": "system", "content": "Use the tool, then answer."},
+        {"role": "user", "content": f"What is {a} times {b}?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_0", "type": "function", "function": {"name": "python",
+                                                             "arguments": json.dumps({"code": code})}}]},
+        {"role": "tool", "tool_call_id": "call_0", "name": "python", "content": f"{a * b} {SECRET}"},
+        {"role": "assistant", "content": f"The answer is {a * b}."},
+    ], "tools": [PYTHON]}
+
+
+def _write_rows(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _prompt(chat_tokenizer: ChatTokenizer):
+    return Generator(None, chat_tokenizer, GeneratorConfig()).tool_prompt
+
+
+def test_only_the_assistant_turns_are_trained_on(chat_tokenizer: ChatTokenizer) -> None:
+    row = _row(12, 34)
+    t = render_chat(row["messages"], row["tools"], chat_tokenizer, _prompt(chat_tokenizer))
+    t.check()
+    trained = chat_tokenizer.tokenizer.decode([i for i, m in zip(t.response_ids, t.loss_mask, strict=True) if m])
+    call = '<tool_call>\n{"name": "python", "arguments": {"code": "print(12 * 34)"}}\n</tool_call>'
+    assert trained == f"{call}<|im_end|>The answer is 408.<|im_end|>"
+    assert SECRET not in trained and "12 times 34" not in trained and "Use the tool" not in trained
+    # the ids are the template's rendering of the whole conversation, tools written into the system message
+    chat = [{"role": m["role"], "content": m["content"]} for m in t.messages]
+    assert "# Tools" in chat[0]["content"] and chat[2]["content"] == call
+    assert t.prompt_ids + t.response_ids == chat_tokenizer.render(chat, generation_prompt=False)[:-1]
+    assert t.tokenizer == chat_tokenizer.fingerprint and t.num_turns == 2
+
+
+def test_the_rows_of_a_chat_dataset_are_checked_before_any_is_used(chat_tokenizer, tmp_path) -> None:
+    prompt = _prompt(chat_tokenizer)
+    good = _row(2, 3)
+    bad = {
+        "no messages": ({"text": "hi"}, "row 1: no 'messages'"),
+        "assistant first": ({"messages": [{"role": "assistant", "content": "hi"}]},
+                            "row 1: message 0 is assistant; the conversation must open with a user message"),
+        "tool without a call": ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+                                              {"role": "tool", "content": "out"}]},
+                                "row 1: message 2 is a tool result, but no assistant tool call precedes it"),
+        "late system": ({"messages": [{"role": "user", "content": "q"}, {"role": "system", "content": "s"},
+                                      {"role": "assistant", "content": "a"}]},
+                        "row 1: message 1 is a system message"),
+        "nothing to train": ({"messages": [{"role": "user", "content": "q"}]}, "row 1: no assistant message"),
+        "unknown role": ({"messages": [{"role": "user", "content": "q"}, {"role": "robot", "content": "a"}]},
+                         "row 1: message 1 has role 'robot'"),
+    }
+    for name, (row, message) in bad.items():
+        path = _write_rows(tmp_path / f"{name.replace(' ', '_')}.jsonl", [good, row])
+        with pytest.raises(ConfigError, match=message):
+            _chat_rows(str(path), chat_tokenizer, prompt)
+    [t0, t1] = _chat_rows(str(_write_rows(tmp_path / "ok.jsonl", [good, _row(4, 5)])), chat_tokenizer, prompt)
+    assert t1.messages[-1]["content"] == "The answer is 20." and sum(t0.loss_mask) > 0
+
+
+def _traj(**fields) -> Trajectory:
+    defaults = {"prompt_ids": [1, 2], "response_ids": [3, 4], "loss_mask": [1, 1], "rollout_logprobs": [0.0, 0.0],
+                "reward": 1.0, "env_name": "compute", "stop_reason": "done"}
+    return Trajectory(**{**defaults, **fields})
+
+
+def test_the_rejection_sampling_filter_keeps_exactly_what_it_says() -> None:
+    ok = [{"turn": 1, "name": "python", "status": "ok"}]
+    cases = {
+        "kept": _traj(tool_log=ok),
+        "failed": _traj(stop_reason="error", error="boom"),
+        "stop_reason": _traj(stop_reason="max_turns"),
+        "env": _traj(env_name="arithmetic"),
+        "reward": _traj(reward=0.5),
+        "tool_failure": _traj(tool_log=[*ok, {"turn": 2, "name": "python", "status": "timeout"}]),
+    }
+    cfg = SFTConfig(data="trajectories", paths=["x"], envs=["compute"], min_reward=1.0)
+    for reason, t in cases.items():
+        assert drop_reason(t, cfg, clean_tools=True) == (None if reason == "kept" else reason), reason
+    kept, counts = rejection_sample(list(cases.values()), cfg, prefix="trajectories")  # rollouts: tool errors stay
+    assert kept == [cases["kept"], cases["tool_failure"]]
+    assert dict(counts) == {"trajectories/read": 6, "trajectories/kept": 2, "trajectories/dropped_failed": 1,
+                            "trajectories/dropped_stop_reason": 1, "trajectories/dropped_env": 1,
+                            "trajectories/dropped_reward": 1}
+    everything = SFTConfig(data="trajectories", paths=["x"], min_reward=None, stop_reasons=["done", "max_turns"])
+    assert rejection_sample(list(cases.values()), everything, prefix="t")[0] == [
+        t for name, t in cases.items() if name != "failed"]
+
+
+def test_trajectories_of_another_tokenizer_are_refused(chat_tokenizer, tmp_path) -> None:
+    mine = _traj(tokenizer=chat_tokenizer.fingerprint)
+    path = write_jsonl([mine, _traj(tokenizer="Qwen2.5-7B@0123456789abcdef")], tmp_path / "t.jsonl")
+    cfg = SFTConfig(data="trajectories", paths=[str(path)])
+    with pytest.raises(ConfigError, match=r"t.jsonl line 2: its token ids are the tokenizer Qwen2.5-7B@0123456789abcdef"
+                                          r"'s, not this model's"):
+        _recorded(cfg, chat_tokenizer)
+    unrecorded = write_jsonl([_traj()], tmp_path / "old.jsonl")
+    with pytest.raises(ConfigError, match="a tokenizer it does not record"):
+        _recorded(SFTConfig(data="trajectories", paths=[str(unrecorded)]), chat_tokenizer)
+    path = write_jsonl([mine], tmp_path / "mine.jsonl")
+    assert _recorded(SFTConfig(data="trajectories", paths=[str(path)]), chat_tokenizer)[0] == [mine]
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("sft.data=chat", "sft.data=chat needs sft.paths"),
+    ("sft.epochs=0", "sft.epochs must be >= 1"),
+    ("stages=[sft,sft]", "stages must list each stage once"),
+    ("stages=[dpo]", "stages='dpo' is not one of: sft, rl"),
+    ("placement.backend=ray", "the sft stage runs with placement.backend=local"),
+])
+def test_bad_sft_settings_fail_before_anything_starts(override: str, message: str, tmp_path) -> None:
+    result = _trainer(["stages=[sft]", override, f"trainer.output_dir={tmp_path}"], timeout=120)
+    assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
+
+
+def _trainer(overrides: list[str], timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "trainer", *overrides], capture_output=True, text=True, cwd=REPO,
+                          timeout=timeout)
+
+
+def _sft(out: Path, data: Path, *more: str) -> dict:
+    result = _trainer(["stages=[sft]", "sft.data=chat", f"sft.paths=[{data}]", f"trainer.output_dir={out}",
+                       "sft.eval_fraction=0.25", "sft.batch_size=6", "trainer.eval_tasks=0", "trainer.save_every=3",
+                       "trainer.warmup_steps=0", "logging.progress=false", *more])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads((out / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def chat_data(tmp_path_factory) -> Path:
+    rows = [_row(a, b) for a, b in zip(range(11, 35), range(40, 64), strict=True)]  # 24 rows: 18 train, 6 held out
+    return _write_rows(tmp_path_factory.mktemp("sft") / "rows.jsonl", rows)
+
+
+@pytest.mark.e2e
+def test_sft_lowers_the_held_out_loss_and_resumes_exactly(chat_data, tmp_path, bundled_model) -> None:
+    whole = _sft(tmp_path / "whole", chat_data, "sft.epochs=2")
+    assert whole["eval_loss_after"] < 0.7 * whole["eval_loss_before"], whole
+    assert whole["sft/chat/rows"] == 24 and whole["sft/held_out"] == 6
+    weights = Path(whole["weights"])
+    assert weights.name == "v6" and changed_tensors(weights, bundled_model) > 0
+    rows = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "train/loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6] and all(r["train/model_tokens"] > 0 for r in steps)
+    assert (tmp_path / "whole" / "report.html").is_file() and any((tmp_path / "whole" / "tensorboard").iterdir())
+
+    # the same run cut after its first epoch, then resumed: the same six steps, the same weights, bit for bit
+    cut = tmp_path / "cut"
+    _sft(cut, chat_data, "sft.epochs=1")
+    resumed = _sft(cut, chat_data, "sft.epochs=2", "trainer.resume=latest")
+    assert changed_tensors(Path(resumed["weights"]), weights) == 0
+    assert resumed["eval_loss_after"] == whole["eval_loss_after"]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("backend", [["model.lora.r=16", "sft.lr=1e-3"], ["trainer.backend=deepspeed"]],
+                         ids=["fsdp-lora", "deepspeed"])
+def test_sft_trains_on_the_other_backends(backend: list[str], chat_data, tmp_path) -> None:
+    result = _sft(tmp_path / "run", chat_data, "sft.epochs=1", *backend)
+    assert result["eval_loss_after"] < 0.8 * result["eval_loss_before"], result

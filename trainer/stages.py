@@ -1,0 +1,141 @@
+"""A run of several stages, each from the weights the one before it left (``stages=[sft, rl]``,
+``+recipe=tool_agent``):
+
+    out/sft/    the supervised stage: its checkpoints, metrics, report and final weights (``weights/vN``)
+    out/rl/     RL from those weights; its starting policy is the one the SFT stage evaluated last, so it is not
+                evaluated again
+    out/summary.json, out/report.html
+                held-out results before the first stage and after each one, the steps of both, every evaluation's
+                rollouts
+
+``trainer.resume=latest`` skips the stages that finished (they wrote ``summary.json``) and resumes the one that was
+running from its newest checkpoint (or starts it, if it had written none).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from generators import read_jsonl
+from trainer.checkpoint import CheckpointManager
+from trainer.config import Config
+from trainer.metrics import EVAL_GROUPS, is_eval_row, sample_groups
+from trainer.report import Phase, RunRecord, write_run_report
+
+HEADLINES = ("accuracy", "greedy_accuracy", "tool_call_rate", "greedy_tool_call_rate", "reward", "greedy_reward")
+"""Held-out results reported before the first stage and after each one."""
+
+
+def run_stages(cfg: Config) -> dict[str, Any]:
+    """Run ``cfg.stages`` in order; returns the held-out results before and after each stage and where the
+    outputs are."""
+    from trainer.loop import train
+    from trainer.sft import train_sft
+
+    out = Path(cfg.trainer.output_dir)
+    model = cfg.model.path
+    by_stage: dict[str, dict[str, Any]] = {}
+    for i, stage in enumerate(cfg.stages):
+        stage_out = out / stage if len(cfg.stages) > 1 else out
+        finished = stage_out / "summary.json"
+        if cfg.trainer.resume and finished.is_file() and len(cfg.stages) > 1:
+            by_stage[stage] = json.loads(finished.read_text())
+        else:
+            resume = cfg.trainer.resume
+            if resume == "latest" and not CheckpointManager(stage_out / "checkpoints", keep_last=1).all():
+                resume = None  # this stage had not saved a checkpoint yet: it starts
+            stage_cfg = replace(cfg, stages=[stage], model=replace(cfg.model, path=model),
+                                trainer=replace(cfg.trainer, output_dir=str(stage_out), resume=resume))
+            run = train_sft if stage == "sft" else train
+            by_stage[stage] = run(stage_cfg, evaluate_before=i == 0)
+        model = by_stage[stage].get("weights", model)
+    if len(cfg.stages) == 1:
+        return by_stage[cfg.stages[0]]
+    results = combine(cfg.stages, by_stage)
+    results["weights"] = model
+    results["report"] = str(write_stages_report(cfg, by_stage, results, out / "report.html"))
+    results["output_dir"] = str(out)
+    (out / "summary.json").write_text(json.dumps({**results, "stages_results": by_stage}, indent=2) + "\n")
+    return results
+
+
+def combine(stages: list[str], by_stage: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``NAME_before`` (the first stage's), ``NAME_after_STAGE`` for each stage and ``NAME_after`` (the last's) for
+    every headline result any stage reported."""
+    results: dict[str, Any] = {"stages": list(stages)}
+    for name in HEADLINES:
+        before = by_stage[stages[0]].get(f"{name}_before")
+        if before is not None:
+            results[f"{name}_before"] = before
+        for stage in stages:
+            after = by_stage[stage].get(f"{name}_after")
+            if after is not None:
+                results[f"{name}_after_{stage}"] = results[f"{name}_after"] = after
+    return results
+
+
+def write_stages_report(cfg: Config, by_stage: dict[str, dict[str, Any]], results: dict[str, Any],
+                        path: Path) -> Path:
+    """One report for the whole run: the stages' steps one after the other, every held-out evaluation, the rollouts
+    of each evaluation, and links to each stage's own report."""
+    out = path.parent
+    steps: list[dict[str, float]] = []
+    evals: list[dict[str, float]] = []
+    phases: list[Phase] = []
+    offset = 0
+    for stage in cfg.stages:
+        file = out / stage / "metrics.jsonl"
+        rows = [json.loads(line) for line in file.read_text().splitlines() if line.strip()] if file.is_file() else []
+        stage_steps = list({r["step"]: r for r in rows if not is_eval_row(r)}.values())  # a resumed step: its last row
+        steps += [{**r, "step": r["step"] + offset} for r in stage_steps]
+        evals += [{**r, "step": r["step"] + offset} for r in rows if is_eval_row(r)]
+        for file in sorted((out / stage / "evals").glob("step-*.jsonl")):
+            step = int(file.stem.removeprefix("step-"))
+            trajectories = list(read_jsonl(file))
+            phases.append(Phase(f"{stage}-eval-{step}", f"{stage}: held-out eval at its step {step}",
+                                sample_groups(trajectories, EVAL_GROUPS), len(trajectories)))
+        offset += max((r["step"] for r in stage_steps), default=0)
+    headline = {key: value for key, value in results.items() if key.startswith(HEADLINES)}
+    links = {f"{stage} report": by_stage[stage].get("report", "") for stage in cfg.stages}
+    run = RunRecord(title=f"envkit train: {' → '.join(cfg.stages)} on {cfg.env.display_name}",
+                    config=asdict(cfg), results={**headline, **links}, steps=steps, evals=_merged(evals),
+                    phases=phases, curves_svg=_curves(evals, cfg.stages))
+    return write_run_report(run, path)
+
+
+def _merged(evals: list[dict[str, float]]) -> list[dict[str, float]]:
+    """Evaluation rows of one step (accuracy, greedy accuracy, loss) as one row."""
+    merged: dict[float, dict[str, float]] = {}
+    for row in evals:
+        merged.setdefault(row["step"], {}).update(row)
+    return [merged[step] for step in sorted(merged)]
+
+
+def _curves(evals: list[dict[str, float]], stages: list[str]) -> str:
+    """Held-out accuracy and tool-call rate at every evaluation of the run, as inline SVG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = _merged(evals)
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    for key, style, label in (("eval/accuracy", "o-", "held-out accuracy"),
+                              ("eval/greedy_accuracy", "s--", "held-out greedy accuracy"),
+                              ("eval/tool_call_rate", "^:", "episodes calling a tool")):
+        points = [(r["step"], r[key]) for r in rows if key in r]
+        if points:
+            ax.plot(*zip(*points, strict=True), style, label=label)
+    ax.set_xlabel("step (" + " then ".join(stages) + ")")
+    ax.set_ylim(-0.05, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    svg = io.StringIO()
+    fig.savefig(svg, format="svg")
+    plt.close(fig)
+    return svg.getvalue()[svg.getvalue().index("<svg"):]
