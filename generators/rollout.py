@@ -29,7 +29,7 @@ from envkit import Env, Message, Task
 from generators.engines.base import Completion, InferenceEngine, SamplingParams
 from generators.engines.replicas import Session, rollout_session
 from generators.parsers import REASONING_PARSER_CHOICES, TOOL_PARSER_CHOICES, OutputParser
-from generators.tool_prompt import TOOL_PROMPT_CHOICES, ToolPrompt, write_calls
+from generators.tool_prompt import TOOL_PROMPT_CHOICES, ToolPrompt, written_text
 from generators.trajectory import StopReason, Trajectory
 
 if TYPE_CHECKING:
@@ -170,7 +170,8 @@ class Generator:
 
     async def demonstrate(self, make_env: EnvFactory, *, tasks: Sequence[Task] | None = None,
                           seeds: Sequence[int] | None = None, env_name: str = "",
-                          on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
+                          on_done: Callable[[Trajectory], None] | None = None,
+                          on_group: Callable[[int, list[Trajectory]], None] | None = None) -> list[Trajectory]:
         """One episode per task (or seed) in which the env's :meth:`~envkit.Env.demonstrate` writes every assistant
         turn in the model's place: supervised data laid out exactly as the model's rollouts are.
 
@@ -180,7 +181,7 @@ class Generator:
         without demonstrations fails every rollout with a NotImplementedError in ``error``.
         """
         return await self._run(make_env, self._demo_turn, 1, tasks=tasks, seeds=seeds, env_name=env_name,
-                               on_done=on_done)
+                               on_done=on_done, on_group=on_group)
 
     async def _run(self, make_env: EnvFactory, turn: Turn, samples: int, *, tasks: Sequence[Task] | None,
                    seeds: Sequence[int] | None, env_name: str, on_done: Callable[[Trajectory], None] | None = None,
@@ -201,10 +202,10 @@ class Generator:
             return traj
 
         async def group(i: int, task: Task | None, seed: int | None) -> list[Trajectory]:
-            samples_ = await asyncio.gather(*(one(task, seed, _group_id(task, seed, i), k) for k in range(samples)))
+            rollouts = await asyncio.gather(*(one(task, seed, _group_id(task, seed, i), k) for k in range(samples)))
             if on_group is not None:
-                on_group(i, samples_)
-            return samples_
+                on_group(i, rollouts)
+            return rollouts
 
         groups = await asyncio.gather(*(group(i, task, seed) for i, (task, seed) in enumerate(starts)))
         return [t for samples in groups for t in samples]
@@ -284,17 +285,16 @@ class Generator:
                     traj.template_mismatches += 1
 
     async def _demo_turn(self, env: Env, state: _Rollout, max_tokens: int) -> tuple[Message, Completion, str]:
-        """The env's demonstration as a model turn: written in the taught format, tokenized, loss_mask 1."""
+        """The env's demonstration as a model turn: written in the taught format, tokenized, loss_mask 1. One longer
+        than ``max_tokens`` is cut there like a model turn, and the env gets what the cut tokens say."""
         assert self.tokenizer is not None  # __init__ requires one without an engine
-        shown = await env.demonstrate(list(state.traj.messages))
-        calls = shown.get("tool_calls") or []
-        content = shown.get("content") or ""
-        text = "\n".join(part for part in (content, write_calls(calls, self.parser.tool_parser) if calls else "")
-                         if part)
-        written = self.tokenizer.tokenizer.encode(text, add_special_tokens=False)[:max_tokens - 1]
-        ids = [*written, self.tokenizer.eos_id]
+        text = written_text(await env.demonstrate(list(state.traj.messages)), self.parser.tool_parser)
+        ids, finish = [*self.tokenizer.tokenizer.encode(text, add_special_tokens=False), self.tokenizer.eos_id], "stop"
+        if len(ids) > max_tokens:
+            ids, finish = ids[:max_tokens], "length"
+            text = self.tokenizer.decode(ids)
         self._append(state, ids, [0.0] * len(ids))
-        return self.parser.parse(text, state.tools), Completion(ids, [], "stop", -1), text
+        return self.parser.parse(text, state.tools), Completion(ids, [], finish, -1), text
 
     async def _model_turn(self, env: Env, state: _Rollout, max_tokens: int) -> tuple[Message, Completion, str]:
         """One model turn: the assistant message the env sees, the completion, and the text the model wrote."""

@@ -112,6 +112,14 @@ def write_calls(calls: list[ToolCall], fmt: str) -> str:
     return FORMATS[fmt].write(calls)
 
 
+def written_text(message: Message, fmt: str) -> str:
+    """An assistant message as the model writes it: its content, then its ``tool_calls`` written in format ``fmt``."""
+    content, calls = message.get("content") or "", message.get("tool_calls")
+    if not calls:
+        return content
+    return f"{content}\n{write_calls(calls, fmt)}" if content else write_calls(calls, fmt)
+
+
 def _example_call(tool: dict[str, Any]) -> ToolCall:
     """A call of ``tool`` with a placeholder for each required argument (``...`` for text, 0 for numbers)."""
     function = tool["function"]
@@ -170,9 +178,6 @@ class ToolPrompt:
     def as_written(self, message: Message) -> Message:
         """An assistant message with its ``tool_calls`` written into its content in the taught format, where the
         template is not given the tools (and so is not trusted to render calls); other messages unchanged."""
-        calls = message.get("tool_calls")
-        if self.to_template or message["role"] != "assistant" or not calls:
+        if self.to_template or message["role"] != "assistant" or not message.get("tool_calls"):
             return message
-        content = message.get("content") or ""
-        written = write_calls(calls, self.fmt)
-        return {"role": "assistant", "content": f"{content}\n{written}" if content else written}
+        return {"role": "assistant", "content": written_text(message, self.fmt)}

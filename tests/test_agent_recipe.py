@@ -32,8 +32,10 @@ class FlakyCompute(ComputeEnv):
         return shown
 
 
-def _demos(env: str, n: int, tokenizer: ChatTokenizer):
-    cfg = trainer.compose(["stages=[sft]", f"env.name={env}", f"sft.num_demos={n}", "+env.kwargs.pool_size=4"])
+def _demos(env: str, n: int, tokenizer: ChatTokenizer, max_tokens: int = 128):
+    pool = ["+env.kwargs.pool_size=4"] if "compute" in env.lower() else []
+    cfg = trainer.compose(["stages=[sft]", f"env.name={env}", f"sft.num_demos={n}", *pool,
+                           f"generator.max_tokens={max_tokens}"])
 
     async def play():
         envs = Mixture(cfg.env, seed=0)
@@ -62,6 +64,14 @@ def test_compute_demonstrates_train_tasks_for_real_in_docker(docker_client, chat
         assert output["role"] == "tool" and output["content"] == str(answers[question])  # printed in the sandbox
         assert t.messages[4]["content"] == f"The answer is {answers[question]}." and t.reward == 1.0
         assert t.policy_version == -1 and t.template_mismatches == 0 and sum(t.loss_mask) > 0
+
+
+def test_a_demonstration_longer_than_a_turn_is_cut_like_one_and_dropped(docker_client, chat_tokenizer) -> None:
+    data = _demos("compute", 12, chat_tokenizer, max_tokens=48)  # the shorter programs fit in 48 tokens
+    cut = data.counts["demos/dropped_tool_failure"]
+    assert 0 < cut < 12 and data.counts["demos/kept"] == 12 - cut
+    for t in data.train + data.held_out:  # what was kept is what the tokens say
+        assert t.template_mismatches == 0 and t.tool_log[0]["status"] == "ok"
 
 
 def test_a_demonstration_whose_tool_call_fails_is_dropped_and_counted(docker_client, chat_tokenizer) -> None:

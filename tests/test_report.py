@@ -161,6 +161,30 @@ def test_html_report_is_self_contained_escaped_and_complete(tmp_path: Path) -> N
     assert "1 failed (error/timeout) are not shown" in page
 
 
+def test_tool_use_is_counted_from_the_tool_log_and_shown_beside_each_output(tmp_path: Path) -> None:
+    def rollout(log: list[dict], **fields) -> Trajectory:
+        return Trajectory(tool_log=log, num_turns=len({e["turn"] for e in log}) + 1, **fields)
+
+    ran = {"name": "python", "status": "ok", "sandbox": "docker", "exec_s": 0.021}
+    trajs = [rollout([{"turn": 1, **ran}, {"turn": 2, **ran, "status": "timeout"}]),
+             rollout([{"turn": 1, "name": "bash", "status": "error", "sandbox": "docker"},
+                      {"turn": 1, "name": None, "status": "unparsed"}]),
+             rollout([]), rollout([{"turn": 1, **ran}], stop_reason="error", error="boom")]  # failed: not counted
+    stats = summarize(trajs, wall_s=1.0).tools
+    assert stats == {"calls_per_episode": 1.0, "episodes_with_call": 2 / 3, "turns_per_episode": 2.0, "calls": 3,
+                     "unparsed": 1, "errors": 1, "timeouts": 1, "unknown": 0, "calls/bash": 1, "calls/python": 2,
+                     "execs/docker": 3}
+    assert summarize([rollout([])], wall_s=1.0).tools == {}  # nobody called a tool: no tool section
+    trajs[0].messages = [envkit.assistant("run it"), envkit.tool_result("42", "call_0", "python"),
+                         envkit.assistant("again"), envkit.tool_result("[killed after 10 s]", "call_0", "python")]
+    page = html.unescape(write_html_report(trajs, summarize(trajs, wall_s=1.0), tmp_path / "r.html", title="t",
+                                           config={}).read_text())
+    assert "3 calls: 1 failed, 1 timed out, 1 more unreadable" in page and "ran in sandboxes: docker 3" in page
+    assert "answers call_0 · python ok in docker (0.021 s)" in page
+    assert "answers call_0 · python timeout in docker (0.021 s)" in page
+    assert "turn 1: unreadable call unparsed" in page
+
+
 def test_html_histogram_bins_many_distinct_rewards(tmp_path: Path) -> None:
     trajs = [traj(i / 10) for i in range(31)]  # 0.0 .. 3.0, 31 distinct values
     page = write_html_report(trajs, summarize(trajs, wall_s=1), tmp_path / "r.html", title="t", config={}).read_text()

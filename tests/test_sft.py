@@ -134,9 +134,11 @@ def test_trajectories_of_another_tokenizer_are_refused(chat_tokenizer, tmp_path)
     ("stages=[sft,sft]", "stages must list each stage once"),
     ("stages=[dpo]", "stages='dpo' is not one of: sft, rl"),
     ("placement.backend=ray", "the sft stage runs with placement.backend=local"),
+    ("stages=[sft,rl] trainer.resume=runs/x/checkpoints/step-000002", "resume with trainer.resume=latest"),
 ])
 def test_bad_sft_settings_fail_before_anything_starts(override: str, message: str, tmp_path) -> None:
-    result = _trainer(["stages=[sft]", override, f"trainer.output_dir={tmp_path}"], timeout=120)
+    stages = [] if override.startswith("stages=") else ["stages=[sft]"]
+    result = _trainer([*stages, *override.split(), f"trainer.output_dir={tmp_path}"], timeout=120)
     assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
 
 

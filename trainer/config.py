@@ -478,6 +478,9 @@ class Config:
             raise ConfigError(f"stages must list each stage once, in order, e.g. [sft, rl]; got {list(self.stages)}")
         for stage in self.stages:
             _one_of("stages", stage, STAGES)
+        if len(self.stages) > 1 and self.trainer.resume not in (None, "latest"):
+            raise ConfigError(f"trainer.resume={self.trainer.resume} names one checkpoint, but the run has stages "
+                              f"{list(self.stages)}: resume with trainer.resume=latest (each stage from its own)")
         if "sft" in self.stages and self.placement.backend != "local":
             raise ConfigError("the sft stage runs with placement.backend=local (torchrun for more ranks); "
                               "drop placement.backend=ray or the sft stage")

@@ -101,8 +101,8 @@ def train(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]:
         if state.policy_version:  # resumed: serve the checkpoint's policy, not the initial one
             sync_weights(backend, engine, runner, out, state.policy_version, cfg.trainer.weight_sync)
         generator = Generator(engine, tokenizer, cfg.generator) if engine is not None else None
-        evaluating = (generator is not None and envs is not None and logger is not None and cfg.trainer.eval_tasks > 0
-                    and any(s.eval for s in envs.streams))
+        evaluating = (generator is not None and envs is not None and logger is not None
+                      and cfg.trainer.eval_tasks > 0 and any(s.eval for s in envs.streams))
         if evaluating and evaluate_before and state.step == 0:
             before = evaluate(generator, envs, runner, cfg, logger, step=0)
             results.update({f"{k}_before": v for k, v in before.items()})
@@ -159,7 +159,7 @@ def train(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]:
                     evaluate(generator, envs, runner, cfg, logger, step=state.step)
 
         weights = out / "weights" / f"v{state.policy_version}"
-        if state.policy_version and not weights.exists():  # synced from memory: put the policy on disk
+        if state.policy_version and cfg.trainer.weight_sync != "disk":  # synced from memory: put the policy on disk
             backend.export_weights(weights)
         results["weights"] = str(weights) if state.policy_version else str(model_path)
         if evaluating:
@@ -365,7 +365,7 @@ def _add(stats: dict[str, list[float]], key: str, value: float | torch.Tensor) -
 
 
 def sync_weights(backend: TrainBackend, engine: InferenceEngine | None, runner: asyncio.Runner | LoopThread,
-                  out: Path, version: int, how: str) -> bool:
+                 out: Path, version: int, how: str) -> bool:
     """Have the engine serve the policy as ``version``: sent from memory (``how`` memory, or auto where the engine
     can take it), else as an HF checkpoint it reloads (only the newest is kept); whether it went from memory. Every
     rank gathers the weights; rank 0, which holds the engine, sends them."""

@@ -79,7 +79,9 @@ def train_sft(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]:
         state = checkpoints.load(checkpoints.resolve(cfg.trainer.resume), backend) if cfg.trainer.resume \
             else TrainState()
         generator = Generator(engine, tokenizer, cfg.generator) if engine is not None else None
-        evaluating = generator is not None and envs is not None and any(s.eval for s in envs.streams)
+        # every rank takes part in sending the weights (they are gathered from all of them)
+        evaluating = broadcast_from_rank0(generator is not None and envs is not None
+                                          and any(s.eval for s in envs.streams))
         if rank == 0:
             logger = RunLogger(out, cfg, total_steps=total, start_step=state.step, stage="sft")
             logger.console.print(f"sft: {len(data.train)} sequences to train on, {len(data.held_out)} held out, "
@@ -120,10 +122,10 @@ def train_sft(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]:
         weights = out / "weights" / f"v{state.policy_version}"
         if evaluating:
             sync_weights(backend, engine, runner, out, state.policy_version, cfg.trainer.weight_sync)
-        if not weights.exists():
+        if broadcast_from_rank0(not weights.exists()):  # sent from memory, or no engine: write them (collective)
             backend.export_weights(weights)
         results["weights"] = str(weights)
-        if evaluating and logger is not None:
+        if evaluating and logger is not None:  # rank 0
             after = evaluate(generator, envs, runner, cfg, logger, step=state.step)  # type: ignore[arg-type]
             results.update({f"{k}_after": v for k, v in after.items()})
         if logger is not None:

@@ -11,6 +11,7 @@ layout, loss masks and micro-batches (``loss_mask`` 1 on the model's own tokens,
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import random
@@ -23,7 +24,7 @@ from envkit import Message
 from generators import ChatTokenizer, Generator, Trajectory, read_jsonl
 from generators.tool_prompt import ToolPrompt
 from trainer.config import Config, ConfigError, SFTConfig
-from trainer.sources import Mixture, dataset_tasks
+from trainer.sources import Mixture, dataset_tasks, generate_starts
 
 log = logging.getLogger(__name__)
 
@@ -40,17 +41,17 @@ class SFTData:
 
 
 def drop_reason(t: Trajectory, cfg: SFTConfig, *, clean_tools: bool = False) -> str | None:
-    """Why the filter drops ``t`` (``failed``, ``stop_reason``, ``env``, ``tool_failure``, ``reward``: the first
+    """Why the filter drops ``t`` (``failed``, ``tool_failure``, ``stop_reason``, ``env``, ``reward``: the first
     that applies), or None when it keeps it. ``clean_tools`` also drops an episode with a tool call that did not run
     cleanly (demonstrations)."""
     if t.failed or not any(t.loss_mask):
         return "failed"
+    if clean_tools and any(entry["status"] != "ok" for entry in t.tool_log):
+        return "tool_failure"
     if t.stop_reason not in cfg.stop_reasons:
         return "stop_reason"
     if cfg.envs and t.env_name not in cfg.envs:
         return "env"
-    if clean_tools and any(entry["status"] != "ok" for entry in t.tool_log):
-        return "tool_failure"
     if cfg.min_reward is not None and t.reward < cfg.min_reward:
         return "reward"
     return None
@@ -104,17 +105,10 @@ async def _demonstrations(cfg: Config, tokenizer: ChatTokenizer, envs: Mixture
                           ) -> tuple[list[Trajectory], Counter[str]]:
     """Each env's first ``num_demos`` train starts (split among a mixture's envs by weight), demonstrated."""
     generator = Generator(None, tokenizer, cfg.generator.generator_config(samples_per_prompt=1))
-    played: list[Trajectory] = []
-    for stream, quota in zip(envs.streams, envs.quotas(cfg.sft.num_demos), strict=True):
-        starts = [stream.train[i] for i in range(min(quota, len(stream.train)))]
-        if not starts:
-            continue
-        if starts[0][0] is not None:
-            played += await generator.demonstrate(stream.make, tasks=[t for t, _ in starts if t is not None],
-                                                  env_name=stream.label)
-        else:
-            played += await generator.demonstrate(stream.make, seeds=[s for _, s in starts if s is not None],
-                                                  env_name=stream.label)
+    jobs = [generate_starts(generator, stream, [stream.train[i] for i in range(min(quota, len(stream.train)))],
+                            demonstrate=True)
+            for stream, quota in zip(envs.streams, envs.quotas(cfg.sft.num_demos), strict=True)]
+    played = [t for trajectories in await asyncio.gather(*jobs) for t in trajectories]
     demo_filter = SFTConfig(min_reward=cfg.sft.min_reward)  # demonstrations must end ("done") with clean calls
     kept, counts = rejection_sample(played, demo_filter, clean_tools=True, prefix="demos")
     errors = sorted({t.error for t in played if t.error})

@@ -305,9 +305,11 @@ def _listed_tasks(env: Env, split: str) -> list[Task] | None:
 
 
 async def generate_starts(generator: Generator, stream: EnvStream, starts: list[Start],
-                    on_group: Callable[[int, list[Trajectory]], None] | None = None) -> list[Trajectory]:
-    """Rollouts of ``starts`` in ``stream``'s env; group ids carry the env's label, so mixtures never merge groups.
-    ``on_group(i, rollouts)`` is called as the group of ``starts[i]`` completes."""
+                          on_group: Callable[[int, list[Trajectory]], None] | None = None, *,
+                          demonstrate: bool = False) -> list[Trajectory]:
+    """Rollouts of ``starts`` in ``stream``'s env (with ``demonstrate``, the env's demonstrations of them); group ids
+    carry the env's label, so mixtures never merge groups. ``on_group(i, rollouts)`` is called as the group of
+    ``starts[i]`` completes."""
     if not starts:
         return []
 
@@ -317,8 +319,9 @@ async def generate_starts(generator: Generator, stream: EnvStream, starts: list[
         if on_group is not None:
             on_group(i, trajs)
 
+    play = generator.demonstrate if demonstrate else generator.generate
     if starts[0][0] is not None:
-        return await generator.generate(stream.make, tasks=[t for t, _ in starts if t is not None],
-                                        env_name=stream.label, on_group=labelled)
-    return await generator.generate(stream.make, seeds=[s for _, s in starts if s is not None],
-                                    env_name=stream.label, on_group=labelled)
+        return await play(stream.make, tasks=[t for t, _ in starts if t is not None], env_name=stream.label,
+                          on_group=labelled)
+    return await play(stream.make, seeds=[s for _, s in starts if s is not None], env_name=stream.label,
+                      on_group=labelled)
