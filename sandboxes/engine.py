@@ -59,19 +59,26 @@ def docker_client(timeout_s: float = 60.0) -> Any:
 
 
 def engine_reachable() -> bool:
-    """True when a Docker engine answers a ping (within about a second)."""
+    """True when a Docker engine answers a ping. One that accepts the connection but is slow to answer (busy
+    removing a pool's containers, say) gets 30 s: a busy engine is not a missing one, and mistaking it for one would
+    run code unisolated where ``auto`` was asked for."""
     try:
         import docker
+        import requests
     except ImportError:
         return False
-    try:
-        client = docker.from_env(timeout=2)
+    for timeout in (2, 30):
         try:
-            return bool(client.ping())
-        finally:
-            client.close()
-    except Exception:
-        return False
+            client = docker.from_env(timeout=timeout)
+            try:
+                return bool(client.ping())
+            finally:
+                client.close()
+        except requests.exceptions.ReadTimeout:
+            continue
+        except Exception:
+            return False
+    return False
 
 
 def _run(argv: list[str], **kwargs: Any) -> None:

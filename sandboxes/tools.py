@@ -58,11 +58,8 @@ class Runner(ToolEnv):
 
 async def code_pool(kind: str = "auto", *, limits: SandboxLimits = TOOL_LIMITS, size: int = 4) -> SandboxPool:
     """The started pool of runner sandboxes this event loop shares for ``kind`` (docker, local or auto), ``limits``
-    and ``size``; made on first use and closed when the loop shuts down."""
-    if kind == "auto":
-        kind = _auto_kind(RUNNER)
-    if kind == "local":
-        log.warning("code tools run in local process sandboxes: model-written code runs on this host, unisolated")
+    and ``size``; made on first use and closed when the loop shuts down. ``auto`` is decided once, as the pool
+    opens: every episode of the loop then runs its code in the same kind of sandbox."""
     key = (asyncio.get_running_loop(), kind, limits, size)
     if key not in _pools:  # concurrent first calls share one opening
         _pools[key] = asyncio.ensure_future(_open(key, kind, limits, size))
@@ -72,6 +69,10 @@ async def code_pool(kind: str = "auto", *, limits: SandboxLimits = TOOL_LIMITS, 
 async def _open(key: _PoolKey, kind: str, limits: SandboxLimits, size: int) -> SandboxPool:
     """Open the pool ``key`` names and hand it to a keeper; a failed opening is forgotten, so the next call retries."""
     try:
+        if kind == "auto":
+            kind = await asyncio.to_thread(_auto_kind, RUNNER)
+        if kind == "local":
+            log.warning("code tools run in local process sandboxes: model-written code runs on this host, unisolated")
         pool = await open_pool(RUNNER, kind, size=size, limits=limits, wait=False)
     except BaseException:
         _pools.pop(key, None)
@@ -104,8 +105,8 @@ async def close_code_pools() -> None:
 class _CodeSandbox(ToolEnv):
     """A ToolEnv that leases a runner sandbox at its episode's first code call and gives it back at the end."""
 
-    code_sandbox: ClassVar[str] = "auto"
-    """docker, local (no isolation) or auto (docker when an engine answers)."""
+    code_sandbox: str = "auto"
+    """docker, local (no isolation) or auto (docker when an engine answers); an env may set it per instance."""
     code_timeout_s: ClassVar[float] = 10.0
     """Each call is killed, with every process it started, after this many seconds."""
     code_output_chars: ClassVar[int] = 4000

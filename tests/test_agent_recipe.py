@@ -115,5 +115,6 @@ def test_the_recipe_from_the_front_door(docker_client, tmp_path) -> None:
     rows = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
     step = next(r for r in rows if "reward/mean" in r)
     assert step["stop/done"] + step.get("stop/max_turns", 0) + step.get("stop/max_tokens", 0) == 8
+    assert not any(key.startswith("tools/execs/") and key != "tools/execs/docker" for r in rows for key in r)
     report = (out / "report.html").read_text()
     assert "sft-eval-0" in report and "rl-eval-1" in report and "tool calls" in report

@@ -78,3 +78,6 @@ async def test_allowed_tools_narrows_what_the_model_is_offered_and_may_call() ->
     await env.close()
     with pytest.raises(ValueError, match="allowed_tools must name some of"):
         ComputeEnv(allowed_tools=["perl"])
+    assert ComputeEnv(code_sandbox="docker").code_sandbox == "docker" and ComputeEnv().code_sandbox == "auto"
+    with pytest.raises(ValueError, match="code_sandbox must be docker, local or auto"):
+        ComputeEnv(code_sandbox="vm")

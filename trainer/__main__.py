@@ -4,6 +4,8 @@
     python -m trainer algorithm=dr_grpo trainer.lr=1e-6 trainer.steps=50
     torchrun --nproc_per_node 2 -m trainer trainer.steps=10   # FSDP2 over 2 ranks
     python -m trainer placement.backend=ray placement.trainer_ranks=2 placement.inference_replicas=2   # on Ray
+    python -m trainer stages=[sft] env=compute sft.data=demos            # supervised: an env's demonstrations
+    python -m trainer +recipe=tool_agent                                  # SFT, then GRPO: an agent that uses a tool
     python -m trainer --help                            # every group and field
 """
 

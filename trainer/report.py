@@ -88,10 +88,11 @@ def write_run_report(run: RunRecord, path: Path) -> Path:
 def _results(run: RunRecord) -> dict[str, Any]:
     rows: dict[str, Any] = {"steps": len(run.steps)}
     if run.evals:
-        first, last = run.evals[0], run.evals[-1]
+        first = run.evals[0]
         for key in sorted(k for k in first if k.startswith("eval/")):
+            last = next(e for e in reversed(run.evals) if key in e)  # a stage's own evaluations end with it
             rows[f"held-out {key[5:]}"] = (f"{_fmt(first[key])} (step {first['step']:.0f}) → "
-                                           f"{_fmt(last.get(key, float('nan')))} (step {last['step']:.0f})")
+                                           f"{_fmt(last[key])} (step {last['step']:.0f})")
     generated = sum(s.get("rollout/model_tokens", 0.0) for s in run.steps)
     generate_s = sum(s.get("time/generate_s", 0.0) for s in run.steps)
     rows["training rollouts"] = int(sum(v for s in run.steps for k, v in s.items() if k.startswith("stop/")))
@@ -100,7 +101,8 @@ def _results(run: RunRecord) -> dict[str, Any]:
     rows["time per step"] = " · ".join(
         f"{name} {sum(s.get(f'time/{name}_s', 0.0) for s in run.steps) / max(len(run.steps), 1):.1f} s"
         for name in ("generate", "train", "sync", "step"))
-    rows.update({k: v for k, v in run.results.items() if not k.startswith(("accuracy", "reward", "greedy", "eval"))})
+    rows.update({k: v for k, v in run.results.items()
+                 if not k.startswith(("accuracy", "reward", "greedy", "eval", "tool_call_rate"))})
     return rows
 
 

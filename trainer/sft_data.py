@@ -227,5 +227,6 @@ def write_sft_data(data: SFTData, out: Path) -> Path:
     """The sequences as trained (train and held-out) in ``out/sft_data.jsonl``, and the counts beside them."""
     from generators import write_jsonl
 
+    out.mkdir(parents=True, exist_ok=True)
     (out / "sft_data_counts.json").write_text(json.dumps(data.counts, indent=2) + "\n")
     return write_jsonl(data.train + data.held_out, out / "sft_data.jsonl")

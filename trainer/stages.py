@@ -14,6 +14,9 @@ running from its newest checkpoint (or starts it, if it had written none).
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 import io
 import json
 from dataclasses import asdict, replace
@@ -52,6 +55,7 @@ def run_stages(cfg: Config) -> dict[str, Any]:
                                 trainer=replace(cfg.trainer, output_dir=str(stage_out), resume=resume))
             run = train_sft if stage == "sft" else train
             by_stage[stage] = run(stage_cfg, evaluate_before=i == 0)
+            _release_memory()
         model = by_stage[stage].get("weights", model)
     if len(cfg.stages) == 1:
         return by_stage[cfg.stages[0]]
@@ -61,6 +65,14 @@ def run_stages(cfg: Config) -> dict[str, Any]:
     results["output_dir"] = str(out)
     (out / "summary.json").write_text(json.dumps({**results, "stages_results": by_stage}, indent=2) + "\n")
     return results
+
+
+def _release_memory() -> None:
+    """Hand a finished stage's memory back to the OS before the next stage loads its model and starts its server:
+    glibc keeps freed heap pages (4.8 GB after a short SFT stage here, 0.7 GB once trimmed)."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def combine(stages: list[str], by_stage: dict[str, dict[str, Any]]) -> dict[str, Any]:

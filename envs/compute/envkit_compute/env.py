@@ -122,9 +122,13 @@ class ComputeEnv(CodeTools):
     code_pool_size = 4
 
     def __init__(self, *, max_turns: int | None = None, system_prompt: str | None = None, num_train: int = 10_000,
-                 num_test: int = 500, pool_size: int | None = None, allowed_tools: Sequence[str] | None = None
-                 ) -> None:
+                 num_test: int = 500, pool_size: int | None = None, allowed_tools: Sequence[str] | None = None,
+                 code_sandbox: str | None = None) -> None:
         super().__init__(max_turns=max_turns)
+        if code_sandbox is not None:  # docker: never run model code unisolated, fail instead
+            if code_sandbox not in ("docker", "local", "auto"):
+                raise ValueError(f"code_sandbox must be docker, local or auto, got {code_sandbox!r}")
+            self.code_sandbox = code_sandbox
         if allowed_tools is not None:  # e.g. ["python"]: a shorter prompt, one way to run code
             unknown = sorted(set(allowed_tools) - {t.name for t in self.tools})
             if unknown or not allowed_tools:
