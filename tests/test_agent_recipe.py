@@ -96,7 +96,7 @@ def test_the_recipe_from_the_front_door(docker_client, tmp_path) -> None:
     out = tmp_path / "agent"
     tiny = ["sft.num_demos=16", "sft.epochs=2", "sft.batch_size=8", "trainer.steps=1", "trainer.eval_tasks=4",
             "trainer.eval_samples=1", "generator.prompts_per_step=2", "generator.samples_per_prompt=4",
-            "logging.progress=false"]
+            "env.kwargs.pool_size=4", "logging.progress=false"]
     result = subprocess.run([sys.executable, "-m", "trainer", "+recipe=tool_agent", f"trainer.output_dir={out}",
                              *tiny], capture_output=True, text=True, cwd=REPO, timeout=1500)
     assert result.returncode == 0, result.stderr[-4000:]

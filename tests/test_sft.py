@@ -85,6 +85,25 @@ def test_the_rows_of_a_chat_dataset_are_checked_before_any_is_used(chat_tokenize
     assert t1.messages[-1]["content"] == "The answer is 20." and sum(t0.loss_mask) > 0
 
 
+def test_a_chat_dataset_reads_the_same_from_parquet_and_a_saved_dataset_dir(chat_tokenizer, tmp_path) -> None:
+    import datasets
+
+    prompt = _prompt(chat_tokenizer)
+    # a row without tools, and rows whose messages differ in fields: the columnar formats fill those with nulls
+    rows = [_row(2, 3), {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]},
+            _row(4, 5)]
+    want = _chat_rows(str(_write_rows(tmp_path / "chat.jsonl", rows)), chat_tokenizer, prompt)
+    assert want[1].messages[0]["role"] == "user"
+    assert "# Tools" not in chat_tokenizer.tokenizer.decode(want[1].prompt_ids)  # a row without tools gets none
+    table = datasets.Dataset.from_list(rows)
+    table.to_parquet(str(tmp_path / "chat.parquet"))
+    table.save_to_disk(str(tmp_path / "saved"))
+    for path in (tmp_path / "chat.parquet", tmp_path / "saved"):
+        got = _chat_rows(str(path), chat_tokenizer, prompt)
+        assert [(t.prompt_ids, t.response_ids, t.loss_mask) for t in got] == [
+            (t.prompt_ids, t.response_ids, t.loss_mask) for t in want], path
+
+
 def _traj(**fields) -> Trajectory:
     defaults = {"prompt_ids": [1, 2], "response_ids": [3, 4], "loss_mask": [1, 1], "rollout_logprobs": [0.0, 0.0],
                 "reward": 1.0, "env_name": "compute", "stop_reason": "done"}
