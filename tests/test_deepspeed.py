@@ -1,5 +1,5 @@
-"""The DeepSpeed ZeRO backend: one update with 2 ranks (ZeRO-2, ZeRO-3) matching the FSDP2 backend on 1 rank, a bf16
-ZeRO-2 smoke run, and (1 rank) weight export plus save_state/load_state round trips.
+"""The DeepSpeed ZeRO backend: one update with 2 ranks (ZeRO-2, ZeRO-3) matching the FSDP2 backend on 1 rank, and
+(1 rank, fp32 and bf16) weight export plus save_state/load_state round trips that check bf16 against FSDP too.
 
 Every DeepSpeed run is a subprocess (``torchrun`` or this file run as a script): DeepSpeed keeps process-wide state
 (its communication backend, LOCAL_RANK, compiled ops) that should not leak into the pytest process.
@@ -57,17 +57,6 @@ def test_zero_two_ranks_match_fsdp_one_rank(zero_stage, fsdp_one_rank, tmp_path)
     # see it; an absolute 0.01 is 0.3% of the update's effect and 50x the differences seen (<= 2e-4).
     assert abs(ds["logprob_sum_after"] - fsdp_one_rank["logprob_sum_after"]) < 0.01, (
         ds["logprob_sum_after"], fsdp_one_rank["logprob_sum_after"])
-
-
-def test_bf16_zero2_two_ranks_smoke(fsdp_one_rank, tmp_path):
-    ds = run_update("--backend", "deepspeed", "--zero-stage", "2", "--dtype", "bf16", ranks=2, tmp=tmp_path)
-    assert ds["world_size"] == 2
-    values = {k: v for k, v in ds.items() if isinstance(v, float)}
-    assert all(math.isfinite(v) for v in values.values()), values
-    assert ds["train/grad_norm"] > 0 and ds["train/lr"] == 1e-5
-    # bf16 compute, fp32 master weights: close to the fp32 run, not equal to it
-    assert math.isclose(ds["train/entropy"], fsdp_one_rank["train/entropy"], rel_tol=1e-2)
-    assert math.isclose(ds["logprob_sum_after"], fsdp_one_rank["logprob_sum_after"], rel_tol=1e-2)
 
 
 @pytest.mark.parametrize(("zero_stage", "dtype"), [(2, "fp32"), (3, "bf16")])

@@ -1,10 +1,12 @@
 """The supervised stage: chat rows rendered with only the assistant's tokens trained, bad rows and foreign
 tokenizers refused at start, the rejection-sampling filter, and `python -m trainer stages=[sft]` lowering the
-held-out loss, resuming exactly, on FSDP2 (with and without LoRA) and DeepSpeed."""
+held-out loss and resuming exactly (FSDP2 with LoRA), and training on DeepSpeed. Full fine-tuning on FSDP2 is the
+agent recipe's test (tests/test_agent_recipe.py)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +23,7 @@ PYTHON = {"type": "function", "function": {
     "name": "python", "description": "Run a Python program.",
     "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
 SECRET = "TOOLOUTPUTXYZ"
+LORA = ("model.lora.r=16", "sft.lr=1e-3")
 
 
 def _row(a: int, b: int) -> dict:
@@ -168,7 +171,7 @@ def _trainer(overrides: list[str], timeout: float = 900) -> subprocess.Completed
 
 def _sft(out: Path, data: Path, *more: str) -> dict:
     result = _trainer(["stages=[sft]", "sft.data=chat", f"sft.paths=[{data}]", f"trainer.output_dir={out}",
-                       "sft.eval_fraction=0.25", "sft.batch_size=6", "trainer.eval_tasks=0", "trainer.save_every=3",
+                       "sft.eval_fraction=0.25", "sft.batch_size=3", "trainer.eval_tasks=0", "trainer.save_every=3",
                        "trainer.warmup_steps=0", "logging.progress=false", *more])
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads((out / "summary.json").read_text())
@@ -176,15 +179,16 @@ def _sft(out: Path, data: Path, *more: str) -> dict:
 
 @pytest.fixture(scope="module")
 def chat_data(tmp_path_factory) -> Path:
-    rows = [_row(a, b) for a, b in zip(range(11, 35), range(40, 64), strict=True)]  # 24 rows: 18 train, 6 held out
+    rows = [_row(a, b) for a, b in zip(range(11, 23), range(40, 52), strict=True)]  # 12 rows: 9 train, 3 held out
     return _write_rows(tmp_path_factory.mktemp("sft") / "rows.jsonl", rows)
 
 
 @pytest.mark.e2e
 def test_sft_lowers_the_held_out_loss_and_resumes_exactly(chat_data, tmp_path, bundled_model) -> None:
-    whole = _sft(tmp_path / "whole", chat_data, "sft.epochs=2")
+    # on FSDP2 with LoRA (full fine-tuning is the agent recipe's test): its checkpoints are the adapters' state
+    whole = _sft(tmp_path / "whole", chat_data, "sft.epochs=2", *LORA)
     assert whole["eval_loss_after"] < 0.7 * whole["eval_loss_before"], whole
-    assert whole["sft/chat/rows"] == 24 and whole["sft/held_out"] == 6
+    assert whole["sft/chat/rows"] == 12 and whole["sft/held_out"] == 3
     weights = Path(whole["weights"])
     assert weights.name == "v6" and changed_tensors(weights, bundled_model) > 0
     rows = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
@@ -192,17 +196,21 @@ def test_sft_lowers_the_held_out_loss_and_resumes_exactly(chat_data, tmp_path, b
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6] and all(r["train/model_tokens"] > 0 for r in steps)
     assert (tmp_path / "whole" / "report.html").is_file() and any((tmp_path / "whole" / "tensorboard").iterdir())
 
-    # the same run cut after its first epoch, then resumed: the same six steps, the same weights, bit for bit
-    cut = tmp_path / "cut"
-    _sft(cut, chat_data, "sft.epochs=1")
-    resumed = _sft(cut, chat_data, "sft.epochs=2", "trainer.resume=latest")
+    # the run as if killed after its step-3 checkpoint (the end of its first epoch), then resumed: the same last
+    # three steps, the same weights, bit for bit
+    checkpoints = tmp_path / "whole" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000003", "step-000006"]
+    shutil.rmtree(checkpoints / "step-000006")
+    weights = weights.rename(tmp_path / "whole-v6")
+    resumed = _sft(tmp_path / "whole", chat_data, "sft.epochs=2", *LORA, "trainer.resume=latest")
     assert changed_tensors(Path(resumed["weights"]), weights) == 0
     assert resumed["eval_loss_after"] == whole["eval_loss_after"]
+    resumed_steps = [json.loads(line)["step"] for line in (tmp_path / "whole" / "metrics.jsonl").read_text()
+                     .splitlines() if "train/loss" in line]
+    assert resumed_steps == [1, 2, 3, 4, 5, 6, 4, 5, 6]  # it trained steps 4-6 again, not from the start
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("backend", [["model.lora.r=16", "sft.lr=1e-3"], ["trainer.backend=deepspeed"]],
-                         ids=["fsdp-lora", "deepspeed"])
-def test_sft_trains_on_the_other_backends(backend: list[str], chat_data, tmp_path) -> None:
-    result = _sft(tmp_path / "run", chat_data, "sft.epochs=1", *backend)
+def test_sft_trains_on_deepspeed(chat_data, tmp_path) -> None:
+    result = _sft(tmp_path / "run", chat_data, "sft.epochs=1", "trainer.backend=deepspeed")
     assert result["eval_loss_after"] < 0.8 * result["eval_loss_before"], result
