@@ -35,6 +35,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     if outside:
         raise pytest.UsageError(f"add the modules of {outside} to SHARED_MODULES in tests/conftest.py: they use "
                                 f"{sorted(HEAVY_FIXTURES)}")
+    # The shared group first, led by the modules that have an exclusive test and, in them, by those tests; then the
+    # light tests; then the other e2e ones (the sort is stable: every other order stays). Under xdist the group's
+    # worker starts on the exclusive tests while the other worker runs light tests, which they do not block. Placed
+    # among the e2e tests, an exclusive test idled a worker for minutes: waiting its turn, then holding the machine.
+    exclusive = {item.nodeid for item in items if item.get_closest_marker("exclusive")}
+    leading = {item.path.stem for item in items if item.nodeid in exclusive}
+
+    def run_order(item: pytest.Item) -> tuple[int, int]:
+        if item.path.stem in SHARED_MODULES:
+            return (0, 0 if item.nodeid in exclusive else 1 if item.path.stem in leading else 2)
+        return (1 if item.get_closest_marker("e2e") is None else 2, 0)
+
+    items.sort(key=run_order)
 
 
 @pytest.hookimpl(optionalhook=True)
