@@ -177,6 +177,12 @@ def _sft(out: Path, data: Path, *more: str) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
+def _train_rows(out: Path) -> list[dict]:
+    """The training steps' rows of ``out/metrics.jsonl``, in the order they were logged."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "train/loss" in r]
+
+
 @pytest.fixture(scope="module")
 def chat_data(tmp_path_factory) -> Path:
     rows = [_row(a, b) for a, b in zip(range(11, 23), range(40, 52), strict=True)]  # 12 rows: 9 train, 3 held out
@@ -191,8 +197,7 @@ def test_sft_lowers_the_held_out_loss_and_resumes_exactly(chat_data, tmp_path, b
     assert whole["sft/chat/rows"] == 12 and whole["sft/held_out"] == 3
     weights = Path(whole["weights"])
     assert weights.name == "v6" and changed_tensors(weights, bundled_model) > 0
-    rows = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "train/loss" in r]
+    steps = _train_rows(tmp_path / "whole")
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6] and all(r["train/model_tokens"] > 0 for r in steps)
     assert (tmp_path / "whole" / "report.html").is_file() and any((tmp_path / "whole" / "tensorboard").iterdir())
 
@@ -205,9 +210,8 @@ def test_sft_lowers_the_held_out_loss_and_resumes_exactly(chat_data, tmp_path, b
     resumed = _sft(tmp_path / "whole", chat_data, "sft.epochs=2", *LORA, "trainer.resume=latest")
     assert changed_tensors(Path(resumed["weights"]), weights) == 0
     assert resumed["eval_loss_after"] == whole["eval_loss_after"]
-    resumed_steps = [json.loads(line)["step"] for line in (tmp_path / "whole" / "metrics.jsonl").read_text()
-                     .splitlines() if "train/loss" in line]
-    assert resumed_steps == [1, 2, 3, 4, 5, 6, 4, 5, 6]  # it trained steps 4-6 again, not from the start
+    # it trained steps 4-6 again, not from the start
+    assert [r["step"] for r in _train_rows(tmp_path / "whole")] == [1, 2, 3, 4, 5, 6, 4, 5, 6]
 
 
 @pytest.mark.e2e
