@@ -221,6 +221,9 @@ class DockerSandbox(Sandbox):
             nano_cpus=int(limits.cpus * 1e9), mem_limit=f"{limits.memory_mb}m",
             memswap_limit=f"{limits.memory_mb}m", pids_limit=limits.pids,
             read_only=True, working_dir="/", init=True,
+            # The host polls /health itself. Docker's own check starts a python in every container every 10 s: 24
+            # idle sandboxes took 21% of this 2-core machine with it, 3% without.
+            healthcheck={"test": ["NONE"]},
             tmpfs={EXEC_DIR: f"{tmpfs},uid=0,gid={EXEC_UID},mode=0770", "/tmp": f"{tmpfs},mode=1777"},
             security_opt=["no-new-privileges"], cap_drop=["ALL"], cap_add=["SETUID", "SETGID", "KILL"], user="0:0",
             **network,
