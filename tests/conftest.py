@@ -12,6 +12,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("ENVKIT_CACHE_DIR", str(REPO / ".cache"))
+# vLLM servers the tests start (cpu_cores=auto) keep vLLM's own binding, one core on 2 vCPUs: the other pytest worker
+# computes meanwhile. The agent recipe's test asks for all cores and checks that the server got them.
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "auto")
 # A test that needs one of these is end-to-end whether or not its module says so: `make test-fast` leaves it out.
 HEAVY_FIXTURES = {"vllm_engine", "docker_client"}
 # Under `pytest -n 2 --dist loadgroup` (`make test`) these modules' tests run on one worker, as one group: they share

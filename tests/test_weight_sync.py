@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -109,3 +110,26 @@ def test_weights_packed_for_ray_s_object_store_come_back_equal_in_every_dtype_an
     assert back.keys() == tensors.keys()
     for name, tensor in tensors.items():
         assert back[name].dtype == tensor.dtype and back[name].shape == tensor.shape and back[name].equal(tensor), name
+
+
+def test_the_cores_a_vllm_server_computes_on_follow_the_config_and_the_trainer_s_mode(monkeypatch):
+    import trainer
+    from generators.engines.vllm import BIND_ENV
+    from trainer.config import ConfigError
+    from trainer.placement import Placement
+
+    def binding(*overrides: str) -> str | None:
+        cfg = trainer.compose(list(overrides))
+        return Placement(cfg).engine("model-dir", Path("out")).server.env.get(BIND_ENV)
+
+    every = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    monkeypatch.delenv(BIND_ENV)  # conftest sets it for the servers tests start
+    assert binding() == every  # sync: nothing else computes while the server generates
+    assert binding("trainer.mode=async") is None  # the trainer computes meanwhile: vLLM's own choice
+    assert binding("trainer.mode=async", "inference.cpu_cores=all") == every  # asked for by name
+    assert binding("inference.cpu_cores=0") == "0" and binding("inference.cpu_cores=vllm") is None
+    monkeypatch.setenv(BIND_ENV, "1")
+    assert binding() is None  # the environment's own setting stands (the server inherits it)
+    with pytest.raises(ConfigError, match=r"inference\.cpu_cores must be auto, all, vllm or a list of cores such as "
+                                          r"0-3 or 0,2; got 'half'"):
+        trainer.compose(["inference.cpu_cores=half"])

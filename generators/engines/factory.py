@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,6 +11,13 @@ from generators.engines.base import InferenceEngine
 ENGINES = ("vllm", "sglang", "hf", "openai")
 WEIGHT_SWAPS = ("finish", "interrupt")
 WEIGHT_TRANSPORTS = ("auto", "shared", "group")
+_CORE_LIST = re.compile(r"\d+(-\d+)?(,\d+(-\d+)?)*")
+
+
+def check_cpu_cores(cores: str) -> None:
+    """Raise ValueError unless ``cores`` is auto, all, vllm or a core list such as ``0-3`` or ``0,2``."""
+    if cores not in ("auto", "all", "vllm") and not _CORE_LIST.fullmatch(cores):
+        raise ValueError(f"cpu_cores must be auto, all, vllm or a list of cores such as 0-3 or 0,2; got {cores!r}")
 
 
 @dataclass
@@ -36,11 +44,17 @@ class EngineConfig:
     """vllm: what requests in flight do when new weights arrive: finish (on the weights they started with) or
     interrupt (stop, then the generator continues each on the new weights; partial rollouts, every token's version
     in ``Trajectory.version_spans``)."""
+    cpu_cores: str = "auto"
+    """vllm on CPU: the cores its workers compute on. all: every core this process may use; vllm: vLLM's own
+    choice (one per physical core, less one it leaves to its scheduler); or a list such as ``0-3``. auto: all where
+    nothing else computes while it generates (``envkit eval``, training in sync mode), vllm's choice where a trainer
+    does (async mode, Ray replicas); ``VLLM_CPU_OMP_THREADS_BIND`` set in the environment stands."""
     weight_transport: str = "auto"
     """vllm, when weights sync from memory: shared (through /dev/shm, for a CPU server this run started), group (a
     process group with the server's workers: gloo on CPU, NCCL on a GPU) or auto (shared where it can be used)."""
 
     def __post_init__(self) -> None:
+        check_cpu_cores(self.cpu_cores)
         if self.weight_transport not in WEIGHT_TRANSPORTS:
             raise ValueError(f"weight_transport must be one of {', '.join(WEIGHT_TRANSPORTS)}, "
                              f"got {self.weight_transport!r}")
@@ -81,4 +95,5 @@ def make_engine(config: EngineConfig, model: str | Path, *, log_dir: Path | None
     seed_args = ("--seed", str(config.server_seed)) if config.server_seed is not None else ()
     return VLLMEngine(model, max_model_len=config.max_model_len, dtype=config.dtype, kv_cache_gib=config.kv_cache_gib,
                       extra_args=seed_args, log_path=log_path, request_timeout=config.request_timeout_s,
-                      url=config.url, weight_swap=config.weight_swap, weight_transport=config.weight_transport)
+                      url=config.url, weight_swap=config.weight_swap, weight_transport=config.weight_transport,
+                      cpu_cores=config.cpu_cores)

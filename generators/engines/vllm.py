@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from generators.engines.base import Completion, EngineError, FinishReason, SamplingParams
-from generators.engines.factory import WEIGHT_SWAPS, WEIGHT_TRANSPORTS
+from generators.engines.factory import WEIGHT_SWAPS, WEIGHT_TRANSPORTS, check_cpu_cores
 from generators.engines.managed import ServerBackedEngine
 from generators.models import cache_dir
 from generators.precision import auto_dtype
@@ -26,6 +26,20 @@ def _is_cpu_build() -> bool:
     except importlib.metadata.PackageNotFoundError:
         return False
     return True
+
+
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+"""vLLM-CPU's own setting of the cores its workers run on."""
+
+
+def _core_binding(cores: str) -> dict[str, str]:
+    """The server's environment for ``cores`` (see :class:`VLLMEngine`)."""
+    check_cpu_cores(cores)
+    if cores == "vllm" or (cores == "auto" and BIND_ENV in os.environ):
+        return {}
+    if cores in ("auto", "all"):
+        cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    return {BIND_ENV: cores}
 
 
 class VLLMEngine(ServerBackedEngine):
@@ -44,6 +58,10 @@ class VLLMEngine(ServerBackedEngine):
     model (torch.compile, CUDA graphs) on a GPU and runs it eagerly on the CPU build, where compiling costs more
     start-up time than it gives back in all but long jobs. With ``url`` it attaches to a vLLM server that is already
     running (started with ``VLLM_SERVER_DEV_MODE=1``, serving ``served_model_name``) instead of starting one.
+    ``cpu_cores`` (CPU build): the cores the server computes on: all those this process may use, vllm for vLLM's
+    own choice (on 2 vCPUs: one, the other left to its scheduler), a list such as ``0-3``, or auto: all, unless
+    ``VLLM_CPU_OMP_THREADS_BIND`` is set in the environment. All cores generated 1.6x the tokens/s of vLLM's choice
+    with 24 requests in flight on 2 vCPUs.
     """
 
     backend = "vLLM"
@@ -68,6 +86,7 @@ class VLLMEngine(ServerBackedEngine):
         url: str | None = None,
         weight_swap: str = "finish",
         weight_transport: str = "auto",
+        cpu_cores: str = "auto",
     ) -> None:
         if weight_swap not in WEIGHT_SWAPS:
             raise ValueError(f"weight_swap must be one of {', '.join(WEIGHT_SWAPS)}, got {weight_swap!r}")
@@ -97,7 +116,7 @@ class VLLMEngine(ServerBackedEngine):
             server_name="vllm",
             # one log per process and server name, so concurrent servers never interleave
             log_path=log_path or cache_dir() / "logs" / f"vllm-{served_model_name}-{os.getpid()}.log",
-            env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)},
+            env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), **_core_binding(cpu_cores)},
             host=host,
             port=port,
             startup_timeout=startup_timeout,

@@ -10,6 +10,7 @@ metrics; :func:`launch` runs :func:`trainer.loop.train` here or on the cluster.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import envkit
 from envkit import Env
 from generators.engines.base import InferenceEngine
 from generators.engines.factory import make_engine
-from trainer.config import Config
+from trainer.config import Config, InferenceConfig
 
 
 class RunFailed(RuntimeError):
@@ -32,7 +33,14 @@ class Placement:
 
     def engine(self, model_path: str | Path, out: Path) -> InferenceEngine:
         """The engine rank 0 generates with (not started)."""
-        return make_engine(self.cfg.inference, model_path, log_dir=out)
+        return make_engine(self.inference(beside_trainer=self.cfg.trainer.mode == "async"), model_path, log_dir=out)
+
+    def inference(self, *, beside_trainer: bool) -> InferenceConfig:
+        """The engines' config. ``beside_trainer``: a trainer computes while they generate, so ``cpu_cores=auto``
+        keeps vLLM's own binding, which leaves a core free."""
+        if beside_trainer and self.cfg.inference.cpu_cores == "auto":
+            return replace(self.cfg.inference, cpu_cores="vllm")
+        return self.cfg.inference
 
     def make_env(self, name: str, **kwargs: Any) -> Env:
         """A fresh env for one rollout."""

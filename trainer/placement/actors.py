@@ -374,7 +374,8 @@ class RayPlacement(Placement):
     def engine(self, model_path: str | Path, out: Path) -> InferenceEngine:
         p = self.cfg.placement
         self.group = ready_group(p.replica_resources, p.inference_replicas, "inference replicas")
-        group, inference, stage = self.group, self.cfg.inference, WeightStage()
+        # replicas share the nodes with each other and the trainer ranks
+        group, inference, stage = self.group, self.inference(beside_trainer=True), WeightStage()
 
         async def spawn(index: int) -> InferenceEngine:
             name = f"replica-{index}"
