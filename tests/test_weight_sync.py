@@ -128,6 +128,10 @@ def test_the_cores_a_vllm_server_computes_on_follow_the_config_and_the_trainer_s
     assert binding("trainer.mode=async") is None  # the trainer computes meanwhile: vLLM's own choice
     assert binding("trainer.mode=async", "inference.cpu_cores=all") == every  # asked for by name
     assert binding("inference.cpu_cores=0") == "0" and binding("inference.cpu_cores=vllm") is None
+    # a core it cannot run on would let the server start and answer /health, then fail every request
+    beyond = max(os.sched_getaffinity(0)) + 1
+    with pytest.raises(ValueError, match=rf"cpu_cores=0-{beyond} names no core, or cores this process cannot run on"):
+        binding(f"inference.cpu_cores=0-{beyond}")
     monkeypatch.setenv(BIND_ENV, "1")
     assert binding() is None  # the environment's own setting stands (the server inherits it)
     with pytest.raises(ConfigError, match=r"inference\.cpu_cores must be auto, all, vllm or a list of cores such as "

@@ -37,8 +37,14 @@ def _core_binding(cores: str) -> dict[str, str]:
     check_cpu_cores(cores)
     if cores == "vllm" or (cores == "auto" and BIND_ENV in os.environ):
         return {}
+    usable = sorted(os.sched_getaffinity(0))
     if cores in ("auto", "all"):
-        cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+        return {BIND_ENV: ",".join(str(c) for c in usable)}
+    spans = [[int(x) for x in span.split("-")] for span in cores.split(",")]
+    # a core the server cannot run on still lets it start and answer /health; its engine then dies on every request
+    listed = {c for span in spans for c in range(span[0], span[-1] + 1)}
+    if not listed or not listed <= set(usable):
+        raise ValueError(f"cpu_cores={cores} names no core, or cores this process cannot run on; it may use {usable}")
     return {BIND_ENV: cores}
 
 
