@@ -54,6 +54,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="fp32")
     parser.add_argument("--packing", action="store_true")
     parser.add_argument("--micro-batch-tokens", type=int, default=4096)
+    parser.add_argument("--no-share-prompt", action="store_true", help="read each group's prompt in every row")
     parser.add_argument("--algorithm", choices=["grpo", "ppo"], default="grpo")
     parser.add_argument("--updates", type=int, default=1)
     parser.add_argument("--lr", type=float, default=1e-5)
@@ -69,7 +70,8 @@ def main() -> None:
         algorithm=AlgorithmConfig(advantage="grpo" if args.algorithm == "grpo" else "gae", tis_cap=2.0,
                                   kl_coef=args.kl_coef),
         trainer=TrainerConfig(backend=args.backend, zero_stage=args.zero_stage, dtype=args.dtype, lr=args.lr,
-                              warmup_steps=0, packing=args.packing, micro_batch_tokens=args.micro_batch_tokens),
+                              warmup_steps=0, packing=args.packing, micro_batch_tokens=args.micro_batch_tokens,
+                              share_prompt=not args.no_share_prompt),
     )
     torch.manual_seed(0)
     backend = make_backend(cfg, str(bundled_model_dir()))

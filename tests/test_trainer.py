@@ -139,6 +139,15 @@ def test_packing_matches_padding(tmp_path):
     _close(padded, packed, ("train/loss", "train/grad_norm", "train/entropy", "logprob_sum_after"), rel=1e-4)
 
 
+def test_a_group_that_reads_its_prompt_once_updates_as_if_every_rollout_read_it(tmp_path):
+    shared = _update(tmp=tmp_path)  # 4 groups of 4: each group's prompt read once, by a micro-batch of its own
+    whole = _update("--no-share-prompt", tmp=tmp_path)
+    split = _update("--micro-batch-tokens", "100", tmp=tmp_path)  # each group over 2-3 micro-batches
+    for other in (whole, split):
+        _close(shared, other, ("train/loss", "train/grad_norm", "train/entropy", "logprob_sum_after"), rel=1e-4)
+    assert shared["logprob_sum_after"] > shared["logprob_sum_before"] + 1  # an update happened, and it was the same
+
+
 def test_ppo_value_head_learns_shards_and_stays_out_of_the_export(tmp_path):
     from safetensors import safe_open
 
@@ -154,6 +163,9 @@ def test_ppo_value_head_learns_shards_and_stays_out_of_the_export(tmp_path):
     # the head is sharded with the root: 2 ranks give the 1-rank numbers
     two = _update(*args, ranks=2, tmp=tmp_path)
     _close(one, two, ("train/loss", "train/value_loss", "train/grad_norm", "logprob_sum_after"), rel=1e-4)
+    # values read after a shared prompt are the values read after the whole row
+    whole = _update(*args, "--no-share-prompt", tmp=tmp_path)
+    _close(one, whole, ("train/loss", "train/value_loss", "train/grad_norm", "logprob_sum_after"), rel=1e-4)
 
 
 def kill_at_step_1_checkpoint(out: Path, overrides: list[str], log: Path) -> None:

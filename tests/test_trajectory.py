@@ -91,6 +91,38 @@ def test_micro_batches_cover_every_rollout_once_within_the_token_budget(packing)
     assert rows == [0] and batch["input_ids"].shape == (1, 9)
 
 
+def test_rollouts_of_one_prompt_share_micro_batches_that_count_the_prompt_once():
+    group = [_traj([1, 2, 3, 4, 5], list(range(n)), [1] * n) for n in (6, 2, 4, 3, 5)]  # one prompt of 5 tokens
+    other = [_traj([9, 9], [7, 7], [1, 1]) for _ in range(2)]
+    alone = [_traj([1, 2, 3, 4], [8], [1])]  # a prefix of the group's prompt, but not the same prompt
+    trajs = group + other + alone
+    budget = 4 + 7 + 6  # the prompt less its last token, then each row's response and that token
+    batches = list(micro_batches(list(range(len(trajs))), trajs, budget=budget, packing=False, pad_id=0,
+                                 share_prompt=True))
+    seen = []
+    for batch, rows in batches:
+        seen += rows
+        if "segments" not in batch:
+            assert rows == [7] and batch["input_ids"].shape == (1, 5)
+            continue
+        prompt = trajs[rows[0]].prompt_ids
+        assert all(trajs[i].prompt_ids == prompt for i in rows)
+        assert batch["packed_input_ids"].shape[1] == len(prompt) - 1 + sum(len(trajs[i].response_ids) + 1
+                                                                           for i in rows) <= budget
+        # every row's tokens are where row_starts says, in the one row the model reads
+        for r, i in enumerate(rows):
+            ids = trajs[i].prompt_ids + trajs[i].response_ids
+            at = batch["row_starts"][r] + torch.arange(len(prompt) - 1, len(ids))
+            assert batch["packed_input_ids"][0, at].tolist() == ids[len(prompt) - 1:]
+            assert batch["position_ids"][0, at].tolist() == list(range(len(prompt) - 1, len(ids)))
+            assert (batch["segments"][0, at] == r + 1).all()
+        assert batch["segments"][0, :len(prompt) - 1].tolist() == [0] * (len(prompt) - 1)
+    assert sorted(seen) == list(range(len(trajs)))
+    assert [rows for batch, rows in batches if "segments" in batch] == [[0, 4], [2, 3, 1], [5, 6]]
+    plain = micro_batches(list(range(len(trajs))), trajs, budget=budget, packing=False, pad_id=0)
+    assert not any("segments" in batch for batch, _ in plain)
+
+
 def test_stack_rows_cuts_and_pads_to_the_micro_batch():
     per_rollout = {3: torch.tensor([1.0, 2.0, 3.0]), 5: torch.tensor([4.0])}
     assert stack_rows(per_rollout, [5, 3], torch.Size([2, 2])).tolist() == [[4.0, 0.0], [1.0, 2.0]]

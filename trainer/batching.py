@@ -7,7 +7,7 @@ logprob of token ``t`` comes from the logits at ``t - 1``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -58,25 +58,70 @@ def collate(trajectories: list[Trajectory], pad_id: int, packing: bool) -> Batch
         return padded
     packed = to_packed(trajectories)
     return {**padded, "packed_input_ids": packed["input_ids"], "position_ids": packed["position_ids"],
-            "cu_seqlens": packed["cu_seqlens"]}
+            "cu_seqlens": packed["cu_seqlens"], "row_starts": packed["cu_seqlens"][:-1].long()}
 
 
-def micro_batches(index: list[int], trajectories: list[Trajectory], *, budget: int, packing: bool, pad_id: int
-                  ) -> Iterator[tuple[Batch, list[int]]]:
+def micro_batches(index: list[int], trajectories: list[Trajectory], *, budget: int, packing: bool, pad_id: int,
+                  share_prompt: bool = False) -> Iterator[tuple[Batch, list[int]]]:
     """Split the rollouts ``index`` into micro-batches of at most ``budget`` tokens (longest first, greedy; a
-    rollout longer than the budget goes alone); yields each collated batch and its rollouts' indices."""
+    rollout longer than the budget goes alone); yields each collated batch and its rollouts' indices.
+
+    With ``share_prompt`` (instead of packing), rollouts with the same prompt go into micro-batches of their own
+    (:func:`shared_prompt_batch`): the model reads the prompt once for all of them, so a group of n costs
+    P + n·R tokens instead of n·(P + R), and its budget is counted that way.
+    """
+    if share_prompt and not packing:
+        by_prompt: dict[tuple[int, ...], list[int]] = {}
+        for i in index:
+            by_prompt.setdefault(tuple(trajectories[i].prompt_ids), []).append(i)
+        for rows in by_prompt.values():
+            if len(rows) > 1:
+                yield from _shared_prompt(rows, trajectories, budget, pad_id)
+        index = [i for rows in by_prompt.values() if len(rows) == 1 for i in rows]
     length = {i: len(trajectories[i].prompt_ids) + len(trajectories[i].response_ids) for i in index}
+    # packed: the tokens themselves; padded: rows × the longest row (the first, as they are sorted)
+    cost = (lambda part: sum(length[j] for j in part)) if packing else (lambda part: len(part) * length[part[0]])
+    for part in _fill(index, length, cost, budget):
+        yield collate([trajectories[j] for j in part], pad_id, packing), part
+
+
+def _shared_prompt(rows: list[int], trajectories: list[Trajectory], budget: int, pad_id: int
+                   ) -> Iterator[tuple[Batch, list[int]]]:
+    """Micro-batches of rollouts with one prompt, each costing the prompt once plus its rows' responses."""
+    shared = len(trajectories[rows[0]].prompt_ids) - 1  # the prompt's last token stays in each row: it predicts the
+    tail = {i: len(trajectories[i].response_ids) + 1 for i in rows}  # response's first token
+    for part in _fill(rows, tail, lambda part: shared + sum(tail[j] for j in part), budget):
+        yield shared_prompt_batch([trajectories[j] for j in part], shared, pad_id), part
+
+
+def shared_prompt_batch(trajectories: list[Trajectory], shared: int, pad_id: int) -> Batch:
+    """Rollouts whose first ``shared`` tokens are the same, as one row for the model: those tokens once, then each
+    rollout's rest, with ``segments`` (0 on the shared tokens, r + 1 on rollout r's) for the attention mask that
+    lets each rollout see the shared tokens and itself only; the padded (B, T) tensors for the loss besides.
+    ``row_starts[r] + t`` is the position in that row of rollout r's token t (t >= ``shared``)."""
+    rows = [t.prompt_ids + t.response_ids for t in trajectories]
+    rests = [len(ids) - shared for ids in rows]
+    starts = [shared + sum(rests[:r]) for r in range(len(rows))]
+    return {
+        **to_padded(trajectories, pad_id),
+        "packed_input_ids": torch.tensor([rows[0][:shared] + [i for ids in rows for i in ids[shared:]]]),
+        "position_ids": torch.tensor([list(range(shared)) + [p for ids in rows for p in range(shared, len(ids))]]),
+        "segments": torch.tensor([[0] * shared + [r + 1 for r, n in enumerate(rests) for _ in range(n)]]),
+        "row_starts": torch.tensor(starts) - shared,
+    }
+
+
+def _fill(index: list[int], length: dict[int, int], cost: Callable[[list[int]], int], budget: int
+          ) -> Iterator[list[int]]:
+    """``index`` longest first, cut greedily into runs whose ``cost`` stays within ``budget`` (a row over it alone)."""
     current: list[int] = []
     for i in sorted(index, key=lambda i: -length[i]):
-        # packed: the tokens themselves; padded: rows × the longest row (the first, as they are sorted)
-        cost = sum(length[j] for j in current) + length[i] if packing else (
-            (len(current) + 1) * length[current[0] if current else i])
-        if current and cost > budget:
-            yield collate([trajectories[j] for j in current], pad_id, packing), current
+        if current and cost([*current, i]) > budget:
+            yield current
             current = []
         current.append(i)
     if current:
-        yield collate([trajectories[j] for j in current], pad_id, packing), current
+        yield current
 
 
 def stack_rows(per_rollout: dict[int, torch.Tensor], rows: list[int], shape: torch.Size) -> torch.Tensor:

@@ -296,7 +296,8 @@ def _before_update(backend: TrainBackend, batch: StepBatch, cfg: Config, pad_id:
 def _micro_batches(index: list[int], batch: StepBatch, cfg: Config, pad_id: int
                    ) -> Iterator[tuple[Batch, list[int]]]:
     return micro_batches(index, batch.trajectories, budget=cfg.trainer.micro_batch_tokens,
-                         packing=cfg.trainer.packing, pad_id=pad_id)
+                         packing=cfg.trainer.packing, pad_id=pad_id,
+                         share_prompt=cfg.trainer.shares_prompts)
 
 
 def _gae_targets(batch: StepBatch, before: dict[str, dict[int, torch.Tensor]], cfg: Config, pad_id: int

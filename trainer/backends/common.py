@@ -80,11 +80,13 @@ def model_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor], devic
     mask = batch["loss_mask"].bool().clone()  # (B, T)
     mask[:, 0] = False  # the first token is not predicted by anything
     rows, cols = mask.nonzero(as_tuple=True)  # (M,) each: the predicted tokens
-    if "cu_seqlens" in batch:  # packed: one row, sequences kept apart by restarting position ids
+    if "packed_input_ids" in batch:  # one row: packed sequences, or a shared prompt and each rollout's rest
         packed = batch["packed_input_ids"].to(device)  # (1, N)
-        keep = batch["cu_seqlens"][rows] + cols - 1  # (M,) packed positions predicting those tokens
-        logits = model(input_ids=packed, position_ids=batch["position_ids"].to(device), use_cache=False,
-                       logits_to_keep=keep.to(device)).logits[0]  # (M, V)
+        keep = batch["row_starts"][rows] + cols - 1  # (M,) packed positions predicting those tokens
+        # Packed sequences are kept apart by their restarting position ids; a shared prompt needs its own mask.
+        shared = _shared_prompt_mask(batch["segments"].to(device)) if "segments" in batch else None
+        logits = model(input_ids=packed, position_ids=batch["position_ids"].to(device), attention_mask=shared,
+                       use_cache=False, logits_to_keep=keep.to(device)).logits[0]  # (M, V)
         targets = packed[0, (keep + 1).to(device)]  # (M,)
         where = (torch.zeros_like(keep), keep)  # (M,) each: the predicting positions in the model's output
     else:
@@ -104,6 +106,15 @@ def model_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor], devic
         values = _scatter(head.values[where[0].to(device), where[1].to(device)], rows, cols, mask.shape)
         head.values = None
     return TokenOutputs(_scatter(picked, rows, cols, mask.shape), _scatter(entropy, rows, cols, mask.shape), values)
+
+
+def _shared_prompt_mask(segments: torch.Tensor) -> torch.Tensor:
+    """The additive attention mask (1, 1, N, N) of a shared-prompt row (``trainer.batching.shared_prompt_batch``):
+    each token sees the earlier tokens of its own segment and of the shared one (segment 0)."""
+    seg = segments[0]  # (N,)
+    position = torch.arange(len(seg), device=seg.device)
+    seen = (position[None, :] <= position[:, None]) & ((seg[None, :] == 0) | (seg[None, :] == seg[:, None]))
+    return torch.zeros(seen.shape, device=seg.device).masked_fill(~seen, float("-inf"))[None, None]
 
 
 def _scatter(values: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, shape: torch.Size) -> torch.Tensor:
