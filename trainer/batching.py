@@ -88,8 +88,9 @@ def micro_batches(index: list[int], trajectories: list[Trajectory], *, budget: i
 def _shared_prompt(rows: list[int], trajectories: list[Trajectory], budget: int, pad_id: int
                    ) -> Iterator[tuple[Batch, list[int]]]:
     """Micro-batches of rollouts with one prompt, each costing the prompt once plus its rows' responses."""
-    shared = len(trajectories[rows[0]].prompt_ids) - 1  # the prompt's last token stays in each row: it predicts the
-    tail = {i: len(trajectories[i].response_ids) + 1 for i in rows}  # response's first token
+    # The prompt's last token stays in each row's own part: it predicts the row's first response token.
+    shared = len(trajectories[rows[0]].prompt_ids) - 1
+    tail = {i: len(trajectories[i].response_ids) + 1 for i in rows}
     for part in _fill(rows, tail, lambda part: shared + sum(tail[j] for j in part), budget):
         yield shared_prompt_batch([trajectories[j] for j in part], shared, pad_id), part
 
