@@ -8,6 +8,7 @@ logprob of token ``t`` comes from the logits at ``t - 1``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from itertools import accumulate
 
 import torch
 
@@ -102,13 +103,12 @@ def shared_prompt_batch(trajectories: list[Trajectory], shared: int, pad_id: int
     ``row_starts[r] + t`` is the position in that row of rollout r's token t (t >= ``shared``)."""
     rows = [t.prompt_ids + t.response_ids for t in trajectories]
     rests = [len(ids) - shared for ids in rows]
-    starts = [shared + sum(rests[:r]) for r in range(len(rows))]
     return {
         **to_padded(trajectories, pad_id),
         "packed_input_ids": torch.tensor([rows[0][:shared] + [i for ids in rows for i in ids[shared:]]]),
         "position_ids": torch.tensor([list(range(shared)) + [p for ids in rows for p in range(shared, len(ids))]]),
         "segments": torch.tensor([[0] * shared + [r + 1 for r, n in enumerate(rests) for _ in range(n)]]),
-        "row_starts": torch.tensor(starts) - shared,
+        "row_starts": torch.tensor([0, *accumulate(rests)][:-1]),  # rollout r's part begins at shared + this
     }
 
 
