@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from generators.trajectory import Trajectory, read_jsonl, write_jsonl
-from trainer.batching import micro_batches, stack_rows, to_packed, to_padded
+from trainer.batching import micro_batches, mini_batch_order, stack_rows, to_packed, to_padded
 
 
 def _traj(prompt: list[int], response: list[int], mask: list[int], **kw) -> Trajectory:
@@ -121,6 +121,23 @@ def test_rollouts_of_one_prompt_share_micro_batches_that_count_the_prompt_once()
     assert [rows for batch, rows in batches if "segments" in batch] == [[0, 4], [2, 3, 1], [5, 6]]
     plain = micro_batches(list(range(len(trajs))), trajs, budget=budget, packing=False, pad_id=0)
     assert not any("segments" in batch for batch, _ in plain)
+
+
+def test_mini_batches_keep_the_rollouts_of_a_prompt_together_when_they_share_it():
+    trajs = [_traj(prompt, [1], [1]) for prompt in ([1, 2], [3], [1, 2], [4], [3], [1, 2], [5, 6], [5, 6])]
+    groups = {0: "a", 1: "b", 2: "a", 3: "c", 4: "b", 5: "a", 6: "d", 7: "d"}
+    seen = set()
+    for seed in range(20):
+        torch.manual_seed(seed)
+        order = mini_batch_order(trajs, share_prompt=True)
+        assert sorted(order) == list(range(8))
+        runs = [groups[i] for i in order]
+        assert len([g for k, g in enumerate(runs) if k == 0 or runs[k - 1] != g]) == 4  # each prompt one run
+        seen.add(tuple(runs))
+    assert len(seen) > 1  # the groups come in a random order
+    torch.manual_seed(0)
+    mixed = [[groups[i] for i in mini_batch_order(trajs, share_prompt=False)] for _ in range(20)]
+    assert any(len([g for k, g in enumerate(r) if k == 0 or r[k - 1] != g]) > 4 for r in mixed)
 
 
 def test_stack_rows_cuts_and_pads_to_the_micro_batch():

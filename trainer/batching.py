@@ -7,7 +7,7 @@ logprob of token ``t`` comes from the logits at ``t - 1``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from itertools import accumulate
 
 import torch
@@ -62,6 +62,15 @@ def collate(trajectories: list[Trajectory], pad_id: int, packing: bool) -> Batch
             "cu_seqlens": packed["cu_seqlens"], "row_starts": packed["cu_seqlens"][:-1].long()}
 
 
+def mini_batch_order(trajectories: list[Trajectory], *, share_prompt: bool) -> list[int]:
+    """The rollouts in a random order to cut into mini-batches. With ``share_prompt`` the rollouts of one prompt stay
+    together: spread over several mini-batches, they would read their prompt once in each."""
+    if not share_prompt:
+        return torch.randperm(len(trajectories)).tolist()
+    groups = _by_prompt(range(len(trajectories)), trajectories)
+    return [i for k in torch.randperm(len(groups)).tolist() for i in groups[k]]
+
+
 def micro_batches(index: list[int], trajectories: list[Trajectory], *, budget: int, packing: bool, pad_id: int,
                   share_prompt: bool = False) -> Iterator[tuple[Batch, list[int]]]:
     """Split the rollouts ``index`` into micro-batches of at most ``budget`` tokens (longest first, greedy; a
@@ -72,18 +81,24 @@ def micro_batches(index: list[int], trajectories: list[Trajectory], *, budget: i
     P + n·R tokens instead of n·(P + R), and its budget is counted that way.
     """
     if share_prompt and not packing:
-        by_prompt: dict[tuple[int, ...], list[int]] = {}
-        for i in index:
-            by_prompt.setdefault(tuple(trajectories[i].prompt_ids), []).append(i)
-        for rows in by_prompt.values():
+        groups = _by_prompt(index, trajectories)
+        for rows in groups:
             if len(rows) > 1:
                 yield from _shared_prompt(rows, trajectories, budget, pad_id)
-        index = [i for rows in by_prompt.values() if len(rows) == 1 for i in rows]
+        index = [i for rows in groups if len(rows) == 1 for i in rows]
     length = {i: len(trajectories[i].prompt_ids) + len(trajectories[i].response_ids) for i in index}
     # packed: the tokens themselves; padded: rows × the longest row (the first, as they are sorted)
     cost = (lambda part: sum(length[j] for j in part)) if packing else (lambda part: len(part) * length[part[0]])
     for part in _fill(index, length, cost, budget):
         yield collate([trajectories[j] for j in part], pad_id, packing), part
+
+
+def _by_prompt(index: Iterable[int], trajectories: list[Trajectory]) -> list[list[int]]:
+    """The rollouts ``index`` grouped by identical prompt token ids, in order of first appearance."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i in index:
+        groups.setdefault(tuple(trajectories[i].prompt_ids), []).append(i)
+    return list(groups.values())
 
 
 def _shared_prompt(rows: list[int], trajectories: list[Trajectory], budget: int, pad_id: int

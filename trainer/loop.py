@@ -46,7 +46,7 @@ from trainer.async_rollouts import AsyncRollouts, LoopThread
 from trainer.backends import make_backend
 from trainer.backends.base import Batch, TrainBackend
 from trainer.backends.hf_export import write_hf_checkpoint
-from trainer.batching import micro_batches, stack_rows, to_padded
+from trainer.batching import micro_batches, mini_batch_order, stack_rows, to_padded
 from trainer.checkpoint import CheckpointManager, TrainState
 from trainer.config import Config
 from trainer.distributed import all_reduce_values, broadcast_from_rank0, max_over_ranks, shutdown_distributed
@@ -216,7 +216,7 @@ def update_policy(backend: TrainBackend, batch: StepBatch, cfg: Config, pad_id: 
         return {"train/skipped_update": 1.0}
     n = len(batch.trajectories)
     mini = max(1, round(cfg.mini_batch_size * n / cfg.generator.batch_size))  # filtering shrinks the batch
-    order = torch.randperm(n).tolist()
+    order = mini_batch_order(batch.trajectories, share_prompt=cfg.trainer.shares_prompts)
     # Several updates per batch: the ratio needs the logprobs of the policy before the first of them. A critic's
     # values before the update give GAE its advantages and the value loss its clipping anchor.
     before = _before_update(backend, batch, cfg, pad_id) if cfg.steps_per_update > 1 or a.critic else None
