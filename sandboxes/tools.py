@@ -102,7 +102,7 @@ async def close_code_pools() -> None:
     await asyncio.gather(*keepers, return_exceptions=True)
 
 
-class _CodeSandbox(ToolEnv):
+class CodeSandboxEnv(ToolEnv):
     """A ToolEnv that leases a runner sandbox at its episode's first code call and gives it back at the end."""
 
     code_sandbox: str = "auto"
@@ -118,10 +118,15 @@ class _CodeSandbox(ToolEnv):
 
     _lease: tuple[SandboxPool, Sandbox] | None = None
 
+    async def warm(self) -> None:
+        """Open the loop's shared pool now: its sandboxes start warming before the first code call, which otherwise
+        opens it (a trainer warms it while its inference server starts)."""
+        await self._code_pool()
+
     async def run_code(self, argv: list[str]) -> ExecResult:
         """Run ``argv`` in this episode's sandbox (leased on the first call)."""
         if self._lease is None:
-            pool = await code_pool(self.code_sandbox, limits=self.code_limits, size=self.code_pool_size)
+            pool = await self._code_pool()
             self._lease = (pool, await pool.acquire())
         return await self._lease[1].exec(argv, timeout=self.code_timeout_s)
 
@@ -132,6 +137,9 @@ class _CodeSandbox(ToolEnv):
         kind = self._lease[1].kind if self._lease else ""
         status: ToolStatus = "timeout" if result.timed_out else "error" if result.exit_code else "ok"
         return ToolOutput(self._report(result), status, {"sandbox": kind, "exec_s": round(result.duration_s, 4)})
+
+    async def _code_pool(self) -> SandboxPool:
+        return await code_pool(self.code_sandbox, limits=self.code_limits, size=self.code_pool_size)
 
     async def release_sandbox(self) -> None:
         """Give this episode's sandbox back to its pool, which scrubs it (a no-op when none is leased)."""
@@ -173,7 +181,7 @@ class _CodeSandbox(ToolEnv):
         return "\n".join([text, *notes]).strip("\n") or "[no output]"
 
 
-class PythonTool(_CodeSandbox):
+class PythonTool(CodeSandboxEnv):
     """A ToolEnv with a ``python`` tool that runs code in the episode's sandbox."""
 
     @tool
@@ -186,7 +194,7 @@ class PythonTool(_CodeSandbox):
         return await self._tool_output(["python3", "-I", "-c", code])
 
 
-class BashTool(_CodeSandbox):
+class BashTool(CodeSandboxEnv):
     """A ToolEnv with a ``bash`` tool that runs commands in the episode's sandbox."""
 
     @tool

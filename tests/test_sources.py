@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 import re
 
+import psutil
 import pytest
 from remote_envs import envkit_serve
 
 import envkit
+from sandboxes.tools import close_code_pools
 from trainer import compose
 from trainer.config import ConfigError
 from trainer.sources import EnvStream, Mixture, SeedStarts, TaskStarts
@@ -142,3 +144,22 @@ async def test_served_and_sandboxed_envs_list_the_tasks_of_the_env_inside():
         assert [stream.train[i][0] for i in range(len(stream.train))] == list(envkit.make("arithmetic").tasks())
     finally:
         await stream.close()
+
+
+@pytest.mark.parametrize("episodes_here", [True, False])
+async def test_an_env_whose_episodes_run_here_starts_its_code_sandboxes_when_the_run_opens(episodes_here):
+    """compute's python tool leases from a pool its init opens: opened with the run, the pool warms while the inference
+    server starts, not when the first episode calls code (a pool size of 0: the episodes run in env workers)."""
+    def runners() -> list[psutil.Process]:
+        return [p for p in psutil.Process().children(recursive=True)
+                if "sandboxes.tools:Runner" in " ".join(p.cmdline())]
+
+    stream = EnvStream(compose(["env.name=compute", "+env.kwargs.code_sandbox=local",
+                                "+env.kwargs.pool_size=1"]).env, "compute")
+    try:
+        await stream.open(pool_size=4 if episodes_here else 0)
+        assert len(stream.train) == 10_000
+        assert len(runners()) == (1 if episodes_here else 0)
+    finally:
+        await close_code_pools()
+    assert not runners()

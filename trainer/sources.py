@@ -126,12 +126,13 @@ class EnvStream:
         return (envkit.make if here else self.make_env)(self.cfg.name, **kwargs)
 
     async def open(self, *, pool_size: int) -> None:
-        """Start the sandbox pool (if any, and ``pool_size`` > 0) and load the train and eval starts."""
+        """Start the sandbox pool (if any, and ``pool_size`` > 0: the run's episodes run in this process) and load the
+        train and eval starts."""
         if self.cfg.sandbox is not None and pool_size:
             from sandboxes.env import open_pool
 
             self.pool = await open_pool(self.cfg.name, self.cfg.sandbox, size=self.cfg.pool_size or pool_size)
-        self.train, self.eval = await self._load_starts()
+        self.train, self.eval = await self._load_starts(warm=pool_size > 0)
         if not self.train:
             raise ConfigError(f"env {self.label!r} has no training episodes ({self.cfg.train_split} split is empty)")
         log.info("env %s: %d train and %d eval starts (%s)", self.label, len(self.train), len(self.eval),
@@ -143,16 +144,16 @@ class EnvStream:
         if pool is not None:
             await pool.close()
 
-    async def _load_starts(self) -> tuple[Sequence[Start], Sequence[Start]]:
-        """The train and eval starts from the configured source: one env asked for both lists, or one dataset
-        read."""
+    async def _load_starts(self, *, warm: bool) -> tuple[Sequence[Start], Sequence[Start]]:
+        """The train and eval starts from the configured source: one env asked for both lists (``warm``: see
+        :meth:`_env_tasks`), or one dataset read."""
         t: TaskSourceConfig = self.cfg.tasks
         if t.source == "seeds":
             return SeedStarts(*t.train_seeds), SeedStarts(*t.eval_seeds)
         if t.source == "dataset":
             train, held_out = await asyncio.to_thread(self._dataset_rows)
             return TaskStarts(train), TaskStarts(held_out)
-        train_list, eval_list = await self._env_tasks((self.cfg.train_split, self.cfg.eval_split))
+        train_list, eval_list = await self._env_tasks((self.cfg.train_split, self.cfg.eval_split), warm=warm)
         return self._listed(train_list, t.train_seeds), self._listed(eval_list, t.eval_seeds)
 
     def _listed(self, tasks: list[Task] | None, seeds: list[int]) -> Sequence[Start]:
@@ -182,11 +183,18 @@ class EnvStream:
             held_out = dataset_tasks(t.dataset, t.columns, split=self.cfg.eval_split)
         return rows, held_out
 
-    async def _env_tasks(self, splits: tuple[str, ...]) -> list[list[Task] | None]:
+    async def _env_tasks(self, splits: tuple[str, ...], *, warm: bool) -> list[list[Task] | None]:
         """The env's own list for each split (None where it lists none), from one env; a sandboxed env is asked
-        from inside its sandbox."""
+        from inside its sandbox. ``warm``: the run's episodes run in this process, so the code-tool sandboxes
+        they share start now."""
         env = self.make(here=True)
         try:
+            from sandboxes.tools import CodeSandboxEnv
+
+            if warm and isinstance(env.unwrapped, CodeSandboxEnv):
+                # the run's episodes share this loop's code-tool pool: its sandboxes start now, while the inference
+                # server starts, not when the first episode calls code
+                await env.unwrapped.warm()
             try:
                 lists = [await asyncio.to_thread(_listed_tasks, env, split) for split in splits]
             except ResetNeededError:  # sandboxed: the lists live in the sandbox, which init brings up
