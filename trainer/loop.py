@@ -404,11 +404,19 @@ def evaluate(generator: Generator, envs: Mixture, runner: asyncio.Runner | LoopT
     settings = {"accuracy": (cfg.trainer.eval_temperature, cfg.trainer.eval_samples)}
     if cfg.trainer.eval_greedy:
         settings["greedy_accuracy"] = (0.0, 1)
+    # Both sets of rollouts at once, each with its share of the concurrency: one after the other, the engine would
+    # idle while the first set's slowest rollouts finish.
+    total = sum(samples for _, samples in settings.values())
+    generators = [Generator(generator.engine, generator.tokenizer, cfg.generator.generator_config(
+        temperature=temperature, samples_per_prompt=samples, seed=None,
+        concurrency=max(1, cfg.generator.concurrency * samples // total)))
+        for temperature, samples in settings.values()]
+
+    async def rollouts() -> list[list[Trajectory]]:
+        return await asyncio.gather(*(envs.eval_rollouts(g, cfg.trainer.eval_tasks) for g in generators))
+
     results: dict[str, float] = {}
-    for name, (temperature, samples) in settings.items():
-        eval_gen = Generator(generator.engine, generator.tokenizer, cfg.generator.generator_config(
-            temperature=temperature, samples_per_prompt=samples, seed=None))
-        trajs = runner.run(envs.eval_rollouts(eval_gen, cfg.trainer.eval_tasks))
+    for name, trajs in zip(settings, runner.run(rollouts()), strict=True):
         groups = {"": trajs} if len(envs.streams) == 1 else {"": trajs, **{
             f"{label}/": [t for t in trajs if t.env_name == label] for label in envs.labels}}
         reward_name = "reward" if name == "accuracy" else "greedy_reward"
