@@ -148,8 +148,8 @@ async def test_served_and_sandboxed_envs_list_the_tasks_of_the_env_inside():
 
 @pytest.mark.parametrize("episodes_here", [True, False])
 async def test_an_env_whose_episodes_run_here_starts_its_code_sandboxes_when_the_run_opens(episodes_here):
-    """compute's python tool leases from a pool its init opens: opened with the run, the pool warms while the inference
-    server starts, not when the first episode calls code (a pool size of 0: the episodes run in env workers)."""
+    """compute's python tool leases from a shared pool: the run's opening warms it (CodeSandboxEnv.warm) while the
+    inference server starts, not at the first code call (a pool size of 0: the episodes run in env workers)."""
     def runners() -> list[psutil.Process]:
         return [p for p in psutil.Process().children(recursive=True)
                 if "sandboxes.tools:Runner" in " ".join(p.cmdline())]
