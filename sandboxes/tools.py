@@ -9,7 +9,8 @@ Subclass :class:`CodeTools` (both tools), :class:`PythonTool` or :class:`BashToo
 
 An episode's first call leases a sandbox from a warm pool that every env of this event loop shares: a locked-down
 container of the runner image with ``code_sandbox="docker"``, an ``envkit serve`` child process (no isolation) with
-``"local"``, docker when an engine answers with ``"auto"``. Each call is a new process in the sandbox's working
+``"local"``, docker when an engine answers with ``"auto"`` (``await env.warm()`` opens the pool before any call, as
+the trainer does when a run opens). Each call is a new process in the sandbox's working
 directory, so files persist from one call to the next within the episode; it is killed with everything it started
 after ``code_timeout_s``, and its output is capped. The episode's end (a terminating step, the next ``reset``, or
 ``close``) hands the sandbox back; the pool scrubs it (processes killed, files deleted) and replaces it unless it
