@@ -132,7 +132,9 @@ class EnvStream:
             from sandboxes.env import open_pool
 
             self.pool = await open_pool(self.cfg.name, self.cfg.sandbox, size=self.cfg.pool_size or pool_size)
-        self.train, self.eval = await self._load_starts(warm=pool_size > 0)
+        if pool_size and self.cfg.sandbox is None:
+            await self._warm_code_sandboxes()
+        self.train, self.eval = await self._load_starts()
         if not self.train:
             raise ConfigError(f"env {self.label!r} has no training episodes ({self.cfg.train_split} split is empty)")
         log.info("env %s: %d train and %d eval starts (%s)", self.label, len(self.train), len(self.eval),
@@ -144,16 +146,28 @@ class EnvStream:
         if pool is not None:
             await pool.close()
 
-    async def _load_starts(self, *, warm: bool) -> tuple[Sequence[Start], Sequence[Start]]:
-        """The train and eval starts from the configured source: one env asked for both lists (``warm``: see
-        :meth:`_env_tasks`), or one dataset read."""
+    async def _warm_code_sandboxes(self) -> None:
+        """The run's episodes share this loop's code-tool pool, if the env has code tools: its sandboxes start now,
+        while the inference server starts, not when the first episode calls code."""
+        from sandboxes.tools import CodeSandboxEnv
+
+        env = self.make(here=True)
+        try:
+            if isinstance(env.unwrapped, CodeSandboxEnv):
+                await env.unwrapped.warm()
+        finally:
+            await env.close()
+
+    async def _load_starts(self) -> tuple[Sequence[Start], Sequence[Start]]:
+        """The train and eval starts from the configured source: one env asked for both lists, or one dataset
+        read."""
         t: TaskSourceConfig = self.cfg.tasks
         if t.source == "seeds":
             return SeedStarts(*t.train_seeds), SeedStarts(*t.eval_seeds)
         if t.source == "dataset":
             train, held_out = await asyncio.to_thread(self._dataset_rows)
             return TaskStarts(train), TaskStarts(held_out)
-        train_list, eval_list = await self._env_tasks((self.cfg.train_split, self.cfg.eval_split), warm=warm)
+        train_list, eval_list = await self._env_tasks((self.cfg.train_split, self.cfg.eval_split))
         return self._listed(train_list, t.train_seeds), self._listed(eval_list, t.eval_seeds)
 
     def _listed(self, tasks: list[Task] | None, seeds: list[int]) -> Sequence[Start]:
@@ -183,18 +197,11 @@ class EnvStream:
             held_out = dataset_tasks(t.dataset, t.columns, split=self.cfg.eval_split)
         return rows, held_out
 
-    async def _env_tasks(self, splits: tuple[str, ...], *, warm: bool) -> list[list[Task] | None]:
+    async def _env_tasks(self, splits: tuple[str, ...]) -> list[list[Task] | None]:
         """The env's own list for each split (None where it lists none), from one env; a sandboxed env is asked
-        from inside its sandbox. ``warm``: the run's episodes run in this process, so the code-tool sandboxes
-        they share start now."""
+        from inside its sandbox."""
         env = self.make(here=True)
         try:
-            from sandboxes.tools import CodeSandboxEnv
-
-            if warm and isinstance(env.unwrapped, CodeSandboxEnv):
-                # the run's episodes share this loop's code-tool pool: its sandboxes start now, while the inference
-                # server starts, not when the first episode calls code
-                await env.unwrapped.warm()
             try:
                 lists = [await asyncio.to_thread(_listed_tasks, env, split) for split in splits]
             except ResetNeededError:  # sandboxed: the lists live in the sandbox, which init brings up
