@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import inspect
 import json
 import os
 import sys
@@ -24,6 +25,7 @@ from rich.table import Table
 import envkit
 from envkit.distribution import install_hint
 from envkit.errors import EnvkitError
+from envkit.registry import EnvSpec, _scheme
 from envkit.scaffold import KINDS, new_env
 from envkit.tasks import task_counts
 from envkit.untrusted import EXEC_USER_ENV
@@ -50,8 +52,30 @@ def _cmd_list(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _env_info(name: str) -> dict[str, Any]:
-    env = envkit.make(name)
+def _json_kwargs(text: str) -> dict[str, Any]:
+    """A ``--kwargs`` option's JSON object."""
+    try:
+        kwargs = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise EnvkitError(f"--kwargs is not JSON: {e}") from e
+    if not isinstance(kwargs, dict):
+        raise EnvkitError("--kwargs must be a JSON object, e.g. '{\"level\": 2}'")
+    return kwargs
+
+
+def _kwargs_in_effect(name: str, spec: EnvSpec) -> dict[str, Any]:
+    """The kwargs the env was made with: a registered env's constructor defaults under the registered and given
+    ones (a scheme's env, such as a URL's, has only those)."""
+    if _scheme(name) is not None:
+        return dict(spec.kwargs)
+    params = inspect.signature(spec.load()).parameters.values()
+    defaults = {p.name: p.default for p in params
+                if p.default is not p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return {**defaults, **spec.kwargs}
+
+
+def _env_info(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    env = envkit.make(name, **kwargs)
     spec = env.spec
     assert spec is not None  # make() always sets it
     try:
@@ -61,7 +85,7 @@ def _env_info(name: str) -> dict[str, Any]:
             "entry_point": spec.entry_point,
             "package": spec.package,
             "version": spec.version,
-            "kwargs": spec.kwargs,
+            "kwargs": _kwargs_in_effect(name, spec),
             "tools": [t.to_openai()["function"] for t in env.tools],
             "tasks": task_counts(env),
             "spaces": env.spaces(),
@@ -71,13 +95,13 @@ def _env_info(name: str) -> dict[str, Any]:
 
 
 def _cmd_info(args: argparse.Namespace, console: Console) -> int:
-    info = _env_info(args.name)
+    info = _env_info(args.name, _json_kwargs(args.kwargs))
     if args.json:
         print(json.dumps(info, indent=2, default=str))
         return 0
     console.print(f"[bold]{info['name']}[/bold] — {info['description']}", highlight=False)
     console.print(f"entry point: {info['entry_point']}   package: {info['package'] or '-'} {info['version'] or ''}")
-    console.print(f"default kwargs: {info['kwargs'] or '{}'}", highlight=False)
+    console.print(f"kwargs: {json.dumps(info['kwargs'], default=str)}", highlight=False)
     tasks = info["tasks"]
     console.print("tasks: " + (", ".join(f"{k}={v}" for k, v in tasks.items()) if tasks else "not enumerable"))
     for key, value in info["spaces"].items():
@@ -139,14 +163,7 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
     except ImportError as e:
         console.print(f"[red]error:[/red] envkit serve needs the server extra: {install_hint('server')} ({e})")
         return 2
-    try:
-        env_kwargs = json.loads(args.kwargs)
-    except json.JSONDecodeError as e:
-        console.print(f"[red]error:[/red] --kwargs is not JSON: {e}", highlight=False)
-        return 2
-    if not isinstance(env_kwargs, dict):
-        console.print("[red]error:[/red] --kwargs must be a JSON object, e.g. '{\"level\": 2}'", highlight=False)
-        return 2
+    env_kwargs = _json_kwargs(args.kwargs)
     try:
         limits = ServerLimits(max_sessions=args.max_sessions, session_ttl_s=args.session_ttl,
                               step_timeout_s=args.step_timeout, max_request_bytes=args.max_request_bytes,
@@ -262,8 +279,11 @@ def build_parser(console: Console | None = None) -> argparse.ArgumentParser:
     p_list.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p_list.set_defaults(func=_cmd_list)
 
-    p_info = sub.add_parser("info", help="show one environment: tools, task counts, spaces, default kwargs")
-    p_info.add_argument("name", help="env name as shown by `envkit list`, or gym:<gymnasium id>")
+    p_info = sub.add_parser("info", help="show one environment: tools, task counts, spaces, the kwargs it is made with")
+    p_info.add_argument("name", help="env name as shown by `envkit list`, gym:<gymnasium id>, or a served env's URL")
+    p_info.add_argument("--kwargs", default="{}", metavar="JSON",
+                        help="JSON object of constructor kwargs over the defaults, e.g. '{\"level\": 3}': the task "
+                             "counts and tools shown are those of the env made with them")
     p_info.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p_info.set_defaults(func=_cmd_info)
     _add_new_parser(sub)

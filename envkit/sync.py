@@ -29,6 +29,11 @@ class SyncEnv:
         """The wrapped env's tools."""
         return self.env.tools
 
+    @property
+    def unwrapped(self) -> Env:
+        """The innermost env, under every wrapper (the contract checker ``make`` adds among them)."""
+        return self.env.unwrapped
+
     def init(self) -> None:
         """Blocking ``Env.init``."""
         self._run(self.env.init())

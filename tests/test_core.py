@@ -140,6 +140,7 @@ async def test_same_seed_same_start_and_task_overrides_seed():
 def test_sync_facade_runs_episode_and_accepts_plain_strings():
     inner = CountdownEnv(start=2)
     with SyncEnv(ContractChecker(inner)) as env:
+        assert env.unwrapped is inner
         env.reset()
         assert env.step("one").reward == 1.0
         assert env.step(envkit.assistant("two")).terminated

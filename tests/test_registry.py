@@ -279,3 +279,14 @@ def test_cli_list_table_and_info(site):
     out = subprocess.run([sys.executable, "-m", "envkit.cli", "info", "arithmetik"],
                          capture_output=True, text=True, env=env)
     assert out.returncode == 2 and "Did you mean: 'arithmetic'?" in out.stderr
+    # `python -m envkit` is the same command; info shows the constructor's defaults under the kwargs it is given,
+    # and the task counts of the env made with them
+    out = subprocess.run([sys.executable, "-m", "envkit", "info", "arithmetic", "--json", "--kwargs",
+                          '{"level": 3, "num_test": 7}'], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert info["kwargs"]["level"] == 3 and info["kwargs"]["num_train"] == 10_000 and info["kwargs"]["followups"] == 0
+    assert info["tasks"] == {"train": 10_000, "test": 7}
+    out = subprocess.run([sys.executable, "-m", "envkit", "info", "arithmetic", "--kwargs", "[3]"],
+                         capture_output=True, text=True, env=env)
+    assert out.returncode == 2 and "--kwargs must be a JSON object" in out.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 import threading
@@ -221,6 +222,7 @@ def test_a_server_that_comes_up_late_is_reached_by_retrying(scheme: str):
     try:
         config = RemoteConfig(connect_retries=8, backoff_s=0.2)
         with envkit.SyncEnv(envkit.make(f"{scheme}://127.0.0.1:{port}/{SCRIPTED}", remote=config)) as env:
+            assert env.tasks("train") is None  # the task list's request is retried too (ScriptedEnv lists none)
             env.reset(seed=2)
             assert env.step("w2").reward == 1.0
     finally:
@@ -278,6 +280,31 @@ def test_the_server_side_imports_no_client():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
+@contextlib.contextmanager
+def answering(status: int, body: bytes) -> Iterator[str]:
+    """A loopback HTTP server that answers every GET with ``status`` and ``body``; yields its host:port."""
+    import http.server
+
+    class Fixed(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(status)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Fixed)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 @pytest.mark.parametrize(("status", "body", "why"), [
     (200, b"<html>not json</html>", "not JSON"),
     (200, b'{"split": "train", "total": 1000000000000, "offset": 0, "tasks": [{"id": "a"}]}', "short page"),
@@ -289,27 +316,35 @@ def test_the_server_side_imports_no_client():
 def test_a_hostile_or_broken_server_cannot_feed_a_trainer_a_bogus_task_list(status: int, body: bytes, why: str):
     """A task list the trainer reads whole must be what the protocol promises, page by page: a server claiming a
     trillion tasks with one-task pages, or answering garbage, gets a RemoteEnvError, not a hang or a wrong task."""
-    import http.server
-
-    class Hostile(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(status)
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    hostile = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hostile)
-    thread = threading.Thread(target=hostile.serve_forever, daemon=True)
-    thread.start()
-    try:
-        env = envkit.make(f"ws://127.0.0.1:{hostile.server_address[1]}/arithmetic")
+    with answering(status, body) as where:
+        env = envkit.make(f"ws://{where}/arithmetic")
         with pytest.raises(RemoteEnvError) as caught:
             env.tasks("train")
         assert caught.value.status == status, why
         assert caught.value.code == ("bad_answer" if status == 200 else "http_error"), why
-    finally:
-        hostile.shutdown()
-        hostile.server_close()
+
+
+def test_a_remote_env_lists_the_tasks_of_its_own_kwargs():
+    """``make(URL, level=3).tasks()`` are the tasks its level-3 sessions play, not the served default's (the trainer
+    trained and evaluated such an env on level 1's tasks); each kwargs set has its own list on one server."""
+    with envkit_serve("arithmetic") as server:
+        for scheme in TRANSPORTS:
+            remote = f"{scheme}://127.0.0.1:{server.port}/arithmetic"
+            for split in ("train", "test"):
+                assert list(envkit.make(remote, level=3).tasks(split)) == list(envkit.make("arithmetic", level=3)
+                                                                               .tasks(split))
+                assert list(envkit.make(remote).tasks(split)) == list(envkit.make("arithmetic").tasks(split))
+            with envkit.SyncEnv(envkit.make(remote, level=3)) as env:
+                task = env.tasks("test")[0]
+                assert task["id"].startswith("test-3") and env.reset(task=task)[0][-1]["content"] == task["question"]
+
+
+def test_a_server_that_ignores_kwargs_in_its_task_list_is_refused():
+    """An older server answers ``/tasks`` with its served env's list whatever the kwargs: the client sees no echo
+    of them and refuses the list, instead of training on another level's tasks."""
+    page = b'{"split": "train", "total": 1, "offset": 0, "tasks": [{"id": "train-1-0"}]}'
+    with answering(200, page) as where:
+        assert [t["id"] for t in envkit.make(f"http://{where}/arithmetic").tasks("train")] == ["train-1-0"]
+        with pytest.raises(RemoteEnvError) as caught:
+            envkit.make(f"http://{where}/arithmetic", level=3).tasks("train")
+        assert caught.value.code == "kwargs_ignored" and "{'level': 3}" in str(caught.value)

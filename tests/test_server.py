@@ -195,6 +195,8 @@ def test_every_error_code_has_its_status_and_a_structured_body(server: Server, h
     with envkit_serve("arithmetic") as arithmetic:
         expect("invalid_split", httpx.get(arithmetic.url + "/tasks", params={"split": "dev"}))
         expect("validation_error", httpx.get(arithmetic.url + "/tasks", params={"limit": 0}))
+        for kwargs in ("{not json", "[3]", '{"sandbox": "docker"}', '{"no_such_kwarg": 1}'):
+            expect("invalid_kwargs", httpx.get(arithmetic.url + "/tasks", params={"kwargs": kwargs}))
         page = httpx.get(arithmetic.url + "/tasks", params={"split": "test", "offset": 18, "limit": 5}).json()
         assert (page["total"], page["offset"], len(page["tasks"])) == (19, 18, 1)  # level 1 owns 19 test problems
     with envkit_serve(SCRIPTED, "--max-sessions", "1") as small:
@@ -519,3 +521,14 @@ def test_with_several_workers_limits_metrics_and_info_describe_the_whole_server(
         while httpx.get(srv.url + "/info").json()["sessions"] and time.monotonic() < deadline:
             time.sleep(0.1)
         assert httpx.get(srv.url + "/info").json()["sessions"] == 0  # closing the sockets gave every slot back
+
+
+async def test_a_client_varying_kwargs_cannot_grow_the_servers_task_lists():
+    """Each kwargs set's task list is kept for its later pages, but only the newest TASK_LISTS_KEPT of them."""
+    from envkit.remote.server.sessions import TASK_LISTS_KEPT, EnvServer
+
+    server = EnvServer("arithmetic")
+    for seed in range(3 * TASK_LISTS_KEPT):
+        page = await server.tasks("test", 0, 1, {"format_bonus": seed / 100})
+        assert page["kwargs"] == {"format_bonus": seed / 100} and page["total"] == 19
+    assert len(server._task_lists) == TASK_LISTS_KEPT

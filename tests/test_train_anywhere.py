@@ -70,11 +70,14 @@ def _bundled() -> Path:
 
 
 def test_trains_on_an_env_served_over_websocket(policy_url, tmp_path):
-    steps = train(tmp_path / "run", policy_url, example="train_remote")
+    steps = train(tmp_path / "run", policy_url, "+env.kwargs.num_train=40", "+env.kwargs.num_test=7",
+                  example="train_remote")
     assert all(m["stop/done"] == 32 for m in steps.values())
-    # the server's task lists were drawn from: its train split for training, its test split for evaluation
+    # the server's task lists were drawn from, those of the env made with env.kwargs as its sessions are (not the
+    # served default's 10000 and 19): its train split for training, its test split for evaluation
     last, held_out = _task_ids_by_version(tmp_path / "run")
-    assert {i.rsplit("-", 1)[0] for i in last} == {"train-1"} and {i.rsplit("-", 1)[0] for i in held_out} == {"test-1"}
+    assert last and last <= {f"train-1-{i}" for i in range(40)}
+    assert held_out and held_out <= {f"test-1-{i}" for i in range(7)}
 
 
 async def test_an_env_over_websocket_yields_the_trajectories_it_yields_in_process(bundled_model, chat_tokenizer):

@@ -6,8 +6,8 @@
     env = envkit.make("ws://127.0.0.1:8000/arithmetic")              # one WebSocket per session: less overhead
 
 ``init`` opens a session (``make`` defers it to the first reset), ``close`` deletes it. ``tasks(split)`` is the
-server's task list (``GET /tasks``, fetched a page at a time as it is read), so a trainer draws remote tasks as it
-draws local ones. Failures raise
+server's task list for the env made with the same kwargs as the sessions (``GET /tasks``, fetched a page at a time
+as it is read), so a trainer draws remote tasks as it draws local ones. Failures raise
 :class:`envkit.errors.RemoteEnvError` subclasses carrying the server's ``code`` and HTTP ``status``; codes with an
 envkit meaning raise an exception that is both (``episode_done`` is a RemoteEpisodeDoneError, so also an
 EpisodeDoneError). Only connection attempts are retried, with exponential backoff: a request that may have reached
@@ -236,23 +236,29 @@ class _WebSocket:
 
 
 class RemoteTaskList(LazyTasks):
-    """A server's task list for one split, fetched in pages of ``page_size`` on first access (blocking HTTP: read it
-    from a thread in async code)."""
+    """A server's task list for one split of the env made with ``kwargs``, fetched in pages of ``page_size`` on
+    first access (blocking HTTP: read it from a thread in async code)."""
 
     def __init__(self, base_url: str, split: str, *, headers: dict[str, str], config: RemoteConfig,
-                 page_size: int = 256) -> None:
+                 kwargs: dict[str, Any] | None = None, page_size: int = 256) -> None:
         self.url, self.split, self.page_size = f"{base_url}/tasks", split, page_size
+        self.kwargs = wire.loads(wire.dumps(kwargs or {}))  # as the server will read them back
         self._headers = headers
         self._timeout = httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s)
+        self._retries = config.connect_retries
         self._pages: dict[int, list[Task]] = {}
         self._name = f"{self.url} split {split!r}"
         self._len = self._page(0)
 
     def _page(self, index: int) -> int:
+        params: dict[str, Any] = {"split": self.split, "offset": index * self.page_size, "limit": self.page_size}
+        if self.kwargs:
+            params["kwargs"] = wire.dumps(self.kwargs).decode()
         try:
-            response = httpx.get(self.url, headers=self._headers, timeout=self._timeout,
-                                 params={"split": self.split, "offset": index * self.page_size,
-                                         "limit": self.page_size})
+            # httpx retries a refused or timed-out connect (with backoff), as a session's connect is retried
+            with httpx.Client(transport=httpx.HTTPTransport(retries=self._retries), headers=self._headers,
+                              timeout=self._timeout) as client:
+                response = client.get(self.url, params=params)
         except httpx.HTTPError as e:
             raise RemoteConnectionError(f"GET {self.url} failed: {type(e).__name__}: {e}", code="connect_error") from e
         try:
@@ -270,6 +276,11 @@ class RemoteTaskList(LazyTasks):
                 or not all(isinstance(t, dict) for t in tasks)):
             raise RemoteEnvError(f"GET {self.url} (offset {offset}) answered no valid task page: {str(body)[:200]}",
                                  code="bad_answer", status=response.status_code)
+        if body.get("kwargs", {}) != self.kwargs:
+            raise RemoteEnvError(f"{self.url} lists the tasks of its env as served, not with the kwargs "
+                                 f"{self.kwargs}, which sessions are made with (an envkit server older than this "
+                                 "client): upgrade it, or serve the env with these kwargs and make() it without them",
+                                 code="kwargs_ignored", status=response.status_code)
         self._pages[index] = tasks
         return total
 
@@ -338,12 +349,12 @@ class RemoteEnv(Env):
                           truncated=body["truncated"], info=body["info"])
 
     def tasks(self, split: str = "train") -> Sequence[Task] | None:
-        """The server env's task list for ``split`` (with the served kwargs), or None when it does not list tasks.
+        """The server env's task list for ``split`` with this env's kwargs, or None when it does not list tasks.
 
         Blocking HTTP, paged lazily: in async code call it through ``asyncio.to_thread``."""
         http = self.base_url.replace("ws", "http", 1) if self.base_url.startswith("ws") else self.base_url
         try:
-            return RemoteTaskList(http, split, headers=self._headers, config=self.config)
+            return RemoteTaskList(http, split, headers=self._headers, config=self.config, kwargs=self.env_kwargs)
         except RemoteEnvError as e:
             if e.code == "no_tasks":
                 return None

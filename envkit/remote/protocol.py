@@ -164,12 +164,13 @@ class StepResultBody(_Body):
 
 class TaskPage(_Body):
     """``GET /tasks``: tasks ``offset .. offset + len(tasks)`` of the ``total`` in ``split``, as the env lists them
-    with the served kwargs."""
+    when made with ``kwargs`` over the served ones (the echo tells a client the server applied them)."""
 
     split: str
     total: int
     offset: int
     tasks: list[dict[str, Any]]
+    kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
 class SessionState(_Body):

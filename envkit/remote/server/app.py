@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import envkit
 from envkit import untrusted
+from envkit.remote import wire
 from envkit.remote.protocol import (
     ERROR_STATUS,
     PROTOCOL_VERSION,
@@ -160,12 +161,16 @@ def _add_server_routes(app: FastAPI, server: EnvServer) -> None:
         """Prometheus text format: sessions, requests, errors by code, latency histograms."""
         return PlainTextResponse(await server.metrics_text())
 
-    @app.get("/tasks", response_model=TaskPage, responses=_responses("invalid_split", "no_tasks"), tags=["server"])
+    @app.get("/tasks", response_model=TaskPage, responses=_responses("invalid_split", "no_tasks", "invalid_kwargs"),
+             tags=["server"])
     async def tasks(split: str = "train", offset: int = Query(0, ge=0),
-                    limit: int = Query(256, ge=1, le=MAX_TASK_PAGE)) -> Response:
-        """A page of the served env's tasks for ``split``; 404 ``no_tasks`` when the env does not list them."""
+                    limit: int = Query(256, ge=1, le=MAX_TASK_PAGE),
+                    kwargs: str = Query("{}", description="JSON object: the kwargs a session would be created "
+                                                          "with (over the served ones)")) -> Response:
+        """A page of the tasks for ``split`` of the served env made with ``kwargs``; 404 ``no_tasks`` when the env
+        does not list them."""
         try:
-            return _answer(server.tasks(split, offset, limit))
+            return _answer(await server.tasks(split, offset, limit, _json_object(kwargs)))
         except ApiError as e:
             return _error(server, e)
 
@@ -230,3 +235,14 @@ def _add_exec_routes(app: FastAPI, server: EnvServer, workspace: untrusted.Works
         """Kill the exec user's processes and delete its files; answers what is left (empty lists: clean)."""
         processes, files = await workspace.scrub()
         return _answer({"processes": processes, "files": files})
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A query parameter that carries a JSON object."""
+    try:
+        value = wire.loads(text)
+    except ValueError as e:
+        raise ApiError("invalid_kwargs", f"kwargs is not JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise ApiError("invalid_kwargs", f"kwargs must be a JSON object, got {type(value).__name__}")
+    return value

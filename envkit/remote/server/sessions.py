@@ -40,6 +40,8 @@ T = TypeVar("T")
 
 SERVER_CHOSEN = frozenset({"checked", "sandbox"})
 """``envkit.make`` options a session's kwargs may not set: they say where and how the server runs its envs."""
+TASK_LISTS_KEPT = 16
+"""Task lists kept per server, one per (kwargs, split): a client cannot make the server hold more by varying kwargs."""
 
 
 @dataclass(eq=False)
@@ -106,7 +108,7 @@ class EnvServer:
         self._probe = envkit.make(env, **self.env_kwargs)  # fail fast on a bad name or kwargs; describes the env
         self.is_tool_env = isinstance(self._probe.unwrapped, ToolEnv)
         """Whether the env's tools are functions :meth:`run_tool` can call (``envkit serve --mcp``)."""
-        self._task_lists: dict[str, Sequence[dict[str, Any]]] = {}
+        self._task_lists: dict[tuple[str, str], Sequence[dict[str, Any]]] = {}
         spec = self._probe.spec
         self.info = {
             "env": env,
@@ -219,19 +221,14 @@ class EnvServer:
 
     async def create(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """Make a new env for a new session; answers its id and tools."""
-        chosen = sorted(SERVER_CHOSEN & kwargs.keys())
-        if chosen:  # where and how the env runs is the operator's choice (a client must not start containers here)
-            raise ApiError("invalid_kwargs", f"{', '.join(chosen)} cannot be set by a session: the server chooses it "
-                                             "(envkit serve's own options)")
+        self._check_kwargs(kwargs)
         if not await self.slots.admit(self.limits.max_sessions):  # held from here until _close_env
             raise ApiError("capacity", f"the server is at its limit of {self.limits.max_sessions} sessions "
                                        "(ServerLimits.max_sessions); delete sessions or retry later")
         try:
-            env = envkit.make(self.env_name, **{**self.env_kwargs, **kwargs})
-        except BaseException as e:
+            env = self._make(kwargs)
+        except BaseException:
             await self.slots.release()
-            if isinstance(e, EnvLoadError):
-                raise ApiError("invalid_kwargs", str(e)) from e
             raise
         now = time.monotonic()
         session = _Session(id=secrets.token_urlsafe(16), env=env, created=now, last_used=now)
@@ -334,20 +331,50 @@ class EnvServer:
             return ApiError("reset_needed", "the last reset or step of this session failed; reset to go on")
         return ApiError("reset_needed", "step() before reset(); reset the session first")
 
-    def tasks(self, split: str, offset: int, limit: int) -> dict[str, Any]:
-        """One page of the served env's task list for ``split`` (the ``/tasks`` body)."""
-        if split not in self._task_lists:
+    @staticmethod
+    def _check_kwargs(kwargs: dict[str, Any]) -> None:
+        chosen = sorted(SERVER_CHOSEN & kwargs.keys())
+        if chosen:  # where and how the env runs is the operator's choice (a client must not start containers here)
+            raise ApiError("invalid_kwargs", f"{', '.join(chosen)} cannot be set by a session: the server chooses it "
+                                             "(envkit serve's own options)")
+
+    def _make(self, kwargs: dict[str, Any]) -> Env:
+        """The served env with a client's ``kwargs`` over the served ones."""
+        try:
+            return envkit.make(self.env_name, **{**self.env_kwargs, **kwargs})
+        except EnvLoadError as e:
+            raise ApiError("invalid_kwargs", str(e)) from e
+
+    async def tasks(self, split: str, offset: int, limit: int, kwargs: dict[str, Any] | None = None
+                    ) -> dict[str, Any]:
+        """One page of the task list for ``split`` of the served env made with ``kwargs`` (the ``/tasks`` body):
+        the tasks a session created with the same kwargs plays."""
+        kwargs = kwargs or {}
+        key = (wire.dumps(dict(sorted(kwargs.items()))).decode(), split)
+        if key not in self._task_lists:
+            self._check_kwargs(kwargs)
+            env = self._make(kwargs) if kwargs else self._probe
             try:
-                tasks = self._probe.tasks(split)
-            except ValueError as e:
-                raise ApiError("invalid_split", str(e)) from e
-            if tasks is None:
-                raise ApiError("no_tasks", f"env {self.env_name!r} does not list its tasks; draw its episodes by "
-                                           "seed instead")
-            self._task_lists[split] = tasks if isinstance(tasks, Sequence) else list(tasks)
-        tasks = self._task_lists[split]
+                listed = await asyncio.to_thread(self._list_tasks, env, split)
+            finally:
+                if env is not self._probe:
+                    await env.close()
+            if len(self._task_lists) >= TASK_LISTS_KEPT:
+                del self._task_lists[next(iter(self._task_lists))]
+            self._task_lists[key] = listed
+        tasks = self._task_lists[key]
         page = [dict(tasks[i]) for i in range(min(offset, len(tasks)), min(offset + limit, len(tasks)))]
-        return {"split": split, "total": len(tasks), "offset": offset, "tasks": page}
+        return {"split": split, "total": len(tasks), "offset": offset, "tasks": page, "kwargs": kwargs}
+
+    def _list_tasks(self, env: Env, split: str) -> Sequence[dict[str, Any]]:
+        try:
+            tasks = env.tasks(split)
+        except ValueError as e:
+            raise ApiError("invalid_split", str(e)) from e
+        if tasks is None:
+            raise ApiError("no_tasks", f"env {self.env_name!r} does not list its tasks; draw its episodes by seed "
+                                       "instead")
+        return tasks if isinstance(tasks, Sequence) else list(tasks)
 
     async def answer(self, op: str, transport: str, work: Awaitable[Any], status: int = 200) -> tuple[int, bytes]:
         """Await one operation and return the answer's status and body (204 and no body for None, an error's
