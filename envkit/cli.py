@@ -118,6 +118,45 @@ def _cmd_info(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_check(args: argparse.Namespace, console: Console) -> int:
+    from envkit.check import check, failed
+
+    rows = check(args.name, _json_kwargs(args.kwargs), seeds=args.seeds, max_steps=args.max_steps,
+                 serve=not args.no_serve)
+    if args.json:
+        print(json.dumps([vars(r) for r in rows], indent=2))
+    else:
+        style = {"pass": "green", "fail": "bold red", "skip": "yellow", "info": "cyan"}
+        table = Table(title=f"envkit check {args.name}", title_justify="left")
+        for column in ("check", "result", "detail"):
+            table.add_column(column, overflow="fold")
+        for r in rows:
+            table.add_row(r.check, f"[{style[r.status]}]{r.status}[/]", r.detail)
+        console.print(table)
+    bad = failed(rows)
+    if bad and not args.json:
+        Console(stderr=True).print(f"[red]{len(bad)} check(s) failed:[/red] {', '.join(r.check for r in bad)}",
+                                   highlight=False)
+    return 1 if bad else 0
+
+
+def _add_check_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "check", help="conformance checks to run before publishing an env (exit 1 if one fails)",
+        description="Play short scripted episodes and check the env contract, same seed -> same start, an "
+                    "idempotent close, isolation between concurrent instances, the JSON round trip over ws:// "
+                    "(envkit serve), disjoint task splits with string ids, rewards within reward_range; and report "
+                    "reset latency and steps/s.")
+    p.add_argument("name", help="env name as shown by `envkit list`, gym:<id>, a package.module:EnvClass, or a URL")
+    p.add_argument("--kwargs", default="{}", metavar="JSON", help="JSON object of constructor kwargs")
+    p.add_argument("--seeds", type=int, default=3, help="episodes started from seeds 0..N-1 (default 3), plus the "
+                                                        "first 2 train tasks where the env lists tasks")
+    p.add_argument("--max-steps", type=int, default=8, help="steps per episode at most (default 8)")
+    p.add_argument("--no-serve", action="store_true", help="skip the ws:// round trip (starts envkit serve)")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.set_defaults(func=_cmd_check)
+
+
 def _cmd_new(args: argparse.Namespace, console: Console) -> int:
     target = new_env(args.name, kind=args.kind, parent=args.dir)
     shown = os.path.relpath(target)
@@ -125,6 +164,7 @@ def _cmd_new(args: argparse.Namespace, console: Console) -> int:
     # markup=False: "[test]" is an extra, not a rich style.
     console.print(f"Created {shown}/ (--kind {args.kind}):\n{files}\n"
                   f"Next:\n  cd {shown}\n  pip install -e '.[test]'\n  pytest\n  envkit info {args.name}\n"
+                  f"  envkit check {args.name}\n"
                   f"Then {os.path.join(shown, 'README.md')} shows how to serve, build, eval and train it.",
                   markup=False, highlight=False)
     return 0
@@ -286,6 +326,7 @@ def build_parser(console: Console | None = None) -> argparse.ArgumentParser:
                              "counts and tools shown are those of the env made with them")
     p_info.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p_info.set_defaults(func=_cmd_info)
+    _add_check_parser(sub)
     _add_new_parser(sub)
     _add_serve_parser(sub)
     _add_plugin_commands(sub, console or Console(stderr=True))

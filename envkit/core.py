@@ -69,6 +69,9 @@ class Env(abc.ABC):
     spec: EnvSpec | None = None
     """The registry spec this env was made from; set by ``envkit.make``."""
 
+    reward_range: tuple[float, float] = (-math.inf, math.inf)
+    """The least and the greatest reward one step can give (``envkit check`` holds the env to it)."""
+
     async def init(self) -> None:  # noqa: B027 - optional hook with a no-op default
         """Acquire expensive resources (connections, containers, datasets) once, before the first reset."""
 
@@ -145,6 +148,10 @@ class Wrapper(Env):
     @spec.setter
     def spec(self, value: EnvSpec | None) -> None:
         self.env.spec = value
+
+    @property
+    def reward_range(self) -> tuple[float, float]:  # type: ignore[override]
+        return self.env.reward_range
 
     @property
     def unwrapped(self) -> Env:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import difflib
 import importlib
+import math
 import re
 import string
 from collections.abc import Callable, Sequence
@@ -375,6 +376,9 @@ class GymTextEnv(Env):
             raise
         self.invalid_penalty = invalid_penalty
         self.max_invalid = max_invalid
+        # gymnasium dropped Env.reward_range in 1.0; envs that still set it (FrozenLake) say what steps give
+        low, high = getattr(self.gym_env.unwrapped, "reward_range", (-math.inf, math.inf))
+        self.reward_range = (min(float(low), invalid_penalty), float(high))
         self.system_prompt = system_prompt if system_prompt is not None else self.renderer.describe(self.gym_env)
         self._invalid_streak = 0
         self._closed = False

@@ -244,6 +244,12 @@ def test_envkit_info_shows_its_tasks_and_tools(installed: Installed) -> None:
     assert info["package"] == installed.name
 
 
+def test_envkit_check_passes_on_it(installed: Installed) -> None:
+    rows = {r["check"]: r["status"] for r in json.loads(installed.envkit("check", installed.name, "--json"))}
+    assert rows == {"contract": "pass", "same start": "pass", "close twice": "pass", "isolated sessions": "pass",
+                    "ws round trip": "pass", "disjoint splits": "pass", "reward range": "pass", "speed": "info"}
+
+
 def test_envkit_build_would_put_the_package_in_the_image(installed: Installed) -> None:
     # plan() is everything `envkit build` decides before Docker: the tag, the distributions, the requirements.
     code = ("import json, sys; from sandboxes.images import plan; tag, sources, req = plan(sys.argv[1]); "

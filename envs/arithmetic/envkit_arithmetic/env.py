@@ -190,6 +190,7 @@ class ArithmeticEnv(Env):
         # Canonical operator order, so "*+" and "+*" generate the same problems.
         self._space = _Space(digits, "".join(op for op in _OPS if op in ops), steps)
         self.format_bonus = float(format_bonus)
+        self.reward_range = (0.0, (1.0 + self.format_bonus) / (followups + 1))
         self.system_prompt = DEFAULT_SYSTEM_PROMPT if system_prompt is None else system_prompt
         self._sizes = {"train": num_train, "test": num_test}
         self.followups = followups

@@ -156,6 +156,8 @@ class CalculatorEnv(ToolEnv):
     ``s % len(tasks("train"))``.
     """
 
+    reward_range = (0.0, 1.0)
+
     max_turns = 6
 
     def __init__(

@@ -104,6 +104,8 @@ def extract_code(text: str) -> str:
 class CodeEnv(envkit.Env):
     """Write a Python function that passes hidden unit tests; reward = fraction passed (runs only in a sandbox)."""
 
+    reward_range = (0.0, 1.0)
+
     def __init__(self, *, timeout_s: float = 5.0, max_output_bytes: int = 1 << 20) -> None:
         if os.environ.get(SANDBOX_ENV) != "docker" and os.environ.get(UNSAFE_ENV) != "1":
             raise RuntimeError(

@@ -118,6 +118,8 @@ class ComputeEnv(CodeTools):
     then "The answer is N." with N what the program printed in the sandbox.
     """
 
+    reward_range = (0.0, 1.0)
+
     max_turns = 6
     code_pool_size = 4
 

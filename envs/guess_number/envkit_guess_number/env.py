@@ -53,6 +53,7 @@ class GuessNumberEnv(Env):
             raise ValueError(f"invalid_penalty must be a finite number <= 0, got {invalid_penalty!r}")
         self.low, self.high, self.max_turns = low, high, max_turns
         self.invalid_penalty = float(invalid_penalty)
+        self.reward_range = (self.invalid_penalty, 1.0)
         self.system_prompt = DEFAULT_SYSTEM_PROMPT if system_prompt is None else system_prompt
         self._rng = random.Random()
         self._secret: int | None = None

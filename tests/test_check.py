@@ -1,0 +1,54 @@
+"""`envkit check`: it passes on every env in envs/ and on the gym adapter, and fails, naming the row, on envs that
+each break one promise (tests/broken_envs.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from envkit.check import CHECKS, check, failed
+
+TESTS = Path(__file__).resolve().parent
+WITH_TESTS = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
+"""The environment of an `envkit check` (and of the `envkit serve` it starts) that imports broken_envs."""
+
+
+@pytest.mark.parametrize(("name", "kwargs"), [
+    ("arithmetic", {}), ("arithmetic", {"level": 3, "followups": 2}), ("calculator", {}),
+    ("compute", {"code_sandbox": "local"}),  # its own demonstrations run: no need for the Docker image here
+    ("guess-number", {}), ("frozenlake", {}), ("gym:Blackjack-v1", {}), ("broken_envs:GuessEnv", {})])
+def test_every_env_here_passes_every_check(name: str, kwargs: dict, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("PYTHONPATH", WITH_TESTS["PYTHONPATH"])
+    rows = check(name, kwargs)
+    assert [r.check for r in rows] == list(CHECKS)
+    assert not failed(rows), rows
+    ran = {r.check for r in rows if r.status == "pass"}
+    assert {"contract", "same start", "close twice", "isolated sessions", "ws round trip", "reward range"} <= ran
+
+
+@pytest.mark.parametrize(("env", "row", "says"), [
+    ("NondeterministicEnv", "same start", "opened differently in a fresh env"),
+    ("CloseTwiceEnv", "close twice", "RuntimeError: already closed"),
+    ("LeakyEnv", "isolated sessions", "instances share state"),
+    ("OverlappingSplitsEnv", "disjoint splits", "0 ids and 1 tasks are in both train and test"),
+    ("OutOfRangeEnv", "reward range", "rewards seen 0 .. 2, outside the declared reward_range [0, 1]"),
+])
+def test_a_broken_env_fails_the_row_it_breaks_and_only_that_one(env: str, row: str, says: str):
+    out = subprocess.run([sys.executable, "-m", "envkit", "check", f"broken_envs:{env}", "--no-serve", "--json"],
+                         capture_output=True, text=True, timeout=120, env=WITH_TESTS)
+    assert out.returncode == 1, out.stderr
+    rows = {r["check"]: r for r in json.loads(out.stdout)}
+    assert [name for name, r in rows.items() if r["status"] == "fail"] == [row], rows
+    assert says in rows[row]["detail"], rows[row]
+
+
+def test_the_table_names_the_failing_check():
+    out = subprocess.run([sys.executable, "-m", "envkit", "check", "broken_envs:LeakyEnv", "--no-serve"],
+                         capture_output=True, text=True, timeout=120, env={**WITH_TESTS, "COLUMNS": "200"})
+    assert out.returncode == 1
+    assert "isolated sessions │ fail" in out.stdout and "1 check(s) failed: isolated sessions" in out.stderr
