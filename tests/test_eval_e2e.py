@@ -56,3 +56,20 @@ def test_eval_bad_input_exits_2_before_starting_anything(tmp_path):
     result = _envkit("eval", "arithmetc", cwd=tmp_path)
     assert result.returncode == 2 and "Did you mean: 'arithmetic'?" in result.stderr
     assert not (tmp_path / "runs").exists()
+
+
+async def test_eval_other_ecosystems_envs_by_name(vllm_engine, tmp_path):
+    """`envkit eval` takes a reasoning-gym dataset and a skyrl-gym env by name, as it takes any env."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"id": f"sum-{n}", "question": f"What is {n} + 1? End with '#### N'.",
+                                        "answer": n + 1}) + "\n" for n in range(3)))
+    for name, args in (("reasoning_gym:leg_counting", ["--env-arg", "num_test=3"]),
+                       ("skyrl:gsm8k", ["--env-arg", f"test_tasks={rows}", "--split", "test"])):
+        out = tmp_path / name.replace(":", "-")
+        result = _envkit("eval", name, *args, "-n", "3", "--max-tokens", "32", "--base-url",
+                         vllm_engine.base_url + "/v1", "--model", vllm_engine.model_name, "--out", str(out),
+                         cwd=tmp_path)
+        assert result.returncode == 0, result.stdout + result.stderr
+        summary, trajectories, _ = _outputs(out)
+        assert summary["n"] == len(trajectories) == 3 and summary["n_failed"] == 0, name
+        assert all(t["stop_reason"] == "done" and t["messages"][-1]["role"] == "assistant" for t in trajectories)

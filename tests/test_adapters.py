@@ -1,0 +1,108 @@
+"""Other ecosystems' envs by name (envkit/adapters): reasoning-gym datasets and skyrl-gym envs, with the real
+packages `make install` installs, and the traps a naive wrapper falls into."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import reasoning_gym
+import skyrl_gym
+
+import envkit
+from envkit.errors import EnvLoadError
+
+EASY_LEGS = {"min_animals": 1, "max_animals": 1, "min_instances": 1, "max_instances": 10}
+"""1 to 10 animals of one kind: a small question space, so a split repeats questions and another shares them."""
+
+
+def questions(tasks: list[envkit.Task]) -> set[str]:
+    return {t["question"] for t in tasks}
+
+
+def test_reasoning_gym_splits_are_disjoint_where_the_next_seed_is_not():
+    naive_train = reasoning_gym.create_dataset("leg_counting", seed=0, size=200)
+    naive_test = reasoning_gym.create_dataset("leg_counting", seed=1, size=50)  # "test = train seed + 1"
+    assert len({e["question"] for e in naive_test} & {e["question"] for e in naive_train}) >= 49
+    env = envkit.make("reasoning_gym:leg_counting", num_train=200, num_test=50)
+    train, test = env.tasks("train"), env.tasks("test")
+    assert len(train) == 200 and len(test) == 50 and not questions(train) & questions(test)
+    # a small question space repeats questions across any two seeds: test drops those train asks
+    small = envkit.make("reasoning_gym:leg_counting", num_train=300, num_test=100, config=EASY_LEGS)
+    small_test = small.tasks("test")
+    assert 0 < len(small_test) < 100 and not questions(small.tasks("train")) & questions(small_test)
+    assert [t["id"] for t in small_test] == [f"test-{t['index']}" for t in small_test]
+    tiny = envkit.make("reasoning_gym:leg_counting", num_train=300, num_test=20,
+                       config={**EASY_LEGS, "max_instances": 1})
+    with pytest.raises(ValueError, match="every test question is also a train question"):
+        tiny.tasks("test")
+
+
+@pytest.mark.parametrize(("answer", "reply", "reward"), [
+    ("auto", "<answer>{n}</answer>", 1.0),
+    ("auto", "Counting them up. The answer is {n}.", 1.0),
+    ("auto", "<answer>{wrong}</answer>", 0.0),
+    ("tag", "The answer is {n}.", 0.0),  # no tag, no answer
+    ("last_number", "So {n} legs in all", 1.0),
+    ("last_line", "I count\n{n}", 1.0),
+])
+async def test_reasoning_gym_scores_with_the_datasets_own_scorer(answer: str, reply: str, reward: float):
+    env = envkit.make("reasoning_gym:leg_counting", num_train=20, num_test=5, answer=answer)
+    task = env.tasks("test")[0]
+    messages, _ = await env.reset(task=task)
+    assert messages[-1]["content"] == task["question"] and "<answer>" in messages[0]["content"]
+    result = await env.step(envkit.assistant(reply.format(n=task["answer"], wrong=int(task["answer"]) + 1)))
+    assert result.terminated and result.reward == reward and result.info["expected"] == task["answer"]
+
+
+def test_reasoning_gym_refuses_a_bad_name_a_bad_config_and_a_foreign_task():
+    with pytest.raises(EnvLoadError, match="no_such_dataset"):
+        envkit.make("reasoning_gym:no_such_dataset")
+    with pytest.raises(EnvLoadError, match="answer must be auto or one of"):
+        envkit.make("reasoning_gym:leg_counting", answer="guess")
+    with pytest.raises(EnvLoadError, match="max_animals must be >= min_animals"):
+        envkit.make("reasoning_gym:leg_counting", config={"max_animals": 2})
+    other = envkit.make("reasoning_gym:leg_counting", seed=5, num_train=10).tasks("train")[0]
+    with envkit.SyncEnv(envkit.make("reasoning_gym:leg_counting", num_train=10)) as env, \
+            pytest.raises(ValueError, match="another seed or config made it"):
+        env.reset(task=other)
+
+
+ROWS = [{"id": f"sum-{a}-{b}", "prompt": [{"role": "user", "content": f"What is {a} + {b}? End with '#### N'."}],
+         "reward_spec": {"method": "rule", "ground_truth": a + b}}  # a number, as JSON and Parquet datasets hold it
+        for a, b in [(2, 3), (4, 4), (1, 6), (7, 2)]]
+
+
+async def test_skyrl_scores_a_numeric_ground_truth_that_skyrl_alone_scores_0():
+    naive = skyrl_gym.make("gsm8k", env_config={}, extras={"reward_spec": ROWS[0]["reward_spec"], "extra_info": {}})
+    assert naive.step("#### 5")["reward"] == 0.0  # skyrl compares the string "5" with the int 5
+    async with envkit.make("skyrl:gsm8k", tasks=ROWS) as env:
+        messages, _ = await env.reset(task=ROWS[0])
+        assert messages == ROWS[0]["prompt"]
+        right = await env.step(envkit.assistant("2 + 3 = 5\n#### 5"))
+        assert right.reward == 1.0 and right.terminated and not right.truncated
+        await env.reset(task=ROWS[1])
+        assert (await env.step(envkit.assistant("#### 9"))).reward == 0.0
+
+
+async def test_skyrl_done_is_truncated_when_the_turn_budget_ran_out_and_terminated_when_solved():
+    async with envkit.make("skyrl:gsm8k_multi_turn", tasks=ROWS, max_turns=2) as env:
+        await env.reset(task=ROWS[0])
+        first = await env.step(envkit.assistant("#### 4"))
+        assert not first.done and first.reward == pytest.approx(0.1)  # its format reward, and a nudge
+        last = await env.step(envkit.assistant("#### 4"))
+        assert last.truncated and not last.terminated
+        await env.reset(task=ROWS[0])
+        solved = await env.step(envkit.assistant("#### 5"))
+        assert solved.terminated and not solved.truncated and solved.reward == 1.0
+
+
+def test_skyrl_tasks_come_from_a_rows_file_and_an_env_without_rows_says_what_it_needs(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    env = envkit.make("skyrl:gsm8k", tasks=str(path))
+    assert [t["id"] for t in env.tasks("train")] == [r["id"] for r in ROWS] and env.tasks("test") is None
+    with envkit.SyncEnv(envkit.make("skyrl:gsm8k")) as bare, pytest.raises(ValueError, match="plays dataset rows"):
+        bare.reset(seed=0)
+    with pytest.raises(EnvLoadError, match="skyrl-gym has no env 'nope'"):
+        envkit.make("skyrl:nope")
