@@ -253,8 +253,8 @@ class Checker:
     async def _ws_round_trip(self, alone: list[Episode]) -> Outcome:
         if not self.serve:
             return "skip", "--no-serve"
-        if "sandbox" in self.kwargs:
-            return "skip", "the env runs in a sandbox, which serves it over the same protocol"
+        if "sandbox" in self.kwargs or "://" in self.name:
+            return "skip", "the env already runs behind envkit serve (a sandbox, or a URL)"
         port, server = await asyncio.to_thread(_serve, self.name, self.kwargs)
         try:
             for first in alone:
