@@ -38,9 +38,10 @@ async def policy_url(vllm_engine, bundled_model: Path):
 
 
 def train(out: Path, url: str, *overrides: str, example: str | None = None, prompts: int = 4,
-          timeout: float = 900) -> dict[int, dict]:
+          timeout: float = 900, every_step_updates: bool = True) -> dict[int, dict]:
     """Run the trainer (or ``examples/<example>.py``) for 2 steps on the shared server; returns the per-step metrics
-    after checking that both steps made an update that reached the exported weights."""
+    after checking that both steps (or one, without ``every_step_updates``) made an update that reached the
+    exported weights."""
     command = [str(REPO / "examples" / f"{example}.py")] if example else ["-m", "trainer"]
     result = subprocess.run([sys.executable, *command, f"inference.url={url}", f"trainer.output_dir={out}", *SMALL,
                              f"generator.prompts_per_step={prompts}", *overrides],
@@ -49,9 +50,9 @@ def train(out: Path, url: str, *overrides: str, example: str | None = None, prom
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = {r["step"]: r for r in rows if "reward/mean" in r}
     assert sorted(steps) == [1, 2]
-    for step, m in steps.items():
-        assert "train/skipped_update" not in m and m["rollout/trained"] > 0, (step, m)
-        assert m["rollout/failed"] == 0, (step, m)
+    updated = [step for step, m in steps.items() if "train/skipped_update" not in m and m["rollout/trained"] > 0]
+    assert updated == [1, 2] if every_step_updates else updated, steps
+    assert all(m["rollout/failed"] == 0 for m in steps.values()), steps
     assert changed_tensors(out / "weights" / "v2", _bundled()) > 0
     return steps
 
@@ -165,22 +166,26 @@ def test_trains_on_a_multi_turn_env(policy_url, tmp_path):
 
 def test_trains_on_other_ecosystems_envs_by_name(policy_url, tmp_path):
     """A reasoning-gym dataset and a skyrl-gym env, named on the command line as any env is, in one mixture: both
-    sample and score their rollouts, and both steps update the policy. (reasoning-gym's one-digit sums, which the
-    bundled model gets right often enough that groups differ: it counted leg_counting's legs right 1 time in 32.)"""
+    sample and score their rollouts, and the policy updates. reasoning-gym's one-digit sums carry the update: the
+    bundled model gets 22% right (72 rollouts of 32 tokens), so 3 groups of 8 are all equal in a step with p ~ 0.003,
+    and in both steps with p ~ 1e-5. (It counted leg_counting's legs right 1 time in 32, and wrote skyrl's
+    '#### N' 3 times in 32.)"""
     for split, firsts in (("train", range(1, 6)), ("test", range(6, 8))):  # skyrl-gym's row format, its ground
         (tmp_path / f"{split}.jsonl").write_text("".join(  # truth a number, as datasets hold it
             json.dumps({"id": f"sum-{a}-{b}", "reward_spec": {"ground_truth": a + b},
                         "prompt": [{"role": "user", "content": f"What is {a} + {b}? Answer as #### N."}]}) + "\n"
             for a in firsts for b in range(1, 4)))
-    mixture = ("env.mixture=[{name: 'reasoning_gym:basic_arithmetic', label: rg, kwargs: {num_train: 40, "
-               "num_test: 8, answer: last_number, config: {min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1, "
-               "operators: ['+'], allow_negation: false, allow_parentheses: false}}}, "
+    mixture = ("env.mixture=[{name: 'reasoning_gym:basic_arithmetic', label: rg, weight: 3, kwargs: {num_train: 40, "
+               "num_test: 8, answer: last_number, system_prompt: 'Answer with the number.', config: {min_terms: 2, "
+               "max_terms: 2, min_digits: 1, max_digits: 1, operators: ['+'], allow_negation: false, "
+               "allow_parentheses: false}}}, "
                f"{{name: 'skyrl:gsm8k', label: sums, kwargs: {{tasks: '{tmp_path / 'train.jsonl'}', "
                f"test_tasks: '{tmp_path / 'test.jsonl'}'}}}}]")
-    steps = train(tmp_path / "run", policy_url, mixture, "trainer.eval_tasks=2")
+    steps = train(tmp_path / "run", policy_url, mixture, "generator.max_tokens=32", "trainer.eval_tasks=2",
+                  every_step_updates=False)
     for m in steps.values():
-        assert m["env/rg/rollouts"] == m["env/sums/rollouts"] == 16
-        assert m["env/rg/stop/done"] == 16 and m["env/sums/stop/done"] == 16
+        assert (m["env/rg/rollouts"], m["env/sums/rollouts"]) == (24, 8)
+        assert (m["env/rg/stop/done"], m["env/sums/stop/done"]) == (24, 8)
         assert 0 <= m["env/rg/reward/mean"] <= 1 and 0 <= m["env/sums/reward/mean"] <= 1
     evals = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert any("eval/rg/accuracy" in r and "eval/sums/accuracy" in r for r in evals)
