@@ -57,7 +57,8 @@ SCHEME_GROUP = "envkit.schemes"
 # envkit's own schemes and the extra each needs: a name with one of them is never read as `module:Class`, and
 # gets a clear error when its provider is not installed.
 _SCHEME_EXTRAS = {"http": "server", "https": "server", "ws": "server", "wss": "server", "openenv": "server",
-                  "gym": "gym", "mcp": "mcp", "reasoning_gym": "reasoning-gym", "skyrl": "skyrl"}
+                  "gym": "gym", "mcp": "mcp", "reasoning_gym": "reasoning-gym", "skyrl": "skyrl",
+                  "textarena": "textarena"}
 _NAME_RE = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 EnvFactory = Callable[..., Env]

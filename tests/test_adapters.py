@@ -1,13 +1,15 @@
-"""Other ecosystems' envs by name (envkit/adapters): reasoning-gym datasets and skyrl-gym envs, with the real
-packages `make install` installs, and the traps a naive wrapper falls into."""
+"""Other ecosystems' envs by name (envkit/adapters): reasoning-gym datasets, skyrl-gym envs and textarena games,
+with the real packages `make install` installs, and the traps a naive wrapper falls into."""
 
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import reasoning_gym
 import skyrl_gym
+import textarena
 
 import envkit
 from envkit.errors import EnvLoadError
@@ -106,3 +108,66 @@ def test_skyrl_tasks_come_from_a_rows_file_and_an_env_without_rows_says_what_it_
         bare.reset(seed=0)
     with pytest.raises(EnvLoadError, match="skyrl-gym has no env 'nope'"):
         envkit.make("skyrl:nope")
+
+
+async def test_textarena_gives_a_seed_the_same_game_whatever_runs_beside_it():
+    """2048 spawns a tile from the global RNG after each move: games stepped side by side take each other's draws."""
+    moves = ["[Up]", "[Left]", "[Down]", "[Right]"] * 3
+
+    async def alone(seed: int) -> list[str]:
+        async with envkit.make("textarena:2048-v0") as env:
+            seen = [(await env.reset(seed=seed))[0][0]["content"]]
+            for move in moves:
+                seen.append((await env.step(envkit.assistant(move))).observation[0]["content"])
+            return seen
+
+    solo = await alone(7)
+    envs = [envkit.make("textarena:2048-v0") for _ in range(3)]
+    together = [[(await env.reset(seed=seed))[0][0]["content"]] for env, seed in zip(envs, (7, 8, 7), strict=True)]
+    random.seed(0)
+    callers_draws = []
+    for move in moves:  # the three games take turns, and the caller draws from the global RNG between them
+        for env, seen in zip(envs, together, strict=True):
+            seen.append((await env.step(envkit.assistant(move))).observation[0]["content"])
+            callers_draws.append(random.random())
+    for env in envs:
+        await env.close()
+    assert together[0] == together[2] == solo and together[1] != solo
+    random.seed(0)
+    assert callers_draws == [random.random() for _ in callers_draws]  # the games left the caller's RNG alone
+    # textarena alone: the same interleaving gives the two seed-7 games different boards
+    games = [textarena.make("2048-v0-raw") for _ in range(3)]
+    for game, seed in zip(games, (7, 8, 7), strict=True):
+        game.reset(num_players=1, seed=seed)
+    for move in moves:
+        for game in games:
+            game.step(move)
+    assert games[0].state.game_state["board"] != games[2].state.game_state["board"]
+
+
+async def test_textarena_within_n_turns_means_n_replies_with_the_games_own_outcome():
+    raw = textarena.make("GuessTheNumber-v0-raw", max_turns=3)
+    raw.reset(num_players=1, seed=3)
+    replies = 1
+    while not raw.step(f"[{replies + 10}]")[0]:
+        replies += 1
+    assert replies == 4  # textarena alone takes a fourth reply "within 3 turns"
+    async with envkit.make("textarena:GuessTheNumber-v0", max_turns=3) as env:
+        messages, _ = await env.reset(seed=3)
+        assert "within 3 turns" in messages[0]["content"]
+        results = [await env.step(envkit.assistant(f"[{n}]")) for n in (11, 12, 13)]
+        assert [r.done for r in results] == [False, False, True]
+        assert results[-1].truncated and 0 < results[-1].reward < 1  # the game's partial credit for the last guess
+        assert "higher" in results[0].observation[0]["content"] or "lower" in results[0].observation[0]["content"]
+        await env.reset(seed=3)
+        won = await env.step(envkit.assistant("[8]"))  # seed 3's number
+        assert won.terminated and won.reward == 1.0
+        await env.reset(seed=3)
+        retried = [await env.step(envkit.assistant(text)) for text in ("no idea", "[11]", "[12]", "[13]")]
+        assert [r.done for r in retried] == [False, False, False, True]  # a rejected reply is not a move
+        assert retried[-1].truncated and retried[-1].info["moves"] == 3
+
+
+def test_textarena_refuses_an_unknown_game():
+    with pytest.raises(EnvLoadError, match="textarena has no game 'NoSuchGame-v0'"):
+        envkit.make("textarena:NoSuchGame-v0")

@@ -22,7 +22,8 @@ WITH_TESTS = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TEST
     ("arithmetic", {}), ("arithmetic", {"level": 3, "followups": 2}), ("calculator", {}),
     ("compute", {"code_sandbox": "local"}),  # its own demonstrations run: no need for the Docker image here
     ("guess-number", {}), ("frozenlake", {}), ("gym:Blackjack-v1", {}), ("broken_envs:GuessEnv", {}),
-    ("reasoning_gym:leg_counting", {"num_train": 50, "num_test": 10}),
+    ("reasoning_gym:leg_counting", {"num_train": 50, "num_test": 10}), ("textarena:GuessTheNumber-v0", {}),
+    ("textarena:2048-v0", {}),
     ("skyrl:gsm8k_multi_turn", {"tasks": [{"id": f"sum-{n}", "question": f"What is {n} + 1?", "answer": n + 1}
                                           for n in range(4)], "max_turns": 3})])
 def test_every_env_here_passes_every_check(name: str, kwargs: dict, monkeypatch: pytest.MonkeyPatch):

@@ -165,27 +165,31 @@ def test_trains_on_a_multi_turn_env(policy_url, tmp_path):
 
 
 def test_trains_on_other_ecosystems_envs_by_name(policy_url, tmp_path):
-    """A reasoning-gym dataset and a skyrl-gym env, named on the command line as any env is, in one mixture: both
-    sample and score their rollouts, and the policy updates. reasoning-gym's one-digit sums carry the update: the
-    bundled model gets 22% right (72 rollouts of 32 tokens), so 3 groups of 8 are all equal in a step with p ~ 0.003,
-    and in both steps with p ~ 1e-5. (It counted leg_counting's legs right 1 time in 32, and wrote skyrl's
-    '#### N' 3 times in 32.)"""
+    """A reasoning-gym dataset, a skyrl-gym env and a textarena game, named on the command line as any env is, in
+    one mixture: each samples and scores its rollouts, and the policy updates. reasoning-gym's one-digit sums carry
+    the update: the bundled model gets 22% right (72 rollouts of 32 tokens), so 2 groups of 8 are all equal in a step
+    with p ~ 0.02, and in both steps with p ~ 4e-4, before GuessTheNumber's partial credit varies too. (It counted
+    leg_counting's legs right 1 time in 32, and wrote skyrl's '#### N' 3 times in 32.)"""
     for split, firsts in (("train", range(1, 6)), ("test", range(6, 8))):  # skyrl-gym's row format, its ground
         (tmp_path / f"{split}.jsonl").write_text("".join(  # truth a number, as datasets hold it
             json.dumps({"id": f"sum-{a}-{b}", "reward_spec": {"ground_truth": a + b},
                         "prompt": [{"role": "user", "content": f"What is {a} + {b}? Answer as #### N."}]}) + "\n"
             for a in firsts for b in range(1, 4)))
-    mixture = ("env.mixture=[{name: 'reasoning_gym:basic_arithmetic', label: rg, weight: 3, kwargs: {num_train: 40, "
+    mixture = ("env.mixture=[{name: 'reasoning_gym:basic_arithmetic', label: rg, weight: 2, kwargs: {num_train: 40, "
                "num_test: 8, answer: last_number, system_prompt: 'Answer with the number.', config: {min_terms: 2, "
                "max_terms: 2, min_digits: 1, max_digits: 1, operators: ['+'], allow_negation: false, "
                "allow_parentheses: false}}}, "
                f"{{name: 'skyrl:gsm8k', label: sums, kwargs: {{tasks: '{tmp_path / 'train.jsonl'}', "
-               f"test_tasks: '{tmp_path / 'test.jsonl'}'}}}}]")
+               f"test_tasks: '{tmp_path / 'test.jsonl'}'}}}}, "
+               "{name: 'textarena:GuessTheNumber-v0', label: ta, kwargs: {max_turns: 2}}]")
     steps = train(tmp_path / "run", policy_url, mixture, "generator.max_tokens=32", "trainer.eval_tasks=2",
                   every_step_updates=False)
     for m in steps.values():
-        assert (m["env/rg/rollouts"], m["env/sums/rollouts"]) == (24, 8)
-        assert (m["env/rg/stop/done"], m["env/sums/stop/done"]) == (24, 8)
-        assert 0 <= m["env/rg/reward/mean"] <= 1 and 0 <= m["env/sums/reward/mean"] <= 1
+        assert (m["env/rg/rollouts"], m["env/sums/rollouts"], m["env/ta/rollouts"]) == (16, 8, 8)
+        assert (m["env/rg/stop/done"], m["env/sums/stop/done"], m["env/ta/stop/done"]) == (16, 8, 8)
+        assert all(0 <= m[f"env/{label}/reward/mean"] <= 1 for label in ("rg", "sums", "ta"))
+    trajs = [json.loads(line) for line in (tmp_path / "run" / "final_trajectories.jsonl").read_text().splitlines()]
+    game = [t["num_turns"] for t in trajs if t["env_name"] == "ta"]
+    assert game and max(game) <= 4  # "within 2 turns": 2 moves, each after at most one reply the game rejected
     evals = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert any("eval/rg/accuracy" in r and "eval/sums/accuracy" in r for r in evals)
+    assert any(all(f"eval/{label}/accuracy" in r for label in ("rg", "sums", "ta")) for r in evals)
