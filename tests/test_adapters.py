@@ -168,6 +168,9 @@ async def test_textarena_within_n_turns_means_n_replies_with_the_games_own_outco
         assert retried[-1].truncated and retried[-1].info["moves"] == 3
 
 
-def test_textarena_refuses_an_unknown_game():
+def test_textarena_refuses_an_unknown_game_and_says_two_player_games_are_not_played_yet():
     with pytest.raises(EnvLoadError, match="textarena has no game 'NoSuchGame-v0'"):
         envkit.make("textarena:NoSuchGame-v0")
+    with envkit.SyncEnv(envkit.make("textarena:TicTacToe-v0")) as env, \
+            pytest.raises(ValueError, match="single-player textarena games only"):
+        env.reset(seed=0)

@@ -76,7 +76,11 @@ class TextArenaEnv(Env):
             seed = random.SystemRandom().randrange(2**31)
         self._rngs = (random.Random(seed).getstate(), np.random.RandomState(seed % 2**32).get_state())
         with self._own_rngs():
-            self._game.reset(num_players=1, seed=seed)
+            try:
+                self._game.reset(num_players=1, seed=seed)
+            except AssertionError as e:  # textarena's states assert their number of players
+                raise ValueError(f"textarena:{self.env_id}: {e}; envkit plays single-player textarena games only, "
+                                 "for now") from e
             state = self._game.state
             self.max_turns = state.max_turns
             if state.max_turns:
