@@ -21,6 +21,7 @@ A failing row makes ``envkit check`` exit 1; the table names it with what went w
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import math
 import socket
@@ -33,6 +34,7 @@ from typing import Any, Literal
 
 import envkit
 from envkit.core import Env, Task
+from envkit.distribution import install_hint
 
 CHECKS = ("contract", "same start", "close twice", "isolated sessions", "ws round trip", "disjoint splits",
           "reward range", "speed")
@@ -74,8 +76,10 @@ def action(k: int) -> envkit.Message:
 
 def as_json(value: Any) -> Any:
     """``value`` as it would cross the wire (numpy scalars and arrays, tuples, ...): what two runs must agree on."""
-    from envkit.remote import wire
-
+    try:
+        from envkit.remote import wire
+    except ImportError:  # no server extra: the standard library's JSON, with what it cannot write as text
+        return json.loads(json.dumps(value, default=repr))
     return wire.loads(wire.dumps(value))
 
 
@@ -255,6 +259,8 @@ class Checker:
             return "skip", "--no-serve"
         if "sandbox" in self.kwargs or "://" in self.name:
             return "skip", "the env already runs behind envkit serve (a sandbox, or a URL)"
+        if importlib.util.find_spec("fastapi") is None:
+            return "skip", f"envkit serve needs the server extra: {install_hint('server')}"
         port, server = await asyncio.to_thread(_serve, self.name, self.kwargs)
         try:
             for first in alone:
