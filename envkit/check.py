@@ -258,7 +258,7 @@ class Checker:
         if not self.serve:
             return "skip", "--no-serve"
         if "sandbox" in self.kwargs or "://" in self.name:
-            return "skip", "the env already runs behind envkit serve (a sandbox, or a URL)"
+            return "skip", "the env already runs behind a server (a sandbox's, or the URL's)"
         if importlib.util.find_spec("fastapi") is None:
             return "skip", f"envkit serve needs the server extra: {install_hint('server')}"
         port, server = await asyncio.to_thread(_serve, self.name, self.kwargs)

@@ -37,6 +37,15 @@ def test_every_env_here_passes_every_check(name: str, kwargs: dict, monkeypatch:
     assert {"contract", "same start", "close twice", "isolated sessions", "ws round trip", "reward range"} <= ran
 
 
+def test_the_openenv_adapter_passes_every_check_that_applies():
+    from remote_envs import openenv_server
+
+    with openenv_server() as server:
+        rows = {r.check: r for r in check(f"openenv:{server.url}")}
+    assert not failed(rows.values()), rows
+    assert rows["isolated sessions"].status == "pass" and rows["ws round trip"].status == "skip"
+
+
 @pytest.mark.parametrize(("env", "row", "says"), [
     ("NondeterministicEnv", "same start", "opened differently in a fresh env"),
     ("CloseTwiceEnv", "close twice", "RuntimeError: already closed"),
