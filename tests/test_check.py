@@ -62,6 +62,13 @@ def test_a_broken_env_fails_the_row_it_breaks_and_only_that_one(env: str, row: s
     assert says in rows[row]["detail"], rows[row]
 
 
+def test_state_shared_between_instances_fails_isolation_and_still_crosses_the_wire():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", WITH_TESTS["PYTHONPATH"])
+        rows = {r.check: r.status for r in check("broken_envs:LeakyEnv")}
+    assert rows["isolated sessions"] == "fail" and rows["ws round trip"] == "pass"
+
+
 def test_the_table_names_the_failing_check():
     out = subprocess.run([sys.executable, "-m", "envkit", "check", "broken_envs:LeakyEnv", "--no-serve"],
                          capture_output=True, text=True, timeout=120, env={**WITH_TESTS, "COLUMNS": "200"})
