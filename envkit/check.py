@@ -24,9 +24,6 @@ import asyncio
 import importlib.util
 import json
 import math
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -262,20 +259,13 @@ class Checker:
             return "skip", "the env already runs behind a server (a sandbox's, or the URL's)"
         if importlib.util.find_spec("fastapi") is None:
             return "skip", f"envkit serve needs the server extra: {install_hint('server')}"
-        port, server = await asyncio.to_thread(_serve, self.name, self.kwargs)
-        try:
+        # envkit serve in a child process (the local sandbox), over ws://: one session plays every episode
+        async with envkit.make(self.name, sandbox="local", **self.kwargs) as remote:
             for first in alone:
-                remote = envkit.make(f"ws://127.0.0.1:{port}/{self.name}")
-                try:
-                    again = await play(remote, first.start, self.max_steps, replay=first.actions)
-                finally:
-                    await remote.close()
+                again = await play(remote, first.start, self.max_steps, replay=first.actions)
                 if again.transcript != first.transcript:
                     return "fail", f"{describe(first.start)} differs over ws:// at {first_difference(first, again)}"
-        finally:
-            server.terminate()
-            await asyncio.to_thread(server.wait, 15)
-        return "pass", f"{len(alone)} episodes through envkit serve as in-process"
+        return "pass", f"{len(alone)} episodes through envkit serve, in one ws:// session, as in-process"
 
     @staticmethod
     def _disjoint(tasks: dict[str, list[Task] | None]) -> Outcome:
@@ -348,29 +338,6 @@ async def _guarded(title: str, check: Awaitable[Outcome]) -> Row:
 def _short(value: Any, limit: int = 160) -> str:
     text = json.dumps(value, default=str)
     return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _serve(name: str, kwargs: dict[str, Any], startup_s: float = 60.0) -> tuple[int, subprocess.Popen[bytes]]:
-    """``envkit serve NAME`` on a free loopback port, once it answers /health."""
-    import httpx
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "envkit", "serve", name, "--port", str(port), "--kwargs",
-                               json.dumps(kwargs)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + startup_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            printed = server.stderr.read().decode(errors="replace") if server.stderr else ""
-            raise CheckError(f"envkit serve {name} exited: {printed[-400:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).status_code == 200:
-                return port, server
-        except httpx.TransportError:
-            time.sleep(0.1)
-    server.kill()
-    raise CheckError(f"envkit serve {name} did not answer /health within {startup_s:g} s")
 
 
 def check(name: str, kwargs: dict[str, Any] | None = None, **options: Any) -> list[Row]:
