@@ -242,7 +242,8 @@ class RemoteTaskList(LazyTasks):
     def __init__(self, base_url: str, split: str, *, headers: dict[str, str], config: RemoteConfig,
                  kwargs: dict[str, Any] | None = None, page_size: int = 256) -> None:
         self.url, self.split, self.page_size = f"{base_url}/tasks", split, page_size
-        self.kwargs = wire.loads(wire.dumps(kwargs or {}))  # as the server will read them back
+        self._kwargs_json = wire.dumps(kwargs or {}).decode()
+        self.kwargs = wire.loads(self._kwargs_json)  # as the server will read them back
         self._headers = headers
         self._timeout = httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s)
         self._retries = config.connect_retries
@@ -253,7 +254,7 @@ class RemoteTaskList(LazyTasks):
     def _page(self, index: int) -> int:
         params: dict[str, Any] = {"split": self.split, "offset": index * self.page_size, "limit": self.page_size}
         if self.kwargs:
-            params["kwargs"] = wire.dumps(self.kwargs).decode()
+            params["kwargs"] = self._kwargs_json
         try:
             # httpx retries a refused or timed-out connect (with backoff), as a session's connect is retried
             with httpx.Client(transport=httpx.HTTPTransport(retries=self._retries), headers=self._headers,
