@@ -57,6 +57,16 @@ async def test_reasoning_gym_scores_with_the_datasets_own_scorer(answer: str, re
     assert result.terminated and result.reward == reward and result.info["expected"] == task["answer"]
 
 
+@pytest.mark.parametrize("answer", ["auto", "tag", "last_line", "whole"])
+async def test_reasoning_gym_pays_a_policy_that_lists_every_number_almost_nothing(answer: str):
+    """reasoning-gym's scorer gives len(answer) / len(reply) when the reply contains the answer: listing 0..999
+    earns under 1% of a right answer, so spraying never pays more than answering."""
+    env = envkit.make("reasoning_gym:leg_counting", num_train=20, num_test=5, answer=answer)
+    await env.reset(task=env.tasks("test")[0])
+    result = await env.step(envkit.assistant(f"<answer>{' '.join(map(str, range(1000)))}</answer>"))
+    assert result.reward < 0.01 and not result.info["correct"]
+
+
 def test_reasoning_gym_refuses_a_bad_name_a_bad_config_and_a_foreign_task():
     with pytest.raises(EnvLoadError, match="no_such_dataset"):
         envkit.make("reasoning_gym:no_such_dataset")
