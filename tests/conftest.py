@@ -15,6 +15,12 @@ os.environ.setdefault("ENVKIT_CACHE_DIR", str(REPO / ".cache"))
 # vLLM servers the tests start (cpu_cores=auto) keep vLLM's own binding, one core on 2 vCPUs: the other pytest worker
 # computes meanwhile. The agent recipe's test asks for all cores and checks that the server got them.
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "auto")
+# Each xdist worker's torch (and its subprocesses': trainers, torchrun ranks, HF engines) computes on its share of the
+# cores. Two processes of 2 OpenMP threads each on 2 cores spin at each other's barriers: two 1-rank updates side
+# by side took 237 s with 2 threads each, 65 s with 1 (set before anything here imports torch).
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0))
+                                                     // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 # A test that needs one of these is end-to-end whether or not its module says so: `make test-fast` leaves it out.
 HEAVY_FIXTURES = {"vllm_engine", "docker_client"}
 # Under `pytest -n 2 --dist loadgroup` (`make test`) these modules' tests run on one worker, as one group: they share

@@ -52,8 +52,10 @@ class FSDPBackend(TrainBackend):
         self.reference = self._load(train=False) if config.reference and not self.lora else None
         # Adam state for the trainable parameters only (with LoRA: the adapters, a small fraction of the model).
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        # fused: one kernel over all the parameters. foreach's ops on DTensors re-derive their sharding on first use,
+        # which made a run's first step (and a checkpoint of a state not yet stepped) ~4 s slower on the CPU.
         self.optimizer = torch.optim.AdamW(self.trainable, lr=config.lr, betas=config.betas,
-                                           weight_decay=config.weight_decay, foreach=True)
+                                           weight_decay=config.weight_decay, fused=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
 
     def _load(self, *, train: bool) -> PreTrainedModel:
