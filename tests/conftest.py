@@ -13,7 +13,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("ENVKIT_CACHE_DIR", str(REPO / ".cache"))
 # vLLM servers the tests start (cpu_cores=auto) keep vLLM's own binding, one core on 2 vCPUs: the other pytest worker
-# computes meanwhile. The agent recipe's test asks for all cores and checks that the server got them.
+# computes meanwhile (`inference.cpu_cores` is resolved in test_weight_sync).
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "auto")
 # Each xdist worker's torch (and its subprocesses': trainers, torchrun ranks, HF engines) computes on its share of the
 # cores. Two processes of 2 OpenMP threads each on 2 cores spin at each other's barriers: two 1-rank updates side
