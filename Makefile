@@ -65,8 +65,10 @@ browser:  ## headless Chromium for the report tests (Debian's chromium through a
 # every other test on whichever is free.
 TEST_WORKERS ?= 2
 
+# ENVKIT_TESTS_STRICT: what the prerequisites installed (Docker, DeepSpeed, ...) must work; a part that does not
+# fails the run, naming it, instead of skipping its tests (tests/required.py).
 test: install model docker-up browser  ## the whole test suite (real vLLM servers, containers, training runs)
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25
+	ENVKIT_TESTS_STRICT=1 $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
 test-fast: install model browser  ## the tests that need no vLLM, Docker or training run (a few minutes): the inner loop
 	$(VENV)/bin/pytest -q -m "not e2e" --durations=10

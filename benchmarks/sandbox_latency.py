@@ -4,7 +4,8 @@
                /health (what `envkit.make(NAME, sandbox="docker")` waits for before the first reset)
   engine floor what the engine alone takes to create and start a container that runs `true` on the same image,
                read-only, capabilities dropped, on the sandbox network: no server, so no sandbox starts faster
-  warm acquire SandboxPool.acquire() from a pool of pre-started containers (release recycles, not timed)
+  warm acquire SandboxPool.acquire() from a pool of pre-started containers (release recycles, not timed),
+               against a cold start in the same run (tests/test_sandbox_docker.py checks it is a handoff)
   exec         DockerSandbox.exec round trip: `true`, and a Python one-liner (interpreter start included)
   code tool    one `python` tool call of a CodeTools env (sandboxes.tools) on the sandbox its episode leased: the
                step a rollout takes when the model runs code, parsing and formatting included
@@ -178,6 +179,8 @@ def main() -> None:
     cold = statistics.median(rows["cold start (envkit DockerSandbox)"])
     floor = statistics.median(rows["engine floor (create + start, no server)"])
     print(f"\ncold start = engine floor {floor * 1000:.0f} ms + server start {(cold - floor) * 1000:.0f} ms")
+    acquire = statistics.median(rows["warm pool acquire"])
+    print(f"warm pool acquire p50 {acquire * 1000:.2f} ms: {cold / acquire:.0f}x faster than a cold start")
     for name, target in (("cold start (envkit DockerSandbox)", 0.3), ("exec `true` round trip", 0.005),
                          ("warm pool acquire", 0.05)):
         p50 = statistics.median(rows[name])

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import signal
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -141,10 +142,23 @@ def test_completion_rejects_inconsistent_answers(broken, match):
         _completion_from_generate(broken, 0)
 
 
-def test_sglang_available_agrees_with_the_import_system():
-    import importlib.util
+def test_sglang_available_finds_the_package_without_importing_it_and_says_why_when_it_cannot(tmp_path):
+    """Run in fresh interpreters: one where a package named sglang is on the path (its import would raise, so it must
+    be found without importing it), one where the import system cannot see any."""
+    (tmp_path / "sglang").mkdir()
+    (tmp_path / "sglang" / "__init__.py").write_text("raise RuntimeError('sglang was imported')\n")
+    check = "from generators.engines.sglang import sglang_available; print(repr(sglang_available()))"
 
-    assert (SGLANG_MISSING is None) == (importlib.util.find_spec("sglang") is not None)
+    def answer(prelude: str, path: str) -> str:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([path, os.environ.get("PYTHONPATH", "")])}
+        result = subprocess.run([sys.executable, "-c", prelude + check], capture_output=True, text=True, env=env,
+                                timeout=120)
+        assert result.returncode == 0, result.stderr[-2000:]
+        return result.stdout.strip()
+
+    assert answer("", str(tmp_path)) == "None"
+    hidden = answer("import sys; sys.modules['sglang'] = None; ", "")
+    assert "sglang is not installed in" in hidden and "pip install sglang" in hidden, hidden
 
 
 # --- the HTTP flow against a stand-in server --------------------------------------------------------------

@@ -365,11 +365,16 @@ async def test_same_seed_same_episode():
 
 async def test_wraps_a_gymnasium_env_instance_and_closes_it_once():
     gym_env = gymnasium.make("FrozenLake-v1", is_slippery=False)
+    closes = []
+    close = gym_env.close
+    gym_env.close = lambda: (closes.append(1), close())[1]
     env = GymTextEnv(gym_env, system_prompt="Cross the lake.", max_invalid=1)
     messages, _ = await env.reset(seed=1)
     assert messages[0]["content"] == "Cross the lake."
     await env.close()
+    assert len(closes) == 1
     await env.close()
+    assert len(closes) == 1  # a second close does not close the gym env again
 
 
 def test_rejects_what_it_cannot_play():

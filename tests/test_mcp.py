@@ -5,7 +5,6 @@ Generator rollouts too), and `envkit serve ENV --mcp` used by the SDK's client (
 from __future__ import annotations
 
 import asyncio
-import json
 import shlex
 import subprocess
 import sys
@@ -341,6 +340,9 @@ class SecretEnv(MCPToolEnv):
 
 
 async def test_mcp_tools_in_a_rollout_with_the_bundled_model(vllm_engine, chat_tokenizer):
+    """The server's lookup at reset and its tools' schemas reach what the model reads. Whether the untaught bundled
+    model then calls a tool is chance, so the calls' round trip through the generator is checked with scripted
+    calls (test_a_generator_rollout_calls_the_servers_tools), not here."""
     gen = Generator(vllm_engine, chat_tokenizer, GeneratorConfig(max_turns=3, max_tokens=48, samples_per_prompt=2))
     trajs = await gen.generate(lambda: SecretEnv(SERVER_ARGV), seeds=[0, 1])
     for traj in trajs:
@@ -351,11 +353,3 @@ async def test_mcp_tools_in_a_rollout_with_the_bundled_model(vllm_engine, chat_t
         prompt = chat_tokenizer.decode(traj.prompt_ids)
         assert system.startswith(DEFAULT_SYSTEM_PROMPT.split("{tools}")[0]) and system in prompt
         assert all(f'"name": "{name}"' in prompt for name in TOOLS)  # the schemas reached what the model read
-        # Whatever calls the model wrote reached the server: each well-formed add came back as the sum.
-        for i, message in enumerate(traj.messages):
-            for tool_call in message.get("tool_calls") or []:
-                reply = next(m for m in traj.messages[i + 1:] if m.get("tool_call_id") == tool_call["id"])
-                args = tool_call["function"]["arguments"]
-                if tool_call["function"]["name"] == "add" and not (reply["content"] or "").startswith("Error:"):
-                    parsed = json.loads(args)
-                    assert reply["content"] == str(parsed["a"] + parsed["b"])

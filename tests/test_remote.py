@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import httpx
 import numpy as np
 import pytest
 import uvloop
@@ -48,6 +49,11 @@ def url(server: Server, scheme: str) -> str:
 
 def say(text: str | None) -> envkit.Message:
     return envkit.assistant(text)
+
+
+def server_side(server: Server) -> httpx.AsyncClient:
+    """A REST client of its own, to see or use a session as the server has it, waiting as long as need be."""
+    return httpx.AsyncClient(base_url=server.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
 
 
 @pytest.mark.parametrize("scheme", TRANSPORTS)
@@ -154,13 +160,17 @@ async def test_wrong_token_wrong_env_and_bad_kwargs_fail_at_init(server: Server,
 async def test_a_timed_out_step_is_never_sent_again(server: Server, scheme: str):
     env = RemoteEnv(url(server, scheme), remote=RemoteConfig(token=TOKEN, timeout_s=0.2))
     await env.reset(seed=0)
-    start = time.perf_counter()
+    # The step answers after 1 s, within the server's 2 s step timeout: a client that waited for it would get its
+    # answer (no error), or env_timeout; "timeout" is the client's own 0.2 s wait expiring.
     with pytest.raises(RemoteEnvError) as caught:
-        await env.step(say("sleep:0.6"))
-    assert caught.value.code == "timeout" and time.perf_counter() - start < 0.5
+        await env.step(say("sleep:1"))
+    assert caught.value.code == "timeout"
     if scheme == "http":  # the session outlives the client's timeout: the step ran exactly once
-        await asyncio.sleep(0.8)
-        assert (await env.state())["steps"] == 1
+        async with server_side(server) as http:
+            # A session runs one step at a time: this one waits for the slow step and any copy of it sent again
+            after = await http.post(f"/sessions/{env.session_id}/step", json={"action": say("w0")})
+            assert after.json()["reward"] == 1.0
+            assert (await http.get(f"/sessions/{env.session_id}")).json()["steps"] == 2
     else:  # a late WebSocket answer would be mistaken for the next one's: the session ends instead
         with pytest.raises(RemoteEnvError) as gone:
             await env.step(say("w0"))
@@ -190,12 +200,21 @@ async def test_a_rest_session_outlives_its_connection(server: Server, monkeypatc
 async def test_a_cancelled_websocket_step_ends_the_session_instead_of_misreading_its_answer(server: Server):
     env = RemoteEnv(url(server, "ws"), remote=CONFIG)
     await env.reset(seed=0)
-    step = asyncio.create_task(env.step(say("sleep:0.3")))  # a rollout cancelled mid-step
+    # A rollout cancelled mid-step: the step's frame is out before the sleep ends, its answer 1.5 s later.
+    step = asyncio.create_task(env.step(say("sleep:1.5")))
     await asyncio.sleep(0.1)
     step.cancel()
     with pytest.raises(asyncio.CancelledError):
         await step
-    await asyncio.sleep(0.4)  # the cancelled step's answer would have arrived by now
+    # The server deletes a WebSocket session once its connection is gone and its running step has answered: by
+    # then the cancelled step's answer has been sent, and would be read as the next step's.
+    async with server_side(server) as http:
+        for _ in range(200):
+            if (await http.get(f"/sessions/{env.session_id}")).status_code == 404:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            pytest.fail("the server kept the cancelled step's session")
     with pytest.raises(RemoteEnvError) as gone:
         await env.step(say("w0"))
     assert gone.value.code == "connection_lost"

@@ -12,8 +12,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("docker", reason="the docker SDK is not installed: pip install 'envkit-rl[docker]'")
-
 import envkit
 from sandboxes.base import SandboxLimits
 from sandboxes.docker import DockerSandbox
@@ -344,7 +342,7 @@ def gcd(a, b):
     "read": """
 import ast, glob
 def gcd(a, b):
-    for path in glob.glob("/opt/envkit/lib/python3*/site-packages/envkit_code/env.py"):
+    for path in glob.glob("{site}/envkit_code/env.py"):
         for node in ast.walk(ast.parse(open(path).read())):
             if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "Problem" and node.args[0].value == "gcd":
                 return dict(ast.literal_eval(node.args[3]))[(a, b)]
@@ -357,22 +355,35 @@ def gcd(a, b):
     with open(f"/proc/{os.getppid()}/maps") as maps, open(f"/proc/{os.getppid()}/mem", "rb") as mem:
         for line in maps:
             start, end = (int(x, 16) for x in line.split()[0].split("-"))
-            mem.seek(start)
-            if re.search(rb"gcd", mem.read(end - start)):
+            try:
+                mem.seek(start)
+                region = mem.read(end - start)
+            except (OSError, OverflowError):  # an unreadable mapping: try the next
+                continue
+            if re.search(rb"gcd", region):
                 return {(12, 18): 6, (7, 13): 1, (0, 9): 9, (100, 75): 25}[(a, b)]
     return -1
 """,
 }
 
 
+IMAGE_SITE_PACKAGES = "/opt/envkit/lib/python3*/site-packages"
+"""Where the code env's image installs the env packages (the "read" hack looks there)."""
+
+
+def grader_hack(name: str, site_packages: str = IMAGE_SITE_PACKAGES) -> str:
+    """The submission that plays hack ``name``, as a fenced reply."""
+    return f"```python\n{GRADER_HACKS[name].replace('{site}', site_packages)}```"
+
+
 @pytest.mark.parametrize("hack", sorted(GRADER_HACKS))
 async def test_a_submission_cannot_read_the_hidden_tests(code_image, hack: str) -> None:
     """Each hack returns the expected values only if it reached the grader's data (reward 1.0); isolated, it
-    fails (reward 0); the control below shows the import hack wins where the grader is not isolated."""
+    fails (reward 0); the controls below show each hack wins where the grader is not isolated."""
     env = envkit.make("code", sandbox="docker")
     try:
         await env.reset(task={"id": "gcd"})
-        result = await env.step(envkit.assistant(f"```python\n{GRADER_HACKS[hack]}```"))
+        result = await env.step(envkit.assistant(grader_hack(hack)))
         assert result.reward == 0.0, (hack, result.info)
         await env.reset(task={"id": "gcd"})  # the env still grades honest work
         honest = "```python\nimport math\ndef gcd(a, b):\n    return math.gcd(a, b)\n```"
@@ -393,16 +404,21 @@ async def test_a_submission_leaves_no_process_behind(code_image) -> None:
         await env.close()
 
 
-def test_the_import_hack_wins_against_an_unisolated_grader(monkeypatch) -> None:
-    """The control for the grader tests: run in-process as this user, the import hack does reach the hidden tests
-    (so reward 0 in the container comes from the isolation, not from a broken hack)."""
+@pytest.mark.parametrize("hack", sorted(GRADER_HACKS))
+def test_each_grader_hack_wins_against_an_unisolated_grader(monkeypatch, hack: str) -> None:
+    """The controls for the grader tests: graded in-process as this user, each hack does reach the hidden tests
+    (the package's modules, its source, where it is installed here, the grader's memory), so reward 0 in the
+    container comes from the isolation, not from a broken hack."""
+    import envkit_code
+
     monkeypatch.setenv("ENVKIT_CODE_UNSAFE", "1")
     monkeypatch.setattr("envkit.untrusted.python", lambda: __import__("sys").executable)
     monkeypatch.setattr("envkit.untrusted.can_switch_user", lambda: False)
+    site_packages = str(Path(envkit_code.__file__).parents[1])  # the directory envkit_code/env.py is found under
 
     async def play() -> float:
         async with envkit.make("code") as env:
             await env.reset(task={"id": "gcd"})
-            return (await env.step(envkit.assistant(f"```python\n{GRADER_HACKS['import']}```"))).reward
+            return (await env.step(envkit.assistant(grader_hack(hack, site_packages)))).reward
 
     assert asyncio.run(play()) == 1.0

@@ -1,6 +1,6 @@
 """Training on every kind of env `envkit.make` builds: served over ws://, Docker-sandboxed from a warm pool, an
-OpenEnv server, a gymnasium env drawn by seed, dataset rows, a two-env mixture, and a multi-turn env. The ones the
-README shows run as its `examples/` scripts do; the others through `python -m trainer`.
+OpenEnv server, a gymnasium env drawn by seed, dataset rows, a two-env mixture, and a multi-turn env; and async mode
+and LoRA on vLLM. The ones the README shows run as its `examples/` scripts do; the others through `python -m trainer`.
 
 Each is a real 2-step run against the session's one vLLM server (`inference.url`), and must make real updates:
 no skipped update, and exported weights that differ from the initial ones. The server gets its initial weights
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from remote_envs import envkit_serve, openenv_server
-from weights import changed_tensors
+from weights import changed_tensors, nonfinite_tensors
 
 pytestmark = pytest.mark.e2e
 
@@ -54,6 +54,7 @@ def train(out: Path, url: str, *overrides: str, example: str | None = None, prom
     assert updated == [1, 2] if every_step_updates else updated, steps
     assert all(m["rollout/failed"] == 0 for m in steps.values()), steps
     assert changed_tensors(out / "weights" / "v2", _bundled()) > 0
+    assert nonfinite_tensors(out / "weights" / "v2") == []  # moved, but not to NaN
     return steps
 
 
@@ -194,3 +195,31 @@ def test_trains_on_other_ecosystems_envs_by_name(policy_url, tmp_path):
     assert game and max(game) <= 4  # "within 2 turns": 2 moves, each after at most one reply the game rejected
     evals = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert any(all(f"eval/{label}/accuracy" in r for label in ("rg", "sums", "ta")) for r in evals)
+
+
+# ---- the trainer's other modes on vLLM (their exact-reproduction tests use the seeded HF engine) -------------------
+
+
+def test_async_mode_on_vllm_trains_one_version_behind_and_counts_it(policy_url, tmp_path):
+    """max_staleness=1: step 1 trains groups sampled by the initial policy; the groups drawn beside them (also
+    version 0, all in flight at once) are trained by step 2, one version behind, and counted as such."""
+    steps = train(tmp_path / "run", policy_url, "trainer.mode=async", "trainer.max_staleness=1", prompts=2)
+    assert [steps[s]["rollout/staleness"] for s in (1, 2)] == [0, 1], steps
+    assert all(m["rollout/stale_dropped"] == 0 and m["stop/done"] == 16 for m in steps.values()), steps
+
+
+def test_lora_on_vllm_trains_and_resumes_at_the_next_step(policy_url, tmp_path):
+    """LoRA adapters merged into the weights the server samples with; a second run resumes from the step-2
+    checkpoint and trains step 3 only."""
+    out = tmp_path / "run"
+    train(out, policy_url, "model.lora.r=8", "trainer.lr=1e-4", "trainer.save_every=1", prompts=2)
+    overrides = [o for o in SMALL if not o.startswith("trainer.steps=")]
+    result = subprocess.run([sys.executable, "-m", "trainer", f"inference.url={policy_url}",
+                             f"trainer.output_dir={out}", *overrides, "generator.prompts_per_step=2",
+                             "model.lora.r=8", "trainer.lr=1e-4", "trainer.steps=3", "trainer.resume=latest"],
+                            capture_output=True, text=True, cwd=tmp_path, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2, 3]  # steps 1 and 2 were not trained again
+    assert changed_tensors(out / "weights" / "v3", out / "weights" / "v2") > 0
+    assert nonfinite_tensors(out / "weights" / "v3") == []

@@ -15,6 +15,11 @@ def changed_tensors(a: Path, b: Path) -> int:
         return sum(not fa.get_tensor(k).equal(fb.get_tensor(k)) for k in fa.keys())  # noqa: SIM118
 
 
+def nonfinite_tensors(src: Path) -> list[str]:
+    """Names of the tensors of the HF checkpoint in ``src`` that hold a NaN or an infinity."""
+    return [name for name, t in model_tensors(src).items() if not torch.isfinite(t).all()]
+
+
 def model_tensors(src: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the HF checkpoint in ``src``."""
     return {name: t for f in sorted(src.glob("*.safetensors")) for name, t in load_file(f).items()}
