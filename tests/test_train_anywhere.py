@@ -203,19 +203,19 @@ def test_trains_on_other_ecosystems_envs_by_name(policy_url, tmp_path):
 def test_async_mode_on_vllm_trains_one_version_behind_and_counts_it(policy_url, tmp_path):
     """max_staleness=1: step 1 trains groups sampled by the initial policy; the groups drawn beside them (also
     version 0, all in flight at once) are trained by step 2, one version behind, and counted as such."""
-    steps = train(tmp_path / "run", policy_url, "trainer.mode=async", "trainer.max_staleness=1", prompts=2)
+    steps = train(tmp_path / "run", policy_url, "trainer.mode=async", "trainer.max_staleness=1")
     assert [steps[s]["rollout/staleness"] for s in (1, 2)] == [0, 1], steps
-    assert all(m["rollout/stale_dropped"] == 0 and m["stop/done"] == 16 for m in steps.values()), steps
+    assert all(m["rollout/stale_dropped"] == 0 and m["stop/done"] == 32 for m in steps.values()), steps
 
 
 def test_lora_on_vllm_trains_and_resumes_at_the_next_step(policy_url, tmp_path):
     """LoRA adapters merged into the weights the server samples with; a second run resumes from the step-2
     checkpoint and trains step 3 only."""
     out = tmp_path / "run"
-    train(out, policy_url, "model.lora.r=8", "trainer.lr=1e-4", "trainer.save_every=1", prompts=2)
+    train(out, policy_url, "model.lora.r=8", "trainer.lr=1e-4", "trainer.save_every=1")
     overrides = [o for o in SMALL if not o.startswith("trainer.steps=")]
     result = subprocess.run([sys.executable, "-m", "trainer", f"inference.url={policy_url}",
-                             f"trainer.output_dir={out}", *overrides, "generator.prompts_per_step=2",
+                             f"trainer.output_dir={out}", *overrides, "generator.prompts_per_step=4",
                              "model.lora.r=8", "trainer.lr=1e-4", "trainer.steps=3", "trainer.resume=latest"],
                             capture_output=True, text=True, cwd=tmp_path, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
