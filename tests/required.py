@@ -1,4 +1,4 @@
-"""Parts the tests need that `make test` installs (Docker, DeepSpeed, the Docker SDK): under it a missing one fails
+"""Parts the tests need that `make test` installs (a Docker engine, DeepSpeed): under it a missing one fails
 the run and names the part, so a broken install cannot pass as skips. Run by hand elsewhere (``pytest`` without
 ``ENVKIT_TESTS_STRICT=1``, which the Makefile sets), their tests skip with the reason instead."""
 
