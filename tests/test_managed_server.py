@@ -3,6 +3,7 @@ its owner is killed with SIGKILL."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -82,3 +83,41 @@ def test_server_and_what_it_forks_die_with_their_owner_even_on_sigkill(tmp_path)
         time.sleep(0.1)
     assert not _alive(helper), "a process the server forked outlived its SIGKILLed owner"
     assert not _alive(watchdog), "the server outlived its SIGKILLed owner"
+
+
+async def test_a_request_on_a_keep_alive_connection_the_server_dropped_is_sent_again():
+    """A server closes an idle keep-alive connection when it likes (vLLM's uvicorn after 5 s), and a request sent
+    on it at that moment gets no answer. Here every connection's second request is read and left unanswered:
+    the engine sends it again on a new connection instead of failing (a rollout, in a training step)."""
+    from generators.engines.vllm import VLLMEngine
+
+    dropped = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal dropped
+        for answered in range(2):
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                break
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            await reader.readexactly(length)
+            if answered:
+                dropped += 1
+                break
+            body = b'{"weight_version": "0"}'
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    engine = VLLMEngine(url=f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    try:
+        await engine.start()
+        assert [await engine.server_weight_version() for _ in range(3)] == ["0", "0", "0"]
+    finally:
+        await engine.stop()
+        server.close()
+    assert dropped == 3  # the race happened on each request after the first, and each was answered all the same

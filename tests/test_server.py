@@ -204,12 +204,18 @@ def test_every_error_code_has_its_status_and_a_structured_body(server: Server, h
         full = httpx.post(small.url + "/sessions", json={})
         expect("capacity", full)
         assert full.headers["retry-after"] == "1"
-    with (envkit_serve(SCRIPTED, "--request-timeout", "0.5", "--max-connections", "1") as guarded,
-          socket.create_connection(("127.0.0.1", guarded.port)) as stalled):
-        stalled.sendall(b"POST /sessions HTTP/1.1\r\nHost: x\r\nContent-Le")  # half the headers, then nothing
+    # half the headers, then nothing; one server each for the cap and the deadline, since with both a slow machine
+    # can pass the deadline (which frees the connection) before the second client is refused
+    half = b"POST /sessions HTTP/1.1\r\nHost: x\r\nContent-Le"
+    with (envkit_serve(SCRIPTED, "--request-timeout", "600", "--max-connections", "1") as capped,
+          socket.create_connection(("127.0.0.1", capped.port)) as stalled):
+        stalled.sendall(half)
         with httpx.Client() as fresh:  # `stalled` holds the one connection allowed
-            expect("capacity", fresh.get(guarded.url + "/info"))
-            expect("capacity", fresh.get(guarded.url + "/info"))  # the 503 closed it: a new one, refused again
+            expect("capacity", fresh.get(capped.url + "/info"))
+            expect("capacity", fresh.get(capped.url + "/info"))  # the 503 closed it: a new one, refused again
+    with (envkit_serve(SCRIPTED, "--request-timeout", "0.5") as guarded,
+          socket.create_connection(("127.0.0.1", guarded.port)) as stalled):
+        stalled.sendall(half)
         timed_out = httpx.Response(408, content=stalled.recv(4096).split(b"\r\n\r\n", 1)[1])
         expect("request_timeout", timed_out)
         assert stalled.recv(1) == b""  # and closed

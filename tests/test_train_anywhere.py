@@ -52,7 +52,7 @@ def train(out: Path, url: str, *overrides: str, example: str | None = None, prom
     assert sorted(steps) == [1, 2]
     updated = [step for step, m in steps.items() if "train/skipped_update" not in m and m["rollout/trained"] > 0]
     assert updated == [1, 2] if every_step_updates else updated, steps
-    assert all(m["rollout/failed"] == 0 for m in steps.values()), steps
+    assert all(m["rollout/failed"] == 0 for m in steps.values()), (steps, result.stderr[-3000:])
     assert changed_tensors(out / "weights" / "v2", _bundled()) > 0
     assert nonfinite_tensors(out / "weights" / "v2") == []  # moved, but not to NaN
     return steps

@@ -189,6 +189,10 @@ def train(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]:
 def prepare_batch(trajs: list[Trajectory], cfg: Config) -> StepBatch:
     """Drop failed rollouts and (optionally) zero-variance groups; compute one advantage per rollout."""
     counts = Counter(failed=sum(t.failed for t in trajs))
+    if counts["failed"]:
+        errors = list(dict.fromkeys(t.error for t in trajs if t.failed))[:3]
+        log.warning("%d of %d rollouts failed and are not trained on; first errors: %s", counts["failed"],
+                    len(trajs), errors)
     kept = [t for t in trajs if not t.failed and t.response_ids]
     if cfg.algorithm.filter_zero_variance_groups:
         by_group: dict[str, list[float]] = {}

@@ -137,7 +137,9 @@ class ServerBackedEngine(InferenceEngine):
         await self.server.stop()
 
     def _connect(self) -> None:
-        limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
+        # Idle connections are dropped well before the server drops them (vLLM's and SGLang's uvicorn: after 5 s,
+        # httpx's default too), so that a request is rarely sent on one the server is closing at that moment.
+        limits = httpx.Limits(max_connections=512, max_keepalive_connections=512, keepalive_expiry=2.0)
         self._client = httpx.AsyncClient(base_url=self.base_url, timeout=self.request_timeout, limits=limits)
         self._chat = OpenAIChat(self.base_url + "/v1", model_name=self.model_name, timeout=self.request_timeout)
 
@@ -221,18 +223,21 @@ class ServerBackedEngine(InferenceEngine):
         return data if isinstance(data, dict) else {"data": data}
 
     async def _with_restart(self, what: str, action: Callable[[], Awaitable[T]]) -> T:
-        """Run ``action`` against a running server; if it fails with a transport error because the server died,
-        restart the server and run it once more."""
+        """Run ``action`` against a running server; if it fails with a transport error, run it once more: after
+        restarting the server if it died, else on a new connection (a server closes an idle keep-alive connection
+        when it likes, and a request sent on it just then gets no answer)."""
         for attempt in (0, 1):
             await self._ensure_running()
             process = self.server.process
             try:
                 return await action()
             except RETRYABLE as e:
-                if attempt == 0 and self.auto_restart and await self._server_died(process):
+                if attempt == 1:
+                    raise EngineError(f"{self.backend} {what} failed: {type(e).__name__}: {e}") from e
+                if self.auto_restart and await self._server_died(process):
                     log.warning("%s server died (%s); restarting it", self.backend, e)
-                    continue
-                raise EngineError(f"{self.backend} {what} failed: {type(e).__name__}: {e}") from e
+                else:
+                    log.info("%s %s: %s: %s; sending it again", self.backend, what, type(e).__name__, e)
             except EngineError as e:
                 # A crashing engine answers its in-flight requests with 5xx, then the server exits.
                 if (attempt == 0 and self.auto_restart and (e.status or 0) >= 500
