@@ -452,3 +452,21 @@ def test_gae_credits_each_turn_reward_to_that_turns_last_model_token():
     returns = targets["returns"][0]  # (T,) over prompt + response; with V = 0 and γ = λ = 1: reward to go
     assert returns[3:5].tolist() == [1.0, 1.0]  # turn 1 sees both turns' rewards ahead of it
     assert returns[7].item() == 0.75  # turn 2 only its own
+
+
+def test_failed_rollouts_are_dropped_counted_and_their_errors_logged(caplog):
+    from generators.trajectory import Trajectory
+    from trainer.config import Config
+    from trainer.loop import prepare_batch
+
+    def rollout(group: str, reward: float, error: str = "") -> Trajectory:
+        return Trajectory(prompt_ids=[1], response_ids=[2], loss_mask=[1], rollout_logprobs=[-1.0], reward=reward,
+                          group_id=group, stop_reason="error" if error else "done", error=error or None)
+
+    trajs = [rollout("a", 1.0), rollout("a", 0.0), rollout("a", 1.0, "EngineError: server went away"),
+             rollout("b", 0.0, "ValueError: bad move"), rollout("b", 1.0)]
+    with caplog.at_level("WARNING", logger="trainer.loop"):
+        batch = prepare_batch(trajs, Config())
+    assert batch.counts["failed"] == 2 and batch.trajectories == trajs[:2]  # b is flat once its failure is gone
+    assert "2 of 5 rollouts failed" in caplog.text
+    assert "EngineError: server went away" in caplog.text and "ValueError: bad move" in caplog.text
