@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
+from types import FrameType
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -23,14 +24,31 @@ from trainer.config import Config, ConfigError, register_configs
 register_configs()
 
 
-def _exit(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)  # unwinds like Ctrl-C: the inference server and process group are released
+_terminated: list[int] = []
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    """Unwind as Ctrl-C does. Inside ``asyncio.Runner.run`` that is its SIGINT handler's work: it cancels the task it
+    runs, so the rollouts in flight release their sandboxes first, and then raises KeyboardInterrupt. An exception
+    raised here instead would leave that task running on the loop through the run's cleanup."""
+    _terminated.append(signum)
+    interrupt = signal.getsignal(signal.SIGINT)
+    if not callable(interrupt):  # a library set it to SIG_IGN or SIG_DFL since
+        raise KeyboardInterrupt
+    interrupt(signal.SIGINT, frame)
+
+
+def handle_signals() -> None:
+    """SIGTERM and SIGINT end a run cleanly (servers stopped, sandboxes removed), even where SIGINT was ignored
+    (a background job's), since asyncio.Runner only takes Ctrl-C over from Python's own handler."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _on_sigterm)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(raw: DictConfig) -> None:
     """Validate the composed config and run the loop."""
-    signal.signal(signal.SIGTERM, _exit)
+    handle_signals()
     try:
         cfg: Config = OmegaConf.to_object(raw)  # type: ignore[assignment]
     except ConfigError as e:
@@ -43,6 +61,10 @@ def main(raw: DictConfig) -> None:
     except RunFailed as e:
         print(f"run failed: {e}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:
+        if _terminated:
+            sys.exit(128 + _terminated[0])
+        raise
     if not results:
         return
     print(json.dumps(results, indent=2))
