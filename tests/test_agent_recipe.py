@@ -101,7 +101,7 @@ def test_the_recipe_from_the_front_door(docker_client, tmp_path) -> None:
                              *tiny], capture_output=True, text=True, cwd=REPO, timeout=1500)
     assert result.returncode == 0, result.stderr[-4000:]
     summary = json.loads((out / "summary.json").read_text())
-    for name in ("accuracy", "greedy_accuracy", "tool_call_rate", "greedy_tool_call_rate"):
+    for name in ("accuracy", "tool_call_rate"):  # sampled; the recipe has no greedy evaluation
         assert {f"{name}_before", f"{name}_after_sft", f"{name}_after_rl"} <= set(summary), name
     assert summary["tool_call_rate_before"] == 0.0  # the bundled model never calls a tool untaught
     assert summary["weights"] == str(out / "rl" / "weights" / "v1")
