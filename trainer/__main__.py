@@ -33,7 +33,7 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raised here instead would leave that task running on the loop through the run's cleanup."""
     _terminated.append(signum)
     interrupt = signal.getsignal(signal.SIGINT)
-    if not callable(interrupt):  # a library set it to SIG_IGN or SIG_DFL since
+    if not callable(interrupt):  # a library set SIGINT to SIG_IGN or SIG_DFL after handle_signals()
         raise KeyboardInterrupt
     interrupt(signal.SIGINT, frame)
 
