@@ -173,7 +173,8 @@ class ServerBackedEngine(InferenceEngine):
         """Serve ``tensors`` (HF names) as ``version`` without a checkpoint on disk; if the server dies meanwhile it
         is restarted and they are sent again. The engine keeps a reference to them, to restore after a restart."""
         async with self._weights_lock, self._updating():
-            await self._with_restart("sending weights", lambda: self._apply_tensors(tensors, version))
+            # not sent again on a live server: a transfer cut halfway may leave its receivers waiting
+            await self._with_restart("sending weights", lambda: self._apply_tensors(tensors, version), resend=False)
             self._weights, self._version = tensors, version
 
     @contextlib.asynccontextmanager
@@ -222,22 +223,23 @@ class ServerBackedEngine(InferenceEngine):
             return {"text": response.text}
         return data if isinstance(data, dict) else {"data": data}
 
-    async def _with_restart(self, what: str, action: Callable[[], Awaitable[T]]) -> T:
+    async def _with_restart(self, what: str, action: Callable[[], Awaitable[T]], *, resend: bool = True) -> T:
         """Run ``action`` against a running server; if it fails with a transport error, run it once more: after
-        restarting the server if it died, else on a new connection (a server closes an idle keep-alive connection
-        when it likes, and a request sent on it just then gets no answer)."""
+        restarting the server if it died, else (with ``resend``) on a new connection, since a server closes an idle
+        keep-alive connection when it likes and a request sent on it just then gets no answer."""
         for attempt in (0, 1):
             await self._ensure_running()
             process = self.server.process
             try:
                 return await action()
             except RETRYABLE as e:
-                if attempt == 1:
-                    raise EngineError(f"{self.backend} {what} failed: {type(e).__name__}: {e}") from e
-                if self.auto_restart and await self._server_died(process):
+                if attempt == 0 and self.auto_restart and await self._server_died(process):
                     log.warning("%s server died (%s); restarting it", self.backend, e)
-                else:
+                    continue
+                if attempt == 0 and resend:
                     log.info("%s %s: %s: %s; sending it again", self.backend, what, type(e).__name__, e)
+                    continue
+                raise EngineError(f"{self.backend} {what} failed: {type(e).__name__}: {e}") from e
             except EngineError as e:
                 # A crashing engine answers its in-flight requests with 5xx, then the server exits.
                 if (attempt == 0 and self.auto_restart and (e.status or 0) >= 500
