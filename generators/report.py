@@ -91,6 +91,11 @@ def tool_stats(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     return stats
 
 
+def first_errors(trajectories: Sequence[Trajectory], limit: int = MAX_ERRORS) -> list[str]:
+    """The first ``limit`` distinct error messages of ``trajectories``, in order of appearance."""
+    return list(dict.fromkeys(t.error for t in trajectories if t.error))[:limit]
+
+
 def summarize(trajectories: Sequence[Trajectory], *, wall_s: float, pass_threshold: float = 1.0) -> EvalSummary:
     """Pass rate, mean reward with a 95% CI, stop reasons, throughput and error samples of ``trajectories``."""
     n = len(trajectories)
@@ -104,7 +109,7 @@ def summarize(trajectories: Sequence[Trajectory], *, wall_s: float, pass_thresho
     reasons = Counter(t.stop_reason for t in trajectories)
     tokens_counted = any(t.prompt_ids for t in trajectories)
     tokens = sum(t.num_model_tokens for t in trajectories) if tokens_counted else 0
-    errors = list(dict.fromkeys(t.error for t in trajectories if t.error))[:MAX_ERRORS]
+    errors = first_errors(trajectories)
     return EvalSummary(
         n=n,
         n_passed=n_passed,

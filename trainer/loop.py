@@ -40,7 +40,7 @@ import torch
 from generators import ChatTokenizer, Generator, Trajectory
 from generators.engines.base import InferenceEngine
 from generators.models import resolve_model
-from generators.report import passed
+from generators.report import first_errors, passed
 from trainer import algorithms as algo
 from trainer.async_rollouts import AsyncRollouts, LoopThread
 from trainer.backends import make_backend
@@ -190,9 +190,8 @@ def prepare_batch(trajs: list[Trajectory], cfg: Config) -> StepBatch:
     """Drop failed rollouts and (optionally) zero-variance groups; compute one advantage per rollout."""
     counts = Counter(failed=sum(t.failed for t in trajs))
     if counts["failed"]:
-        errors = list(dict.fromkeys(t.error for t in trajs if t.failed))[:3]
         log.warning("%d of %d rollouts failed and are not trained on; first errors: %s", counts["failed"],
-                    len(trajs), errors)
+                    len(trajs), first_errors([t for t in trajs if t.failed], limit=3))
     kept = [t for t in trajs if not t.failed and t.response_ids]
     if cfg.algorithm.filter_zero_variance_groups:
         by_group: dict[str, list[float]] = {}
