@@ -10,7 +10,7 @@ Target: ours >= 5x faster per step.
 
     python benchmarks/grpo_vs_trl.py [--steps 4] [--prompts-per-step 4] [--group-size 8] [--max-tokens 48]
 
-Needs ``trl==1.16.0`` in the venv (``make bench`` installs it).
+Needs ``trl==1.16.0`` in the venv (``make install`` installs it, the trl extra).
 """
 
 from __future__ import annotations

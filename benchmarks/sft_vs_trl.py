@@ -15,7 +15,7 @@ It prints tokens/s of both and their ratio (target: ours >= 1.5x TRL's).
 
     python benchmarks/sft_vs_trl.py [--rows 96] [--batch 8] [--rounds 2]
 
-Needs ``trl==1.16.0`` in the venv (``make bench`` installs it).
+Needs ``trl==1.16.0`` in the venv (``make install`` installs it, the trl extra).
 """
 
 from __future__ import annotations

