@@ -31,7 +31,7 @@ from rich.table import Table
 
 import envkit
 from envkit.errors import EnvkitError
-from generators.engines.base import EngineError
+from generators.engines.base import EngineError, publish_policy
 from generators.engines.factory import EngineConfig, make_engine
 from generators.models import BUNDLED
 from generators.parsers import REASONING_PARSER_CHOICES, TOOL_PARSER_CHOICES
@@ -125,6 +125,7 @@ async def run_eval(config: EvalConfig, *, console: Console | None = None
         t0 = time.perf_counter()
         with console.status(f"starting {model_note}") if console else contextlib.nullcontext():
             await engine.start()
+        publish_policy(engine)
         start_s = time.perf_counter() - t0
         say(f"{model_note} ready in {start_s:.0f} s", highlight=False)
         with _progress(console, total, config.pass_threshold) as on_done:

@@ -3,8 +3,10 @@ with the real packages `make install` installs, and the traps a naive wrapper fa
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
+import re
 
 import pytest
 import reasoning_gym
@@ -178,9 +180,101 @@ async def test_textarena_within_n_turns_means_n_replies_with_the_games_own_outco
         assert retried[-1].truncated and retried[-1].info["moves"] == 3
 
 
-def test_textarena_refuses_an_unknown_game_and_says_two_player_games_are_not_played_yet():
+def lowest_free_cell(observation: str) -> str:
+    """Tic Tac Toe's lowest free cell, from the moves textarena lists as '[n]'."""
+    return re.findall(r"'(\[\d\])'", observation.rsplit("Available Moves:", 1)[1])[0]
+
+
+def first_free_cell(observation: str) -> str:
+    """A fixed opponent: the lowest free cell; what it was shown is kept in ``seen``."""
+    seen.append(observation)
+    return lowest_free_cell(observation)
+
+
+seen: list[str] = []
+
+
+def test_textarena_refuses_unknown_games_and_a_seat_without_its_opponent():
     with pytest.raises(EnvLoadError, match="textarena has no game 'NoSuchGame-v0'"):
         envkit.make("textarena:NoSuchGame-v0")
+    with pytest.raises(EnvLoadError, match="seat is 0 or 1"):
+        envkit.make("textarena:TicTacToe-v0", seat=1)
+    with pytest.raises(EnvLoadError, match="opponent must be 'policy'"):
+        envkit.make("textarena:TicTacToe-v0", opponent="first_free_cell")
     with envkit.SyncEnv(envkit.make("textarena:TicTacToe-v0")) as env, \
-            pytest.raises(ValueError, match="single-player textarena games only"):
+            pytest.raises(ValueError, match="a two-player game needs opponent="):
+        env.reset(seed=0)
+    with envkit.SyncEnv(envkit.make("textarena:GuessTheNumber-v0", opponent=first_free_cell)) as env, \
+            pytest.raises(ValueError, match="not a two-player game: drop opponent="):
+        env.reset(seed=0)
+
+
+@pytest.mark.parametrize(("seed", "seat", "reward"), [(0, 0, 1.0), (1, 1, -1.0)])
+def test_textarena_two_player_game_against_a_fixed_opponent(seed, seat, reward):
+    """Both seats play the lowest free cell: player 0 takes 0, 2, 4, 6 and wins on the diagonal. The seed's parity
+    picks the env's seat; the opponent (named by import path, as a command line would) moves in between."""
+    seen.clear()
+    env = envkit.SyncEnv(envkit.make("textarena:TicTacToe-v0", opponent="test_adapters:first_free_cell"))
+    messages, info = env.reset(seed=seed)
+    assert info["seat"] == seat and f"You are Player {seat}" in messages[0]["content"]
+    assert len(seen) == seat  # as player 1, the policy sees the board after the opponent's first move
+    observation, moves = messages[0]["content"], 0
+    while True:
+        result = env.step(lowest_free_cell(observation))
+        moves += 1
+        if result.done:
+            break
+        observation = result.observation[0]["content"]
+    assert (result.reward, result.terminated, result.info["seat"]) == (reward, True, seat)
+    assert result.info["moves"] == 7  # player 0's fourth move, on the 2-4-6 diagonal
+    assert (moves, len(seen)) == ((4, 3) if seat == 0 else (3, 4))
+    assert f"You are Player {1 - seat}" in seen[0]  # the opponent reads its own seat's messages
+    env.close()
+
+
+def test_textarena_two_player_losses_by_invalid_moves_are_the_games_own_end():
+    with envkit.SyncEnv(envkit.make("textarena:TicTacToe-v0", opponent=first_free_cell, seat=0)) as env:
+        env.reset(seed=5)
+        result = env.step("the middle, please")  # the game lets a player try once more
+        assert not result.done and "attempted an invalid move" in result.observation[0]["content"]
+        result = env.step("the middle, please")
+        assert (result.reward, result.terminated, result.truncated) == (-1.0, True, False)
+    # an opponent that breaks the rules twice before the policy's first move loses there: the game answers any reply
+    with envkit.SyncEnv(envkit.make("textarena:TicTacToe-v0", opponent=lambda _: "hello", seat=1)) as env:
+        messages, _ = env.reset(seed=5)
+        assert messages[0]["content"].endswith("The game ended before your move: The submitted move does not "
+                                               "follow the correct format.")
+        result = env.step("[4]")
+        assert (result.reward, result.terminated) == (1.0, True)
+
+
+async def test_textarena_same_seed_same_two_player_game_side_by_side():
+    async def play(env: envkit.Env) -> list[str]:
+        messages, _ = await env.reset(seed=11)
+        log = [messages[0]["content"]]
+        for move in ("[2]", "[6]", "[8]", "[5]"):
+            result = await env.step({"role": "assistant", "content": move})
+            log += [m["content"] for m in result.observation]
+            if result.done:
+                break
+            await asyncio.sleep(0)
+        return log
+
+    envs = [envkit.make("textarena:TicTacToe-v0", opponent=first_free_cell) for _ in range(3)]
+    logs = await asyncio.gather(*(play(e) for e in envs))
+    assert logs[0] == logs[1] == logs[2] and len(logs[0]) > 1
+
+
+def test_textarena_policy_opponent_without_a_published_endpoint_fails_the_episode(monkeypatch):
+    from envkit.adapters.opponent import POLICY_MODEL_VAR, POLICY_URL_VAR, OpponentError
+
+    monkeypatch.delenv(POLICY_URL_VAR, raising=False)
+    monkeypatch.delenv(POLICY_MODEL_VAR, raising=False)
+    with envkit.SyncEnv(envkit.make("textarena:TicTacToe-v0", opponent="policy", seat=1)) as env, \
+            pytest.raises(OpponentError, match="needs the policy's chat endpoint"):
+        env.reset(seed=0)
+    # an endpoint that is not there fails the same way, naming it
+    with envkit.SyncEnv(envkit.make("textarena:TicTacToe-v0", opponent={"base_url": "http://127.0.0.1:9/v1",
+                                                                         "model": "m"}, seat=1)) as env, \
+            pytest.raises(OpponentError, match=r"the opponent at http://127\.0\.0\.1:9/v1 did not answer"):
         env.reset(seed=0)

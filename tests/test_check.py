@@ -23,7 +23,7 @@ WITH_TESTS = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TEST
     ("compute", {"code_sandbox": "local"}),  # its own demonstrations run: no need for the Docker image here
     ("guess-number", {}), ("frozenlake", {}), ("gym:Blackjack-v1", {}), ("broken_envs:GuessEnv", {}),
     ("reasoning_gym:leg_counting", {"num_train": 50, "num_test": 10}), ("textarena:GuessTheNumber-v0", {}),
-    ("textarena:2048-v0", {}),
+    ("textarena:2048-v0", {}), ("textarena:TicTacToe-v0", {"opponent": "test_adapters:lowest_free_cell"}),
     (f"mcp+stdio:{sys.executable} {TESTS / 'mcp_server.py'}",  # an MCP server's tools, tasks and grading ours
      {"tasks": [{"id": f"t{n}", "question": f"What is {n} + 3?", "answer": n + 3} for n in range(2)]}),
     ("skyrl:gsm8k_multi_turn", {"tasks": [{"id": f"sum-{n}", "question": f"What is {n} + 1?", "answer": n + 1}

@@ -167,11 +167,12 @@ def test_trains_on_a_multi_turn_env(policy_url, tmp_path):
 
 
 def test_trains_on_other_ecosystems_envs_by_name(policy_url, tmp_path):
-    """A reasoning-gym dataset, a skyrl-gym env and a textarena game, named on the command line as any env is, in
-    one mixture: each samples and scores its rollouts, and the policy updates. reasoning-gym's one-digit sums carry
-    the update: the bundled model gets 22% right (72 rollouts of 32 tokens), so 2 groups of 8 are all equal in a step
-    with p ~ 0.02, and in both steps with p ~ 4e-4, before GuessTheNumber's partial credit varies too. (It counted
-    leg_counting's legs right 1 time in 32, and wrote skyrl's '#### N' 3 times in 32.)"""
+    """A reasoning-gym dataset, a skyrl-gym env and two textarena games, named on the command line as any env is, in
+    one mixture: each samples and scores its rollouts, and the policy updates. Tic Tac Toe is self-play: the
+    opponent, in the first seat, is the policy, through the server the trainer publishes. reasoning-gym's one-digit
+    sums carry the update: the bundled model gets 22% right (72 rollouts of 32 tokens), so 2 groups of 8 are all
+    equal in a step with p ~ 0.02, and in both steps with p ~ 4e-4, before GuessTheNumber's partial credit varies
+    too. (It counted leg_counting's legs right 1 time in 32, and wrote skyrl's '#### N' 3 times in 32.)"""
     for split, firsts in (("train", range(1, 6)), ("test", range(6, 8))):  # skyrl-gym's row format, its ground
         (tmp_path / f"{split}.jsonl").write_text("".join(  # truth a number, as datasets hold it
             json.dumps({"id": f"sum-{a}-{b}", "reward_spec": {"ground_truth": a + b},
@@ -183,18 +184,25 @@ def test_trains_on_other_ecosystems_envs_by_name(policy_url, tmp_path):
                "allow_parentheses: false}}}, "
                f"{{name: 'skyrl:gsm8k', label: sums, kwargs: {{tasks: '{tmp_path / 'train.jsonl'}', "
                f"test_tasks: '{tmp_path / 'test.jsonl'}'}}}}, "
-               "{name: 'textarena:GuessTheNumber-v0', label: ta, kwargs: {max_turns: 2}}]")
+               "{name: 'textarena:GuessTheNumber-v0', label: ta, kwargs: {max_turns: 2}}, "
+               "{name: 'textarena:TicTacToe-v0', label: ttt, kwargs: {opponent: {max_tokens: 32}, seat: 1}}]")
     steps = train(tmp_path / "run", policy_url, mixture, "generator.max_tokens=32", "trainer.eval_tasks=2",
-                  every_step_updates=False)
+                  prompts=5, every_step_updates=False)
+    labels = ("rg", "sums", "ta", "ttt")
     for m in steps.values():
-        assert (m["env/rg/rollouts"], m["env/sums/rollouts"], m["env/ta/rollouts"]) == (16, 8, 8)
-        assert (m["env/rg/stop/done"], m["env/sums/stop/done"], m["env/ta/stop/done"]) == (16, 8, 8)
+        assert [m[f"env/{label}/rollouts"] for label in labels] == [16, 8, 8, 8]
+        assert [m[f"env/{label}/stop/done"] for label in labels] == [16, 8, 8, 8]
         assert all(0 <= m[f"env/{label}/reward/mean"] <= 1 for label in ("rg", "sums", "ta"))
+        assert -1 <= m["env/ttt/reward/mean"] <= 1
     trajs = [json.loads(line) for line in (tmp_path / "run" / "final_trajectories.jsonl").read_text().splitlines()]
     game = [t["num_turns"] for t in trajs if t["env_name"] == "ta"]
     assert game and max(game) <= 4  # "within 2 turns": 2 moves, each after at most one reply the game rejected
+    # as player 1, the policy first sees what its opponent, the policy on the same server, did
+    seen = [t["messages"][0]["content"] for t in trajs if t["env_name"] == "ttt"]
+    assert seen and all("You are Player 1" in s for s in seen)
+    assert all("Player 0 placed their symbol" in s or "The game ended before your move" in s for s in seen)
     evals = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert any(all(f"eval/{label}/accuracy" in r for label in ("rg", "sums", "ta")) for r in evals)
+    assert any(all(f"eval/{label}/accuracy" in r for label in labels) for r in evals)
 
 
 # ---- the trainer's other modes on vLLM (their exact-reproduction tests use the seeded HF engine) -------------------

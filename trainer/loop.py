@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from generators import ChatTokenizer, Generator, Trajectory
-from generators.engines.base import InferenceEngine
+from generators.engines.base import InferenceEngine, publish_policy
 from generators.models import resolve_model
 from generators.report import first_errors, passed
 from trainer import algorithms as algo
@@ -98,6 +98,7 @@ def train(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]:
                 envs.load_state(state.data)
         if engine is not None:
             runner.run(engine.start())
+            publish_policy(engine)
         if state.policy_version:  # resumed: serve the checkpoint's policy, not the initial one
             sync_weights(backend, engine, runner, out, state.policy_version, cfg.trainer.weight_sync)
         generator = Generator(engine, tokenizer, cfg.generator) if engine is not None else None

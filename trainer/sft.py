@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from generators import ChatTokenizer, Generator, Trajectory, read_jsonl
-from generators.engines.base import InferenceEngine
+from generators.engines.base import InferenceEngine, publish_policy
 from generators.models import resolve_model
 from trainer.backends import make_backend
 from trainer.backends.base import Batch, TrainBackend
@@ -147,7 +147,10 @@ async def _prepare(cfg: Config, tokenizer: ChatTokenizer, envs: Mixture, out: Pa
                    engine: InferenceEngine | None) -> SFTData:
     """The run's data, while the inference server (if any) starts: a minute the demonstrations need not wait."""
     jobs = [_data(cfg, tokenizer, envs, out), *([engine.start()] if engine is not None else [])]
-    return (await asyncio.gather(*jobs))[0]
+    data = (await asyncio.gather(*jobs))[0]
+    if engine is not None:
+        publish_policy(engine)
+    return data
 
 
 async def _data(cfg: Config, tokenizer: ChatTokenizer, envs: Mixture, out: Path) -> SFTData:

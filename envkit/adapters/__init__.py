@@ -1,6 +1,6 @@
 """Other env ecosystems as envkit envs, each behind a scheme of ``envkit.make`` and an extra that installs it:
-``reasoning_gym:NAME`` (reasoning-gym datasets), ``skyrl:ID`` (skyrl-gym envs) and ``textarena:ID`` (single-player
-textarena games)."""
+``reasoning_gym:NAME`` (reasoning-gym datasets), ``skyrl:ID`` (skyrl-gym envs) and ``textarena:ID`` (textarena
+games; a two-player one with an opponent, :mod:`envkit.adapters.opponent`)."""
 
 from __future__ import annotations
 

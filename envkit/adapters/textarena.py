@@ -1,8 +1,10 @@
-"""The ``textarena`` scheme: ``envkit.make("textarena:GuessTheNumber-v0")``, a single-player textarena game (the
-``textarena`` extra).
+"""The ``textarena`` scheme: ``envkit.make("textarena:GuessTheNumber-v0")``, a textarena game (the ``textarena``
+extra); a two-player one with ``opponent=`` in the other seat (``envkit.make("textarena:TicTacToe-v0",
+opponent="policy")``: self-play; the kinds of opponent are in :mod:`envkit.adapters.opponent`).
 
-The game's messages are the user turns and the reply is the move; the game's reward comes when it ends. Two joins
-are made right:
+The game's messages are the user turns and the reply is the move; the game's reward comes when it ends (in a
+two-player game, the reward of the env's seat: ``seat=0`` or ``1``, by default the seed's parity, so a task set
+plays both sides). The opponent's moves happen inside the env, between the policy's. Two joins are made right:
 
 - textarena's games draw from Python's and numpy's global RNGs (2048 spawns a tile after every move), so games
   running side by side consume each other's draws, and one seed gives different games. Each env here keeps its own
@@ -13,7 +15,8 @@ are made right:
   move N; an episode that ends there without a win (reward 1) is ``truncated``. (A reply the game rejects as an
   invalid move is not a move: the game asks again, once, as its rules say.)
 
-Two-player games (against a fixed opponent, or self-play) are not supported yet.
+A seed gives the same game for a deterministic opponent; a sampled one (the policy at temperature 1) makes its own
+moves each time, so a two-player game's start may differ when the opponent moves first.
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ from textarena.core import ObservationType
 from textarena.envs.registration import ENV_REGISTRY
 
 from envkit.adapters import build
+from envkit.adapters.opponent import Opponent, make_opponent
 from envkit.core import Env, StepResult, Task
-from envkit.messages import Message, user
+from envkit.messages import Message, assistant, user
 
 WIN = 1.0
 """The reward a single-player textarena game gives a win."""
@@ -39,14 +43,23 @@ _GLOBAL_RNGS = threading.Lock()
 
 
 class TextArenaEnv(Env):
-    """A single-player textarena game: its messages as user turns, each reply a move, its reward at the end."""
+    """A textarena game: its messages as user turns, each reply a move, its reward at the end; in a two-player
+    game, an opponent takes the other seat."""
 
     reward_range = (-1.0, 1.0)
 
-    def __init__(self, env_id: str, **game_kwargs: Any) -> None:
+    def __init__(self, env_id: str, *, opponent: Any = None, seat: int | None = None, **game_kwargs: Any) -> None:
         if env_id not in ENV_REGISTRY:
             raise ValueError(f"textarena has no game {env_id!r} (see textarena.envs.registration.ENV_REGISTRY)")
+        if seat not in (None, 0, 1) or (seat is not None and opponent is None):
+            raise ValueError(f"seat is 0 or 1 in a two-player game (with opponent=), got seat={seat!r}")
         self.env_id = env_id
+        self._opponent: Opponent | None = make_opponent(opponent) if opponent is not None else None
+        self._fixed_seat = seat
+        self.seat = 0
+        """The seat the policy plays (0 in a single-player game)."""
+        self._opponent_chat: list[Message] = []
+        self._ended_early = False  # the game ended in the opponent's moves before the policy's first
         raw = f"{env_id}-raw"  # the game without textarena's LLM wrappers: this env writes the messages itself
         self._game = textarena.make(raw if raw in ENV_REGISTRY else env_id, **game_kwargs)
         self._rngs = (random.Random().getstate(), np.random.RandomState().get_state())
@@ -75,36 +88,69 @@ class TextArenaEnv(Env):
         if seed is None:
             seed = random.SystemRandom().randrange(2**31)
         self._rngs = (random.Random(seed).getstate(), np.random.RandomState(seed % 2**32).get_state())
+        players = 1 if self._opponent is None else 2
+        self.seat = 0 if self._opponent is None else seed % 2 if self._fixed_seat is None else self._fixed_seat
+        self._opponent_chat = []
         with self._own_rngs():
             try:
-                self._game.reset(num_players=1, seed=seed)
+                self._game.reset(num_players=players, seed=seed)
             except AssertionError as e:  # textarena's states assert their number of players
-                raise ValueError(f"textarena:{self.env_id}: {e}; envkit plays single-player textarena games only, "
-                                 "for now") from e
+                hint = ("a two-player game needs opponent= ('policy', an endpoint, or a callable)" if players == 1
+                        else "it is not a two-player game: drop opponent=")
+                raise ValueError(f"textarena:{self.env_id}: {e}; {hint}") from e
             state = self._game.state
             self.max_turns = state.max_turns
             if state.max_turns:
                 state.max_turns -= 1  # its check runs before its count: N - 1 here ends the game at reply N
-            _, observation = self._game.get_observation()
-        return [user(_text(observation))], {"seed": seed}
+        self._ended_early = await self._opponent_moves()
+        text = self._observation(self.seat)
+        if self._ended_early:  # textarena tells only the player who broke a rule; the policy's reply gets the outcome
+            reason = self._game.state.game_info.get(self.seat, {}).get("reason", "")
+            text += f"\nThe game ended before your move: {reason}".rstrip(": ")
+        return [user(text)], {"seed": seed, "seat": self.seat}
 
     async def step(self, action: Message) -> StepResult:
-        """Play the reply as the move; the game's reward when it ends."""
-        with self._own_rngs():
-            done, info = self._game.step(action.get("content") or "")
-            if done:
-                rewards, game_info = self._game.close()
-            else:
-                _, observation = self._game.get_observation()
+        """Play the reply as the move, then the opponent's; the game's reward for this seat when it ends."""
+        done, info = self._ended_early, None  # ended early: the game answers any reply with its outcome
         if not done:
-            return StepResult([user(_text(observation))], info=dict(info or {}))
-        reward = float((rewards or {}).get(0, 0.0))
-        ending = (game_info or {}).get(0, {})
+            with self._own_rngs():
+                done, info = self._game.step(action.get("content") or "")
+            done = done or await self._opponent_moves()
+        if not done:
+            return StepResult([user(self._observation(self.seat))], info=dict(info or {}))
+        with self._own_rngs():
+            rewards, game_info = self._game.close()
+        reward = float((rewards or {}).get(self.seat, 0.0))
+        ending = (game_info or {}).get(self.seat, {})
         moves = self._game.state.turn
         truncated = (self.max_turns is not None and moves >= self.max_turns and reward < WIN
                      and not ending.get("invalid_move"))  # a loss by invalid moves is the game's own end
         return StepResult([], reward=reward, terminated=not truncated, truncated=truncated,
-                          info={"reason": ending.get("reason", ""), "moves": moves})
+                          info={"reason": ending.get("reason", ""), "moves": moves, "seat": self.seat})
+
+    async def _opponent_moves(self) -> bool:
+        """The opponent's moves until the env's seat is to move; whether the game ended in them."""
+        while self._opponent is not None and self._game.state.current_player_id != self.seat:
+            self._opponent_chat.append(user(self._observation(1 - self.seat)))
+            move = await self._opponent.move(self._opponent_chat)  # outside the RNG lock: an HTTP call
+            self._opponent_chat.append(assistant(move))
+            with self._own_rngs():
+                done, _ = self._game.step(move)
+            if done:
+                return True
+        return False
+
+    def _observation(self, player: int) -> str:
+        """The game's messages to ``player`` since it last looked (textarena's per-player queue, which its
+        ``get_observation`` takes for the player to move only; a game may end on the other player's move)."""
+        state = self._game.state
+        messages, state.observations[player] = state.observations[player], []
+        return _text(messages)
+
+    async def close(self) -> None:
+        """Release the opponent's connection."""
+        if self._opponent is not None:
+            await self._opponent.aclose()
 
     def spaces(self) -> dict[str, Any]:
         return {"observation": f"textarena {self.env_id}: the game's messages", "action": "a move, as the game's "

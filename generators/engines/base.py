@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import abc
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from envkit.adapters.opponent import POLICY_MODEL_VAR, POLICY_URL_VAR
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -76,6 +79,11 @@ class InferenceEngine(abc.ABC):
         """The server's root URL, e.g. ``http://127.0.0.1:8000`` (OpenAI routes live under ``/v1``)."""
 
     @property
+    def chat_url(self) -> str | None:
+        """The OpenAI-compatible root (``.../v1``) where others can chat with the served model; None in-process."""
+        return self.base_url + "/v1"
+
+    @property
     def weight_version(self) -> int:
         """The version of the weights being served (0 = the initial checkpoint)."""
         return 0
@@ -113,3 +121,11 @@ class InferenceEngine(abc.ABC):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+
+def publish_policy(engine: InferenceEngine) -> None:
+    """Tell this process's envs (and the processes they start) where the policy answers chat requests: a two-player
+    env's ``opponent="policy"`` plays against it (nothing to tell for an in-process engine)."""
+    if engine.chat_url is not None:
+        os.environ[POLICY_URL_VAR] = engine.chat_url
+        os.environ[POLICY_MODEL_VAR] = engine.model_name

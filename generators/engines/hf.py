@@ -42,6 +42,10 @@ class HFEngine(InferenceEngine):
         return "in-process"
 
     @property
+    def chat_url(self) -> str | None:
+        return None
+
+    @property
     def weight_version(self) -> int:
         return self._version
 

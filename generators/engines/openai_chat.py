@@ -86,6 +86,10 @@ class OpenAIEndpoint(InferenceEngine):
     def base_url(self) -> str:
         return self._base_url
 
+    @property
+    def chat_url(self) -> str | None:
+        return self._base_url  # the endpoint's own root, /v1 included
+
     async def start(self) -> None:
         if self._chat is None:
             self._chat = OpenAIChat(self._base_url, model_name=self.model_name, api_key=self._api_key,

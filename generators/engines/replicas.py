@@ -85,6 +85,10 @@ class ReplicaSet(InferenceEngine):
         return ", ".join(r.engine.base_url for r in self.replicas)
 
     @property
+    def chat_url(self) -> str | None:
+        return self.replicas[0].engine.chat_url if self.replicas else None
+
+    @property
     def weight_version(self) -> int:
         return self._weights[1] if self._weights else 0
 
