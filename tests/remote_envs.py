@@ -35,7 +35,9 @@ from envkit.tasks import check_task
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
-OPENENV_PYTHON = REPO / ".venv-openenv" / "bin" / "python"
+OPENENV_PYTHONS = {version: REPO / venv / "bin" / "python"
+                   for version, venv in (("0.3", ".venv-openenv"), ("0.10", ".venv-openenv10"))}
+"""The OpenEnv venvs `make install` creates: openenv-core 0.3.0 and openenv 0.10.0."""
 CLOSE_LOG_ENV = "ENVKIT_TEST_CLOSE_LOG"
 
 
@@ -190,11 +192,13 @@ def error_code(response: httpx.Response) -> Any:
     return response.json()["error"]["code"]
 
 
-def openenv_server() -> Server:
-    """OpenEnv's own server with the echo env of the remote-env benchmark (benchmarks/openenv_peer.py), run by
-    uvicorn from the OpenEnv venv (`make install` creates it; openenv-core stays out of .venv)."""
-    if not OPENENV_PYTHON.exists():
-        raise RuntimeError(f"{OPENENV_PYTHON} is missing: run `make install` (it creates the OpenEnv venv)")
+def openenv_server(version: str = "0.3") -> Server:
+    """OpenEnv's own server (``version`` 0.3 or 0.10) with the echo env of the remote-env benchmark
+    (benchmarks/openenv_peer.py), run by uvicorn from its OpenEnv venv (`make install` creates both; OpenEnv stays
+    out of .venv)."""
+    python = OPENENV_PYTHONS[version]
+    if not python.exists():
+        raise RuntimeError(f"{python} is missing: run `make install` (it creates the OpenEnv venvs)")
     port = free_port()
-    return Server([str(OPENENV_PYTHON), "-m", "uvicorn", "--factory", "openenv_peer:create_app", "--port", str(port),
+    return Server([str(python), "-m", "uvicorn", "--factory", "openenv_peer:create_app", "--port", str(port),
                    "--log-level", "warning"], port=port, env={"PYTHONPATH": str(REPO / "benchmarks")})

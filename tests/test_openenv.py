@@ -1,4 +1,5 @@
-"""OpenEnvEnv against a real OpenEnv server process (openenv-core 0.3.0's own server, serving its echo env)."""
+"""OpenEnvEnv against a real OpenEnv server process (OpenEnv's own server serving its echo env), for each version
+`make install` installs: openenv-core 0.3.0 and openenv 0.10.0."""
 
 from __future__ import annotations
 
@@ -15,9 +16,14 @@ from envkit.errors import EpisodeDoneError, RemoteInvalidActionError
 from envkit.remote.openenv import OpenEnvEnv
 
 
+@pytest.fixture(scope="module", params=["0.3", "0.10"])
+def openenv_version(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def echo_server() -> Iterator[Server]:
-    srv = openenv_server()
+def echo_server(openenv_version: str) -> Iterator[Server]:
+    srv = openenv_server(openenv_version)
     yield srv
     srv.stop()
 
@@ -40,6 +46,19 @@ async def test_reset_and_step_map_to_the_env_contract(echo_server: Server):
             await env.step(envkit.assistant("more"))
         await env.reset()  # the same session starts over
         assert (await env.step(envkit.assistant("again"))).reward == pytest.approx(0.5)
+
+
+async def test_metadata_reaches_the_model_only_when_asked(echo_server: Server, openenv_version: str):
+    """OpenEnv 0.10 sends an observation's metadata inside it (0.3 did not send it), where an env may keep what the
+    model must not read: envkit puts it in info, and in the message only with show_metadata=True."""
+    sent = {"step": 1} if openenv_version == "0.10" else None
+    for show, shown in ((False, "hello"), (True, "hello" + ('\nmetadata: {"step": 1}' if sent else ""))):
+        async with envkit.make(f"openenv:{echo_server.url}", show_metadata=show) as env:
+            await env.reset(seed=0)
+            result = await env.step(envkit.assistant("hello"))
+            assert result.observation == [{"role": "user", "content": shown}]
+            assert result.info.get("metadata") == sent
+            assert "metadata" not in result.info["observation"]
 
 
 async def test_concurrent_sessions_are_isolated(echo_server: Server):

@@ -1,4 +1,5 @@
-"""OpenEnvEnv: an OpenEnv environment server (PyPI ``openenv-core``) used as an envkit env, over its own wire protocol.
+"""OpenEnvEnv: an OpenEnv environment server (PyPI ``openenv-core`` 0.3, ``openenv`` 0.10) used as an envkit env, over
+its own wire protocol.
 
 OpenEnv (0.3) keeps an episode's state only on its WebSocket: each connection to ``/ws`` gets its own environment
 instance (its REST ``/reset`` and ``/step`` make a fresh one per request, so they cannot carry an episode). Frames:
@@ -11,9 +12,11 @@ instance (its REST ``/reset`` and ``/step`` make a fresh one per request, so the
 
 The mapping: the assistant's text becomes the action field ``action_key``; the observation field ``observation_key``
 (or, without one, the observation as JSON) becomes a user message; ``reward`` None counts as 0; ``done`` is
-``terminated``. Both keys are read from the server's ``/schema`` when not given: the action's one string field, the
-observation's first string field. ``to_action``/``to_messages`` replace the mapping for richer envs. openenv-core
-itself is not imported: the wire protocol is all this needs.
+``terminated``. OpenEnv 0.10 (PyPI ``openenv``) also sends the observation's ``metadata`` inside it, where an env may
+keep what the model must not see (the answer): it goes to ``info["metadata"]``, and into the model's message only
+with ``show_metadata=True``. Both keys are read from the server's ``/schema`` when not given: the action's one string
+field, the observation's first string field. ``to_action``/``to_messages`` replace the mapping for richer envs.
+OpenEnv itself is not imported: the wire protocol is all this needs.
 
     env = envkit.make("openenv:http://127.0.0.1:8001")        # e.g. OpenEnv's echo env under uvicorn
 """
@@ -53,6 +56,7 @@ class OpenEnvEnv(Env):
         observation_key: str | None = None,
         to_action: Callable[[Message], dict[str, Any]] | None = None,
         to_messages: Callable[[dict[str, Any]], list[Message]] | None = None,
+        show_metadata: bool = False,
         remote: RemoteConfig | None = None,
     ) -> None:
         parts = urlsplit(url)
@@ -63,10 +67,12 @@ class OpenEnvEnv(Env):
         self.ws_url = f"{'wss' if secure else 'ws'}://{parts.netloc}{parts.path.rstrip('/')}/ws"
         self.action_key, self.observation_key = action_key, observation_key
         self._to_action, self._to_messages = to_action, to_messages
+        self.show_metadata = show_metadata
         self.config = remote or RemoteConfig()
         self._ws: WsConnection | None = None
         self.spec = EnvSpec(name=f"openenv:{url}", entry_point="envkit.remote.openenv:OpenEnvEnv",
-                            kwargs={"action_key": action_key, "observation_key": observation_key},
+                            kwargs={"action_key": action_key, "observation_key": observation_key,
+                                    "show_metadata": show_metadata},
                             description=f"OpenEnv server at {self.http_url}", source="openenv")
 
     async def init(self) -> None:
@@ -119,11 +125,18 @@ class OpenEnvEnv(Env):
             raise RemoteEnvError(f"the OpenEnv server answered an error: {message}", code=code)
         return answer.get("data", {})
 
-    def _messages(self, observation: dict[str, Any]) -> list[Message]:
+    def _observed(self, answer: dict[str, Any]) -> tuple[list[Message], dict[str, Any]]:
+        """The model's messages and the step's info from an observation frame's data."""
+        observation = dict(answer.get("observation", {}))
+        metadata = observation.pop("metadata", None)
+        info: dict[str, Any] = {"observation": observation, **({"metadata": metadata} if metadata else {})}
+        shown = {**observation, "metadata": metadata} if self.show_metadata and metadata else observation
         if self._to_messages is not None:
-            return self._to_messages(observation)
-        text = observation.get(self.observation_key) if self.observation_key else None
-        return [user(text if isinstance(text, str) else json.dumps(observation))]
+            return self._to_messages(shown), info
+        text = shown.get(self.observation_key) if self.observation_key else None
+        if not isinstance(text, str):
+            return [user(json.dumps(shown))], info
+        return [user(text + (f"\nmetadata: {json.dumps(metadata)}" if shown is not observation else ""))], info
 
     async def reset(self, *, seed: int | None = None, task: Task | None = None) -> tuple[list[Message], dict]:
         """OpenEnv reset; ``task`` fields go along as reset parameters (``task["id"]`` as the ``episode_id``)."""
@@ -133,9 +146,7 @@ class OpenEnvEnv(Env):
             data["episode_id"] = str(data.pop("id"))
         if seed is not None:
             data["seed"] = seed
-        answer = await self._exchange({"type": "reset", "data": data})
-        observation = answer.get("observation", {})
-        return self._messages(observation), {"observation": observation}
+        return self._observed(await self._exchange({"type": "reset", "data": data}))
 
     async def step(self, action: Message) -> StepResult:
         """OpenEnv step with the assistant's text as the action field; reward None counts as 0."""
@@ -147,10 +158,10 @@ class OpenEnvEnv(Env):
                                          "this action has none (pass to_action= to map tool calls)")
             payload = {self.action_key: action["content"]}
         answer = await self._exchange({"type": "step", "data": payload})
-        observation = answer.get("observation", {})
+        messages, info = self._observed(answer)
         reward = answer.get("reward")
-        return StepResult(self._messages(observation), float(reward) if reward is not None else 0.0,
-                          terminated=bool(answer.get("done", False)), info={"observation": observation})
+        return StepResult(messages, float(reward) if reward is not None else 0.0,
+                          terminated=bool(answer.get("done", False)), info=info)
 
     async def close(self) -> None:
         """End the OpenEnv session (idempotent)."""
