@@ -4,12 +4,17 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
-from remote_envs import Server, openenv_server
+from remote_envs import OPENENV_PYTHONS, TESTS, Server, envkit_serve, openenv_server
+from websockets.sync.client import connect as ws_connect
 
 import envkit
 from envkit.errors import EpisodeDoneError, RemoteInvalidActionError
@@ -113,6 +118,56 @@ async def test_the_generator_rolls_out_in_an_openenv_env(echo_server: Server, bu
         assert replies and echoes == replies[:len(echoes)]  # every reply came back as the env's observation
         assert t.reward == pytest.approx(sum(0.1 * len(r) for r in replies), abs=1e-6)
         assert len(t.response_ids) == len(t.loss_mask)
+
+
+@pytest.fixture(scope="module")
+def envkit_arithmetic() -> Iterator[Server]:
+    with envkit_serve("arithmetic") as server:
+        yield server
+
+
+def test_openenvs_own_client_plays_an_envkit_env(envkit_arithmetic: Server, openenv_version: str):
+    """The other direction: `envkit serve` answers OpenEnv's protocol at /openenv, and OpenEnv's GenericEnvClient
+    (from the OpenEnv venv of that version) plays arithmetic there (tests/openenv_client.py)."""
+    run = subprocess.run([str(OPENENV_PYTHONS[openenv_version]), str(TESTS / "openenv_client.py"),
+                          f"{envkit_arithmetic.url}/openenv"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    seen = json.loads(run.stdout.splitlines()[-1])
+    with envkit.SyncEnv(envkit.make("arithmetic")) as env:
+        opening, info = env.reset(seed=0)
+    reset = seen["reset"]
+    assert (reset["reward"], reset["done"]) == (None, False)
+    assert reset["observation"]["messages"] == opening
+    assert reset["observation"]["metadata"] == info and reset["observation"]["tools"] == []
+    assert (seen["right"]["reward"], seen["right"]["done"]) == (1.0, True)
+    assert (seen["wrong"]["reward"], seen["wrong"]["done"]) == (0.0, True)
+    assert not seen["right"]["observation"]["truncated"]
+    assert "step() after the episode ended" in seen["after_done"] and "(code: EPISODE_DONE)" in seen["after_done"]
+    assert "(code: VALIDATION_ERROR)" in seen["bad_action"]
+    assert seen["state"]["step_count"] == 2 and seen["state"]["episode_id"]
+    # the connection's session goes with it (the server sees the disconnect after the client has exited)
+    deadline = time.monotonic() + 10
+    while (open_sessions := httpx.get(f"{envkit_arithmetic.url}/info").json()["sessions"]) and \
+            time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert open_sessions == 0
+
+
+def test_malformed_openenv_frames_get_error_frames_and_the_connection_lives(envkit_arithmetic: Server):
+    with ws_connect(envkit_arithmetic.url.replace("http", "ws") + "/openenv/ws") as ws:
+        for frame, code in (("not json", "VALIDATION_ERROR"), ('{"type": "dance"}', "VALIDATION_ERROR"),
+                            ('{"type": "reset", "data": {"seed": "x"}}', "VALIDATION_ERROR"),
+                            ('{"type": "step", "data": {"content": "The answer is 1."}}', "RESET_NEEDED"),
+                            ('[1, 2]', "VALIDATION_ERROR")):
+            ws.send(frame)
+            answer = json.loads(ws.recv(timeout=10))
+            assert (answer["type"], answer["data"]["code"]) == ("error", code), (frame, answer)
+        ws.send('{"type": "reset", "data": {"seed": 3}}')
+        answer = json.loads(ws.recv(timeout=10))
+        assert answer["type"] == "observation" and answer["data"]["observation"]["messages"][-1]["role"] == "user"
+    assert httpx.get(f"{envkit_arithmetic.url}/openenv/health").json() == {"status": "healthy"}
+    schema = httpx.get(f"{envkit_arithmetic.url}/openenv/schema").json()
+    assert set(schema) == {"action", "observation", "state"} and "content" in schema["action"]["properties"]
 
 
 def test_openenv_core_is_not_needed_in_the_main_venv():

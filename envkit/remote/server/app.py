@@ -39,6 +39,8 @@ from envkit.remote.protocol import (
 )
 from envkit.remote.server.config import ServerLimits
 from envkit.remote.server.guard import Guard
+from envkit.remote.server.openenv import PREFIX as OPENENV_PREFIX
+from envkit.remote.server.openenv import SCHEMA as OPENENV_SCHEMA
 from envkit.remote.server.sessions import EnvServer, encode, internal_error
 from envkit.remote.server.workers import LocalSlots
 
@@ -150,6 +152,16 @@ def _add_server_routes(app: FastAPI, server: EnvServer) -> None:
     async def health() -> dict[str, str]:
         """Liveness; needs no token."""
         return {"status": "ok"}
+
+    @app.get(OPENENV_PREFIX + "/health", tags=["openenv"])
+    async def openenv_health() -> dict[str, str]:
+        """OpenEnv's liveness answer, for its clients and providers (the WebSocket is ``/openenv/ws``)."""
+        return {"status": "healthy"}
+
+    @app.get(OPENENV_PREFIX + "/schema", tags=["openenv"])
+    async def openenv_schema() -> dict[str, Any]:
+        """The action, observation and state of ``/openenv/ws`` as JSON schemas, as OpenEnv's ``/schema``."""
+        return OPENENV_SCHEMA
 
     @app.get("/info", response_model=ServerInfo, responses=_responses(), tags=["server"])
     async def info() -> Response:

@@ -28,6 +28,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from envkit.remote import TOKEN_ENV
 from envkit.remote.protocol import ApiError
+from envkit.remote.server.openenv import PREFIX as OPENENV_PREFIX
+from envkit.remote.server.openenv import OpenEnvSession
 from envkit.remote.server.sessions import EnvServer, plain_step_action
 from envkit.remote.server.ws import WsEndpoint
 
@@ -151,6 +153,7 @@ class Guard:
         self.app = app
         self.server = server
         self.ws = WsEndpoint(server)
+        self.openenv_ws = WsEndpoint(server, OpenEnvSession)
         self.token = token.encode() if token else None
         self.max_bytes = server.limits.max_request_bytes
         self.too_large = ApiError("payload_too_large", f"request body over {self.max_bytes} bytes "
@@ -170,6 +173,8 @@ class Guard:
             return await self._limit_body(scope, receive, send)
         if scope["path"] == "/ws":
             return await self.ws(scope, receive, send)
+        if scope["path"] == OPENENV_PREFIX + "/ws":
+            return await self.openenv_ws(scope, receive, send)
         return await self.app(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:

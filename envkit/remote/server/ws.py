@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any, NoReturn
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from pydantic import ValidationError
 
@@ -19,22 +19,38 @@ if TYPE_CHECKING:  # guard.py imports this module
 _WS_STEP = frozenset({"op", "action"})
 
 
+class Connection(Protocol):
+    """The state of one WebSocket connection: answers its frames, holds at most one session."""
+
+    session_id: str | None
+
+    async def handle(self, text: str | None) -> str | None:
+        """The answer frame to one request frame (None: no answer)."""
+        ...
+
+    async def close(self) -> None:
+        """Delete the connection's session, if any."""
+        ...
+
+
 class WsEndpoint:
-    """``/ws``: one session per connection, frames ``{"op": "create"|"reset"|"step"|"state"|"delete", ...}``.
+    """``/ws``: one session per connection, frames ``{"op": "create"|"reset"|"step"|"state"|"delete", ...}`` (or
+    another protocol's, by ``connection``: ``/openenv/ws``).
 
     A plain ASGI app that :class:`~envkit.remote.server.guard.Guard` calls, not a FastAPI route: Starlette's
     WebSocket wrapper (state checks on every frame) and the route's exception-handling send wrapper took about 3 µs
     of the server's 31 µs of CPU per step of a fast env.
     """
 
-    def __init__(self, server: EnvServer) -> None:
+    def __init__(self, server: EnvServer, connection: Callable[[EnvServer], Connection] | None = None) -> None:
         self.server = server
+        self.connection = connection or _WsSession
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (await receive())["type"] != "websocket.connect":
             return
         await send({"type": "websocket.accept"})
-        handler = _WsSession(self.server)
+        handler = self.connection(self.server)
         limits, deadlines = self.server.limits, self.server.deadlines
         idle = Canceller()
         try:
@@ -46,7 +62,9 @@ class WsEndpoint:
                     deadlines.discard(idle)
                 if message["type"] != "websocket.receive":
                     break
-                await send({"type": "websocket.send", "text": await handler.handle(message.get("text"))})
+                answer = await handler.handle(message.get("text"))
+                if answer is not None:
+                    await send({"type": "websocket.send", "text": answer})
         except asyncio.CancelledError:
             if not idle.expired:
                 raise
@@ -69,7 +87,7 @@ class _WsSession:
         self.server = server
         self.session_id: str | None = None
 
-    async def handle(self, text: str | None) -> str:
+    async def handle(self, text: str | None) -> str | None:
         """The answer frame to one request frame."""
         op, work = self._operation(text)
         _, payload = await self.server.answer(op, "ws", work)
