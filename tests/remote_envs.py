@@ -192,13 +192,13 @@ def error_code(response: httpx.Response) -> Any:
     return response.json()["error"]["code"]
 
 
-def openenv_server(version: str = "0.3") -> Server:
-    """OpenEnv's own server (``version`` 0.3 or 0.10) with the echo env of the remote-env benchmark
-    (benchmarks/openenv_peer.py), run by uvicorn from its OpenEnv venv (`make install` creates both; OpenEnv stays
-    out of .venv)."""
+def openenv_server(version: str = "0.3", app: str = "openenv_peer:create_app") -> Server:
+    """OpenEnv's own server (``version`` 0.3 or 0.10) with ``app``, by default the echo env of the remote-env
+    benchmark (benchmarks/openenv_peer.py), run by uvicorn from its OpenEnv venv (`make install` creates both;
+    OpenEnv stays out of .venv)."""
     python = OPENENV_PYTHONS[version]
     if not python.exists():
         raise RuntimeError(f"{python} is missing: run `make install` (it creates the OpenEnv venvs)")
     port = free_port()
-    return Server([str(python), "-m", "uvicorn", "--factory", "openenv_peer:create_app", "--port", str(port),
+    return Server([str(python), "-m", "uvicorn", "--factory", app, "--port", str(port),
                    "--log-level", "warning"], port=port, env={"PYTHONPATH": str(REPO / "benchmarks")})

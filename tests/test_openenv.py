@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -118,6 +119,37 @@ async def test_the_generator_rolls_out_in_an_openenv_env(echo_server: Server, bu
         assert replies and echoes == replies[:len(echoes)]  # every reply came back as the env's observation
         assert t.reward == pytest.approx(sum(0.1 * len(r) for r in replies), abs=1e-6)
         assert len(t.response_ids) == len(t.loss_mask)
+
+
+async def test_an_mcp_type_env_is_a_tool_env():
+    """OpenEnv 0.10's MCPEnvironment (tests/openenv_mcp_env.py), found from its schema: its tools are the env's,
+    each tool call a call_tool step, and a reply without one ends the episode."""
+    with openenv_server("0.10", "openenv_mcp_env:create_app") as server:
+        async with envkit.make(f"openenv:{server.url}") as env:
+            messages, info = await env.reset(seed=0)
+            assert messages == [{"role": "user", "content": "What is 2 + 3? Use the tools."}]
+            assert info["metadata"] == {"answer": 5}  # the model does not see it
+            assert {t.name: t.parameters["required"] for t in env.tools} == {"add": ["a", "b"], "submit": ["answer"]}
+
+            def call(name: str, **arguments: Any) -> envkit.Message:
+                return envkit.assistant(None, [{"id": f"c-{name}", "type": "function",
+                                                "function": {"name": name, "arguments": json.dumps(arguments)}}])
+
+            added = await env.step(call("add", a=2, b=3))
+            assert added.observation == [{"role": "tool", "content": "5", "tool_call_id": "c-add", "name": "add"}]
+            assert (added.reward, added.done, added.info["tool_results"]) == (0.0, False, [{"name": "add",
+                                                                                            "status": "ok"}])
+            # written in the text, as a model writes it; the env's own refusals come back as errors
+            bad = await env.step(envkit.assistant('<tool_call>{"name": "add", "arguments": {"a": "x"}}</tool_call>'
+                                                  '<tool_call>{"name": "nope", "arguments": {}}</tool_call>'))
+            assert [m["content"].split(":")[0] for m in bad.observation] == ["Error", "Error"]
+            assert "Unknown tool: 'nope'" in bad.observation[1]["content"] and not bad.done
+            assert [r["status"] for r in bad.info["tool_results"]] == ["error", "error"]
+            done = await env.step(call("submit", answer=5))
+            assert (done.reward, done.terminated) == (1.0, True)
+            await env.reset(seed=1)
+            ended = await env.step(envkit.assistant("The answer is 5."))
+            assert (ended.reward, ended.terminated, ended.observation) == (0.0, True, [])
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,12 @@ with ``show_metadata=True``. Both keys are read from the server's ``/schema`` wh
 field, the observation's first string field. ``to_action``/``to_messages`` replace the mapping for richer envs.
 OpenEnv itself is not imported: the wire protocol is all this needs.
 
+An MCP-type env (OpenEnv 0.10's ``MCPEnvironment``, whose action is ``call_tool``; found from ``/schema``, or
+``mcp=True``) is a tool env: its tools, from a ``list_tools`` step, are the env's ``tools``; each tool call of a
+reply is one ``call_tool`` step, answered by a ``tool`` message (the tool's text, or ``Error: ...``), its reward
+summed over the calls. It acts only through its tools, so a reply without a tool call ends the episode
+(``terminated``, reward 0).
+
     env = envkit.make("openenv:http://127.0.0.1:8001")        # e.g. OpenEnv's echo env under uvicorn
 """
 
@@ -32,10 +38,11 @@ import httpx
 
 from envkit.core import Env, StepResult, Task
 from envkit.errors import InvalidActionError, RemoteEnvCrashError, RemoteEnvError, RemoteInvalidActionError
-from envkit.messages import Message, user
+from envkit.messages import Message, tool_result, user
 from envkit.registry import EnvSpec
 from envkit.remote.client import RemoteConfig, retry_connect, ws_exchange
 from envkit.remote.wsclient import WsConnection
+from envkit.tools import Tool, tool_calls_of
 
 _RESERVED = {"metadata", "done", "reward"}  # fields every OpenEnv Action/Observation has; never the payload
 
@@ -57,6 +64,7 @@ class OpenEnvEnv(Env):
         to_action: Callable[[Message], dict[str, Any]] | None = None,
         to_messages: Callable[[dict[str, Any]], list[Message]] | None = None,
         show_metadata: bool = False,
+        mcp: bool | None = None,
         remote: RemoteConfig | None = None,
     ) -> None:
         parts = urlsplit(url)
@@ -68,23 +76,30 @@ class OpenEnvEnv(Env):
         self.action_key, self.observation_key = action_key, observation_key
         self._to_action, self._to_messages = to_action, to_messages
         self.show_metadata = show_metadata
+        self.mcp = mcp
+        self.tools: list[Tool] = []  # type: ignore[misc]  # an MCP-type env's, read at init
         self.config = remote or RemoteConfig()
         self._ws: WsConnection | None = None
         self.spec = EnvSpec(name=f"openenv:{url}", entry_point="envkit.remote.openenv:OpenEnvEnv",
                             kwargs={"action_key": action_key, "observation_key": observation_key,
-                                    "show_metadata": show_metadata},
+                                    "show_metadata": show_metadata, "mcp": mcp},
                             description=f"OpenEnv server at {self.http_url}", source="openenv")
 
     async def init(self) -> None:
         """Read the server's schemas (unless both keys are given) and open the WebSocket session."""
         if self._ws is not None:
             return
-        if (self.action_key is None and self._to_action is None) or (
+        if self.mcp is None or (self.action_key is None and self._to_action is None) or (
                 self.observation_key is None and self._to_messages is None):
             await self._infer_keys()
         self._ws = await retry_connect(
             lambda: WsConnection.connect(self.ws_url, timeout_s=self.config.connect_timeout_s), self.config,
             self.ws_url)
+        if self.mcp:
+            listed = (await self._exchange({"type": "step", "data": {"type": "list_tools"}})).get("observation", {})
+            self.tools = [Tool(name=t["name"], description=t.get("description") or "",
+                               parameters=t.get("input_schema") or {"type": "object", "properties": {}})
+                          for t in listed.get("tools", [])]
 
     async def _infer_keys(self) -> None:
         async def get() -> httpx.Response:
@@ -96,8 +111,13 @@ class OpenEnvEnv(Env):
             raise RemoteEnvError(f"{self.http_url}/schema answered {response.status_code}: {response.text[:200]}",
                                  code="schema_unavailable", status=response.status_code)
         schemas = response.json()
+        action = schemas.get("action", {})
+        if self.mcp is None:
+            self.mcp = "tool_name" in action.get("properties", {}) and self._to_action is None
+        if self.mcp:
+            return
         if self.action_key is None and self._to_action is None:
-            fields = _string_fields(schemas.get("action", {}))
+            fields = _string_fields(action)
             if len(fields) != 1:
                 raise RemoteEnvError(f"cannot tell which action field takes the assistant's text (string fields: "
                                      f"{fields or 'none'}); pass action_key= or to_action=", code="schema_mismatch")
@@ -134,6 +154,8 @@ class OpenEnvEnv(Env):
         if self._to_messages is not None:
             return self._to_messages(shown), info
         text = shown.get(self.observation_key) if self.observation_key else None
+        if self.mcp and text is None:  # an MCP env's opening: its text fields, whatever they are called
+            text = "\n".join(v for k, v in shown.items() if isinstance(v, str) and k not in _RESERVED) or None
         if not isinstance(text, str):
             return [user(json.dumps(shown))], info
         return [user(text + (f"\nmetadata: {json.dumps(metadata)}" if shown is not observation else ""))], info
@@ -149,7 +171,10 @@ class OpenEnvEnv(Env):
         return self._observed(await self._exchange({"type": "reset", "data": data}))
 
     async def step(self, action: Message) -> StepResult:
-        """OpenEnv step with the assistant's text as the action field; reward None counts as 0."""
+        """OpenEnv step with the assistant's text as the action field (an MCP-type env: a ``call_tool`` step per
+        tool call); reward None counts as 0."""
+        if self.mcp:
+            return await self._call_tools(action)
         if self._to_action is not None:
             payload = self._to_action(action)
         else:
@@ -163,6 +188,36 @@ class OpenEnvEnv(Env):
         return StepResult(messages, float(reward) if reward is not None else 0.0,
                           terminated=bool(answer.get("done", False)), info=info)
 
+    async def _call_tools(self, action: Message) -> StepResult:
+        """One ``call_tool`` step per tool call of ``action``; its ``tool`` messages, its summed reward."""
+        calls, errors = tool_calls_of(action)
+        if not calls and not errors:
+            return StepResult([], terminated=True, info={"reason": "a reply without a tool call ends an MCP env's "
+                                                                  "episode"})
+        messages: list[Message] = []
+        results: list[dict[str, Any]] = []
+        reward, done = 0.0, False
+        for call in calls:
+            name = call["function"]["name"]
+            try:
+                arguments = json.loads(call["function"].get("arguments") or "{}")
+            except json.JSONDecodeError as e:
+                text, status = f"Error: arguments are not valid JSON: {e.msg}", "error"
+            else:
+                answer = await self._exchange({"type": "step", "data": {"type": "call_tool", "tool_name": name,
+                                                                        "arguments": arguments}})
+                text, status = _tool_text(answer.get("observation", {}))
+                reward += float(answer.get("reward") or 0.0)
+                done = done or bool(answer.get("done", False))
+            messages.append(tool_result(text, call["id"], name))
+            results.append({"name": name, "status": status})
+            if done:
+                break
+        if errors:
+            messages.append(user("Malformed tool call: " + "; ".join(errors)))
+        return StepResult(messages, reward, terminated=done,
+                          info={"tool_calls": len(calls), "tool_call_errors": len(errors), "tool_results": results})
+
     async def close(self) -> None:
         """End the OpenEnv session (idempotent)."""
         ws, self._ws = self._ws, None
@@ -171,6 +226,18 @@ class OpenEnvEnv(Env):
         if not ws.closed:
             ws.send(json.dumps({"type": "close"}))
         await ws.close()
+
+
+def _tool_text(observation: dict[str, Any]) -> tuple[str, str]:
+    """A ``call_tool`` observation as the tool message's text and its status (ok, error)."""
+    error = observation.get("error")
+    if error:
+        return f"Error: {error.get('message', error)}", "error"
+    result = observation.get("result")
+    if isinstance(result, dict) and isinstance(result.get("content"), list):  # MCP's CallToolResult
+        text = "\n".join(str(c.get("text", "")) for c in result["content"] if isinstance(c, dict))
+        return text, "error" if result.get("is_error") else "ok"
+    return (result if isinstance(result, str) else json.dumps(result)), "ok"
 
 
 def make_openenv(name: str, **kwargs: Any) -> OpenEnvEnv:
