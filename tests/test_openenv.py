@@ -99,6 +99,7 @@ def test_sync_facade(echo_server: Server):
     with envkit.SyncEnv(envkit.make(f"openenv:{echo_server.url}")) as env:
         env.reset(seed=0)
         assert env.step("four").reward == pytest.approx(0.4)
+        assert env.tasks("train") is None  # no Task API (0.3), or an env that lists no tasks (0.10 answers 501)
 
 
 @pytest.mark.e2e
@@ -150,6 +151,16 @@ async def test_an_mcp_type_env_is_a_tool_env():
             await env.reset(seed=1)
             ended = await env.step(envkit.assistant("The answer is 5."))
             assert (ended.reward, ended.terminated, ended.observation) == (0.0, True, [])
+            # the Task API: the server's splits as task lists, and a task's split and index select it at reset
+            train, test = env.tasks("train"), env.tasks("test")
+            assert [t["id"] for t in train] == [f"train-{i}" for i in range(5)] and len(test) == 3
+            assert test[2] == {"id": "test-2", "split": "test", "index": 2, "spec": {"id": "test-2", "a": 102,
+                                                                                      "b": 103}}
+            messages, _ = await env.reset(task=test[2])
+            assert messages[0]["content"] == "What is 102 + 103? Use the tools."
+            assert (await env.step(call("submit", answer=205))).reward == 1.0
+            with pytest.raises(ValueError, match=r"has splits \['train', 'test'\], not 'dev'"):
+                env.tasks("dev")
 
 
 @pytest.fixture(scope="module")

@@ -24,13 +24,18 @@ reply is one ``call_tool`` step, answered by a ``tool`` message (the tool's text
 summed over the calls. It acts only through its tools, so a reply without a tool call ends the episode
 (``terminated``, reward 0).
 
+``tasks(split)`` reads OpenEnv 0.10's Task API (``/list_environments``, ``/{env}/splits``, ``/{env}/num_tasks``,
+``/{env}/task_range``), a page at a time: task ``i`` is ``{"id", "split", "index", "spec"}``, and resetting on it
+sends ``split`` and ``index``, as that API selects a task. A server without the API (0.3, or an env that does not
+list tasks) has no task list (None), and episodes are drawn by seed.
+
     env = envkit.make("openenv:http://127.0.0.1:8001")        # e.g. OpenEnv's echo env under uvicorn
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -42,6 +47,7 @@ from envkit.messages import Message, tool_result, user
 from envkit.registry import EnvSpec
 from envkit.remote.client import RemoteConfig, retry_connect, ws_exchange
 from envkit.remote.wsclient import WsConnection
+from envkit.tasks import LazyTasks
 from envkit.tools import Tool, tool_calls_of
 
 _RESERVED = {"metadata", "done", "reward"}  # fields every OpenEnv Action/Observation has; never the payload
@@ -163,7 +169,7 @@ class OpenEnvEnv(Env):
     async def reset(self, *, seed: int | None = None, task: Task | None = None) -> tuple[list[Message], dict]:
         """OpenEnv reset; ``task`` fields go along as reset parameters (``task["id"]`` as the ``episode_id``)."""
         await self.init()
-        data: dict[str, Any] = dict(task or {})
+        data = {k: v for k, v in (task or {}).items() if k != "spec"}  # a Task API task: split and index select it
         if "id" in data:
             data["episode_id"] = str(data.pop("id"))
         if seed is not None:
@@ -187,6 +193,23 @@ class OpenEnvEnv(Env):
         reward = answer.get("reward")
         return StepResult(messages, float(reward) if reward is not None else 0.0,
                           terminated=bool(answer.get("done", False)), info=info)
+
+    def tasks(self, split: str = "train") -> Sequence[Task] | None:
+        """The server's tasks of ``split`` through OpenEnv's Task API (blocking HTTP, a page at a time), or None
+        where it has none."""
+        with httpx.Client(transport=httpx.HTTPTransport(retries=self.config.connect_retries),
+                          timeout=httpx.Timeout(self.config.timeout_s, connect=self.config.connect_timeout_s)) as http:
+            names = http.get(f"{self.http_url}/list_environments")
+            if names.status_code != 200 or not isinstance(names.json(), list) or not names.json():
+                return None
+            base = f"{self.http_url}/{names.json()[0]}"
+            splits = http.get(f"{base}/splits")
+            if splits.status_code != 200:  # 501: the env does not list its tasks
+                return None
+        available = [entry.get("name") for entry in splits.json()]
+        if split not in available:
+            raise ValueError(f"the OpenEnv server at {self.http_url} has splits {available}, not {split!r}")
+        return OpenEnvTasks(base, split, self.config)
 
     async def _call_tools(self, action: Message) -> StepResult:
         """One ``call_tool`` step per tool call of ``action``; its ``tool`` messages, its summed reward."""
@@ -226,6 +249,49 @@ class OpenEnvEnv(Env):
         if not ws.closed:
             ws.send(json.dumps({"type": "close"}))
         await ws.close()
+
+
+class OpenEnvTasks(LazyTasks):
+    """One split of an OpenEnv server's Task API at ``base`` (``http://host:port/<env>``), read ``page_size`` task
+    specs at a time on access."""
+
+    def __init__(self, base: str, split: str, config: RemoteConfig, page_size: int = 256) -> None:
+        self.base, self.split, self.page_size, self.config = base, split, page_size, config
+        self._pages: dict[int, list[Task]] = {}
+        self._name = f"{base} split {split!r}"
+        count = self._post("num_tasks", {"split": split}).get("num_tasks")
+        if type(count) is not int or count < 0:
+            raise RemoteEnvError(f"{base}/num_tasks answered no count for split {split!r}", code="bad_answer")
+        self._len = count
+
+    def _post(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            with httpx.Client(transport=httpx.HTTPTransport(retries=self.config.connect_retries),
+                              timeout=httpx.Timeout(self.config.timeout_s, connect=self.config.connect_timeout_s)
+                              ) as http:
+                response = http.post(f"{self.base}/{route}", json=body)
+        except httpx.HTTPError as e:
+            raise RemoteEnvError(f"POST {self.base}/{route} failed: {type(e).__name__}: {e}",
+                                 code="connect_error") from e
+        if response.status_code != 200:
+            raise RemoteEnvError(f"POST {self.base}/{route} answered {response.status_code}: {response.text[:200]}",
+                                 code="bad_answer", status=response.status_code)
+        return response.json()
+
+    def _task(self, i: int) -> Task:
+        page, k = divmod(i, self.page_size)
+        if page not in self._pages:
+            start = page * self.page_size
+            stop = min(start + self.page_size, self._len)
+            specs = self._post("task_range", {"split": self.split, "start": start, "stop": stop}).get("tasks")
+            if not isinstance(specs, list) or len(specs) != stop - start:
+                raise RemoteEnvError(f"{self.base}/task_range answered no valid tasks {start}..{stop} of split "
+                                     f"{self.split!r}", code="bad_answer")
+            self._pages[page] = [
+                {"id": spec["id"] if isinstance(spec, dict) and isinstance(spec.get("id"), str)
+                 else f"{self.split}-{start + j}", "split": self.split, "index": start + j, "spec": spec}
+                for j, spec in enumerate(specs)]
+        return self._pages[page][k]
 
 
 def _tool_text(observation: dict[str, Any]) -> tuple[str, str]:
