@@ -92,7 +92,8 @@ class OpenEnvEnv(Env):
                             description=f"OpenEnv server at {self.http_url}", source="openenv")
 
     async def init(self) -> None:
-        """Read the server's schemas (unless both keys are given) and open the WebSocket session."""
+        """Read the server's schemas (whether it is an MCP-type env, which fields carry text) where not given,
+        open the WebSocket session, and list an MCP-type env's tools."""
         if self._ws is not None:
             return
         if self.mcp is None or (self.action_key is None and self._to_action is None) or (
