@@ -265,6 +265,22 @@ async def test_textarena_same_seed_same_two_player_game_side_by_side():
     assert logs[0] == logs[1] == logs[2] and len(logs[0]) > 1
 
 
+async def test_a_server_client_cannot_choose_the_opponent():
+    """A client naming the opponent would make the server import and call code ('os:system'), or post to a URL of its
+    choosing and quote the answer back: the operator chooses it (envkit serve --kwargs)."""
+    from envkit.remote.protocol import ApiError
+    from envkit.remote.server.sessions import EnvServer
+
+    server = EnvServer("textarena:TicTacToe-v0", env_kwargs={"opponent": "test_adapters:first_free_cell"})
+    for opponent in ("os:system", {"base_url": "http://169.254.169.254/latest"}):
+        with pytest.raises(ApiError, match="opponent cannot be set by a session"):
+            await server.create({"opponent": opponent})
+    created = await server.create({})
+    messages = (await server.reset(created["session_id"], 1, None))["observation"]
+    assert "Player 0 placed their symbol" in messages[0]["content"]  # the operator's opponent moved
+    await server.delete(created["session_id"])
+
+
 def test_textarena_policy_opponent_without_a_published_endpoint_fails_the_episode(monkeypatch):
     from envkit.adapters.opponent import POLICY_MODEL_VAR, POLICY_URL_VAR, OpponentError
 

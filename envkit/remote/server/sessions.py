@@ -38,8 +38,9 @@ from envkit.tools import ToolOutput
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-SERVER_CHOSEN = frozenset({"checked", "sandbox"})
-"""``envkit.make`` options a session's kwargs may not set: they say where and how the server runs its envs."""
+SERVER_CHOSEN = frozenset({"checked", "sandbox", "opponent"})
+"""Kwargs a session may not set: where and how the server runs its envs, and a two-player game's opponent (code the
+server would import and call, or a URL it would post to and quote back)."""
 TASK_LISTS_KEPT = 16
 """Task lists kept per server, one per (kwargs, split): a client cannot make the server hold more by varying kwargs."""
 
