@@ -198,8 +198,7 @@ class OpenEnvEnv(Env):
     def tasks(self, split: str = "train") -> Sequence[Task] | None:
         """The server's tasks of ``split`` through OpenEnv's Task API (blocking HTTP, a page at a time), or None
         where it has none."""
-        with httpx.Client(transport=httpx.HTTPTransport(retries=self.config.connect_retries),
-                          timeout=httpx.Timeout(self.config.timeout_s, connect=self.config.connect_timeout_s)) as http:
+        with _blocking_client(self.config) as http:
             names = http.get(f"{self.http_url}/list_environments")
             if names.status_code != 200 or not isinstance(names.json(), list) or not names.json():
                 return None
@@ -267,9 +266,7 @@ class OpenEnvTasks(LazyTasks):
 
     def _post(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
         try:
-            with httpx.Client(transport=httpx.HTTPTransport(retries=self.config.connect_retries),
-                              timeout=httpx.Timeout(self.config.timeout_s, connect=self.config.connect_timeout_s)
-                              ) as http:
+            with _blocking_client(self.config) as http:
                 response = http.post(f"{self.base}/{route}", json=body)
         except httpx.HTTPError as e:
             raise RemoteEnvError(f"POST {self.base}/{route} failed: {type(e).__name__}: {e}",
@@ -293,6 +290,12 @@ class OpenEnvTasks(LazyTasks):
                  else f"{self.split}-{start + j}", "split": self.split, "index": start + j, "spec": spec}
                 for j, spec in enumerate(specs)]
         return self._pages[page][k]
+
+
+def _blocking_client(config: RemoteConfig) -> httpx.Client:
+    """A blocking client for the Task API's routes: connects retried, the remote config's timeouts."""
+    return httpx.Client(transport=httpx.HTTPTransport(retries=config.connect_retries),
+                        timeout=httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s))
 
 
 def _tool_text(observation: dict[str, Any]) -> tuple[str, str]:
