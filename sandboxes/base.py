@@ -9,6 +9,7 @@ also after a failed or cancelled start.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import time
@@ -106,6 +107,18 @@ def exec_argv(code_or_cmd: str | Sequence[str]) -> list[str]:
     if not argv or not all(isinstance(a, str) for a in argv):
         raise ValueError(f"exec needs Python source (str) or a non-empty argv (list of str), got {code_or_cmd!r}")
     return argv
+
+
+def serve_options(env: str, server_kwargs: dict[str, Any] | None) -> list[str]:
+    """``envkit serve``'s ``--kwargs`` option for the kwargs the sandbox's server is started with (none: no option)."""
+    if not server_kwargs:
+        return []
+    try:
+        return ["--kwargs", json.dumps(server_kwargs)]
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{', '.join(sorted(server_kwargs))} of sandboxed env {env!r} go to the server the sandbox "
+                        f"starts, so must be JSON (an opponent as 'module:attr', 'policy' or an endpoint dict): {e}"
+                        ) from e
 
 
 def owner_id() -> str:

@@ -10,6 +10,9 @@ envkit finds these providers through the ``envkit.sandboxes`` entry-point group 
 ``sandbox_options`` (a dict) tunes it: ``limits`` (SandboxLimits), ``pool`` (a SandboxPool of this env's image:
 containers are borrowed and given back instead of started and removed; :func:`open_pool` makes one),
 ``start_timeout_s``.
+
+The env kwargs a session may not set (``envkit.remote.OPERATOR_KWARGS``: a two-player game's ``opponent``) start the
+sandbox's server instead (``envkit serve --kwargs``); a pool's sandboxes are started with its own.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from envkit.core import Env, StepResult, Task
 from envkit.errors import ResetNeededError
 from envkit.messages import Message
 from envkit.registry import EnvSpec
-from envkit.remote import RemoteConfig, RemoteEnv
-from sandboxes.base import Sandbox, SandboxLimits
+from envkit.remote import OPERATOR_KWARGS, RemoteConfig, RemoteEnv
+from sandboxes.base import SERVER_PORT, Sandbox, SandboxLimits, serve_options
 from sandboxes.docker import DockerSandbox
 from sandboxes.engine import engine_reachable
 from sandboxes.local import LocalSandbox
@@ -109,13 +112,21 @@ async def _image_for(name: str) -> str:
     return _image_tags[name]
 
 
-async def _factory(name: str, kind: str, limits: SandboxLimits | None, start_timeout_s: float
-                   ) -> Callable[[], Sandbox]:
-    """How to make one (not yet started) sandbox of ``kind`` serving env ``name``."""
+def operator_kwargs(env_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The part of an env's kwargs that its sandbox's server is started with, not its session (OPERATOR_KWARGS)."""
+    return {k: v for k, v in env_kwargs.items() if k in OPERATOR_KWARGS}
+
+
+async def _factory(name: str, kind: str, limits: SandboxLimits | None, start_timeout_s: float,
+                   served: dict[str, Any]) -> Callable[[], Sandbox]:
+    """How to make one (not yet started) sandbox of ``kind`` serving env ``name`` made with ``served`` kwargs."""
     if kind == "docker":
         image = await _image_for(name)
-        return lambda: DockerSandbox(image, limits=limits, start_timeout_s=start_timeout_s)
-    return lambda: LocalSandbox(name, limits=limits, start_timeout_s=start_timeout_s)
+        # the image's own command, plus the kwargs
+        command = (["envkit", "serve", name, "--host", "0.0.0.0", "--port", str(SERVER_PORT),
+                    *serve_options(name, served)] if served else None)
+        return lambda: DockerSandbox(image, limits=limits, start_timeout_s=start_timeout_s, command=command)
+    return lambda: LocalSandbox(name, limits=limits, start_timeout_s=start_timeout_s, server_kwargs=served)
 
 
 def _sandboxed(kind: str, name: str, remote: RemoteConfig | None, sandbox_options: dict[str, Any] | None,
@@ -127,16 +138,23 @@ def _sandboxed(kind: str, name: str, remote: RemoteConfig | None, sandbox_option
     start_timeout_s: float = options.pop("start_timeout_s", START_TIMEOUT_S)
     if options:
         raise TypeError(f"unknown sandbox_options {sorted(options)}; known: pool, limits, start_timeout_s")
+    served = operator_kwargs(env_kwargs)
+    serve_options(name, served)  # kwargs a server cannot be given fail here, not when the first episode starts
+    session_kwargs = {k: v for k, v in env_kwargs.items() if k not in served}
     if pool is not None:
-        return SandboxedEnv(name, acquire=pool.acquire, release=pool.release, env_kwargs=env_kwargs, remote=remote,
-                            kind=f"{kind} pool")
+        if served != pool.server_kwargs:
+            raise ValueError(f"sandboxed env {name!r} with {served} needs a pool whose servers were started with "
+                             f"them (open_pool(..., server_kwargs=...)); this pool's were started with "
+                             f"{pool.server_kwargs}")
+        return SandboxedEnv(name, acquire=pool.acquire, release=pool.release, env_kwargs=session_kwargs,
+                            remote=remote, kind=f"{kind} pool")
 
     async def acquire() -> Sandbox:
-        sandbox = (await _factory(name, kind, limits, start_timeout_s))()
+        sandbox = (await _factory(name, kind, limits, start_timeout_s, served))()
         await sandbox.start()
         return sandbox
 
-    return SandboxedEnv(name, acquire=acquire, release=_close, env_kwargs=env_kwargs, remote=remote, kind=kind)
+    return SandboxedEnv(name, acquire=acquire, release=_close, env_kwargs=session_kwargs, remote=remote, kind=kind)
 
 
 def docker(name: str, *, remote: RemoteConfig | None = None, sandbox_options: dict[str, Any] | None = None,
@@ -166,16 +184,18 @@ def auto(name: str, **kwargs: Any) -> Env:
 
 
 async def open_pool(name: str, kind: str, *, size: int, limits: SandboxLimits | None = None,
-                    wait: bool = True) -> SandboxPool:
+                    wait: bool = True, server_kwargs: dict[str, Any] | None = None) -> SandboxPool:
     """A started warm pool of ``size`` sandboxes serving env ``name``, for ``sandbox_options={"pool": pool}``:
     containers of its image (``docker``, building the image if needed), ``envkit serve`` child processes
     (``local``), or either as ``sandbox="auto"`` picks; ``wait=False`` returns while they start (``acquire`` waits
-    for the first). The caller closes it."""
+    for the first); ``server_kwargs``: the env kwargs their servers start with (``operator_kwargs`` of the env's).
+    The caller closes it."""
     if kind == "auto":
         kind = _auto_kind(name)
     if kind not in ("docker", "local"):
         raise ValueError(f"unknown sandbox kind {kind!r}; known: docker, local, auto")
-    pool = SandboxPool(await _factory(name, kind, limits, START_TIMEOUT_S), size=size)
+    served = dict(server_kwargs or {})
+    pool = SandboxPool(await _factory(name, kind, limits, START_TIMEOUT_S, served), size=size, server_kwargs=served)
     try:
         await pool.start(wait=wait)
     except BaseException:

@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from typing import IO
+from typing import IO, Any
 
 from envkit import untrusted
 from sandboxes.base import (
@@ -33,6 +33,7 @@ from sandboxes.base import (
     SandboxStartError,
     State,
     exec_argv,
+    serve_options,
     wait_healthy,
 )
 
@@ -65,9 +66,12 @@ class LocalSandbox(Sandbox):
 
     kind = "local"
 
-    def __init__(self, env: str, *, limits: SandboxLimits | None = None, start_timeout_s: float = 30.0) -> None:
+    def __init__(self, env: str, *, limits: SandboxLimits | None = None, start_timeout_s: float = 30.0,
+                 server_kwargs: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.env = env
+        self.options = serve_options(env, server_kwargs)
+        """``envkit serve``'s options beyond the port: the env kwargs its operator sets (``--kwargs``)."""
         self.limits = limits or SandboxLimits()
         self.start_timeout_s = start_timeout_s
         self.token = secrets.token_urlsafe(24)
@@ -95,7 +99,7 @@ class LocalSandbox(Sandbox):
             if self._uid is not None:
                 os.chown(self._workdir, self._uid, self._uid)
             self._proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "envkit.cli", "serve", self.env, "--port", str(port),
+                sys.executable, "-m", "envkit.cli", "serve", self.env, "--port", str(port), *self.options,
                 env=self._child_env(), stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL, stderr=self._log, start_new_session=True)
             await wait_healthy(self.url, deadline=time.monotonic() + self.start_timeout_s, failed=self._exit_reason)

@@ -14,6 +14,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Coroutine
 from types import TracebackType
+from typing import Any
 
 from sandboxes.base import Sandbox, SandboxStateError, State
 
@@ -24,7 +25,7 @@ class SandboxPool:
     """A warm pool of sandboxes made by ``factory`` (e.g. ``lambda: DockerSandbox(image)``)."""
 
     def __init__(self, factory: Callable[[], Sandbox], *, size: int = 2, max_lifetime_s: float = 600.0,
-                 max_uses: int = 0, start_concurrency: int = 2) -> None:
+                 max_uses: int = 0, start_concurrency: int = 2, server_kwargs: dict[str, Any] | None = None) -> None:
         if size < 1 or max_lifetime_s <= 0 or max_uses < 0 or start_concurrency < 1:
             raise ValueError(f"SandboxPool needs size >= 1, max_lifetime_s > 0, max_uses >= 0 and "
                              f"start_concurrency >= 1 (got {size}, {max_lifetime_s}, {max_uses}, {start_concurrency})")
@@ -33,6 +34,8 @@ class SandboxPool:
         self.max_lifetime_s = max_lifetime_s
         self.max_uses = max_uses
         """Recycle a sandbox at most this many times (0: no limit)."""
+        self.server_kwargs = dict(server_kwargs or {})
+        """The env kwargs the sandboxes' servers were started with (what ``factory`` gives them)."""
         self._ready: asyncio.Queue[Sandbox | BaseException] = asyncio.Queue()
         self._leased: set[Sandbox] = set()
         self._tasks: set[asyncio.Task[None]] = set()

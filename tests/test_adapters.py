@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import re
+from pathlib import Path
 
 import pytest
 import reasoning_gym
@@ -279,6 +281,19 @@ async def test_a_server_client_cannot_choose_the_opponent():
     messages = (await server.reset(created["session_id"], 1, None))["observation"]
     assert "Player 0 placed their symbol" in messages[0]["content"]  # the operator's opponent moved
     await server.delete(created["session_id"])
+
+
+async def test_a_sandboxed_games_opponent_starts_its_server(monkeypatch):
+    """The operator making a sandboxed env sets its opponent: the sandbox starts ``envkit serve --kwargs`` with it (a
+    session could not); an opponent a command line cannot carry fails at make, naming why."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                                    os.environ.get("PYTHONPATH")])))
+    async with envkit.make("textarena:TicTacToe-v0", sandbox="local", opponent="test_adapters:first_free_cell",
+                           seat=1) as env:
+        messages, info = await env.reset(seed=0)
+        assert info["seat"] == 1 and "Player 0 placed their symbol" in messages[0]["content"]
+    with pytest.raises(TypeError, match="go to the server the sandbox starts, so must be JSON"):
+        envkit.make("textarena:TicTacToe-v0", sandbox="local", opponent=first_free_cell)
 
 
 def test_textarena_policy_opponent_without_a_published_endpoint_fails_the_episode(monkeypatch):

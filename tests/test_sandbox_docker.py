@@ -202,6 +202,28 @@ async def test_make_with_a_pool_borrows_a_container(docker_client, arithmetic_im
             assert _exists(docker_client, name) and pool.idle == 1  # back in the pool, not removed
 
 
+async def test_operator_kwargs_start_the_containers_server(docker_client, arithmetic_image, monkeypatch) -> None:
+    """Kwargs a session may not set (a two-player game's opponent) go to the container's ``envkit serve --kwargs``;
+    arithmetic's level stands in for them here, as its image is built already."""
+    from sandboxes.env import open_pool
+
+    monkeypatch.setattr("sandboxes.env.OPERATOR_KWARGS", frozenset({"level"}))
+    async with envkit.make("arithmetic", sandbox="docker", level=3) as env:
+        messages, _ = await env.reset(seed=0)
+        assert messages[-1]["content"] == "What is 28 - 58?"  # level 3's question for seed 0; level 1 asks 4 + 5
+        command = docker_client.containers.get(env.env.sandbox.name).attrs["Config"]["Cmd"]
+        assert command[-2:] == ["--kwargs", '{"level": 3}']
+    pool = await open_pool("arithmetic", "docker", size=1, server_kwargs={"level": 3})
+    try:
+        async with envkit.make("arithmetic", sandbox="docker", sandbox_options={"pool": pool}, level=3) as env:
+            messages, _ = await env.reset(seed=0)
+            assert messages[-1]["content"] == "What is 28 - 58?"
+        with pytest.raises(ValueError, match=r"needs a pool whose servers were started with them"):
+            envkit.make("arithmetic", sandbox="docker", sandbox_options={"pool": pool}, level=1)
+    finally:
+        await pool.close()
+
+
 @pytest.fixture(scope="module")
 async def sandbox(docker_client, arithmetic_image):
     """One running container for the exec tests."""

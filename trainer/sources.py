@@ -129,9 +129,10 @@ class EnvStream:
         """Start the sandbox pool (if any, and ``pool_size`` > 0: the run's episodes run in this process) and load the
         train and eval starts."""
         if self.cfg.sandbox is not None and pool_size:
-            from sandboxes.env import open_pool
+            from sandboxes.env import open_pool, operator_kwargs
 
-            self.pool = await open_pool(self.cfg.name, self.cfg.sandbox, size=self.cfg.pool_size or pool_size)
+            self.pool = await open_pool(self.cfg.name, self.cfg.sandbox, size=self.cfg.pool_size or pool_size,
+                                        server_kwargs=operator_kwargs(self.cfg.kwargs))
         if pool_size and self.cfg.sandbox is None:
             await self._warm_code_sandboxes()
         self.train, self.eval = await self._load_starts()

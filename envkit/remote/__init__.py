@@ -15,12 +15,16 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from envkit.remote.client import RemoteConfig, RemoteEnv
 
-__all__ = ["KEEP_ALIVE_S", "TOKEN_ENV", "RemoteConfig", "RemoteEnv"]
+__all__ = ["KEEP_ALIVE_S", "OPERATOR_KWARGS", "TOKEN_ENV", "RemoteConfig", "RemoteEnv"]
 
 TOKEN_ENV = "ENVKIT_TOKEN"
 """The environment variable both ends read the bearer token from."""
 KEEP_ALIVE_S = 75
 """How long ``envkit serve`` keeps an idle HTTP connection open; RemoteEnv reopens one well before."""
+OPERATOR_KWARGS = frozenset({"opponent"})
+"""Env kwargs only whoever starts ``envkit serve`` sets (its ``--kwargs``), never a session: a two-player game's
+opponent is code the server imports and calls, or a URL it posts to and quotes back. A sandbox starts its server with
+them."""
 
 
 def __getattr__(name: str) -> Any:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import warnings
 from pathlib import Path
@@ -203,23 +204,26 @@ class EnvWorker:
     def __init__(self, pool_size: int) -> None:
         self.envs: dict[int, Env] = {}
         self.pool_size = pool_size
-        self.pools: dict[tuple[str, str], Any] = {}
+        self.pools: dict[tuple[str, str, str], Any] = {}
         self.pools_lock = asyncio.Lock()
 
     async def open(self, key: int, name: str, kwargs: dict[str, Any]) -> None:
         if "sandbox" in kwargs:
-            kwargs = {**kwargs, "sandbox_options": {"pool": await self._pool(name, kwargs["sandbox"])}}
+            kwargs = {**kwargs, "sandbox_options": {"pool": await self._pool(name, kwargs)}}
         env = envkit.make(name, **kwargs)
         self.envs[key] = env
         await env.init()
 
-    async def _pool(self, name: str, kind: str) -> Any:
-        async with self.pools_lock:  # one pool per image, however many rollouts ask for it at once
-            if (name, kind) not in self.pools:
-                from sandboxes.env import open_pool
+    async def _pool(self, name: str, kwargs: dict[str, Any]) -> Any:
+        from sandboxes.env import open_pool, operator_kwargs
 
-                self.pools[name, kind] = await open_pool(name, kind, size=self.pool_size, wait=False)
-            return self.pools[name, kind]
+        served = operator_kwargs(kwargs)
+        key = (name, kwargs["sandbox"], json.dumps(served, sort_keys=True))
+        async with self.pools_lock:  # one pool per image and server kwargs, however many rollouts ask at once
+            if key not in self.pools:
+                self.pools[key] = await open_pool(name, kwargs["sandbox"], size=self.pool_size, wait=False,
+                                                  server_kwargs=served)
+            return self.pools[key]
 
     async def reset(self, key: int, seed: int | None, task: Task | None) -> tuple[list[Message], dict, list[dict]]:
         env = self.envs[key]

@@ -25,7 +25,7 @@ from envkit.errors import (
     ResetNeededError,
     ToolCallError,
 )
-from envkit.remote import wire
+from envkit.remote import OPERATOR_KWARGS, wire
 from envkit.remote.deadlines import Canceller, Deadlines
 from envkit.remote.protocol import PROTOCOL_VERSION, ApiError
 from envkit.remote.server.config import ServerLimits
@@ -38,9 +38,8 @@ from envkit.tools import ToolOutput
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-SERVER_CHOSEN = frozenset({"checked", "sandbox", "opponent"})
-"""Kwargs a session may not set: where and how the server runs its envs, and a two-player game's opponent (code the
-server would import and call, or a URL it would post to and quote back)."""
+SERVER_CHOSEN = frozenset({"checked", "sandbox"}) | OPERATOR_KWARGS
+"""Kwargs a session may not set: where and how the server runs its envs, and the operator's (OPERATOR_KWARGS)."""
 TASK_LISTS_KEPT = 16
 """Task lists kept per server, one per (kwargs, split): a client cannot make the server hold more by varying kwargs."""
 
