@@ -13,21 +13,20 @@
         optimizer step
     weights v(step+1) → engine                                             broadcast from memory, or a checkpoint
 
-``trainer.mode=async`` generates the next steps' rollouts while a step trains, at most ``trainer.max_staleness``
-weight versions behind (trainer/async_rollouts.py); the step then takes its rollouts from there instead.
+The rollouts come from a source picked once (trainer/rollout_source.py): rank 0's generates them each step
+(``trainer.mode=sync``), or while the step before trains, at most ``trainer.max_staleness`` weight versions behind
+(``async``); ranks above 0 receive rank 0's. The step reads the same in every mode and on every rank.
 
-With N ranks (torchrun, or Ray actors: trainer/placement) rank 0 generates, every rank trains on its slice of each
-mini-batch, and FSDP averages gradients; losses are scaled so the result equals the single-rank loss on the whole
-mini-batch. Rank 0's placement supplies the engine (one server, or replicas behind a router) and each rollout's env
-(made here, or in an env worker); the step reads the same either way.
+With N ranks (torchrun, or Ray actors: trainer/placement) every rank trains on its slice of each mini-batch, and FSDP
+averages gradients; losses are scaled so the result equals the single-rank loss on the whole mini-batch. Rank 0's
+placement supplies the engine (one server, or replicas behind a router) and each rollout's env (made here, or in an
+env worker).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
-import shutil
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -37,22 +36,18 @@ from typing import Any
 
 import torch
 
-from generators import ChatTokenizer, Generator, Trajectory
-from generators.engines.base import InferenceEngine, publish_policy
+from generators import ChatTokenizer, Trajectory
 from generators.models import resolve_model
-from generators.report import first_errors, passed
+from generators.report import first_errors
 from trainer import algorithms as algo
-from trainer.async_rollouts import AsyncRollouts, LoopThread
 from trainer.backends import make_backend
 from trainer.backends.base import Batch, TrainBackend
-from trainer.backends.hf_export import write_hf_checkpoint
 from trainer.batching import micro_batches, mini_batch_order, stack_rows, to_padded
 from trainer.checkpoint import CheckpointManager, TrainState
 from trainer.config import Config
 from trainer.distributed import all_reduce_values, broadcast_from_rank0, max_over_ranks, shutdown_distributed
-from trainer.metrics import RunLogger, rollout_metrics
-from trainer.placement import make_placement
-from trainer.sources import Mixture
+from trainer.metrics import rollout_metrics
+from trainer.rollout_source import rollout_source
 
 log = logging.getLogger(__name__)
 
@@ -75,111 +70,34 @@ def train(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]:
     torch.manual_seed(cfg.trainer.seed)
     model_path = resolve_model(cfg.model.path)
     backend = make_backend(cfg, model_path)
-    is_main = backend.rank == 0
     tokenizer = ChatTokenizer.from_pretrained(model_path)
     checkpoints = CheckpointManager(out / "checkpoints", keep_last=cfg.trainer.keep_last)
-    state = TrainState()
-    if cfg.trainer.resume:
-        state = checkpoints.load(checkpoints.resolve(cfg.trainer.resume), backend)
-
-    # The generator is async; the trainer drives it from this synchronous loop. In async mode the event loop runs in
-    # a thread of its own, so generation goes on while this thread trains.
-    runner: asyncio.Runner | LoopThread = LoopThread() if cfg.trainer.mode == "async" else asyncio.Runner()
-    placement = make_placement(cfg) if is_main else None  # rank 0 generates: here, or with Ray actors
-    envs = Mixture(cfg.env, seed=cfg.trainer.seed, make_env=placement.make_env) if placement else None
-    engine = placement.engine(model_path, out) if placement else None
-    logger = RunLogger(out, cfg, total_steps=cfg.trainer.steps, start_step=state.step) if is_main else None
-    results: dict[str, Any] = {}
-    rollouts: AsyncRollouts | None = None
+    state = checkpoints.load(checkpoints.resolve(cfg.trainer.resume), backend) if cfg.trainer.resume else TrainState()
+    source = rollout_source(cfg, backend.rank, out, model_path, tokenizer, state)
     try:
-        if envs is not None:  # first: a wrong env or task source fails before the inference server starts
-            runner.run(envs.open(pool_size=placement.sandbox_pool_size()))
-            if state.data:
-                envs.load_state(state.data)
-        if engine is not None:
-            runner.run(engine.start())
-            publish_policy(engine)
-        if state.policy_version:  # resumed: serve the checkpoint's policy, not the initial one
-            sync_weights(backend, engine, runner, out, state.policy_version, cfg.trainer.weight_sync)
-        generator = Generator(engine, tokenizer, cfg.generator) if engine is not None else None
-        evaluating = (generator is not None and envs is not None and logger is not None
-                      and cfg.trainer.eval_tasks > 0 and any(s.eval for s in envs.streams))
-        if evaluating and evaluate_before and state.step == 0:
-            before = evaluate(generator, envs, runner, cfg, logger, step=0)
-            results.update({f"{k}_before": v for k, v in before.items()})
-
-        if cfg.trainer.mode == "async" and generator is not None and envs is not None:
-            rollouts = AsyncRollouts(envs, generator, prompts_per_step=cfg.generator.prompts_per_step,
-                                     max_staleness=cfg.trainer.max_staleness)
-            runner.run(rollouts.start(step=state.step, version=state.policy_version, pending=state.pending))
-
+        results = source.open(backend, state, evaluate_before=evaluate_before)
         while state.step < cfg.trainer.steps:
-            t_step = time.perf_counter()
-            t0 = time.perf_counter()
-            stale = 0
-            if rollouts is not None:
-                trajs, stale = runner.run(rollouts.batch(state.step))
-            elif generator is not None and envs is not None:
-                trajs = runner.run(envs.rollouts(generator, cfg.generator.prompts_per_step))
-                state.data = envs.state()
-            else:  # ranks > 0 get rank 0's rollouts
-                trajs = []
-            trajs = broadcast_from_rank0(trajs)
-            gen_s = time.perf_counter() - t0
-
+            t_step = t0 = time.perf_counter()
+            trajs, stale = source.next(state)
+            trajs = broadcast_from_rank0(trajs)  # ranks > 0 get rank 0's rollouts
+            t1 = time.perf_counter()
             batch = prepare_batch(trajs, cfg)
             batch.counts["stale_dropped"] = stale
-            t0 = time.perf_counter()
             train_metrics = update_policy(backend, batch, cfg, tokenizer.pad_id)
-            train_s = time.perf_counter() - t0
-
-            t0 = time.perf_counter()
-            state.step += 1
-            state.policy_version = state.step
-            from_memory = sync_weights(backend, engine, runner, out, state.policy_version, cfg.trainer.weight_sync)
-            if rollouts is not None:
-                runner.run(rollouts.set_version(state.policy_version))
-            sync_s = time.perf_counter() - t0
-
+            t2 = time.perf_counter()
+            state.step = state.policy_version = state.step + 1
+            from_memory = source.serve(backend, state.policy_version)
+            t3 = time.perf_counter()
             if state.step % cfg.trainer.save_every == 0 or state.step == cfg.trainer.steps:
-                if rollouts is not None and envs is not None:  # a consistent cut: nothing runs on the loop meanwhile
-                    state.data, state.pending = runner.run(_snapshot(envs, rollouts))
+                source.snapshot(state)
                 checkpoints.save(backend, state)
-            if logger is not None:
-                metrics = {
-                    **rollout_metrics(trajs, batch, state.policy_version - 1),
-                    **train_metrics,
-                    **(placement.metrics() if placement else {}),
-                    "time/generate_s": gen_s, "time/train_s": train_s, "time/sync_s": sync_s,
-                    "weights/from_memory": float(from_memory),
-                    "time/step_s": time.perf_counter() - t_step,
-                }
-                logger.log_step(state.step, metrics, trajs)
-                every = cfg.trainer.eval_every
-                if evaluating and every and state.step % every == 0 and state.step < cfg.trainer.steps:
-                    evaluate(generator, envs, runner, cfg, logger, step=state.step)
-
-        weights = out / "weights" / f"v{state.policy_version}"
-        if state.policy_version and cfg.trainer.weight_sync != "disk":  # synced from memory: put the policy on disk
-            backend.export_weights(weights)
-        results["weights"] = str(weights) if state.policy_version else str(model_path)
-        if evaluating:
-            after = evaluate(generator, envs, runner, cfg, logger, step=state.step)
-            results.update({f"{k}_after": v for k, v in after.items()})
-        if logger is not None:
-            results.update(logger.finish(results))
+            source.log_step(state, {
+                **rollout_metrics(trajs, batch, state.policy_version - 1), **train_metrics,
+                "time/generate_s": t1 - t0, "time/train_s": t2 - t1, "time/sync_s": t3 - t2,
+                "weights/from_memory": float(from_memory), "time/step_s": time.perf_counter() - t_step}, trajs)
+        results.update(source.finish(backend, state))
     finally:
-        if rollouts is not None:
-            runner.run(rollouts.close())
-        if engine is not None:
-            runner.run(engine.stop())
-        if envs is not None:
-            runner.run(envs.close())
-        if placement is not None:
-            runner.run(placement.close())
-        runner.close()
-        if logger is not None:
-            logger.close()
+        source.close()
         shutdown_distributed()
     return results
 
@@ -364,75 +282,3 @@ def _clip_kwargs(cfg: Config) -> dict[str, Any]:
 
 def _add(stats: dict[str, list[float]], key: str, value: float | torch.Tensor) -> None:
     stats.setdefault(key, []).append(float(value))
-
-
-# ------------------------------------------------------------------------------------------------- plumbing
-
-
-def sync_weights(backend: TrainBackend, engine: InferenceEngine | None, runner: asyncio.Runner | LoopThread,
-                 out: Path, version: int, how: str) -> bool:
-    """Have the engine serve the policy as ``version``: sent from memory (``how`` memory, or auto where the engine
-    can take it), else as an HF checkpoint it reloads (only the newest is kept); whether it went from memory. Every
-    rank gathers the weights; rank 0, which holds the engine, sends them."""
-    weights = backend.served_weights()
-    if engine is None:
-        return False
-    if how != "disk" and engine.supports_weight_push:
-        try:
-            runner.run(engine.push_weights(weights, version))
-            return True
-        except Exception as e:
-            if how == "memory":
-                raise
-            log.warning("sending weights v%d from memory failed (%s: %s); loading them from disk instead", version,
-                        type(e).__name__, e)
-    path = out / "weights" / f"v{version}"
-    write_hf_checkpoint(weights, Path(backend.config.model_path), path)
-    runner.run(engine.load_weights(path, version))
-    for old in (out / "weights").glob("v*"):
-        if old != path and old.name[1:].isdigit():
-            shutil.rmtree(old, ignore_errors=True)
-    return False
-
-
-async def _snapshot(envs: Mixture, rollouts: AsyncRollouts) -> tuple[dict[str, dict[str, int]], list[dict[str, Any]]]:
-    """The data positions and the drawn-but-untrained groups, taken in one go on the event loop."""
-    return envs.state(), rollouts.pending()
-
-
-def evaluate(generator: Generator, envs: Mixture, runner: asyncio.Runner | LoopThread, cfg: Config,
-             logger: RunLogger, *, step: int) -> dict[str, float]:
-    """Held-out accuracy (fraction of rollouts with reward >= 1) and mean reward, over every env and per env of a
-    mixture: sampled at the eval temperature with ``eval_samples`` per task, and greedy (one per task) when
-    ``eval_greedy``. Where an env has tools, also the share of episodes that called one (``tool_call_rate``)."""
-    settings = {"accuracy": (cfg.trainer.eval_temperature, cfg.trainer.eval_samples)}
-    if cfg.trainer.eval_greedy:
-        settings["greedy_accuracy"] = (0.0, 1)
-    # Both sets of rollouts at once, each with its share of the concurrency: one after the other, the engine would
-    # idle while the first set's slowest rollouts finish.
-    total = sum(samples for _, samples in settings.values())
-    generators = [Generator(generator.engine, generator.tokenizer, cfg.generator.generator_config(
-        temperature=temperature, samples_per_prompt=samples, seed=None,
-        concurrency=max(1, cfg.generator.concurrency * samples // total)))
-        for temperature, samples in settings.values()]
-
-    async def rollouts() -> list[list[Trajectory]]:
-        return await asyncio.gather(*(envs.eval_rollouts(g, cfg.trainer.eval_tasks) for g in generators))
-
-    results: dict[str, float] = {}
-    for name, trajs in zip(settings, runner.run(rollouts()), strict=True):
-        groups = {"": trajs} if len(envs.streams) == 1 else {"": trajs, **{
-            f"{label}/": [t for t in trajs if t.env_name == label] for label in envs.labels}}
-        reward_name = "reward" if name == "accuracy" else "greedy_reward"
-        values: dict[str, float] = {}
-        tool_envs = {s.label for s in envs.streams if s.tools}
-        for prefix, group in groups.items():
-            n = max(len(group), 1)
-            values[prefix + name] = sum(passed(t) for t in group) / n
-            values[prefix + reward_name] = sum(t.reward for t in group if not t.failed) / n
-            if any(t.env_name in tool_envs or t.tool_log for t in group):
-                rate = "tool_call_rate" if name == "accuracy" else "greedy_tool_call_rate"
-                values[prefix + rate] = sum(t.tool_calls > 0 for t in group if not t.failed) / n
-        logger.log_eval(step, name, values, trajs)
-        results.update(values)
-    return results

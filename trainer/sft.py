@@ -43,9 +43,9 @@ from trainer.distributed import (
     max_over_ranks,
     shutdown_distributed,
 )
-from trainer.loop import evaluate, sync_weights
 from trainer.metrics import RunLogger
 from trainer.placement import Placement
+from trainer.rollout_source import evaluate, sync_weights
 from trainer.sft_data import SFTData, load_sft_data, write_sft_data
 from trainer.sources import Mixture
 
