@@ -9,14 +9,18 @@ also after a failed or cancelled start.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import json
 import os
 import socket
+import tempfile
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -119,6 +123,14 @@ def serve_options(env: str, server_kwargs: dict[str, Any] | None) -> list[str]:
         raise TypeError(f"{', '.join(sorted(server_kwargs))} of sandboxed env {env!r} go to the server the sandbox "
                         f"starts, so must be JSON (an opponent as 'module:attr', 'policy' or an endpoint dict): {e}"
                         ) from e
+
+
+@contextlib.contextmanager
+def host_lock(name: str) -> Iterator[None]:
+    """Hold the host-wide lock ``name``: processes that would build or create the same engine object take turns."""
+    with open(Path(tempfile.gettempdir()) / f"envkit-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def owner_id() -> str:

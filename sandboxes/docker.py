@@ -47,11 +47,11 @@ from sandboxes.base import (
     SandboxUnavailableError,
     State,
     exec_argv,
+    host_lock,
     owner_id,
     process_start_ticks,
     wait_healthy,
 )
-from sandboxes.engine import host_lock
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

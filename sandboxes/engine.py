@@ -14,15 +14,12 @@ The base image is Debian bookworm minbase with python3 (3.11, like the host), ma
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,14 +34,6 @@ SOCKET = Path("/var/run/docker.sock")
 def cache_dir() -> Path:
     """The project cache (``$ENVKIT_CACHE_DIR``, default ``~/.cache/envkit``)."""
     return Path(os.environ.get("ENVKIT_CACHE_DIR") or Path.home() / ".cache" / "envkit")
-
-
-@contextlib.contextmanager
-def host_lock(name: str) -> Iterator[None]:
-    """Hold the host-wide lock ``name``: processes that would build or create the same engine object take turns."""
-    with open(Path(tempfile.gettempdir()) / f"envkit-{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
 
 
 def _say(message: str) -> None:

@@ -25,8 +25,8 @@ from urllib.parse import unquote, urlsplit
 
 import envkit
 from envkit.distribution import DISTRIBUTION
-from sandboxes.base import EXEC_UID, SERVER_PORT
-from sandboxes.engine import BASE_IMAGE, cache_dir, docker_client, ensure_base_image, host_lock, image_exists
+from sandboxes.base import EXEC_UID, SERVER_PORT, host_lock
+from sandboxes.engine import BASE_IMAGE, cache_dir, docker_client, ensure_base_image, image_exists
 
 RECIPE_VERSION = "1"
 ENV_LABEL = "org.envkit.env"

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from trainer.config import Config
 
+__all__ = ["CONF_DIR", "compose", "run"]
+
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
@@ -37,6 +39,6 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> Config:
 def run(overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
     """Compose the config from ``overrides`` and train (here, or on Ray with ``placement.backend=ray``); returns the
     results ``python -m trainer`` prints."""
-    from trainer.placement import launch
+    from trainer.launch import launch
 
     return launch(compose(overrides))

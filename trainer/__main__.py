@@ -54,7 +54,8 @@ def main(raw: DictConfig) -> None:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
-    from trainer.placement import RunFailed, launch  # heavy imports only once the config is valid
+    from trainer.launch import launch  # heavy imports only once the config is valid
+    from trainer.placement import RunFailed
 
     try:
         results = launch(cfg)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -11,6 +12,19 @@ from typing import Any, Literal
 from envkit.adapters.opponent import POLICY_MODEL_VAR, POLICY_URL_VAR
 
 FinishReason = Literal["stop", "length", "abort"]
+
+
+WEIGHT_SWAPS = ("finish", "interrupt")
+"""What a server's requests in flight do when new weights arrive (vLLM's ``weight_swap``)."""
+WEIGHT_TRANSPORTS = ("auto", "shared", "group")
+"""How weights reach a vLLM server from memory (its ``weight_transport``)."""
+_CORE_LIST = re.compile(r"\d+(-\d+)?(,\d+(-\d+)?)*")
+
+
+def check_cpu_cores(cores: str) -> None:
+    """Raise ValueError unless ``cores`` is auto, all, vllm or a core list such as ``0-3`` or ``0,2``."""
+    if cores not in ("auto", "all", "vllm") and not _CORE_LIST.fullmatch(cores):
+        raise ValueError(f"cpu_cores must be auto, all, vllm or a list of cores such as 0-3 or 0,2; got {cores!r}")
 
 
 @dataclass(frozen=True, slots=True)

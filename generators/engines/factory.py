@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from generators.engines.base import InferenceEngine
+from generators.engines.base import WEIGHT_SWAPS, WEIGHT_TRANSPORTS, InferenceEngine, check_cpu_cores
 
 ENGINES = ("vllm", "sglang", "hf", "openai")
-WEIGHT_SWAPS = ("finish", "interrupt")
-WEIGHT_TRANSPORTS = ("auto", "shared", "group")
-_CORE_LIST = re.compile(r"\d+(-\d+)?(,\d+(-\d+)?)*")
-
-
-def check_cpu_cores(cores: str) -> None:
-    """Raise ValueError unless ``cores`` is auto, all, vllm or a core list such as ``0-3`` or ``0,2``."""
-    if cores not in ("auto", "all", "vllm") and not _CORE_LIST.fullmatch(cores):
-        raise ValueError(f"cpu_cores must be auto, all, vllm or a list of cores such as 0-3 or 0,2; got {cores!r}")
 
 
 @dataclass

@@ -10,8 +10,15 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from generators.engines.base import Completion, EngineError, FinishReason, SamplingParams
-from generators.engines.factory import WEIGHT_SWAPS, WEIGHT_TRANSPORTS, check_cpu_cores
+from generators.engines.base import (
+    WEIGHT_SWAPS,
+    WEIGHT_TRANSPORTS,
+    Completion,
+    EngineError,
+    FinishReason,
+    SamplingParams,
+    check_cpu_cores,
+)
 from generators.engines.managed import ServerBackedEngine
 from generators.models import cache_dir
 from generators.precision import auto_dtype

@@ -13,6 +13,8 @@ from trainer.backends.base import BackendConfig, TrainBackend
 if TYPE_CHECKING:
     from trainer.config import Config
 
+__all__ = ["BackendConfig", "TrainBackend", "make_backend", "train_dtype"]
+
 
 def make_backend(cfg: Config, model_path: str, *, sft_steps: int | None = None) -> TrainBackend:
     """The training backend named by ``trainer.backend``: for RL, or with ``sft_steps`` (its optimizer steps) for

@@ -36,7 +36,7 @@ from generators.engines.base import ChatCompletion, Completion, InferenceEngine,
 from generators.engines.factory import EngineConfig, make_engine
 from generators.engines.replicas import ReplicaDied, ReplicaSet
 from trainer.config import Config
-from trainer.placement import Placement
+from trainer.placement.base import Placement
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ import ray
 from ray.util.placement_group import remove_placement_group
 
 from trainer.config import Config
-from trainer.placement import RunFailed
 from trainer.placement.actors import actor_options, ready_group
+from trainer.placement.base import RunFailed
 
 
 @ray.remote
