@@ -17,14 +17,13 @@ import envkit
 from envkit import Env, StepResult
 from envkit.errors import EnvNotFoundError
 from envkit.gym_bridge import (
-    RENDERERS,
     REPLACEMENT_CHAR,
     GymnasiumEnv,
     GymTextEnv,
-    Renderer,
     as_gymnasium,
     parse_action,
 )
+from envkit.gym_games import RENDERERS, Renderer
 
 FIRM_ICE = {"is_slippery": False}
 # The 4x4 map: SFFF / FHFH / FFFH / HFFG.
