@@ -9,7 +9,6 @@ import torch
 
 from trainer.algorithms import (
     ADVANTAGES,
-    POLICY_LOSSES,
     aggregate,
     approx_kl,
     clip_fraction,
@@ -21,6 +20,7 @@ from trainer.algorithms import (
     kl_penalty,
     logprob_mismatch_stats,
     masked_mean,
+    policy_loss,
     reinforce_pp_advantages,
     rloo_advantages,
     tis_weights,
@@ -230,13 +230,12 @@ def test_clipped_surrogate_dual_clip():
     # r=1.5: 3 < 6 stays, gradient -A r = 3 ; A = +2 row is untouched by the dual clip: r=5 -> -2*1.2 = -2.4
     logprobs = torch.log(t([[5.0, 1.5], [5.0, 1.5]])).requires_grad_()
     adv = t([[-2.0, -2.0], [2.0, 2.0]])
-    loss, diag = clipped_surrogate(logprobs, torch.zeros_like(logprobs), adv, dual_clip=3.0)
+    loss, diag = clipped_surrogate(logprobs, torch.zeros_like(logprobs), adv, clip_low=0.2, clip_high=0.2,
+                                   dual_clip=3.0)
     loss.sum().backward()
     close(loss.detach(), [[6.0, 3.0], [-2.4, -2.4]])
     close(diag["dual_clipped"], [[1, 0], [0, 0]])
     close(logprobs.grad, [[0.0, 3.0], [0.0, 0.0]])
-    with pytest.raises(ValueError):
-        clipped_surrogate(logprobs, logprobs, adv, dual_clip=0.5)
 
 
 def test_clipped_surrogate_gradient_random():
@@ -266,7 +265,7 @@ def test_gspo_hand_computed():
     old = torch.zeros(3, 3, dtype=D)
     logprobs = (old + delta).requires_grad_()
     adv = t([2.0, 1.0, -1.0])
-    loss, diag = gspo_loss(logprobs, old, adv, mask)
+    loss, diag = gspo_loss(logprobs, old, adv, mask, clip_low=3e-4, clip_high=4e-4)
     s0 = math.exp(3e-4)
     close(loss.detach(), [[-2 * s0] * 3, [-1.0004] * 3, [0.9997] * 3], atol=1e-9)
     close(diag["ratio"][:, 0], [s0, math.exp(1e-3), math.exp(-1e-3)], atol=1e-12)
@@ -305,16 +304,19 @@ def test_gspo_gradient_matches_sequence_level_form():
     close(loss_tok.detach(), loss.detach())
 
 
-def test_policy_loss_registry():
+def test_policy_loss_built_once_with_its_clip_range():
     torch.manual_seed(4)
     logprobs = torch.randn(3, 5, dtype=D) * 0.1
     old = logprobs + torch.randn(3, 5, dtype=D) * 0.1
     mask = torch.ones(3, 5, dtype=D)
     adv_tok = torch.randn(3, 1, dtype=D).expand(3, 5)
-    ppo, _ = POLICY_LOSSES["ppo"](logprobs, old, adv_tok, mask)
-    close(ppo, clipped_surrogate(logprobs, old, adv_tok)[0])
-    gspo, _ = POLICY_LOSSES["gspo"](logprobs, old, adv_tok, mask, clip_high=1e-3)
-    close(gspo, gspo_loss(logprobs, old, adv_tok[:, 0], mask, clip_high=1e-3)[0])
+    ppo, _ = policy_loss("ppo", clip_low=0.05, clip_high=0.08, dual_clip=3.0)(logprobs, old, adv_tok, mask)
+    close(ppo, clipped_surrogate(logprobs, old, adv_tok, clip_low=0.05, clip_high=0.08, dual_clip=3.0)[0])
+    assert not torch.allclose(ppo, clipped_surrogate(logprobs, old, adv_tok, clip_low=0.2, clip_high=0.2)[0])
+    gspo, _ = policy_loss("gspo", clip_low=3e-4, clip_high=1e-3)(logprobs, old, adv_tok, mask)
+    close(gspo, gspo_loss(logprobs, old, adv_tok[:, 0], mask, clip_low=3e-4, clip_high=1e-3)[0])
+    with pytest.raises(ValueError, match="unknown policy loss 'trpo'"):
+        policy_loss("trpo", clip_low=0.2, clip_high=0.2)
 
 
 # ------------------------------------------------------------------------------------------------- aggregation

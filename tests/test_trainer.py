@@ -46,6 +46,8 @@ def _metrics(out: Path) -> dict[int, dict]:
         ("algorithm.advantage=ppo2", "algorithm.advantage='ppo2' is not one of: grpo, dr_grpo"),
         ("generator.samples_per_prompt=1", "compares samples of one prompt: set generator.samples_per_prompt >= 2"),
         ("algorithm.dual_clip=0.5", "algorithm.dual_clip must be > 1"),
+        ("algorithm=gspo algorithm.dual_clip=3", "is policy_loss=ppo's; got 3.0 with policy_loss=gspo"),
+        ("algorithm.clip_low=1.0", "algorithm.clip_low must be in [0, 1)"),
         ("generator.temperature=0", "generator.temperature must be > 0"),
         ("trainer.weight_sync=memory inference.engine=sglang", "takes new weights from a checkpoint on disk only"),
     ],

@@ -22,7 +22,8 @@ from torch import Tensor
 AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLKind = Literal["k1", "k2", "k3"]
 AdvantageFn = Callable[[Tensor, Tensor], Tensor]
-PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
+PolicyLoss = Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, dict[str, Tensor]]]
+"""``(logprobs, old_logprobs, advantages (B, T), mask) -> (loss (B, T), diagnostics)``: see :func:`policy_loss`."""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -170,13 +171,8 @@ ADVANTAGES: dict[str, AdvantageFn] = {
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _check_clip(clip_low: float, clip_high: float) -> None:
-    if not (0 <= clip_low < 1 and clip_high >= 0):
-        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
-
-
-def clipped_surrogate(logprobs: Tensor, old_logprobs: Tensor, advantages_tok: Tensor, *, clip_low: float = 0.2,
-                      clip_high: float = 0.2, dual_clip: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+def clipped_surrogate(logprobs: Tensor, old_logprobs: Tensor, advantages_tok: Tensor, *, clip_low: float,
+                      clip_high: float, dual_clip: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate (Schulman et al. 2017, eq. 7), loss = -min(rho A, clip(rho, 1-eps_lo, 1+eps_hi) A).
 
     Decoupled clip range from DAPO (Yu et al. 2025, "clip-higher", eq. 10). ``dual_clip`` c > 1 (Ye et al. 2020,
@@ -184,9 +180,6 @@ def clipped_surrogate(logprobs: Tensor, old_logprobs: Tensor, advantages_tok: Te
     ``ratio``; ``clipped`` where the clip branch is active (zero gradient), split into ``clipped_low`` (rho below
     the range) and ``clipped_high``; ``dual_clipped`` where the dual cap is active. All (B, T).
     """
-    _check_clip(clip_low, clip_high)
-    if dual_clip is not None and dual_clip <= 1:
-        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     ratio = torch.exp(logprobs - old_logprobs)  # (B, T)
     pg_unclipped = -advantages_tok * ratio  # (B, T)
     pg_clipped = -advantages_tok * ratio.clamp(1 - clip_low, 1 + clip_high)  # (B, T)
@@ -209,7 +202,7 @@ def clipped_surrogate(logprobs: Tensor, old_logprobs: Tensor, advantages_tok: Te
 
 
 def gspo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages_seq: Tensor, mask: Tensor, *,
-              clip_low: float = 3e-4, clip_high: float = 4e-4) -> tuple[Tensor, dict[str, Tensor]]:
+              clip_low: float, clip_high: float) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO (Zheng et al. 2025), GSPO-token form (eq. 13-14), returned per token (B, T).
 
     s_i = exp(mean_t (logp_it - old_it)) over row i's model tokens (eq. 7); s_it = sg[s_i] * p_it / sg[p_it], whose
@@ -221,7 +214,6 @@ def gspo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages_seq: Tensor, ma
     ``advantages_seq`` (B,), or (B, T) for per-token advantages as GSPO-token allows. Diagnostics (detached, B, T):
     ``ratio`` (s_i broadcast), ``clipped``, ``clipped_low``, ``clipped_high``.
     """
-    _check_clip(clip_low, clip_high)
     adv = advantages_seq[:, None] if advantages_seq.dim() == 1 else advantages_seq  # (B, 1) or (B, T)
     log_seq_ratio = masked_mean(logprobs - old_logprobs, mask, dim=-1)  # (B,)
     seq_ratio = torch.exp(log_seq_ratio).detach()[:, None]  # (B, 1) sg[s_i]
@@ -241,15 +233,16 @@ def gspo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages_seq: Tensor, ma
     return loss, diag
 
 
-def _ppo(logprobs: Tensor, old_logprobs: Tensor, advantages_tok: Tensor, mask: Tensor, **kwargs
-         ) -> tuple[Tensor, dict[str, Tensor]]:
-    del mask  # token-level: the mask is applied by ``aggregate``
-    return clipped_surrogate(logprobs, old_logprobs, advantages_tok, **kwargs)
-
-
-POLICY_LOSSES: dict[str, PolicyLossFn] = {"ppo": _ppo, "gspo": gspo_loss}
-"""Uniform signature ``(logprobs, old_logprobs, advantages (B, T), mask, **clip_kwargs) -> (loss (B, T), diag)``;
-each keeps its own clip defaults (PPO 0.2/0.2, GSPO 3e-4/4e-4)."""
+def policy_loss(kind: str, *, clip_low: float, clip_high: float, dual_clip: float | None = None) -> PolicyLoss:
+    """The policy loss ``kind`` with its clip range, built once: ppo (:func:`clipped_surrogate`, token ratios; the
+    mask is applied by :func:`aggregate`) or gspo (:func:`gspo_loss`, sequence ratios; no dual clip)."""
+    if kind == "ppo":
+        return lambda logprobs, old_logprobs, advantages, mask: clipped_surrogate(
+            logprobs, old_logprobs, advantages, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
+    if kind == "gspo":
+        return lambda logprobs, old_logprobs, advantages, mask: gspo_loss(
+            logprobs, old_logprobs, advantages, mask, clip_low=clip_low, clip_high=clip_high)
+    raise ValueError(f"unknown policy loss {kind!r}: ppo or gspo")
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, *, clip: float | None = 0.2) -> Tensor:
@@ -342,8 +335,8 @@ def logprob_mismatch_stats(trainer_logprobs: Tensor, rollout_logprobs: Tensor, m
 
 
 @torch.no_grad()
-def clip_fraction(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, *, clip_low: float = 0.2,
-                  clip_high: float = 0.2) -> Tensor:
+def clip_fraction(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, *, clip_low: float,
+                  clip_high: float) -> Tensor:
     """Fraction of masked tokens whose ratio lies outside [1 - clip_low, 1 + clip_high] (CleanRL's clipfrac,
     whatever the advantage sign). Scalar."""
     ratio = torch.exp(logprobs - old_logprobs)  # (B, T)

@@ -213,10 +213,12 @@ class AlgorithmConfig:
         _one_of("algorithm.policy_loss", self.policy_loss, POLICY_LOSSES)
         _one_of("algorithm.aggregation", self.aggregation, AGGREGATIONS)
         _one_of("algorithm.kl_kind", self.kl_kind, ("k1", "k2", "k3"))
-        if self.clip_low < 0 or self.clip_high < 0:
-            raise ConfigError("algorithm.clip_low and algorithm.clip_high must be >= 0")
-        if self.dual_clip is not None and self.dual_clip <= 1:
-            raise ConfigError(f"algorithm.dual_clip must be > 1 (or null), got {self.dual_clip}")
+        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
+            raise ConfigError(f"algorithm.clip_low must be in [0, 1) and algorithm.clip_high >= 0, got "
+                              f"{self.clip_low}, {self.clip_high}")
+        if self.dual_clip is not None and (self.dual_clip <= 1 or self.policy_loss != "ppo"):
+            raise ConfigError(f"algorithm.dual_clip must be > 1 (or null), and is policy_loss=ppo's; got "
+                              f"{self.dual_clip} with policy_loss={self.policy_loss}")
         if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
             raise ConfigError(f"algorithm.gamma and algorithm.lam must be in [0, 1], got {self.gamma}, {self.lam}")
         if self.tis_cap is not None and self.tis_cap < 1:

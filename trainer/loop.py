@@ -143,6 +143,7 @@ def update_policy(backend: TrainBackend, batch: StepBatch, cfg: Config, pad_id: 
     # values before the update give GAE its advantages and the value loss its clipping anchor.
     before = _before_update(backend, batch, cfg, pad_id) if cfg.steps_per_update > 1 or a.critic else None
     targets = _gae_targets(batch, before, cfg, pad_id) if a.critic else None
+    policy_loss = algo.policy_loss(a.policy_loss, clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip)
     for _epoch in range(cfg.trainer.epochs):
         for start in range(0, n, mini):
             index = order[start:start + mini]
@@ -164,7 +165,7 @@ def update_policy(backend: TrainBackend, batch: StepBatch, cfg: Config, pad_id: 
                 old = logprobs.detach() if before is None else stack_rows(before["logprobs"], rows, logprobs.shape)
                 adv_tok = (batch.advantages[rows][:, None].expand_as(logprobs) if targets is None
                            else stack_rows(targets["advantages"], rows, logprobs.shape))
-                loss_tok, diag = algo.POLICY_LOSSES[a.policy_loss](logprobs, old, adv_tok, mask, **_clip_kwargs(cfg))
+                loss_tok, diag = policy_loss(logprobs, old, adv_tok, mask)
                 share = _share(mask, totals, cfg) * weight
                 if a.tis_cap is not None:  # correct for sampler/trainer logprob mismatch (vLLM bf16 vs ours)
                     loss_tok = loss_tok * algo.tis_weights(old, mb["rollout_logprobs"], cap=a.tis_cap)
@@ -270,14 +271,6 @@ def _share(mask: torch.Tensor, totals: dict[str, float], cfg: Config) -> float:
 
 def _accumulate(weighted: dict[str, float], key: str, value: float | torch.Tensor, share: float) -> None:
     weighted[key] = weighted.get(key, 0.0) + float(value) * share
-
-
-def _clip_kwargs(cfg: Config) -> dict[str, Any]:
-    a = cfg.algorithm
-    kwargs: dict[str, Any] = {"clip_low": a.clip_low, "clip_high": a.clip_high}
-    if a.policy_loss == "ppo":
-        kwargs["dual_clip"] = a.dual_clip
-    return kwargs
 
 
 def _add(stats: dict[str, list[float]], key: str, value: float | torch.Tensor) -> None:
