@@ -102,7 +102,7 @@ def test_the_transport_is_chosen_by_name_from_the_trainer_config():
 
 
 def test_weights_packed_for_ray_s_object_store_come_back_equal_in_every_dtype_and_layout():
-    from trainer.placement.actors import pack, unpack
+    from trainer.placement.engine_actors import pack, unpack
 
     tensors = {"bf16": torch.randn(3, 4).bfloat16(), "int": torch.arange(6).reshape(2, 3),
                "transposed": torch.randn(4, 5).t(), "scalar": torch.tensor(2.5), "fp16": torch.randn(7).half()}

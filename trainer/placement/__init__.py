@@ -2,7 +2,7 @@
 
     local   everything in this process: one inference engine, envs in rank 0's event loop (torchrun adds ranks)
     ray     trainer ranks, inference replicas and env workers as actors of a Ray cluster (trainer/placement/cluster.py
-            launches the ranks, trainer/placement/actors.py holds the replica and env-worker actors)
+            launches the ranks, ray_placement.py holds rank 0's side: engine_actors.py, env_workers.py)
 
 Rank 0 asks its :class:`Placement` for the engine it generates with, how a rollout's env is made, and per-step health
 metrics (trainer/placement/base.py); :func:`trainer.launch.launch` runs the training loop here or on the cluster.
@@ -19,7 +19,7 @@ __all__ = ["Placement", "RunFailed", "make_placement"]
 def make_placement(cfg: Config) -> Placement:
     """The placement ``cfg.placement.backend`` names (called on rank 0)."""
     if cfg.placement.backend == "ray":
-        from trainer.placement.actors import RayPlacement
+        from trainer.placement.ray_placement import RayPlacement
 
         return RayPlacement(cfg)
     return Placement(cfg)

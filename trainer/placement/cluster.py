@@ -3,7 +3,7 @@
     driver (python -m trainer placement.backend=ray)
       ├── joins placement.address, or starts a one-machine cluster for this run
       ├── TrainerRank × N (one placement group)   each runs trainer.loop.train(cfg) with RANK/WORLD_SIZE/MASTER_*
-      │     └── rank 0 owns: EngineActor × replicas, EnvWorker × workers   (trainer/placement/actors.py)
+      │     └── rank 0 owns: EngineActor × replicas, EnvWorker × workers   (ray_placement.py)
       └── waits; the first rank that fails or dies ends the run, and every actor goes with it
 
 Checkpoints are written atomically by the ranks, so a run that died resumes with ``trainer.resume=latest``.
@@ -22,8 +22,8 @@ import ray
 from ray.util.placement_group import remove_placement_group
 
 from trainer.config import Config
-from trainer.placement.actors import actor_options, ready_group
 from trainer.placement.base import RunFailed
+from trainer.placement.groups import actor_options, ready_group
 
 
 @ray.remote

@@ -1,0 +1,187 @@
+"""Env workers as Ray actors, behind the Env interface.
+
+    EnvWorker      hosts the envs of many rollouts; WorkerEnv is the Env whose calls go to one
+    EnvWorkerPool  picks the least-loaded worker per rollout and replaces a worker that died; the rollouts that were
+                   on it fail (recorded on their trajectories, dropped from the batch and counted) and the step goes on
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+from ray.util.placement_group import remove_placement_group
+
+import envkit
+from envkit import Env, Message, StepResult, Task, Tool
+from trainer.placement.groups import SHUTDOWN_TIMEOUT_S, actor_options, ready_group
+
+log = logging.getLogger(__name__)
+
+
+@ray.remote
+class EnvWorker:
+    """Runs the envs of many rollouts at once (each by key), in this actor's event loop; a sandboxed env's episodes
+    borrow containers from this worker's own warm pool of its image."""
+
+    def __init__(self, pool_size: int) -> None:
+        self.envs: dict[int, Env] = {}
+        self.pool_size = pool_size
+        self.pools: dict[tuple[str, str, str], Any] = {}
+        self.pools_lock = asyncio.Lock()
+
+    async def open(self, key: int, name: str, kwargs: dict[str, Any]) -> None:
+        if "sandbox" in kwargs:
+            kwargs = {**kwargs, "sandbox_options": {"pool": await self._pool(name, kwargs)}}
+        env = envkit.make(name, **kwargs)
+        self.envs[key] = env
+        await env.init()
+
+    async def _pool(self, name: str, kwargs: dict[str, Any]) -> Any:
+        from sandboxes.env import open_pool, operator_kwargs
+
+        served = operator_kwargs(kwargs)
+        key = (name, kwargs["sandbox"], json.dumps(served, sort_keys=True))
+        async with self.pools_lock:  # one pool per image and server kwargs, however many rollouts ask at once
+            if key not in self.pools:
+                self.pools[key] = await open_pool(name, kwargs["sandbox"], size=self.pool_size, wait=False,
+                                                  server_kwargs=served)
+            return self.pools[key]
+
+    async def reset(self, key: int, seed: int | None, task: Task | None) -> tuple[list[Message], dict, list[dict]]:
+        env = self.envs[key]
+        messages, info = await env.reset(seed=seed, task=task)
+        return messages, info, [t.to_openai() for t in env.tools]
+
+    async def step(self, key: int, action: Message) -> StepResult:
+        return await self.envs[key].step(action)
+
+    async def close(self, key: int) -> None:
+        env = self.envs.pop(key, None)
+        if env is not None:
+            await env.close()
+
+    def episodes(self) -> int:
+        """Envs open now (what a test waits for before it kills a worker mid-step)."""
+        return len(self.envs)
+
+    async def shutdown(self) -> None:
+        """Close every env and drain the sandbox pools (their containers are removed)."""
+        await asyncio.gather(*(env.close() for env in self.envs.values()), return_exceptions=True)
+        self.envs.clear()
+        await asyncio.gather(*(pool.close() for pool in self.pools.values()), return_exceptions=True)
+        self.pools.clear()
+
+
+class EnvWorkerPool:
+    """``size`` env workers; each rollout's env goes to the worker with the fewest open envs. A worker that died
+    leaves its containers behind: the next sandbox any process on that Docker engine starts removes them
+    (:func:`sandboxes.docker.reap_orphans`), and so does closing the pool."""
+
+    def __init__(self, size: int, resources: dict[str, float], *, sandbox_pool_size: int) -> None:
+        self.group = ready_group(resources, size, "env workers")
+        self.resources = resources
+        self.sandbox_pool_size = sandbox_pool_size
+        self.sandboxed = False
+        """Whether any env went to a sandbox (then closing reaps what dead workers left)."""
+        self.keys = itertools.count()
+        self.indices = itertools.count()
+        self.load: dict[Any, int] = {}
+        self.names: dict[Any, str] = {}
+        self.restarts = 0
+        for _ in range(size):
+            self._spawn()
+
+    def _spawn(self) -> None:
+        name = f"env-worker-{next(self.indices)}"
+        worker = EnvWorker.options(name=name, **actor_options(self.resources, self.group)).remote(  # type: ignore[attr-defined]
+            self.sandbox_pool_size)
+        self.load[worker] = 0
+        self.names[worker] = name
+
+    def pick(self) -> Any:
+        """The least-loaded live worker, counted as holding one more env."""
+        worker = min(self.load, key=self.load.__getitem__)
+        self.load[worker] += 1
+        return worker
+
+    def release(self, worker: Any) -> None:
+        """One env of ``worker`` is closed."""
+        if worker in self.load:
+            self.load[worker] -= 1
+
+    def lost(self, worker: Any) -> None:
+        """``worker`` died: replace it (its rollouts have failed)."""
+        if self.load.pop(worker, None) is None:
+            return
+        log.warning("env worker %s died; its open rollouts fail and a replacement starts", self.names.pop(worker))
+        self.restarts += 1
+        self._spawn()
+
+    async def close(self) -> None:
+        """Drain every worker's sandbox pools, end the workers, and remove what dead workers' pools left."""
+        workers, self.load = list(self.load), {}
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(SHUTDOWN_TIMEOUT_S):
+                await asyncio.gather(*(w.shutdown.remote() for w in workers), return_exceptions=True)
+        for worker in workers:
+            ray.kill(worker)
+        remove_placement_group(self.group)
+        if self.sandboxed:
+            from sandboxes.docker import connect, reap_orphans
+
+            await asyncio.to_thread(reap_orphans, connect())
+
+
+class EnvWorkerDied(RuntimeError):
+    """The env worker running this rollout's env died; the rollout fails, the step goes on."""
+
+
+class WorkerEnv(Env):
+    """An env made and run in an env worker; its messages and step results cross by Ray calls."""
+
+    def __init__(self, pool: EnvWorkerPool, name: str, kwargs: dict[str, Any]) -> None:
+        self.pool = pool
+        self.name = name
+        self.kwargs = kwargs
+        self.key = next(pool.keys)
+        self.worker: Any = None
+        self.tools = []  # type: ignore[misc]  # the worker's env's, once reset
+
+    async def init(self) -> None:
+        if self.worker is None:
+            self.worker = self.pool.pick()
+            await self._call("open", self.key, self.name, self.kwargs)
+
+    async def reset(self, *, seed: int | None = None, task: Task | None = None) -> tuple[list[Message], dict]:
+        await self.init()
+        messages, info, tools = await self._call("reset", self.key, seed, task)
+        self.tools = [Tool.from_openai(t) for t in tools]  # type: ignore[misc]
+        return messages, info
+
+    async def step(self, action: Message) -> StepResult:
+        return await self._call("step", self.key, action)
+
+    async def close(self) -> None:
+        worker, self.worker = self.worker, None
+        if worker is None:
+            return
+        try:
+            await worker.close.remote(self.key)
+        except RayActorError:
+            pass  # the worker died: nothing of this env is left to close
+        finally:
+            self.pool.release(worker)
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return await getattr(self.worker, method).remote(*args)
+        except RayActorError as e:
+            self.pool.lost(self.worker)
+            raise EnvWorkerDied(f"the env worker running {self.name!r} died mid-rollout ({type(e).__name__})") from e

@@ -1,0 +1,78 @@
+"""Rank 0's side of the Ray placement: a :class:`ReplicaSet` of inference replicas (trainer/placement/
+engine_actors.py) and a pool of env workers (trainer/placement/env_workers.py), as actors behind the local
+interfaces.
+
+Actors created here are owned by rank 0's actor, so Ray ends them when it ends, however it ends; a managed server's
+watchdog ends the server with its actor.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+from envkit import Env
+from generators.engines.base import InferenceEngine
+from generators.engines.replicas import ReplicaSet
+from trainer.config import Config
+from trainer.placement.base import Placement
+from trainer.placement.engine_actors import ActorEngine, EngineActor, WeightStage
+from trainer.placement.env_workers import EnvWorkerPool, WorkerEnv
+from trainer.placement.groups import actor_options, ready_group
+
+
+class RayPlacement(Placement):
+    """Rank 0's placement on a Ray cluster: a :class:`ReplicaSet` of :class:`EngineActor` replicas and, with
+    ``env_workers``, an :class:`EnvWorkerPool`."""
+
+    def __init__(self, cfg: Config) -> None:
+        super().__init__(cfg)
+        p = cfg.placement
+        self.replicas: ReplicaSet | None = None
+        self.group: PlacementGroup | None = None
+        # each worker's pool holds its share of the rollouts in flight
+        share = max(1, -(-super().sandbox_pool_size() // max(p.env_workers, 1)))
+        self.workers = EnvWorkerPool(p.env_workers, p.env_worker_resources,
+                                     sandbox_pool_size=share) if p.env_workers else None
+
+    def engine(self, model_path: str | Path, out: Path) -> InferenceEngine:
+        p = self.cfg.placement
+        self.group = ready_group(p.replica_resources, p.inference_replicas, "inference replicas")
+        # replicas share the nodes with each other and the trainer ranks
+        group, inference, stage = self.group, self.inference(beside_trainer=True), WeightStage()
+
+        async def spawn(index: int) -> InferenceEngine:
+            name = f"replica-{index}"
+            actor = EngineActor.options(name=name, **actor_options(p.replica_resources, group)).remote(  # type: ignore[attr-defined]
+                inference, str(model_path), str(out / name))
+            return ActorEngine(actor, name, stage)
+
+        self.replicas = ReplicaSet(spawn, p.inference_replicas)
+        return self.replicas
+
+    def sandbox_pool_size(self) -> int:
+        return super().sandbox_pool_size() if self.workers is None else 0
+
+    def make_env(self, name: str, **kwargs: Any) -> Env:
+        if self.workers is None:
+            return super().make_env(name, **kwargs)
+        if "sandbox" in kwargs:  # the worker borrows from a pool of its own
+            kwargs.pop("sandbox_options", None)
+            self.workers.sandboxed = True
+        return WorkerEnv(self.workers, name, kwargs)
+
+    def metrics(self) -> dict[str, float]:
+        values = self.replicas.metrics() if self.replicas is not None else {}
+        if self.workers is not None:
+            values.update({"envs/workers": len(self.workers.load), "envs/worker_restarts": self.workers.restarts})
+        return values
+
+    async def close(self) -> None:
+        if self.workers is not None:
+            await self.workers.close()
+            self.workers = None
+        if self.group is not None:
+            remove_placement_group(self.group)
+            self.group = None
