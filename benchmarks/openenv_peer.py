@@ -1,12 +1,14 @@
 """The OpenEnv half of the remote-env benchmark, and the load driver both halves share.
 
 - ``create_app()``: OpenEnv's echo env (the same logic as ``remote_env.EchoEnv``) in OpenEnv's own server
-  (openenv-core 0.3.0 ``create_app``, one env instance per WebSocket session, up to 1024 sessions);
+  (``create_app`` of openenv-core 0.3.0 or openenv 0.10.0, one env instance per WebSocket session, up to 1024
+  sessions);
 - ``drive()``: open N sessions, step them all concurrently for a fixed window, time every step;
 - as a script: drive OpenEnv's own async client (``GenericEnvClient``, one WebSocket per session) against a running
   server and print the result as JSON.
 
-Runs in the OpenEnv venv (``make install`` creates ``.venv-openenv``; the main venv does not install openenv-core)::
+Runs in an OpenEnv venv (``make install`` creates ``.venv-openenv`` with 0.3.0 and ``.venv-openenv10`` with 0.10.0;
+the main venv installs neither)::
 
     PYTHONPATH=benchmarks .venv-openenv/bin/python -m uvicorn --factory openenv_peer:create_app --port 8001
     .venv-openenv/bin/python benchmarks/openenv_peer.py --url http://127.0.0.1:8001 --sessions 64 --seconds 3

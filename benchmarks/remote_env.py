@@ -5,19 +5,22 @@ never done) as fast as it can for a fixed window; the table gives steps/s over a
 of one step as the client sees it:
   envkit REST   RemoteEnv over one keep-alive HTTP/1.1 connection per session -> `envkit serve`
   envkit WS     RemoteEnv over one WebSocket per session                      -> `envkit serve`
-  OpenEnv       openenv-core 0.3.0 GenericEnvClient (its WebSocket client)    -> OpenEnv's create_app server
+  OpenEnv 0.3   openenv-core 0.3.0's GenericEnvClient (its WebSocket client) -> its create_app server
+  OpenEnv 0.10  the same with openenv 0.10.0 (PyPI `openenv`), in a venv of its own
 Each server is its own process on loopback with uvloop + httptools, and each client runs in a process of its own;
 on a 2-core machine the client and server share the cores, so read ratios, not absolute numbers. The cells run in
-rounds (REST, WS, OpenEnv, then again); the table gives each variant's median over rounds, and each ratio is the
-median of the rounds' own WS/OpenEnv ratios. Each round also pads the client processes' environment by a different
-length (the same for every variant in the round): on this 2-vCPU VM the size of the environment block alone, which
-shifts the memory layout of a new process, moved a client's steps/s by up to 25%, so a fixed environment would
-bias a run toward whichever client happened to land on a fast layout.
-Targets at 64 sessions: envkit WS >= 4x OpenEnv steps/s, envkit REST >= 1x.
+rounds (REST, WS, each OpenEnv, then again); the table gives each variant's median over rounds, and each ratio is
+the median of the rounds' own envkit/OpenEnv ratios. Each round also pads the client processes' environment by a
+different length (the same for every variant in the round): on this 2-vCPU VM the size of the environment block
+alone, which shifts the memory layout of a new process, moved a client's steps/s by up to 25%, so a fixed
+environment would bias a run toward whichever client happened to land on a fast layout.
+Targets at 64 sessions: envkit WS >= 4x OpenEnv steps/s, envkit REST >= 1x, against each OpenEnv version.
 
     python benchmarks/remote_env.py [--sessions 1,16,64,256] [--seconds 3] [--warmup 0.5] [--rounds 5] [--seed 0]
+                                    [--openenv 0.3,0.10]
 
-Needs the server extra in this venv and openenv-core in .venv-openenv (``make install`` sets up both).
+Needs the server extra in this venv, openenv-core 0.3.0 in .venv-openenv and openenv 0.10.0 in .venv-openenv10
+(``make install`` sets up all three).
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ import envkit
 from envkit import Env, Message, StepResult
 
 HERE = Path(__file__).resolve().parent
-OPENENV_PYTHON = HERE.parent / ".venv-openenv" / "bin" / "python"
+OPENENV_PYTHONS = {version: HERE.parent / venv / "bin" / "python"
+                   for version, venv in (("0.3", ".venv-openenv"), ("0.10", ".venv-openenv10"))}
 
 
 class EchoEnv(Env):
@@ -120,9 +124,10 @@ async def envkit_client(scheme: str, port: int, sessions: int, seconds: float, w
     return await drive(open_session, sessions=sessions, seconds=seconds, warmup=warmup)
 
 
-def run_openenv(port: int, sessions: int, seconds: float, warmup: float, pad: int = 0) -> dict[str, Any]:
-    """Drive OpenEnv's own client in the OpenEnv venv and return its numbers."""
-    return _json_from([str(OPENENV_PYTHON), str(HERE / "openenv_peer.py"), "--url", f"http://127.0.0.1:{port}",
+def run_openenv(version: str, port: int, sessions: int, seconds: float, warmup: float, pad: int = 0
+                ) -> dict[str, Any]:
+    """Drive OpenEnv's own client in the venv of OpenEnv ``version`` and return its numbers."""
+    return _json_from([str(OPENENV_PYTHONS[version]), str(HERE / "openenv_peer.py"), "--url", f"http://127.0.0.1:{port}",
                        "--sessions", str(sessions), "--seconds", str(seconds), "--warmup", str(warmup)], pad)
 
 
@@ -142,22 +147,30 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=0.5, help="untimed stepping before each window")
     parser.add_argument("--rounds", type=int, default=5, help="measurements of each cell, interleaved")
     parser.add_argument("--seed", type=int, default=0, help="picks each round's environment padding")
+    parser.add_argument("--openenv", default="0.3,0.10", help="the OpenEnv versions to compare with (0.3, 0.10)")
     args = parser.parse_args()
     levels = [int(n) for n in args.sessions.split(",")]
-    if not OPENENV_PYTHON.exists():
-        sys.exit(f"{OPENENV_PYTHON} is missing: run `make install` (it creates the OpenEnv venv)")
+    versions = args.openenv.split(",")
+    for version in versions:
+        if version not in OPENENV_PYTHONS:
+            sys.exit(f"--openenv: no OpenEnv {version!r} here; the venvs are {', '.join(OPENENV_PYTHONS)}")
+        if not OPENENV_PYTHONS[version].exists():
+            sys.exit(f"{OPENENV_PYTHONS[version]} is missing: run `make install` (it creates the OpenEnv venvs)")
 
-    envkit_port, openenv_port = _free_port(), _free_port()
+    envkit_port, openenv_ports = _free_port(), {version: _free_port() for version in versions}
     servers = []
     try:
         servers.append(_start([sys.executable, "-m", "envkit.cli", "serve", "remote_env:EchoEnv", "--port",
                                str(envkit_port), "--max-sessions", "1024"], envkit_port))
-        servers.append(_start([str(OPENENV_PYTHON), "-m", "uvicorn", "--factory", "openenv_peer:create_app",
-                               "--port", str(openenv_port), "--log-level", "warning", "--no-access-log",
-                               "--loop", "uvloop", "--http", "httptools"], openenv_port))
+        for version, port in openenv_ports.items():
+            servers.append(_start([str(OPENENV_PYTHONS[version]), "-m", "uvicorn", "--factory",
+                                   "openenv_peer:create_app", "--port", str(port), "--log-level", "warning",
+                                   "--no-access-log", "--loop", "uvloop", "--http", "httptools"], port))
+
         def measure(variant: str, n: int, pad: int) -> dict[str, Any]:
-            if variant == "OpenEnv":
-                return run_openenv(openenv_port, n, args.seconds, args.warmup, pad)
+            if variant.startswith("OpenEnv "):
+                version = variant.removeprefix("OpenEnv ")
+                return run_openenv(version, openenv_ports[version], n, args.seconds, args.warmup, pad)
             scheme = "http" if variant == "envkit REST" else "ws"
             return run_envkit(scheme, envkit_port, n, args.seconds, args.warmup, pad)
 
@@ -166,38 +179,38 @@ def main() -> None:
         for n in levels:
             for _ in range(args.rounds):
                 pad = pick.randrange(4096)
-                for variant in ("envkit REST", "envkit WS", "OpenEnv"):
+                for variant in ("envkit REST", "envkit WS", *(f"OpenEnv {v}" for v in versions)):
                     runs.setdefault((variant, n), []).append(measure(variant, n, pad))
     finally:
         for proc in servers:
             _stop(proc)
 
-    print(f"{'variant':<12} {'sessions':>8} {'steps/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'errors':>6}   (medians of "
+    print(f"{'variant':<13} {'sessions':>8} {'steps/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'errors':>6}   (medians of "
           f"{args.rounds} rounds)")
     for (name, n), cell in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         med = {k: statistics.median(r[k] for r in cell) for k in ("steps_per_s", "p50_ms", "p99_ms")}
-        print(f"{name:<12} {n:>8} {med['steps_per_s']:>9.0f} {med['p50_ms']:>8.2f} {med['p99_ms']:>8.2f} "
+        print(f"{name:<13} {n:>8} {med['steps_per_s']:>9.0f} {med['p50_ms']:>8.2f} {med['p99_ms']:>8.2f} "
               f"{sum(r['errors'] for r in cell):>6}")
         for r in cell:
             if r["first_error"]:
-                print(f"{'':<12} first error: {r['first_error']}")
+                print(f"{'':<13} first error: {r['first_error']}")
                 break
 
-    def ratios(variant: str, n: int) -> list[float]:
+    def ratios(variant: str, peer: str, n: int) -> list[float]:
         return [r["steps_per_s"] / (o["steps_per_s"] or float("nan"))
-                for r, o in zip(runs[variant, n], runs["OpenEnv", n], strict=True)]
+                for r, o in zip(runs[variant, n], runs[peer, n], strict=True)]
 
-    print("\nenvkit / OpenEnv steps/s (median of the rounds' ratios; each round's in brackets):")
-    for n in levels:
-        ws, rest = ratios("envkit WS", n), ratios("envkit REST", n)
-        print(f"  {n:>3} sessions: WS {statistics.median(ws):.2f}x [{', '.join(f'{x:.2f}' for x in ws)}]   "
-              f"REST {statistics.median(rest):.2f}x")
-    if 64 in levels:
-        print()
-        for variant, target in (("envkit WS", 4.0), ("envkit REST", 1.0)):
-            ratio = statistics.median(ratios(variant, 64))
-            verdict = "meets" if ratio >= target else "MISSES"
-            print(f"{variant} / OpenEnv at 64 sessions: {ratio:.2f}x ({verdict} the >= {target:g}x target)")
+    for peer in (f"OpenEnv {v}" for v in versions):
+        print(f"\nenvkit / {peer} steps/s (median of the rounds' ratios; each round's in brackets):")
+        for n in levels:
+            ws, rest = ratios("envkit WS", peer, n), ratios("envkit REST", peer, n)
+            print(f"  {n:>3} sessions: WS {statistics.median(ws):.2f}x [{', '.join(f'{x:.2f}' for x in ws)}]   "
+                  f"REST {statistics.median(rest):.2f}x")
+        if 64 in levels:
+            for variant, target in (("envkit WS", 4.0), ("envkit REST", 1.0)):
+                ratio = statistics.median(ratios(variant, peer, 64))
+                verdict = "meets" if ratio >= target else "MISSES"
+                print(f"  {variant} / {peer} at 64 sessions: {ratio:.2f}x ({verdict} the >= {target:g}x target)")
 
 if __name__ == "__main__":
     main()
