@@ -37,6 +37,7 @@ from generators.models import BUNDLED
 from generators.parsers import REASONING_PARSER_CHOICES, TOOL_PARSER_CHOICES
 from generators.report import EvalSummary, describe_tools, passed, summarize, write_html_report
 from generators.rollout import GeneratorConfig
+from generators.signals import exit_status, handled_signals
 from generators.tool_prompt import TOOL_PROMPT_CHOICES
 from generators.trajectory import Trajectory, write_jsonl
 
@@ -343,10 +344,11 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
 def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
     errors = Console(stderr=True)
     try:
-        summary, _, out = asyncio.run(run_eval(config_from_args(args), console=console))
+        with handled_signals():
+            summary, _, out = asyncio.run(run_eval(config_from_args(args), console=console))
     except KeyboardInterrupt:
         errors.print("[yellow]interrupted[/yellow]: stopped before writing results")
-        return 130
+        return exit_status()
     except EngineError as e:
         errors.print(f"[red]engine error:[/red] {e}", highlight=False, soft_wrap=True)
         return 1

@@ -10,6 +10,8 @@ import html
 import json
 import math
 import re
+import signal
+import socket
 import subprocess
 import sys
 from html.parser import HTMLParser
@@ -212,6 +214,26 @@ def test_bad_env_arg_exits_2_with_a_message(bad: str, capsys: pytest.CaptureFixt
         main(["eval", "arithmetic", "--env-arg", bad])
     assert e.value.code == 2
     assert "argument --env-arg: expected KEY=VALUE" in capsys.readouterr().err
+
+
+def test_sigterm_mid_rollout_ends_eval_cleanly(tmp_path: Path) -> None:
+    """SIGTERM while a rollout waits on the model unwinds as Ctrl-C does: the rollout is cancelled, nothing is
+    written, and the exit status says which signal (143); before, the process died where it stood."""
+    with socket.socket() as endpoint:  # an OpenAI-compatible endpoint that takes requests and never answers
+        endpoint.bind(("127.0.0.1", 0))
+        endpoint.listen()
+        url = f"http://127.0.0.1:{endpoint.getsockname()[1]}/v1"
+        proc = subprocess.Popen([sys.executable, "-m", "envkit.cli", "eval", "arithmetic", "--base-url", url,
+                                 "--model", "m", "--num-tasks", "1", "--out", str(tmp_path / "out")],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        endpoint.settimeout(120)
+        connection, _ = endpoint.accept()  # the rollout's request is in flight
+        with connection:
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err[-2000:]
+    assert "interrupted: stopped before writing results" in err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
 
 
 def test_cli_input_errors_exit_2_before_any_model_starts(capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,9 +11,8 @@ import pytest
 
 RUN = """
 import asyncio, os, signal
-from trainer.__main__ import handle_signals
+from generators.signals import exit_status, handled_signals
 
-handle_signals()
 events = []
 
 async def rollouts():
@@ -25,12 +24,14 @@ async def rollouts():
 
 runner = asyncio.Runner()
 try:
-    runner.run(rollouts())
+    with handled_signals():
+        runner.run(rollouts())
 except KeyboardInterrupt:
-    events.append("interrupted")
+    events.append(f"interrupted, exit status {exit_status()}")
 finally:
     events.append("the run's cleanup")
     runner.close()
+events.append(f"SIGTERM's handler given back: {signal.getsignal(signal.SIGTERM) == signal.SIG_DFL}")
 print(events)
 """
 
@@ -44,4 +45,5 @@ def test_sigterm_cancels_the_running_task_before_the_runs_cleanup(sigint: str):
     result = subprocess.run([sys.executable, "-c", RUN], capture_output=True, text=True, timeout=60,
                             preexec_fn=setup)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip() == str(["rollouts released their sandboxes", "interrupted", "the run's cleanup"])
+    assert result.stdout.strip() == str(["rollouts released their sandboxes", "interrupted, exit status 143",
+                                         "the run's cleanup", "SIGTERM's handler given back: True"])

@@ -12,43 +12,20 @@
 from __future__ import annotations
 
 import json
-import signal
 import sys
-from types import FrameType
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from generators.signals import exit_status, handled_signals, terminated
 from trainer.config import Config, ConfigError, register_configs
 
 register_configs()
 
 
-_terminated: list[int] = []
-
-
-def _on_sigterm(signum: int, frame: FrameType | None) -> None:
-    """Unwind as Ctrl-C does. Inside ``asyncio.Runner.run`` that is its SIGINT handler's work: it cancels the task it
-    runs, so the rollouts in flight release their sandboxes first, and then raises KeyboardInterrupt. An exception
-    raised here instead would leave that task running on the loop through the run's cleanup."""
-    _terminated.append(signum)
-    interrupt = signal.getsignal(signal.SIGINT)
-    if not callable(interrupt):  # a library set SIGINT to SIG_IGN or SIG_DFL after handle_signals()
-        raise KeyboardInterrupt
-    interrupt(signal.SIGINT, frame)
-
-
-def handle_signals() -> None:
-    """SIGTERM and SIGINT end a run cleanly (servers stopped, sandboxes removed), even where SIGINT was ignored
-    (a background job's), since asyncio.Runner only takes Ctrl-C over from Python's own handler."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _on_sigterm)
-
-
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(raw: DictConfig) -> None:
     """Validate the composed config and run the loop."""
-    handle_signals()
     try:
         cfg: Config = OmegaConf.to_object(raw)  # type: ignore[assignment]
     except ConfigError as e:
@@ -58,13 +35,14 @@ def main(raw: DictConfig) -> None:
     from trainer.placement import RunFailed
 
     try:
-        results = launch(cfg)
+        with handled_signals():
+            results = launch(cfg)
     except RunFailed as e:
         print(f"run failed: {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
-        if _terminated:
-            sys.exit(128 + _terminated[0])
+        if terminated:
+            sys.exit(exit_status())
         raise
     if not results:
         return
