@@ -25,6 +25,7 @@ env worker).
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections import Counter
@@ -46,6 +47,8 @@ from trainer.config import Config
 from trainer.distributed import all_reduce_values, broadcast_from_rank0, max_over_ranks, shutdown_distributed
 from trainer.metrics import rollout_metrics
 from trainer.rollout_source import rollout_source
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
