@@ -38,6 +38,7 @@ import torch
 
 from generators import ChatTokenizer, Trajectory
 from generators.models import resolve_model
+from generators.report import first_errors
 from trainer import algorithms as algo
 from trainer.backends import make_backend
 from trainer.backends.base import Batch, TrainBackend
@@ -106,7 +107,10 @@ def train(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]:
 
 def prepare_batch(trajs: list[Trajectory], cfg: Config) -> StepBatch:
     """Drop failed rollouts and (optionally) zero-variance groups; compute one advantage per rollout."""
-    counts = Counter(failed=sum(t.failed for t in trajs))  # rank 0's source logs them
+    counts = Counter(failed=sum(t.failed for t in trajs))
+    if counts["failed"]:
+        log.warning("%d of %d rollouts failed and are not trained on; first errors: %s", counts["failed"],
+                    len(trajs), first_errors([t for t in trajs if t.failed], limit=3))
     kept = [t for t in trajs if not t.failed and t.response_ids]
     if cfg.algorithm.filter_zero_variance_groups:
         by_group: dict[str, list[float]] = {}

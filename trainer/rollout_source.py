@@ -21,7 +21,7 @@ from typing import Any
 
 from generators import ChatTokenizer, Generator, Trajectory
 from generators.engines.base import InferenceEngine, publish_policy
-from generators.report import first_errors, passed
+from generators.report import passed
 from trainer.async_rollouts import AsyncRollouts, LoopThread
 from trainer.backends.base import TrainBackend
 from trainer.backends.hf_export import write_hf_checkpoint
@@ -103,7 +103,7 @@ class SyncSource(RolloutSource):
     def next(self, state: TrainState) -> tuple[list[Trajectory], int]:
         trajs = self.runner.run(self.envs.rollouts(self.generator, self.cfg.generator.prompts_per_step))
         state.data = self.envs.state()
-        return _report_failed(trajs), 0
+        return trajs, 0
 
     def serve(self, backend: TrainBackend, version: int) -> bool:
         return sync_weights(backend, self.engine, self.runner, self.out, version, self.cfg.trainer.weight_sync)
@@ -149,8 +149,7 @@ class AsyncSource(SyncSource):
         return results
 
     def next(self, state: TrainState) -> tuple[list[Trajectory], int]:
-        trajs, stale = self.runner.run(self.rollouts.batch(state.step))
-        return _report_failed(trajs), stale
+        return self.runner.run(self.rollouts.batch(state.step))
 
     def serve(self, backend: TrainBackend, version: int) -> bool:
         from_memory = super().serve(backend, version)
@@ -175,15 +174,6 @@ def rollout_source(cfg: Config, rank: int, out: Path, model_path: str | Path, to
         return RolloutSource(cfg, out)
     kind = AsyncSource if cfg.trainer.mode == "async" else SyncSource
     return kind(cfg, out, model_path, tokenizer, state.step)
-
-
-def _report_failed(trajs: list[Trajectory]) -> list[Trajectory]:
-    """Log the step's failed rollouts (once, here on rank 0: every rank drops them from its batch)."""
-    failed = [t for t in trajs if t.failed]
-    if failed:
-        log.warning("%d of %d rollouts failed and are not trained on; first errors: %s", len(failed), len(trajs),
-                    first_errors(failed, limit=3))
-    return trajs
 
 
 def sync_weights(backend: TrainBackend, engine: InferenceEngine | None, runner: asyncio.Runner | LoopThread | None,
