@@ -312,7 +312,8 @@ class Generator:
         ids: list[int] = []
         for continuation in range(MAX_CONTINUATIONS + 1):
             part = await self.engine.generate(state.ids, self._seeded(sampling, state, continuation))
-            self._mark_version(state.traj, part.weight_version)
+            if part.token_ids or part.finish_reason != "abort":  # stopped before its first token: no token has it
+                self._mark_version(state.traj, part.weight_version)
             self._append(state, part.token_ids, part.logprobs)
             ids += part.token_ids
             # A weight update stopped this request (partial rollouts): continue it from here on the new weights.

@@ -317,8 +317,10 @@ async def test_new_weights_mid_rollout_finish_or_interrupt_requests_in_flight(
         assert not t.failed and t.num_turns == 1, t.error
         t.check()
         model_tokens = sum(t.loss_mask)
-        assert model_tokens <= 160 and t.version_spans[0] == [0, 0] and t.policy_version == 0
-        assert [v for _, v in t.version_spans] in ([0], [0, 1]), t.version_spans
+        versions = [v for _, v in t.version_spans]
+        assert model_tokens <= 160 and t.version_spans[0][0] == 0 and t.policy_version == versions[0]
+        # [1]: the update came before the request's first token (a loaded machine may not have started it yet)
+        assert versions in ([0], [0, 1], [1]), t.version_spans
     mixed = [t for t in trajs if len(t.version_spans) == 2]
     if weight_swap == "finish":
         assert not mixed, [t.version_spans for t in mixed]

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import torch
 
+import envkit
+from generators.engines.base import ChatCompletion, Completion, InferenceEngine, SamplingParams
+from generators.rollout import Generator, GeneratorConfig
 from generators.trajectory import Trajectory, read_jsonl, write_jsonl
 from trainer.batching import micro_batches, mini_batch_order, stack_rows, to_packed, to_padded
 
@@ -143,3 +147,45 @@ def test_mini_batches_keep_the_rollouts_of_a_prompt_together_when_they_share_it(
 def test_stack_rows_cuts_and_pads_to_the_micro_batch():
     per_rollout = {3: torch.tensor([1.0, 2.0, 3.0]), 5: torch.tensor([4.0])}
     assert stack_rows(per_rollout, [5, 3], torch.Size([2, 2])).tolist() == [[4.0, 0.0], [1.0, 2.0]]
+
+
+class Interrupted(InferenceEngine):
+    """Plays back completions as a vLLM server does when a weight update stops requests in flight (partial rollouts):
+    what a request had sampled, finish_reason abort, then the continuation on the new version."""
+
+    model_name = "interrupted"
+
+    def __init__(self, parts: list[Completion]) -> None:
+        self.parts = list(parts)
+
+    @property
+    def base_url(self) -> str:
+        return "interrupted://"
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Completion:
+        return self.parts.pop(0)
+
+    async def chat(self, messages: list[dict[str, Any]], sampling: SamplingParams,
+                   tools: list[dict[str, Any]] | None = None) -> ChatCompletion:
+        raise NotImplementedError
+
+
+@pytest.mark.parametrize(("sampled_before", "spans", "policy_version"), [
+    (2, [[0, 0], [2, 1]], 0),
+    (0, [[0, 1]], 1),  # stopped before its first token: version 0 sampled nothing, so it is neither span nor policy
+])
+async def test_version_spans_say_which_version_sampled_each_token_of_an_interrupted_turn(
+        chat_tokenizer, sampled_before, spans, policy_version):
+    """An update that stops a request starts a span where the new version's tokens begin, and only there."""
+    answer = chat_tokenizer.tokenizer.encode("The answer is 4.", add_special_tokens=False)
+    before, after = answer[:sampled_before], [*answer[sampled_before:], chat_tokenizer.eos_id]
+    engine = Interrupted([Completion(before, [-0.5] * len(before), "abort", 0),
+                          Completion(after, [-0.25] * len(after), "stop", 1)])
+    task = {"id": "t", "question": "What is 2+2?", "answer": 4}
+    [traj] = await Generator(engine, chat_tokenizer, GeneratorConfig(max_turns=1)).generate(
+        lambda: envkit.make("arithmetic"), tasks=[task])
+    traj.check()
+    assert traj.error is None and traj.reward == 1.0 and not engine.parts
+    assert traj.response_ids == [*before, *after]
+    assert traj.rollout_logprobs == [-0.5] * len(before) + [-0.25] * len(after)
+    assert traj.version_spans == spans and traj.policy_version == policy_version
