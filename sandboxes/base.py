@@ -113,6 +113,12 @@ def exec_argv(code_or_cmd: str | Sequence[str]) -> list[str]:
     return argv
 
 
+def serve_command(env: str, options: Sequence[str] = ()) -> list[str]:
+    """A sandbox image's command: ``envkit serve`` for ``env`` on the container's every interface, with ``options``
+    (``serve_options``)."""
+    return ["envkit", "serve", env, "--host", "0.0.0.0", "--port", str(SERVER_PORT), *options]
+
+
 def serve_options(env: str, server_kwargs: dict[str, Any] | None) -> list[str]:
     """``envkit serve``'s ``--kwargs`` option for the kwargs the sandbox's server is started with (none: no option)."""
     if not server_kwargs:

@@ -28,7 +28,7 @@ from envkit.errors import ResetNeededError
 from envkit.messages import Message
 from envkit.registry import EnvSpec
 from envkit.remote import OPERATOR_KWARGS, RemoteConfig, RemoteEnv
-from sandboxes.base import SERVER_PORT, Sandbox, SandboxLimits, serve_options
+from sandboxes.base import Sandbox, SandboxLimits, serve_command, serve_options
 from sandboxes.docker import DockerSandbox
 from sandboxes.engine import engine_reachable
 from sandboxes.local import LocalSandbox
@@ -118,15 +118,14 @@ def operator_kwargs(env_kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 async def _factory(name: str, kind: str, limits: SandboxLimits | None, start_timeout_s: float,
-                   served: dict[str, Any]) -> Callable[[], Sandbox]:
-    """How to make one (not yet started) sandbox of ``kind`` serving env ``name`` made with ``served`` kwargs."""
+                   options: list[str]) -> Callable[[], Sandbox]:
+    """How to make one (not yet started) sandbox of ``kind`` serving env ``name``, its server started with
+    ``options`` (``serve_options``)."""
     if kind == "docker":
         image = await _image_for(name)
-        # the image's own command, plus the kwargs
-        command = (["envkit", "serve", name, "--host", "0.0.0.0", "--port", str(SERVER_PORT),
-                    *serve_options(name, served)] if served else None)
+        command = serve_command(name, options) if options else None  # None: the image's own, the same without them
         return lambda: DockerSandbox(image, limits=limits, start_timeout_s=start_timeout_s, command=command)
-    return lambda: LocalSandbox(name, limits=limits, start_timeout_s=start_timeout_s, server_kwargs=served)
+    return lambda: LocalSandbox(name, limits=limits, start_timeout_s=start_timeout_s, options=options)
 
 
 def _sandboxed(kind: str, name: str, remote: RemoteConfig | None, sandbox_options: dict[str, Any] | None,
@@ -139,7 +138,7 @@ def _sandboxed(kind: str, name: str, remote: RemoteConfig | None, sandbox_option
     if options:
         raise TypeError(f"unknown sandbox_options {sorted(options)}; known: pool, limits, start_timeout_s")
     served = operator_kwargs(env_kwargs)
-    serve_options(name, served)  # kwargs a server cannot be given fail here, not when the first episode starts
+    options = serve_options(name, served)  # kwargs a server cannot be given fail here, not in the first episode
     session_kwargs = {k: v for k, v in env_kwargs.items() if k not in served}
     if pool is not None:
         if served != pool.server_kwargs:
@@ -150,7 +149,7 @@ def _sandboxed(kind: str, name: str, remote: RemoteConfig | None, sandbox_option
                             remote=remote, kind=f"{kind} pool")
 
     async def acquire() -> Sandbox:
-        sandbox = (await _factory(name, kind, limits, start_timeout_s, served))()
+        sandbox = (await _factory(name, kind, limits, start_timeout_s, options))()
         await sandbox.start()
         return sandbox
 
@@ -195,7 +194,8 @@ async def open_pool(name: str, kind: str, *, size: int, limits: SandboxLimits | 
     if kind not in ("docker", "local"):
         raise ValueError(f"unknown sandbox kind {kind!r}; known: docker, local, auto")
     served = dict(server_kwargs or {})
-    pool = SandboxPool(await _factory(name, kind, limits, START_TIMEOUT_S, served), size=size, server_kwargs=served)
+    factory = await _factory(name, kind, limits, START_TIMEOUT_S, serve_options(name, served))
+    pool = SandboxPool(factory, size=size, server_kwargs=served)
     try:
         await pool.start(wait=wait)
     except BaseException:

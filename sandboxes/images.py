@@ -25,7 +25,7 @@ from urllib.parse import unquote, urlsplit
 
 import envkit
 from envkit.distribution import DISTRIBUTION
-from sandboxes.base import EXEC_UID, SERVER_PORT, host_lock
+from sandboxes.base import EXEC_UID, SERVER_PORT, host_lock, serve_command
 from sandboxes.engine import BASE_IMAGE, cache_dir, docker_client, ensure_base_image, image_exists
 
 RECIPE_VERSION = "1"
@@ -48,7 +48,7 @@ ENV PATH=/opt/envkit/bin:/usr/local/bin:/usr/bin:/bin PYTHONDONTWRITEBYTECODE=1 
 EXPOSE {port}
 HEALTHCHECK --interval=10s --timeout=2s --start-period=5s --retries=3 \\
   CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}/health', timeout=1)"]
-CMD ["envkit", "serve", "{name}", "--host", "0.0.0.0", "--port", "{port}"]
+CMD {command}
 """
 
 
@@ -241,7 +241,8 @@ def _build(env: str, *, force: bool, client: Any, quiet: bool) -> EnvImage:
         wheels.mkdir()
         say("building wheels on the host")
         _build_wheels(sources, wheels, requirements)
-        dockerfile = DOCKERFILE.format(base=base, name=env, port=SERVER_PORT, exec_uid=EXEC_UID)
+        dockerfile = DOCKERFILE.format(base=base, port=SERVER_PORT, exec_uid=EXEC_UID,
+                                       command=json.dumps(serve_command(env)))
         (Path(ctx) / "Dockerfile").write_text(dockerfile)
         labels = {"org.envkit.version": envkit.__version__, ENV_LABEL: env, "org.envkit.package": package,
                   "org.envkit.package-version": version}

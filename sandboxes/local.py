@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from typing import IO, Any
+from typing import IO
 
 from envkit import untrusted
 from sandboxes.base import (
@@ -33,7 +33,6 @@ from sandboxes.base import (
     SandboxStartError,
     State,
     exec_argv,
-    serve_options,
     wait_healthy,
 )
 
@@ -67,11 +66,11 @@ class LocalSandbox(Sandbox):
     kind = "local"
 
     def __init__(self, env: str, *, limits: SandboxLimits | None = None, start_timeout_s: float = 30.0,
-                 server_kwargs: dict[str, Any] | None = None) -> None:
+                 options: Sequence[str] = ()) -> None:
         super().__init__()
         self.env = env
-        self.options = serve_options(env, server_kwargs)
-        """``envkit serve``'s options beyond the port: the env kwargs its operator sets (``--kwargs``)."""
+        self.options = list(options)
+        """``envkit serve``'s options beyond the port: the env kwargs its operator sets (``serve_options``)."""
         self.limits = limits or SandboxLimits()
         self.start_timeout_s = start_timeout_s
         self.token = secrets.token_urlsafe(24)

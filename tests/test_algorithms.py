@@ -456,7 +456,7 @@ def test_gae_credits_each_turn_reward_to_that_turns_last_model_token():
     assert returns[7].item() == 0.75  # turn 2 only its own
 
 
-def test_failed_rollouts_are_dropped_counted_and_their_errors_logged(caplog):
+def test_failed_rollouts_are_dropped_and_counted():
     from generators.trajectory import Trajectory
     from trainer.config import Config
     from trainer.loop import prepare_batch
@@ -467,8 +467,5 @@ def test_failed_rollouts_are_dropped_counted_and_their_errors_logged(caplog):
 
     trajs = [rollout("a", 1.0), rollout("a", 0.0), rollout("a", 1.0, "EngineError: server went away"),
              rollout("b", 0.0, "ValueError: bad move"), rollout("b", 1.0)]
-    with caplog.at_level("WARNING", logger="trainer.loop"):
-        batch = prepare_batch(trajs, Config())
+    batch = prepare_batch(trajs, Config())
     assert batch.counts["failed"] == 2 and batch.trajectories == trajs[:2]  # b is flat once its failure is gone
-    assert "2 of 5 rollouts failed" in caplog.text
-    assert "EngineError: server went away" in caplog.text and "ValueError: bad move" in caplog.text

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -124,7 +125,8 @@ def _kill_when_busy(process: subprocess.Popen[str], namespace: str, name: str, b
 def _run_through_kills(process: subprocess.Popen[str], out: Path,
                        kills: list[tuple[str, Callable[[Any], bool]]]) -> tuple[str, dict[int, dict]]:
     """Kill each (actor name, busy) of the run as soon as it is busy, then let the run finish; its output and
-    metrics. Both steps must have run, and an env worker's open rollouts were counted failed, not fatal."""
+    metrics. Both steps must have run, and an env worker's open rollouts were counted failed, not fatal: the run
+    said so once for each step that had failures, with their errors."""
     try:
         for name, busy in kills:
             _kill_when_busy(process, f"envkit-{process.pid}", name, busy)
@@ -134,7 +136,11 @@ def _run_through_kills(process: subprocess.Popen[str], out: Path,
             process.kill()
     metrics = _metrics(out)
     assert sorted(metrics) == [1, 2], output[-4000:]
-    assert sum(m["rollout/failed"] for m in metrics.values()) > 0
+    failed = {step: int(m["rollout/failed"]) for step, m in metrics.items() if m["rollout/failed"]}
+    assert failed, metrics
+    warned = dict(re.findall(r"step (\d+): (\d+) of \d+ rollouts failed and were not trained on; first errors: \S",
+                             output))
+    assert {int(s): int(n) for s, n in warned.items()} == failed, output[-4000:]
     return output, metrics
 
 

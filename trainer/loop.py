@@ -25,7 +25,6 @@ env worker).
 
 from __future__ import annotations
 
-import logging
 import random
 import time
 from collections import Counter
@@ -38,7 +37,6 @@ import torch
 
 from generators import ChatTokenizer, Trajectory
 from generators.models import resolve_model
-from generators.report import first_errors
 from trainer import algorithms as algo
 from trainer.backends import make_backend
 from trainer.backends.base import Batch, TrainBackend
@@ -46,10 +44,7 @@ from trainer.batching import micro_batches, mini_batch_order, stack_rows, to_pad
 from trainer.checkpoint import CheckpointManager, TrainState
 from trainer.config import Config
 from trainer.distributed import all_reduce_values, broadcast_from_rank0, max_over_ranks, shutdown_distributed
-from trainer.metrics import rollout_metrics
 from trainer.rollout_source import rollout_source
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -91,10 +86,9 @@ def train(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]:
             if state.step % cfg.trainer.save_every == 0 or state.step == cfg.trainer.steps:
                 source.snapshot(state)
                 checkpoints.save(backend, state)
-            source.log_step(state, {
-                **rollout_metrics(trajs, batch, state.policy_version - 1), **train_metrics,
-                "time/generate_s": t1 - t0, "time/train_s": t2 - t1, "time/sync_s": t3 - t2,
-                "weights/from_memory": float(from_memory), "time/step_s": time.perf_counter() - t_step}, trajs)
+            source.log_step(state, trajs, batch, {
+                **train_metrics, "time/generate_s": t1 - t0, "time/train_s": t2 - t1, "time/sync_s": t3 - t2,
+                "weights/from_memory": float(from_memory), "time/step_s": time.perf_counter() - t_step})
         results.update(source.finish(backend, state))
     finally:
         source.close()
@@ -108,9 +102,6 @@ def train(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]:
 def prepare_batch(trajs: list[Trajectory], cfg: Config) -> StepBatch:
     """Drop failed rollouts and (optionally) zero-variance groups; compute one advantage per rollout."""
     counts = Counter(failed=sum(t.failed for t in trajs))
-    if counts["failed"]:
-        log.warning("%d of %d rollouts failed and are not trained on; first errors: %s", counts["failed"],
-                    len(trajs), first_errors([t for t in trajs if t.failed], limit=3))
     kept = [t for t in trajs if not t.failed and t.response_ids]
     if cfg.algorithm.filter_zero_variance_groups:
         by_group: dict[str, list[float]] = {}

@@ -17,19 +17,22 @@ import asyncio
 import logging
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from generators import ChatTokenizer, Generator, Trajectory
 from generators.engines.base import InferenceEngine, publish_policy
-from generators.report import passed
+from generators.report import first_errors, passed
 from trainer.async_rollouts import AsyncRollouts, LoopThread
 from trainer.backends.base import TrainBackend
 from trainer.backends.hf_export import write_hf_checkpoint
 from trainer.checkpoint import TrainState
 from trainer.config import Config
-from trainer.metrics import RunLogger
+from trainer.metrics import RunLogger, rollout_metrics
 from trainer.placement import make_placement
 from trainer.sources import Mixture
+
+if TYPE_CHECKING:
+    from trainer.loop import StepBatch
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +62,10 @@ class RolloutSource:
     def snapshot(self, state: TrainState) -> None:
         """Put the data positions (and drawn-but-untrained groups) into ``state``, for a checkpoint."""
 
-    def log_step(self, state: TrainState, metrics: dict[str, float], trajs: list[Trajectory]) -> None:
-        """Record a finished step (and evaluate held-out every ``eval_every`` steps)."""
+    def log_step(self, state: TrainState, trajs: list[Trajectory], batch: StepBatch, metrics: dict[str, float]
+                 ) -> None:
+        """Record a finished step: its rollouts, what was trained on, and the update's ``metrics`` (and evaluate
+        held-out every ``eval_every`` steps)."""
 
     def finish(self, backend: TrainBackend, state: TrainState) -> dict[str, Any]:
         """Put the final policy on disk; its dir, and the held-out results after training where measured."""
@@ -108,8 +113,13 @@ class SyncSource(RolloutSource):
     def serve(self, backend: TrainBackend, version: int) -> bool:
         return sync_weights(backend, self.engine, self.runner, self.out, version, self.cfg.trainer.weight_sync)
 
-    def log_step(self, state: TrainState, metrics: dict[str, float], trajs: list[Trajectory]) -> None:
-        self.logger.log_step(state.step, {**metrics, **self.placement.metrics()}, trajs)
+    def log_step(self, state: TrainState, trajs: list[Trajectory], batch: StepBatch, metrics: dict[str, float]
+                 ) -> None:
+        if batch.counts["failed"]:
+            log.warning("step %d: %d of %d rollouts failed and were not trained on; first errors: %s", state.step,
+                        batch.counts["failed"], len(trajs), first_errors([t for t in trajs if t.failed], limit=3))
+        metrics = {**rollout_metrics(trajs, batch, state.policy_version - 1), **metrics, **self.placement.metrics()}
+        self.logger.log_step(state.step, metrics, trajs)
         every = self.cfg.trainer.eval_every
         if self.evaluating and every and state.step % every == 0 and state.step < self.cfg.trainer.steps:
             self.evaluate(step=state.step)
