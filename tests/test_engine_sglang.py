@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from generators.engines.base import EngineError, SamplingParams
+from generators.engines.managed import ServerOptions
 from generators.engines.sglang import (
     SGLangEngine,
     _completion_from_generate,
     generate_body,
-    launch_command,
     launch_env,
     sglang_available,
 )
@@ -60,44 +60,40 @@ def _flag(argv: list[str], name: str) -> str:
 # --- pure: command line, environment, request body, response parsing ------------------------------------
 
 
-def test_launch_command_carries_every_option():
-    argv = launch_command("/ckpt/model", port=31234, host="0.0.0.0", served_model_name="pol",
-                          context_length=4096, dtype="float32", mem_fraction_static=0.4, device="cpu",
-                          extra_args=("--tp-size", "2"))
-    assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
+def _command(engine: SGLangEngine, port: int) -> list[str]:
+    engine._model_path = str(engine.model)  # start() resolves it
+    return engine._command(port)
+
+
+def test_launch_command_carries_every_option(tmp_path):
+    options = ServerOptions(served_model_name="pol", host="0.0.0.0", port=31234, max_model_len=4096, dtype="float32",
+                            extra_args=("--tp-size", "2"), log_path=tmp_path / "s.log")
+    engine = SGLangEngine("/ckpt/model", options, mem_fraction_static=0.4, device="cpu", python="/opt/sgl/bin/python")
+    argv = _command(engine, 31234)
+    assert argv[:3] == ["/opt/sgl/bin/python", "-m", "sglang.launch_server"]
     assert _flag(argv, "--model-path") == "/ckpt/model" and _flag(argv, "--served-model-name") == "pol"
     assert _flag(argv, "--host") == "0.0.0.0" and _flag(argv, "--port") == "31234"
     assert _flag(argv, "--context-length") == "4096" and _flag(argv, "--dtype") == "float32"
     assert _flag(argv, "--mem-fraction-static") == "0.4" and _flag(argv, "--device") == "cpu"
     assert _flag(argv, "--weight-version") == "0" and "--disable-overlap-schedule" in argv
     assert argv[-2:] == ["--tp-size", "2"]
+    assert engine.server.env == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false", "SGLANG_USE_CPU_ENGINE": "1"}
+    assert engine.server.health_path == "/health_generate" and engine.server.log_path == tmp_path / "s.log"
+    assert launch_env(None) == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false"}
 
 
 def test_launch_command_defaults_leave_device_and_memory_to_sglang():
-    argv = launch_command("/m", port=1)
+    argv = _command(SGLangEngine("/m"), 1)
+    assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
     assert "--device" not in argv and "--mem-fraction-static" not in argv and "--disable-overlap-schedule" not in argv
     assert _flag(argv, "--served-model-name") == "policy" and _flag(argv, "--context-length") == "2048"
     assert _flag(argv, "--dtype") == "bfloat16"
 
 
-def test_engine_builds_its_command_and_env_from_its_options(tmp_path):
-    engine = SGLangEngine("/ckpt", served_model_name="p", port=4321, context_length=1024, dtype="float16",
-                          device="cpu", python="/opt/sgl/bin/python", extra_args=("--random-seed", "7"),
-                          log_path=tmp_path / "s.log")
-    engine._model_path = "/ckpt"  # start() resolves it
-    argv = engine._command(4321)
-    assert argv[:3] == ["/opt/sgl/bin/python", "-m", "sglang.launch_server"]
-    assert _flag(argv, "--model-path") == "/ckpt" and _flag(argv, "--port") == "4321"
-    assert _flag(argv, "--context-length") == "1024" and _flag(argv, "--dtype") == "float16"
-    assert argv[-2:] == ["--random-seed", "7"]
-    assert engine.server.env == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false", "SGLANG_USE_CPU_ENGINE": "1"}
-    assert engine.server.health_path == "/health_generate"
-    assert launch_env(None) == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false"}
-
-
 def test_auto_dtype_is_bfloat16_on_an_accelerator_and_follows_the_cpu_on_the_cpu_backend():
-    assert SGLangEngine("/ckpt", dtype="auto").dtype == "bfloat16"
-    assert SGLangEngine("/ckpt", dtype="auto", device="cpu").dtype == ("bfloat16" if cpu_has_bf16() else "float32")
+    assert SGLangEngine("/ckpt", ServerOptions(dtype="auto")).dtype == "bfloat16"
+    assert SGLangEngine("/ckpt", ServerOptions(dtype="auto"), device="cpu").dtype == \
+        ("bfloat16" if cpu_has_bf16() else "float32")
 
 
 def test_generate_body_maps_the_sampling_params():
@@ -239,7 +235,8 @@ def fake_sglang(tmp_path: Path) -> Path:
 
 @on_session_loop
 async def test_engine_flow_and_restart_against_a_stand_in_server(fake_sglang, tmp_path):
-    engine = SGLangEngine(_checkpoint(tmp_path / "base"), log_path=tmp_path / "sglang.log", startup_timeout=30)
+    engine = SGLangEngine(_checkpoint(tmp_path / "base"), ServerOptions(log_path=tmp_path / "sglang.log",
+                                                                        startup_timeout=30))
     engine.server.env["PYTHONPATH"] = str(fake_sglang)
     with pytest.raises(EngineError, match="not started"):
         await engine.generate([1, 2, 3], SamplingParams())
@@ -276,8 +273,8 @@ async def test_engine_flow_and_restart_against_a_stand_in_server(fake_sglang, tm
 
 @on_session_loop
 async def test_no_restart_when_auto_restart_is_off(fake_sglang, tmp_path):
-    engine = SGLangEngine(_checkpoint(tmp_path / "base"), log_path=tmp_path / "sglang.log", startup_timeout=30,
-                          auto_restart=False)
+    engine = SGLangEngine(_checkpoint(tmp_path / "base"), ServerOptions(log_path=tmp_path / "sglang.log",
+                                                                        startup_timeout=30, auto_restart=False))
     engine.server.env["PYTHONPATH"] = str(fake_sglang)
     async with engine:
         os.killpg(engine.server.process.pid, signal.SIGKILL)
@@ -296,8 +293,8 @@ REAL_DEVICE = None if Path("/dev/nvidiactl").exists() else "cpu"
 
 @pytest.fixture(scope="module")
 async def sglang_engine(bundled_model: Path):
-    engine = SGLangEngine(bundled_model, device=REAL_DEVICE,
-                          log_path=Path(os.environ["ENVKIT_CACHE_DIR"]) / "logs" / "sglang-tests.log")
+    engine = SGLangEngine(bundled_model, ServerOptions(
+        log_path=Path(os.environ["ENVKIT_CACHE_DIR"]) / "logs" / "sglang-tests.log"), device=REAL_DEVICE)
     await engine.start()
     try:
         yield engine

@@ -18,6 +18,7 @@ import envkit
 from envkit import Env, StepResult
 from generators.chat import ChatTokenizer
 from generators.engines.base import EngineError, SamplingParams
+from generators.engines.managed import ServerOptions
 from generators.engines.openai_chat import OpenAIEndpoint
 from generators.engines.vllm import VLLMEngine
 from generators.engines.weight_sync import SHARED_DIR, SHARED_PREFIX, SharedWeights, plan_buckets
@@ -299,7 +300,7 @@ async def test_new_weights_mid_rollout_finish_or_interrupt_requests_in_flight(
     requests in flight stop and go on from where they stopped on the new weights, so a model turn holds tokens of
     both versions, and version_spans says where the new one begins."""
     flipped = await asyncio.to_thread(_flipped_checkpoint, bundled_model, tmp_path / "flipped")  # before, not during
-    engine = VLLMEngine(url=vllm_engine.base_url, weight_swap=weight_swap)  # a second client of the same server
+    engine = VLLMEngine(options=ServerOptions(url=vllm_engine.base_url), weight_swap=weight_swap)  # a 2nd client
     await engine.start()
     try:
         async with httpx.AsyncClient(base_url=vllm_engine.base_url) as http:
@@ -354,7 +355,7 @@ def test_dtype_and_compilation_follow_the_hardware_unless_given():
     on_gpu = not engine.cpu_build
     assert argv[argv.index("--dtype") + 1] == ("bfloat16" if on_gpu or cpu_has_bf16() else "float32")
     assert ("--enforce-eager" in argv) == engine.cpu_build
-    argv = VLLMEngine(dtype="bfloat16", compile=True)._command(8000)
+    argv = VLLMEngine(options=ServerOptions(dtype="bfloat16"), compile=True)._command(8000)
     assert argv[argv.index("--dtype") + 1] == "bfloat16" and "--enforce-eager" not in argv
     assert "--enforce-eager" in VLLMEngine(compile=False)._command(8000)
 

@@ -89,6 +89,7 @@ async def test_a_request_on_a_keep_alive_connection_the_server_dropped_is_sent_a
     """A server closes an idle keep-alive connection when it likes (vLLM's uvicorn after 5 s), and a request sent
     on it at that moment gets no answer. Here every connection's second request is read and left unanswered:
     the engine sends it again on a new connection instead of failing (a rollout, in a training step)."""
+    from generators.engines.managed import ServerOptions
     from generators.engines.vllm import VLLMEngine
 
     dropped = 0
@@ -113,7 +114,7 @@ async def test_a_request_on_a_keep_alive_connection_the_server_dropped_is_sent_a
         writer.close()
 
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    engine = VLLMEngine(url=f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    engine = VLLMEngine(options=ServerOptions(url=f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"))
     try:
         await engine.start()
         assert [await engine.server_weight_version() for _ in range(3)] == ["0", "0", "0"]

@@ -399,7 +399,7 @@ async def test_seed_goes_to_the_managed_server_or_to_each_endpoint_request(tmp_p
             ["eval", "arithmetic", "-n", "2", "--seed", "7", "--out", str(tmp_path / out), *argv]))
 
     engine, tokenizer, _ = await _engine(config(out="built"))  # built, not started
-    assert engine.extra_args == ("--seed", "7") and tokenizer is not None
+    assert engine.options.extra_args == ("--seed", "7") and tokenizer is not None
     assert engine.server.log_path == tmp_path / "built" / "vllm.log"
 
     scripted_engine = scripted(monkeypatch, 2)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from generators.engines.base import WEIGHT_SWAPS, WEIGHT_TRANSPORTS, InferenceEngine, check_cpu_cores
@@ -75,15 +75,17 @@ def make_engine(config: EngineConfig, model: str | Path, *, log_dir: Path | None
         from generators.engines.hf import HFEngine
 
         return HFEngine(model, dtype=config.dtype)
+    from generators.engines.managed import ServerOptions
+
+    options = ServerOptions(max_model_len=config.max_model_len, dtype=config.dtype, log_path=log_path,
+                            request_timeout=config.request_timeout_s, url=config.url)
     if config.engine == "sglang":
         from generators.engines.sglang import SGLangEngine
 
-        return SGLangEngine(model, context_length=config.max_model_len, dtype=config.dtype, log_path=log_path,
-                            request_timeout=config.request_timeout_s)
+        return SGLangEngine(model, options)
     from generators.engines.vllm import VLLMEngine
 
-    seed_args = ("--seed", str(config.server_seed)) if config.server_seed is not None else ()
-    return VLLMEngine(model, max_model_len=config.max_model_len, dtype=config.dtype, kv_cache_gib=config.kv_cache_gib,
-                      extra_args=seed_args, log_path=log_path, request_timeout=config.request_timeout_s,
-                      url=config.url, weight_swap=config.weight_swap, weight_transport=config.weight_transport,
-                      cpu_cores=config.cpu_cores)
+    if config.server_seed is not None:
+        options = replace(options, extra_args=("--seed", str(config.server_seed)))
+    return VLLMEngine(model, options, kv_cache_gib=config.kv_cache_gib, weight_swap=config.weight_swap,
+                      weight_transport=config.weight_transport, cpu_cores=config.cpu_cores)

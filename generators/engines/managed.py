@@ -12,7 +12,9 @@ import abc
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -21,7 +23,7 @@ import httpx
 from generators.engines.base import ChatCompletion, EngineError, InferenceEngine, SamplingParams
 from generators.engines.openai_chat import OpenAIChat
 from generators.engines.server import AttachedServer, ManagedServer
-from generators.models import resolve_model
+from generators.models import cache_dir, resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,33 @@ def checkpoint_dir(path: str | Path) -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class ServerOptions:
+    """How a model server (vLLM, SGLang) is started and talked to: what every server-backed engine takes."""
+
+    served_model_name: str = "policy"
+    host: str = "127.0.0.1"
+    port: int | None = None
+    """None: a free port."""
+    max_model_len: int = 2048
+    """Prompt plus completion tokens per request (vLLM's ``--max-model-len``, SGLang's ``--context-length``)."""
+    dtype: str = "auto"
+    """auto (bfloat16 on a GPU or a CPU with native bfloat16, else float32: :mod:`generators.precision`; not the
+    checkpoint's dtype, as the servers' own auto would take), bfloat16, float32, ..."""
+    extra_args: tuple[str, ...] = ()
+    """More arguments for the server's command line."""
+    log_path: Path | None = None
+    """The server's log; None: ``<cache>/logs/<server>-<served_model_name>-<pid>.log``, so that concurrent servers
+    never interleave."""
+    startup_timeout: float = 600.0
+    request_timeout: float = 600.0
+    auto_restart: bool = True
+    """Restart a server that died (and restore its weights) on the next request; never one that ``url`` names."""
+    max_restarts: int = 3
+    url: str | None = None
+    """Attach to a server of this kind that somebody else runs, instead of starting one."""
+
+
 class ServerBackedEngine(InferenceEngine):
     """An :class:`InferenceEngine` whose model server is a :class:`ManagedServer` subprocess this engine owns, or,
     with ``url``, a server of the same kind that somebody else runs (never restarted; its weights are ours to load).
@@ -51,28 +80,14 @@ class ServerBackedEngine(InferenceEngine):
     backend = "server"
     """The backend's display name in log lines and errors."""
 
-    def __init__(
-        self,
-        model: str | Path | None,
-        *,
-        served_model_name: str,
-        server_name: str,
-        log_path: Path,
-        env: dict[str, str] | None = None,
-        host: str = "127.0.0.1",
-        port: int | None = None,
-        health_path: str = "/health",
-        startup_timeout: float = 600.0,
-        request_timeout: float = 600.0,
-        auto_restart: bool = True,
-        max_restarts: int = 3,
-        url: str | None = None,
-    ) -> None:
+    def __init__(self, model: str | Path | None, options: ServerOptions, *, server_name: str,
+                 env: dict[str, str] | None = None, health_path: str = "/health") -> None:
         self.model = model
-        self.max_restarts = max_restarts
-        self.model_name = served_model_name
-        self.request_timeout = request_timeout
-        self.auto_restart = auto_restart and url is None
+        self.options = options
+        self.max_restarts = options.max_restarts
+        self.model_name = options.served_model_name
+        self.request_timeout = options.request_timeout
+        self.auto_restart = options.auto_restart and options.url is None
         self.restarts = 0
         self._version = 0
         self._serving = asyncio.Event()  # clear while new weights are going in: requests wait, then get them
@@ -85,10 +100,12 @@ class ServerBackedEngine(InferenceEngine):
         self._started = False
         self._restart_lock = asyncio.Lock()
         self._weights_lock = asyncio.Lock()
+        log_path = options.log_path or cache_dir() / "logs" / f"{server_name}-{self.model_name}-{os.getpid()}.log"
         self.server: ManagedServer | AttachedServer = (
-            AttachedServer(server_name, url, health_path=health_path, startup_timeout=startup_timeout) if url else
-            ManagedServer(server_name, self._command, log_path=log_path, env=env, host=host, port=port,
-                          health_path=health_path, startup_timeout=startup_timeout))
+            AttachedServer(server_name, options.url, health_path=health_path, startup_timeout=options.startup_timeout)
+            if options.url else
+            ManagedServer(server_name, self._command, log_path=log_path, env=env, host=options.host, port=options.port,
+                          health_path=health_path, startup_timeout=options.startup_timeout))
 
     # --- what a backend supplies -------------------------------------------------------------------------
 

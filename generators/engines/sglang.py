@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from generators.engines.base import Completion, EngineError, FinishReason, SamplingParams
-from generators.engines.managed import ServerBackedEngine
-from generators.models import cache_dir
+from generators.engines.managed import ServerBackedEngine, ServerOptions
 from generators.precision import auto_dtype
 
 log = logging.getLogger(__name__)
@@ -47,38 +45,6 @@ def sglang_available() -> str | None:
         return (f"sglang is not installed in {sys.prefix}; it needs its own environment "
                 "(`pip install sglang` pulls CUDA torch; for CPU see https://docs.sglang.io/platforms/cpu_server.html)")
     return None
-
-
-def launch_command(
-    model_path: str,
-    *,
-    port: int,
-    host: str = "127.0.0.1",
-    served_model_name: str = "policy",
-    context_length: int = 2048,
-    dtype: str = "bfloat16",
-    mem_fraction_static: float | None = None,
-    device: str | None = None,
-    python: str = sys.executable,
-    extra_args: tuple[str, ...] = (),
-) -> list[str]:
-    """The argv that launches ``sglang.launch_server`` for these options."""
-    argv = [
-        python, "-m", "sglang.launch_server",
-        "--model-path", model_path, "--served-model-name", served_model_name,
-        "--host", host, "--port", str(port),
-        "--context-length", str(context_length), "--dtype", dtype,
-        # The initial checkpoint is version 0; /update_weights_from_disk re-tags it (the default is "default").
-        "--weight-version", "0",
-        "--log-level-http", "warning",
-    ]
-    if mem_fraction_static is not None:
-        argv += ["--mem-fraction-static", str(mem_fraction_static)]
-    if device is not None:
-        argv += ["--device", device]
-        if device == "cpu":
-            argv += ["--disable-overlap-schedule"]  # as in SGLang's CPU server guide (docs/platforms/cpu_server.md)
-    return [*argv, *extra_args]
 
 
 def launch_env(device: str | None = None) -> dict[str, str]:
@@ -152,8 +118,9 @@ class SGLangEngine(ServerBackedEngine):
     If the server dies, the next request restarts it (and reloads the latest weights) once.
 
     ``device="cpu"`` runs SGLang's CPU backend (Intel Xeon with AMX; needs an SGLang built for CPU);
-    ``None`` lets SGLang pick the accelerator. ``dtype="auto"`` is bfloat16 on an accelerator or a CPU with native
-    bfloat16 and float32 on other CPUs (:mod:`generators.precision`). ``python`` is the interpreter that has
+    ``None`` lets SGLang pick the accelerator. ``options`` (:class:`ServerOptions`, shared with vLLM) says how the
+    server is started; its ``dtype="auto"`` is bfloat16 on an accelerator or a CPU with native bfloat16 and float32
+    on other CPUs (:mod:`generators.precision`). ``python`` is the interpreter that has
     ``sglang`` (default: this one); SGLang pins its own torch, so it often lives in an environment of its own.
     """
 
@@ -162,48 +129,36 @@ class SGLangEngine(ServerBackedEngine):
     def __init__(
         self,
         model: str | Path | None = None,
+        options: ServerOptions = ServerOptions(),  # noqa: B008 - frozen, so one shared default is safe
         *,
-        served_model_name: str = "policy",
-        host: str = "127.0.0.1",
-        port: int | None = None,
-        context_length: int = 2048,
-        dtype: str = "bfloat16",
         mem_fraction_static: float | None = None,
         device: str | None = None,
         python: str = sys.executable,
-        extra_args: tuple[str, ...] = (),
-        log_path: Path | None = None,
-        startup_timeout: float = 600.0,
-        request_timeout: float = 600.0,
-        auto_restart: bool = True,
     ) -> None:
-        self.context_length = context_length
-        # "auto" is ours, not SGLang's (which would take the checkpoint's dtype): see generators.precision.
-        self.dtype = auto_dtype(on_gpu=device != "cpu") if dtype == "auto" else dtype
+        self.dtype = auto_dtype(on_gpu=device != "cpu") if options.dtype == "auto" else options.dtype
         self.mem_fraction_static = mem_fraction_static
         self.device = device
         self.python = python
-        self.extra_args = tuple(extra_args)
-        super().__init__(
-            model,
-            served_model_name=served_model_name,
-            server_name="sglang",
-            log_path=log_path or cache_dir() / "logs" / f"sglang-{served_model_name}-{os.getpid()}.log",
-            env=launch_env(device),
-            host=host,
-            port=port,
-            health_path="/health_generate",
-            startup_timeout=startup_timeout,
-            request_timeout=request_timeout,
-            auto_restart=auto_restart,
-        )
+        super().__init__(model, options, server_name="sglang", env=launch_env(device), health_path="/health_generate")
 
     def _command(self, port: int) -> list[str]:
-        return launch_command(
-            self._model_path, port=port, host=self.server.host, served_model_name=self.model_name,
-            context_length=self.context_length, dtype=self.dtype, mem_fraction_static=self.mem_fraction_static,
-            device=self.device, python=self.python, extra_args=self.extra_args,
-        )
+        """The argv that launches ``sglang.launch_server`` on ``port``."""
+        argv = [
+            self.python, "-m", "sglang.launch_server",
+            "--model-path", self._model_path, "--served-model-name", self.model_name,
+            "--host", self.server.host, "--port", str(port),
+            "--context-length", str(self.options.max_model_len), "--dtype", self.dtype,
+            # The initial checkpoint is version 0; /update_weights_from_disk re-tags it (the default is "default").
+            "--weight-version", "0",
+            "--log-level-http", "warning",
+        ]
+        if self.mem_fraction_static is not None:
+            argv += ["--mem-fraction-static", str(self.mem_fraction_static)]
+        if self.device is not None:
+            argv += ["--device", self.device]
+            if self.device == "cpu":
+                argv += ["--disable-overlap-schedule"]  # as in SGLang's CPU server guide (docs/platforms/cpu_server.md)
+        return [*argv, *self.options.extra_args]
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Completion:
         version = await self._serving_version()

@@ -19,8 +19,7 @@ from generators.engines.base import (
     SamplingParams,
     check_cpu_cores,
 )
-from generators.engines.managed import ServerBackedEngine
-from generators.models import cache_dir
+from generators.engines.managed import ServerBackedEngine, ServerOptions
 from generators.precision import auto_dtype
 
 if TYPE_CHECKING:
@@ -66,11 +65,11 @@ class VLLMEngine(ServerBackedEngine):
     here is started with): ``weight_transport="auto"`` writes them to shared memory for a CPU server this engine
     started (``"shared"``) and broadcasts them over a process group otherwise (``"group"``: gloo on CPU, NCCL on a
     GPU). If the server dies, the next request
-    restarts it and restores the latest weights. ``dtype="auto"`` computes in bfloat16 on a GPU or a CPU with
-    native bfloat16 and in float32 on other CPUs (:mod:`generators.precision`). ``compile=None`` compiles the
+    restarts it and restores the latest weights. How the server is started (its port, context length, dtype, log,
+    timeouts) is in ``options`` (:class:`ServerOptions`, shared with SGLang). ``compile=None`` compiles the
     model (torch.compile, CUDA graphs) on a GPU and runs it eagerly on the CPU build, where compiling costs more
-    start-up time than it gives back in all but long jobs. With ``url`` it attaches to a vLLM server that is already
-    running (started with ``VLLM_SERVER_DEV_MODE=1``, serving ``served_model_name``) instead of starting one.
+    start-up time than it gives back in all but long jobs. With ``options.url`` it attaches to a vLLM server that is
+    already running (started with ``VLLM_SERVER_DEV_MODE=1``, serving ``served_model_name``) instead of starting one.
     ``cpu_cores`` (CPU build): the cores the server computes on: all those this process may use, vllm for vLLM's
     own choice (on 2 vCPUs: one, the other left to its scheduler), a list such as ``0-3``, or auto: all, unless
     ``VLLM_CPU_OMP_THREADS_BIND`` is set in the environment. All cores generated 1.6x the tokens/s of vLLM's choice
@@ -82,21 +81,10 @@ class VLLMEngine(ServerBackedEngine):
     def __init__(
         self,
         model: str | Path | None = None,
+        options: ServerOptions = ServerOptions(),  # noqa: B008 - frozen, so one shared default is safe
         *,
-        served_model_name: str = "policy",
-        host: str = "127.0.0.1",
-        port: int | None = None,
-        max_model_len: int = 2048,
-        dtype: str = "auto",
         kv_cache_gib: int = 2,
         compile: bool | None = None,
-        extra_args: tuple[str, ...] = (),
-        log_path: Path | None = None,
-        startup_timeout: float = 600.0,
-        request_timeout: float = 600.0,
-        auto_restart: bool = True,
-        max_restarts: int = 3,
-        url: str | None = None,
         weight_swap: str = "finish",
         weight_transport: str = "auto",
         cpu_cores: str = "auto",
@@ -110,11 +98,8 @@ class VLLMEngine(ServerBackedEngine):
         # finish: requests in flight when new weights arrive complete on the old ones. interrupt: they stop (finish
         # reason abort, with the tokens so far) and the generator continues them on the new weights.
         self._pause_mode = "abort" if weight_swap == "interrupt" else "wait"
-        self.max_model_len = max_model_len
-        self.extra_args = tuple(extra_args)
         self.cpu_build = _is_cpu_build()
-        # "auto" is ours, not vLLM's (which would take the checkpoint's dtype): see generators.precision.
-        self.dtype = auto_dtype(on_gpu=not self.cpu_build) if dtype == "auto" else dtype
+        self.dtype = auto_dtype(on_gpu=not self.cpu_build) if options.dtype == "auto" else options.dtype
         # On a 2-vCPU CPU, vLLM's torch.compile warm-up made a start take 157 s instead of 50 s and sped generation
         # up by under 10% (104 -> 114 tokens/s): a long job's worth. On a GPU it also captures CUDA graphs.
         self.compile = not self.cpu_build if compile is None else compile
@@ -123,31 +108,18 @@ class VLLMEngine(ServerBackedEngine):
         self._senders: dict[str, WeightSender | SharedWeights] = {}
         self._wire_dtype: str | None = None
         self._set_up_for: object = object()
-        super().__init__(
-            model,
-            served_model_name=served_model_name,
-            server_name="vllm",
-            # one log per process and server name, so concurrent servers never interleave
-            log_path=log_path or cache_dir() / "logs" / f"vllm-{served_model_name}-{os.getpid()}.log",
-            env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), **_core_binding(cpu_cores)},
-            host=host,
-            port=port,
-            startup_timeout=startup_timeout,
-            request_timeout=request_timeout,
-            auto_restart=auto_restart,
-            max_restarts=max_restarts,
-            url=url,
-        )
+        env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), **_core_binding(cpu_cores)}
+        super().__init__(model, options, server_name="vllm", env=env)
 
     def _command(self, port: int) -> list[str]:
         return [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", self._model_path, "--served-model-name", self.model_name,
             "--host", self.server.host, "--port", str(port),
-            "--max-model-len", str(self.max_model_len), "--dtype", self.dtype,
+            "--max-model-len", str(self.options.max_model_len), "--dtype", self.dtype,
             "--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log",
             "--worker-extension-cls", "generators.engines.weight_sync.WeightReceiver",
-            *(() if self.compile else ("--enforce-eager",)), *self.extra_args,
+            *(() if self.compile else ("--enforce-eager",)), *self.options.extra_args,
         ]
 
     async def _on_started(self) -> None:
