@@ -13,6 +13,7 @@ from envkit import errors
 from envkit.core import ContractChecker, Env, StepResult, Task, Wrapper
 from envkit.messages import Message, ToolCall, assistant, system, tool_result, user
 from envkit.parsing import Answer, extract_answer, parse_number
+from envkit.ref import EnvRef
 from envkit.registry import (
     BrokenEnv,
     EnvSpec,
@@ -35,6 +36,7 @@ __all__ = [
     "BrokenEnv",
     "ContractChecker",
     "Env",
+    "EnvRef",
     "EnvSpec",
     "Message",
     "Registry",

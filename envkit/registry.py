@@ -21,7 +21,8 @@ letter or digit (``arithmetic``, ``guess-number``, ``acme/sokoban-v2``). ``make`
     an :class:`envkit.mcp_env.MCPToolEnv`; tasks and a grader come as kwargs (the ``mcp`` extra).
 
 ``make(NAME, sandbox="docker" | "local" | "auto")`` runs the env inside a sandbox of its own (a container from its
-image, or an ``envkit serve`` child process), a RemoteEnv underneath; ``sandbox_options={...}`` tunes it. The
+image, or an ``envkit serve`` child process), a RemoteEnv underneath; ``pool=`` lends it one from a warm pool and
+``sandbox_options={...}`` tunes it. The
 providers come from the entry-point group ``envkit.sandboxes`` (the ``sandboxes`` package), so envkit never imports
 them.
 
@@ -182,16 +183,19 @@ class Registry:
         validate_name(name)
         raise EnvNotFoundError(name, self._suggest(name))
 
-    def make(self, name: str, /, *, checked: bool = True, **kwargs: Any) -> Env:
+    def make(self, name: str, /, *, checked: bool = True, sandbox: str | None = None, pool: Any = None,
+             **kwargs: Any) -> Env:
         """Construct the env registered as ``name`` with its default kwargs updated by ``kwargs``.
 
         The result is wrapped in :class:`ContractChecker` unless ``checked=False``. ``sandbox="docker"`` (or another
-        ``envkit.sandboxes`` provider) runs the env in a sandbox of its own instead of in this process; a name with
-        a scheme (``ws://...``, ``gym:...``) is made by that scheme's ``envkit.schemes`` provider.
+        ``envkit.sandboxes`` provider) runs the env in a sandbox of its own instead of in this process, borrowed from
+        the warm ``pool`` if one is given (``sandboxes.open_pool``); a name with a scheme (``ws://...``, ``gym:...``)
+        is made by that scheme's ``envkit.schemes`` provider.
         """
-        sandbox = kwargs.pop("sandbox", None)
         if sandbox is not None:
-            env: Env = _sandbox_provider(sandbox)(name, **kwargs)
+            env: Env = _sandbox_provider(sandbox)(name, pool=pool, **kwargs)
+        elif pool is not None:
+            raise TypeError(f"make({name!r}, pool=...) needs sandbox=: a warm pool lends sandboxes")
         elif (scheme := _scheme(name)) is not None:
             env = _scheme_provider(scheme)(name, **kwargs)
         else:
@@ -333,9 +337,9 @@ def register(name: str, entry_point: str | EnvFactory, *, description: str | Non
     return registry.register(name, entry_point, description=description, **kwargs)
 
 
-def make(name: str, /, *, checked: bool = True, **kwargs: Any) -> Env:
-    """Make the env called ``name``; ``kwargs`` override its registered defaults."""
-    return registry.make(name, checked=checked, **kwargs)
+def make(name: str, /, *, checked: bool = True, sandbox: str | None = None, pool: Any = None, **kwargs: Any) -> Env:
+    """Make the env called ``name``; ``kwargs`` override its registered defaults (see :meth:`Registry.make`)."""
+    return registry.make(name, checked=checked, sandbox=sandbox, pool=pool, **kwargs)
 
 
 def spec(name: str) -> EnvSpec:

@@ -29,8 +29,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-import envkit
 from envkit.errors import EnvkitError
+from envkit.ref import EnvRef
 from generators.engines.base import EngineError, publish_policy
 from generators.engines.factory import EngineConfig, make_engine
 from generators.models import BUNDLED
@@ -61,14 +61,13 @@ def _greedy() -> GeneratorConfig:
 class EvalConfig:
     """One evaluation run: the env and its tasks, the rollout settings and the engine (``envkit eval``'s options)."""
 
-    env: str
+    env: EnvRef
+    """The env and its kwargs (a plain name is taken as ``EnvRef(name)``)."""
     model: str = BUNDLED
     """``"bundled"``, an HF checkpoint dir or hub name; with an openai engine, the endpoint's served model name."""
     num_tasks: int = 64
     split: str = "test"
     pass_threshold: float = 1.0
-    env_args: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments for ``envkit.make``."""
     out: Path | None = None
     """Output dir; None means ``runs/eval/<env>-<YYYYmmdd-HHMMSS>``."""
     rollout: GeneratorConfig = field(default_factory=_greedy)
@@ -84,14 +83,17 @@ class EvalConfig:
             raise EvalInputError(f"pass_threshold must be a finite number, got {self.pass_threshold}")
         if self.engine.engine == "openai" and self.model == BUNDLED:
             raise EvalInputError("--base-url needs --model: the model name the endpoint serves (e.g. gpt-4o-mini)")
-        for key in self.env_args:
-            if not _KEY_RE.match(key):
-                raise EvalInputError(f"env arg name {key!r} is not a valid Python identifier")
-        self.out = Path(self.out) if self.out is not None else default_out_dir(self.env)
+        if isinstance(self.env, str):
+            try:
+                self.env = EnvRef(self.env)
+            except ValueError as e:
+                raise EvalInputError(str(e)) from None
+        self.out = Path(self.out) if self.out is not None else default_out_dir(self.env.name)
 
     def to_json(self) -> dict[str, Any]:
         """The config as JSON-able values, without the API key."""
         data = asdict(self)
+        data["env"] = self.env.to_json()
         data["engine"].pop("api_key")
         data["out"] = str(self.out)
         return data
@@ -110,13 +112,13 @@ async def run_eval(config: EvalConfig, *, console: Console | None = None
     With a ``console``, progress and notes are shown on it. Raises EnvkitError or EvalInputError for bad input
     before any model server starts; the managed server is stopped on every exit path.
     """
-    from generators.rollout import Generator, env_factory
+    from generators.rollout import Generator
 
     say = console.print if console is not None else _quiet
     tasks, task_note = await _load_tasks(config)
     seeds = list(range(config.num_tasks)) if tasks is None else None
     samples = config.rollout.samples_per_prompt
-    say(f"[bold]{config.env}[/bold]: {task_note}, {samples} sample(s) each", highlight=False)
+    say(f"[bold]{config.env.name}[/bold]: {task_note}, {samples} sample(s) each", highlight=False)
     if samples > 1 and config.rollout.temperature == 0:
         say("[yellow]note:[/yellow] --samples > 1 at temperature 0 gives (nearly) identical samples")
     engine, tokenizer, model_note = await _engine(config)
@@ -131,9 +133,8 @@ async def run_eval(config: EvalConfig, *, console: Console | None = None
         say(f"{model_note} ready in {start_s:.0f} s", highlight=False)
         with _progress(console, total, config.pass_threshold) as on_done:
             t0 = time.perf_counter()
-            trajectories = await generator.generate(env_factory(config.env, **config.env_args), tasks=tasks,
-                                                    seeds=seeds, env_name=config.env,
-                                                    on_done=on_done)
+            trajectories = await generator.generate(config.env.make, tasks=tasks, seeds=seeds,
+                                                    env_name=config.env.name, on_done=on_done)
             wall_s = time.perf_counter() - t0
     finally:
         await engine.stop()
@@ -143,7 +144,7 @@ async def run_eval(config: EvalConfig, *, console: Console | None = None
     assert out is not None  # set by __post_init__
     meta = {**config.to_json(), "engine_note": model_note, "tasks": task_note, "engine_start_s": round(start_s, 1)}
     write_jsonl(trajectories, out / "trajectories.jsonl")
-    write_html_report(trajectories, summary, out / "report.html", title=f"envkit eval: {config.env}", config=meta)
+    write_html_report(trajectories, summary, out / "report.html", title=f"envkit eval: {config.env.name}", config=meta)
     _write_json({**summary.to_json(), "config": meta}, out / "summary.json")
     return summary, trajectories, out
 
@@ -154,19 +155,19 @@ def _quiet(*_: Any, **__: Any) -> None:
 
 async def _load_tasks(config: EvalConfig) -> tuple[list[Task] | None, str]:
     """The first ``num_tasks`` tasks of the split (None when the env has no task list) and a note saying which."""
-    env = envkit.make(config.env, **config.env_args)
+    env = config.env.make()
     try:
         try:
             source = env.tasks(config.split)
         except ValueError as e:
-            raise EvalInputError(f"env {config.env!r} has no split {config.split!r}: {e}") from e
+            raise EvalInputError(f"env {config.env.name!r} has no split {config.split!r}: {e}") from e
         if source is None:
             return None, f"no task list, so seeds 0..{config.num_tasks - 1} (--split ignored)"
         tasks: list[Task] = list(itertools.islice(source, config.num_tasks))
     finally:
         await env.close()
     if not tasks:
-        raise EvalInputError(f"env {config.env!r} has no tasks in split {config.split!r}")
+        raise EvalInputError(f"env {config.env.name!r} has no tasks in split {config.split!r}")
     if len(tasks) < config.num_tasks:
         return tasks, f"all {len(tasks)} {config.split} tasks (fewer than the {config.num_tasks} asked for)"
     return tasks, f"the first {len(tasks)} {config.split} tasks"
@@ -334,11 +335,11 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         )
         engine = EngineConfig("openai" if endpoint else "vllm", url=args.base_url, api_key=args.api_key,
                               server_seed=None if endpoint else args.seed)
+        env = EnvRef(args.name, dict(args.env_arg))
     except ValueError as e:
         raise EvalInputError(str(e)) from None
-    return EvalConfig(env=args.name, model=args.model or BUNDLED, num_tasks=args.num_tasks, split=args.split,
-                      pass_threshold=args.pass_threshold, env_args=dict(args.env_arg), out=args.out,
-                      rollout=rollout, engine=engine)
+    return EvalConfig(env=env, model=args.model or BUNDLED, num_tasks=args.num_tasks, split=args.split,
+                      pass_threshold=args.pass_threshold, out=args.out, rollout=rollout, engine=engine)
 
 
 def _cmd_eval(args: argparse.Namespace, console: Console) -> int:

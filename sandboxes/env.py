@@ -7,9 +7,9 @@ envkit finds these providers through the ``envkit.sandboxes`` entry-point group 
 - ``sandbox="local"``: ``envkit serve NAME`` as a child process; no isolation.
 - ``sandbox="auto"``: docker when an engine answers, else local, saying so in the log.
 
-``sandbox_options`` (a dict) tunes it: ``limits`` (SandboxLimits), ``pool`` (a SandboxPool of this env's image:
-containers are borrowed and given back instead of started and removed; :func:`open_pool` makes one),
-``start_timeout_s``.
+``pool=`` (a SandboxPool of this env's image, which :func:`open_pool` makes) lends it a sandbox, given back instead
+of removed at ``close``. ``sandbox_options`` (a dict) tunes the sandboxes it starts itself: ``limits``
+(SandboxLimits), ``start_timeout_s``.
 
 The env kwargs a session may not set (``envkit.remote.OPERATOR_KWARGS``: a two-player game's ``opponent``) start the
 sandbox's server instead (``envkit serve --kwargs``); a pool's sandboxes are started with its own.
@@ -26,6 +26,7 @@ from typing import Any
 from envkit.core import Env, StepResult, Task
 from envkit.errors import ResetNeededError
 from envkit.messages import Message
+from envkit.ref import EnvRef
 from envkit.registry import EnvSpec
 from envkit.remote import OPERATOR_KWARGS, RemoteConfig, RemoteEnv
 from sandboxes.base import Sandbox, SandboxLimits, serve_command, serve_options
@@ -129,14 +130,14 @@ async def _factory(name: str, kind: str, limits: SandboxLimits | None, start_tim
 
 
 def _sandboxed(kind: str, name: str, remote: RemoteConfig | None, sandbox_options: dict[str, Any] | None,
-               env_kwargs: dict[str, Any]) -> Env:
-    """Env ``name`` in a sandbox of ``kind``: one started per env, or borrowed from ``sandbox_options["pool"]``."""
+               pool: SandboxPool | None, env_kwargs: dict[str, Any]) -> Env:
+    """Env ``name`` in a sandbox of ``kind``: one started per env, or borrowed from ``pool``."""
     options = dict(sandbox_options or {})
-    pool: SandboxPool | None = options.pop("pool", None)
     limits: SandboxLimits | None = options.pop("limits", None)
     start_timeout_s: float = options.pop("start_timeout_s", START_TIMEOUT_S)
     if options:
-        raise TypeError(f"unknown sandbox_options {sorted(options)}; known: pool, limits, start_timeout_s")
+        raise TypeError(f"unknown sandbox_options {sorted(options)}; known: limits, start_timeout_s (a warm pool "
+                        "is make()'s pool=)")
     served = operator_kwargs(env_kwargs)
     options = serve_options(name, served)  # kwargs a server cannot be given fail here, not in the first episode
     session_kwargs = {k: v for k, v in env_kwargs.items() if k not in served}
@@ -157,15 +158,15 @@ def _sandboxed(kind: str, name: str, remote: RemoteConfig | None, sandbox_option
 
 
 def docker(name: str, *, remote: RemoteConfig | None = None, sandbox_options: dict[str, Any] | None = None,
-           **env_kwargs: Any) -> Env:
+           pool: SandboxPool | None = None, **env_kwargs: Any) -> Env:
     """``sandbox="docker"``: env ``name`` in a container of its own (or one borrowed from ``pool``)."""
-    return _sandboxed("docker", name, remote, sandbox_options, env_kwargs)
+    return _sandboxed("docker", name, remote, sandbox_options, pool, env_kwargs)
 
 
 def local(name: str, *, remote: RemoteConfig | None = None, sandbox_options: dict[str, Any] | None = None,
-          **env_kwargs: Any) -> Env:
+          pool: SandboxPool | None = None, **env_kwargs: Any) -> Env:
     """``sandbox="local"``: env ``name`` behind ``envkit serve`` in a child process (no isolation)."""
-    return _sandboxed("local", name, remote, sandbox_options, env_kwargs)
+    return _sandboxed("local", name, remote, sandbox_options, pool, env_kwargs)
 
 
 def _auto_kind(name: str) -> str:
@@ -184,8 +185,8 @@ def auto(name: str, **kwargs: Any) -> Env:
 
 async def open_pool(name: str, kind: str, *, size: int, limits: SandboxLimits | None = None,
                     wait: bool = True, server_kwargs: dict[str, Any] | None = None) -> SandboxPool:
-    """A started warm pool of ``size`` sandboxes serving env ``name``, for ``sandbox_options={"pool": pool}``:
-    containers of its image (``docker``, building the image if needed), ``envkit serve`` child processes
+    """A started warm pool of ``size`` sandboxes serving env ``name``, for ``envkit.make(name, sandbox=kind,
+    pool=pool)``: containers of its image (``docker``, building the image if needed), ``envkit serve`` child processes
     (``local``), or either as ``sandbox="auto"`` picks; ``wait=False`` returns while they start (``acquire`` waits
     for the first); ``server_kwargs``: the env kwargs their servers start with (``operator_kwargs`` of the env's).
     The caller closes it."""
@@ -206,3 +207,10 @@ async def open_pool(name: str, kind: str, *, size: int, limits: SandboxLimits | 
 
 async def _close(sandbox: Sandbox) -> None:
     await sandbox.close()
+
+
+async def open_pool_for(ref: EnvRef, *, size: int, wait: bool = True) -> SandboxPool:
+    """:func:`open_pool` for the sandboxed env ``ref``: of its kind, its servers started with its operator kwargs."""
+    if ref.sandbox is None:
+        raise ValueError(f"env {ref.name!r} is not sandboxed: it has no pool to open")
+    return await open_pool(ref.name, ref.sandbox, size=size, wait=wait, server_kwargs=operator_kwargs(ref.kwargs))

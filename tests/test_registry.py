@@ -58,6 +58,43 @@ def test_register_make_with_defaults_and_overrides(reg):
     assert not isinstance(reg.make("echo", checked=False), ContractChecker)
 
 
+def test_an_env_ref_makes_its_env_and_round_trips_as_json():
+    ref = envkit.EnvRef(f"{__name__}:EchoEnv", {"prefix": ">", "repeat": 2}, label="echo")
+    env = ref.make()
+    assert isinstance(env, ContractChecker) and (env.unwrapped.prefix, env.unwrapped.repeat) == (">", 2)
+    assert not isinstance(ref.make(checked=False), ContractChecker)
+    assert ref.to_json() == {"name": f"{__name__}:EchoEnv", "kwargs": {"prefix": ">", "repeat": 2}, "sandbox": None,
+                             "label": "echo"}
+    assert envkit.EnvRef(**json.loads(json.dumps(ref.to_json()))) == ref
+
+
+@pytest.mark.parametrize(("name", "label", "shown"), [
+    ("arithmetic", None, "arithmetic"), ("arithmetic", "sums", "sums"), ("gym:Blackjack-v1", None, "Blackjack-v1"),
+    ("openenv:http://127.0.0.1:1", None, "openenv"), ("ws://127.0.0.1:1/arithmetic", None, "arithmetic"),
+    ("http://127.0.0.1:1/", None, "remote"), ("my_pkg.envs:MazeEnv", None, "MazeEnv"),
+])
+def test_an_env_refs_display_name(name, label, shown):
+    assert envkit.EnvRef(name, label=label).display_name == shown
+
+
+@pytest.mark.parametrize(("make_ref", "message"), [
+    (lambda: envkit.EnvRef(""), "non-empty string"),
+    (lambda: envkit.EnvRef("arithmetic", {"not valid": 1}), "'not valid' is not a valid Python identifier"),
+    (lambda: envkit.EnvRef("arithmetic", {"sandbox": "docker", "level": 1}), "sandbox cannot be env kwargs"),
+    (lambda: envkit.EnvRef("arithmetic", pool=object()), "a warm pool but no sandbox"),
+])
+def test_an_env_ref_refuses_what_make_could_not_take(make_ref, message):
+    with pytest.raises(ValueError, match=message):
+        make_ref()
+
+
+def test_a_pool_without_a_sandbox_and_the_old_pool_option_are_refused():
+    with pytest.raises(TypeError, match="needs sandbox="):
+        envkit.make("arithmetic", pool=object())
+    with pytest.raises(TypeError, match=r"a warm pool is make\(\)'s pool="):
+        envkit.make("arithmetic", sandbox="local", sandbox_options={"pool": object()})
+
+
 def test_register_by_entry_point_string_and_spec_json_round_trip(reg):
     spec = reg.register("echo-str", f"{__name__}:EchoEnv", description="by string", prefix="#")
     again = EnvSpec.from_json(json.loads(json.dumps(spec.to_json())))

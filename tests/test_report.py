@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import envkit
+from envkit import EnvRef
 from envkit.cli import build_parser, main
 from generators.engines.base import ChatCompletion, InferenceEngine, SamplingParams
 from generators.engines.factory import EngineConfig
@@ -258,9 +259,8 @@ def test_parsed_arguments_become_an_eval_config(tmp_path: Path) -> None:
     ])
     config = config_from_args(args)
     assert (config.env, config.model, config.num_tasks, config.rollout.samples_per_prompt,
-            config.rollout.temperature) == ("arithmetic", "bundled", 3, 2, 0.7)
-    assert (config.env_args, config.out, config.rollout.max_tokens, config.pass_threshold) == \
-        ({"level": 2, "ops": "+-"}, tmp_path, 64, 0.5)
+            config.rollout.temperature) == (EnvRef("arithmetic", {"level": 2, "ops": "+-"}), "bundled", 3, 2, 0.7)
+    assert (config.out, config.rollout.max_tokens, config.pass_threshold) == (tmp_path, 64, 0.5)
     defaults = config_from_args(build_parser().parse_args(["eval", "gym:Blackjack-v1"]))
     r = defaults.rollout
     assert (defaults.num_tasks, defaults.split, r.samples_per_prompt, r.concurrency, r.temperature, r.max_tokens,
@@ -292,8 +292,8 @@ def test_eval_config_validation(argv: list[str], message: str, capsys: pytest.Ca
         assert message in capsys.readouterr().err
     else:
         pytest.fail(f"{argv} was accepted")
-    with pytest.raises(EvalInputError, match="not a valid Python identifier"):
-        EvalConfig("arithmetic", env_args={"not valid": 1})
+    with pytest.raises(ValueError, match="not a valid Python identifier"):
+        EvalConfig(EnvRef("arithmetic", {"not valid": 1}))
 
 
 def test_eval_config_json_never_holds_the_api_key() -> None:
@@ -367,7 +367,7 @@ async def test_run_eval_writes_results(tmp_path: Path, monkeypatch: pytest.Monke
     assert [t.task_id for t in trajectories] == [f"test-1-{i // 2}" for i in range(16)]  # level-1 ids
     assert [t.to_json() for t in read_jsonl(out / "trajectories.jsonl")] == [t.to_json() for t in trajectories]
     saved = json.loads((out / "summary.json").read_text())
-    assert saved["pass_rate"] == 0.5 and saved["config"]["env"] == "arithmetic"
+    assert saved["pass_rate"] == 0.5 and saved["config"]["env"]["name"] == "arithmetic"
     assert saved["config"]["tasks"] == "the first 8 test tasks"
     assert saved["config"]["engine_note"] == "scripted chat engine" and saved["config"]["engine"]["engine"] == "vllm"
     page = (out / "report.html").read_text()

@@ -194,7 +194,7 @@ async def test_pool_acquire_is_a_handoff_and_release_recycles_or_replaces(docker
 async def test_make_with_a_pool_borrows_a_container(docker_client, arithmetic_image) -> None:
     async with SandboxPool(lambda: DockerSandbox(arithmetic_image), size=1) as pool:
         for seed in (0, 1):
-            env = envkit.make("arithmetic", sandbox="docker", sandbox_options={"pool": pool}, level=1)
+            env = envkit.make("arithmetic", sandbox="docker", pool=pool, level=1)
             messages, _ = await env.reset(seed=seed)
             assert "What is" in messages[-1]["content"]
             name = env.env.sandbox.name
@@ -215,11 +215,11 @@ async def test_operator_kwargs_start_the_containers_server(docker_client, arithm
         assert command[-2:] == ["--kwargs", '{"level": 3}']
     pool = await open_pool("arithmetic", "docker", size=1, server_kwargs={"level": 3})
     try:
-        async with envkit.make("arithmetic", sandbox="docker", sandbox_options={"pool": pool}, level=3) as env:
+        async with envkit.make("arithmetic", sandbox="docker", pool=pool, level=3) as env:
             messages, _ = await env.reset(seed=0)
             assert messages[-1]["content"] == "What is 28 - 58?"
         with pytest.raises(ValueError, match=r"needs a pool whose servers were started with them"):
-            envkit.make("arithmetic", sandbox="docker", sandbox_options={"pool": pool}, level=1)
+            envkit.make("arithmetic", sandbox="docker", pool=pool, level=1)
     finally:
         await pool.close()
 

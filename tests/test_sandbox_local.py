@@ -36,6 +36,26 @@ async def test_local_sandbox_serves_an_env_and_runs_commands() -> None:
         await sandbox.exec("print(1)")
 
 
+async def test_an_env_ref_borrows_its_sandbox_from_the_pool_opened_for_it() -> None:
+    from sandboxes.env import open_pool_for
+
+    ref = envkit.EnvRef("arithmetic", {"level": 1}, sandbox="local")
+    pool = await open_pool_for(ref, size=1)
+    try:
+        servers = set()
+        for seed in (0, 1):
+            async with ref.with_pool(pool).make() as env:
+                messages, _ = await env.reset(seed=seed)
+                assert "What is" in messages[-1]["content"]
+                servers.add(env.env.sandbox.url)
+            assert pool.idle == 1  # given back, not closed
+        assert len(servers) == 1  # both episodes ran on the pool's one server
+    finally:
+        await pool.close()
+    with pytest.raises(ValueError, match="is not sandboxed"):
+        await open_pool_for(envkit.EnvRef("arithmetic"), size=1)
+
+
 async def test_local_sandbox_start_failure_is_reported() -> None:
     with pytest.raises(SandboxStartError, match="exited with status"):
         await LocalSandbox("no-such-env", start_timeout_s=30).start()

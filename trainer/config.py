@@ -14,6 +14,7 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
+from envkit.ref import EnvRef
 from generators.engines.factory import EngineConfig
 from generators.rollout import GeneratorConfig
 from generators.trajectory import STOP_REASONS
@@ -100,21 +101,22 @@ class EnvConfig:
         return list(self.mixture) or [self]
 
     @property
+    def ref(self) -> EnvRef:
+        """This env as envkit's one reference to an env (what the run's env streams and env workers pass)."""
+        return EnvRef(self.name, dict(self.kwargs), sandbox=self.sandbox, label=self.label)
+
+    @property
     def display_name(self) -> str:
         """The label, else a short name: a gym id, ``openenv``, a URL's env name, an entry point's class."""
-        if self.label:
-            return self.label
-        if self.name.startswith("gym:"):
-            return self.name[4:]
-        if self.name.startswith("openenv:"):
-            return "openenv"
-        if "://" in self.name:
-            return self.name.split("://", 1)[1].rstrip("/").partition("/")[2] or "remote"
-        return self.name.rpartition(":")[2]
+        return self.ref.display_name
 
     def __post_init__(self) -> None:
         if self.sandbox is not None:
             _one_of("env.sandbox", self.sandbox, SANDBOXES)
+        try:
+            self.ref  # noqa: B018 - what makes it checks the name and kwargs
+        except ValueError as e:
+            raise ConfigError(f"env: {e}") from None
         if self.pool_size < 0:
             raise ConfigError(f"env.pool_size must be >= 0, got {self.pool_size}")
         if not self.weight > 0:

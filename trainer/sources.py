@@ -6,7 +6,7 @@ split, drawn in a resumable order.
                 from a warm pool), its train and eval starts, and its data position
     Mixture     the run's envs: exact per-step quotas by weight, rollouts, held-out rollouts, the resumable state
 
-Where an env runs changes only how :meth:`EnvStream.make` calls ``envkit.make``; the loop never asks.
+Where an env runs changes only what :meth:`EnvStream.make` hands its ``EnvRef`` to; the loop never asks.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import envkit
 from envkit import Env, Task
 from envkit.errors import ResetNeededError
+from envkit.ref import EnvRef, WarmPool
 from generators import Generator, Trajectory
 from trainer.config import ConfigError, EnvConfig, TaskSourceConfig
 
@@ -110,29 +110,26 @@ class EnvStream:
     """Next index into this epoch's order of the train starts."""
     drawn: int = 0
     """Prompts drawn so far (what the mixture's quotas balance)."""
-    pool: Any = None
-    """The warm SandboxPool of a sandboxed env."""
+    pool: WarmPool | None = None
+    """The warm SandboxPool of a sandboxed env whose episodes run in this process."""
     tools: bool = False
     """Whether the env offers the model tools: known once opened where its task lists are read from an env."""
-    make_env: Callable[..., Env] = envkit.make
-    """``envkit.make`` or the placement's (an env in an env worker)."""
+    make_env: Callable[[EnvRef], Env] = EnvRef.make
+    """``EnvRef.make`` or the placement's (an env in an env worker)."""
     _order: tuple[int, list[int]] | None = field(default=None, repr=False)
 
     def make(self, *, here: bool = False) -> Env:
         """A fresh env for one rollout (``here``: in this process, wherever the placement runs envs)."""
-        kwargs = dict(self.cfg.kwargs)
-        if self.cfg.sandbox is not None:
-            kwargs.update(sandbox=self.cfg.sandbox, sandbox_options={"pool": self.pool})
-        return (envkit.make if here else self.make_env)(self.cfg.name, **kwargs)
+        ref = self.cfg.ref.with_pool(self.pool)
+        return ref.make() if here else self.make_env(ref)
 
     async def open(self, *, pool_size: int) -> None:
         """Start the sandbox pool (if any, and ``pool_size`` > 0: the run's episodes run in this process) and load the
         train and eval starts."""
         if self.cfg.sandbox is not None and pool_size:
-            from sandboxes.env import open_pool, operator_kwargs
+            from sandboxes.env import open_pool_for
 
-            self.pool = await open_pool(self.cfg.name, self.cfg.sandbox, size=self.cfg.pool_size or pool_size,
-                                        server_kwargs=operator_kwargs(self.cfg.kwargs))
+            self.pool = await open_pool_for(self.cfg.ref, size=self.cfg.pool_size or pool_size)
         if pool_size and self.cfg.sandbox is None:
             await self._warm_code_sandboxes()
         self.train, self.eval = await self._load_starts()
@@ -249,7 +246,7 @@ class EnvStream:
 class Mixture:
     """The envs of a run (``env`` or ``env.mixture``), each step's prompts split among them by weight."""
 
-    def __init__(self, cfg: EnvConfig, *, seed: int, make_env: Callable[..., Env] = envkit.make) -> None:
+    def __init__(self, cfg: EnvConfig, *, seed: int, make_env: Callable[[EnvRef], Env] = EnvRef.make) -> None:
         self.streams = [EnvStream(c, c.display_name, make_env=make_env) for c in cfg.members]
         self.weights = [c.weight for c in cfg.members]
         self.seed = seed

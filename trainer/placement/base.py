@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
-import envkit
 from envkit import Env
+from envkit.ref import EnvRef
 from generators.engines.base import InferenceEngine
 from generators.engines.factory import make_engine
 from trainer.config import Config, InferenceConfig
@@ -34,9 +33,9 @@ class Placement:
             return replace(self.cfg.inference, cpu_cores="vllm")
         return self.cfg.inference
 
-    def make_env(self, name: str, **kwargs: Any) -> Env:
+    def make_env(self, ref: EnvRef) -> Env:
         """A fresh env for one rollout."""
-        return envkit.make(name, **kwargs)
+        return ref.make()
 
     def sandbox_pool_size(self) -> int:
         """Warm sandboxes rank 0 keeps per sandboxed env (0: none, its episodes run elsewhere): one per rollout in

@@ -18,8 +18,8 @@ import ray
 from ray.exceptions import RayActorError
 from ray.util.placement_group import remove_placement_group
 
-import envkit
 from envkit import Env, Message, StepResult, Task, Tool
+from envkit.ref import EnvRef
 from trainer.placement.groups import SHUTDOWN_TIMEOUT_S, actor_options, ready_group
 
 log = logging.getLogger(__name__)
@@ -36,22 +36,20 @@ class EnvWorker:
         self.pools: dict[tuple[str, str, str], Any] = {}
         self.pools_lock = asyncio.Lock()
 
-    async def open(self, key: int, name: str, kwargs: dict[str, Any]) -> None:
-        if "sandbox" in kwargs:
-            kwargs = {**kwargs, "sandbox_options": {"pool": await self._pool(name, kwargs)}}
-        env = envkit.make(name, **kwargs)
+    async def open(self, key: int, ref: EnvRef) -> None:
+        if ref.sandbox is not None:
+            ref = ref.with_pool(await self._pool(ref))
+        env = ref.make()
         self.envs[key] = env
         await env.init()
 
-    async def _pool(self, name: str, kwargs: dict[str, Any]) -> Any:
-        from sandboxes.env import open_pool, operator_kwargs
+    async def _pool(self, ref: EnvRef) -> Any:
+        from sandboxes.env import open_pool_for, operator_kwargs
 
-        served = operator_kwargs(kwargs)
-        key = (name, kwargs["sandbox"], json.dumps(served, sort_keys=True))
+        key = (ref.name, ref.sandbox, json.dumps(operator_kwargs(ref.kwargs), sort_keys=True))
         async with self.pools_lock:  # one pool per image and server kwargs, however many rollouts ask at once
             if key not in self.pools:
-                self.pools[key] = await open_pool(name, kwargs["sandbox"], size=self.pool_size, wait=False,
-                                                  server_kwargs=served)
+                self.pools[key] = await open_pool_for(ref, size=self.pool_size, wait=False)
             return self.pools[key]
 
     async def reset(self, key: int, seed: int | None, task: Task | None) -> tuple[list[Message], dict, list[dict]]:
@@ -146,10 +144,9 @@ class EnvWorkerDied(RuntimeError):
 class WorkerEnv(Env):
     """An env made and run in an env worker; its messages and step results cross by Ray calls."""
 
-    def __init__(self, pool: EnvWorkerPool, name: str, kwargs: dict[str, Any]) -> None:
+    def __init__(self, pool: EnvWorkerPool, ref: EnvRef) -> None:
         self.pool = pool
-        self.name = name
-        self.kwargs = kwargs
+        self.ref = ref
         self.key = next(pool.keys)
         self.worker: Any = None
         self.tools = []  # type: ignore[misc]  # the worker's env's, once reset
@@ -157,7 +154,7 @@ class WorkerEnv(Env):
     async def init(self) -> None:
         if self.worker is None:
             self.worker = self.pool.pick()
-            await self._call("open", self.key, self.name, self.kwargs)
+            await self._call("open", self.key, self.ref)
 
     async def reset(self, *, seed: int | None = None, task: Task | None = None) -> tuple[list[Message], dict]:
         await self.init()
@@ -184,4 +181,5 @@ class WorkerEnv(Env):
             return await getattr(self.worker, method).remote(*args)
         except RayActorError as e:
             self.pool.lost(self.worker)
-            raise EnvWorkerDied(f"the env worker running {self.name!r} died mid-rollout ({type(e).__name__})") from e
+            raise EnvWorkerDied(f"the env worker running {self.ref.name!r} died mid-rollout ({type(e).__name__})"
+                                ) from e

@@ -9,11 +9,11 @@ watchdog ends the server with its actor.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from envkit import Env
+from envkit.ref import EnvRef
 from generators.engines.base import InferenceEngine
 from generators.engines.replicas import ReplicaSet
 from trainer.config import Config
@@ -55,13 +55,12 @@ class RayPlacement(Placement):
     def sandbox_pool_size(self) -> int:
         return super().sandbox_pool_size() if self.workers is None else 0
 
-    def make_env(self, name: str, **kwargs: Any) -> Env:
+    def make_env(self, ref: EnvRef) -> Env:
         if self.workers is None:
-            return super().make_env(name, **kwargs)
-        if "sandbox" in kwargs:  # the worker borrows from a pool of its own
-            kwargs.pop("sandbox_options", None)
+            return super().make_env(ref)
+        if ref.sandbox is not None:  # the worker borrows from a pool of its own
             self.workers.sandboxed = True
-        return WorkerEnv(self.workers, name, kwargs)
+        return WorkerEnv(self.workers, ref.with_pool(None))
 
     def metrics(self) -> dict[str, float]:
         values = self.replicas.metrics() if self.replicas is not None else {}
