@@ -345,6 +345,7 @@ async def test_mcp_tools_in_a_rollout_with_the_bundled_model(vllm_engine, chat_t
     calls (test_a_generator_rollout_calls_the_servers_tools), not here."""
     gen = Generator(vllm_engine, chat_tokenizer, GeneratorConfig(max_turns=3, max_tokens=48, samples_per_prompt=2))
     trajs = await gen.generate(lambda: SecretEnv(SERVER_ARGV), seeds=[0, 1])
+    assert len(trajs) == 4  # 2 seeds x 2 samples: the checks below ran on each
     for traj in trajs:
         assert not traj.failed, traj.error
         assert traj.stop_reason in ("done", "max_turns", "max_tokens") and traj.num_turns >= 1

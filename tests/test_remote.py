@@ -158,12 +158,13 @@ async def test_wrong_token_wrong_env_and_bad_kwargs_fail_at_init(server: Server,
 
 @pytest.mark.parametrize("scheme", TRANSPORTS)
 async def test_a_timed_out_step_is_never_sent_again(server: Server, scheme: str):
-    env = RemoteEnv(url(server, scheme), remote=RemoteConfig(token=TOKEN, timeout_s=0.2))
+    # 0.6 s: long enough for the reset on a loaded machine, well short of the step's 1.5 s.
+    env = RemoteEnv(url(server, scheme), remote=RemoteConfig(token=TOKEN, timeout_s=0.6))
     await env.reset(seed=0)
-    # The step answers after 1 s, within the server's 2 s step timeout: a client that waited for it would get its
-    # answer (no error), or env_timeout; "timeout" is the client's own 0.2 s wait expiring.
+    # The step answers after 1.5 s, within the server's 2 s step timeout: a client that waited for it would get its
+    # answer (no error), or env_timeout; "timeout" is the client's own 0.6 s wait expiring.
     with pytest.raises(RemoteEnvError) as caught:
-        await env.step(say("sleep:1"))
+        await env.step(say("sleep:1.5"))
     assert caught.value.code == "timeout"
     if scheme == "http":  # the session outlives the client's timeout: the step ran exactly once
         async with server_side(server) as http:

@@ -404,6 +404,15 @@ async def test_a_submission_leaves_no_process_behind(code_image) -> None:
         await env.close()
 
 
+def test_the_read_hack_finds_the_hidden_tests_where_the_image_installs_them(docker_client, code_image) -> None:
+    """The "read" hack's control in the image itself: run as root (what the exec user is not), it finds the package
+    under IMAGE_SITE_PACKAGES and reads the hidden tests, so its 0 in the sandbox is the isolation's doing."""
+    hack = GRADER_HACKS["read"].replace("{site}", IMAGE_SITE_PACKAGES)
+    out = docker_client.containers.run(code_image, ["python3", "-c", f"{hack}\nprint(gcd(12, 18))"], user="0",
+                                       network_disabled=True, remove=True)
+    assert out.decode().strip() == "6"
+
+
 @pytest.mark.parametrize("hack", sorted(GRADER_HACKS))
 def test_each_grader_hack_wins_against_an_unisolated_grader(monkeypatch, hack: str) -> None:
     """The controls for the grader tests: graded in-process as this user, each hack does reach the hidden tests

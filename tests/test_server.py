@@ -378,12 +378,14 @@ def test_capacity_frees_up_when_a_session_is_deleted():
 
 def test_idle_sessions_expire_and_their_envs_are_closed(tmp_path: Path):
     log = tmp_path / "closed.log"
-    with envkit_serve(SCRIPTED, "--session-ttl", "0.5", env={CLOSE_LOG_ENV: str(log)}) as srv:
+    # A 2 s TTL, swept every 0.5 s: `busy` survives a 1.5 s stall of this test's process, and `idle` is gone after
+    # the 4 s of steps.
+    with envkit_serve(SCRIPTED, "--session-ttl", "2", env={CLOSE_LOG_ENV: str(log)}) as srv:
         idle = httpx.post(srv.url + "/sessions", json={"kwargs": {"prefix": "idle"}}).json()["session_id"]
         busy = httpx.post(srv.url + "/sessions", json={"kwargs": {"prefix": "busy"}}).json()["session_id"]
         httpx.post(srv.url + f"/sessions/{busy}/reset", json={})
         for _ in range(8):  # activity keeps `busy` alive past the TTL
-            time.sleep(0.2)
+            time.sleep(0.5)
             assert httpx.post(srv.url + f"/sessions/{busy}/step", json=say("x")).status_code == 200
         gone = httpx.post(srv.url + f"/sessions/{idle}/reset", json={})
         assert (gone.status_code, error_code(gone)) == (404, "session_not_found")
