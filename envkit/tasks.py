@@ -23,6 +23,20 @@ def stable_split(key: str, test_share: float = 0.2) -> str:
     return "test" if digest < test_share * 2**64 else "train"
 
 
+def split_problems(name: str, split: str, draw: Callable[[random.Random], tuple[str, Task]],
+                   test_share: float = 0.2) -> Iterator[Task]:
+    """Seeded, repeat-free problems owned by ``split``: ``draw(rng)`` makes one as ``(key, task)``, and a key drawn
+    before or owned by the other split (``stable_split``) is drawn again. The i-th depends only on ``name`` and
+    ``split``."""
+    rng = random.Random(f"{name}:{split}")
+    seen: set[str] = set()
+    while True:
+        key, task = draw(rng)
+        if key not in seen and stable_split(key, test_share) == split:
+            seen.add(key)
+            yield task
+
+
 def check_split(split: str) -> str:
     """Return ``split`` if it is a known split, else raise ValueError listing the valid ones."""
     if split not in SPLITS:

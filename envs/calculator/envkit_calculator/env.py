@@ -13,7 +13,7 @@ from typing import Any
 from envkit import Message, Task, ToolEnv, system, tool, user
 from envkit.errors import ResetNeededError
 from envkit.parsing import grade_number
-from envkit.tasks import Splits, check_task, pick_task, stable_split
+from envkit.tasks import Splits, check_task, pick_task, split_problems
 
 DEFAULT_SYSTEM_PROMPT = """\
 You can use a calculator. To call it, write exactly:
@@ -131,18 +131,18 @@ _TEMPLATES: dict[str, _Template] = {
 }
 
 
+def _draw(rng: random.Random) -> tuple[str, Task]:
+    """One (template, numbers) problem, keyed by both."""
+    name = rng.choice(list(_TEMPLATES))
+    template = _TEMPLATES[name]
+    numbers = [rng.randint(lo, hi) for lo, hi in template.ranges]
+    task = {"question": template.text.format(*numbers), "answer": template.answer(*numbers), "template": name}
+    return f"{name}:{','.join(map(str, numbers))}", task
+
+
 def _problems(split: str) -> Iterator[Task]:
-    """Seeded, repeat-free (template, numbers) problems owned by ``split``; the i-th depends only on the split."""
-    rng = random.Random(f"calculator:{split}")
-    seen: set[str] = set()
-    while True:
-        name = rng.choice(list(_TEMPLATES))
-        template = _TEMPLATES[name]
-        numbers = [rng.randint(lo, hi) for lo, hi in template.ranges]
-        key = f"{name}:{','.join(map(str, numbers))}"
-        if key not in seen and stable_split(key, _TEST_SHARE) == split:
-            seen.add(key)
-            yield {"question": template.text.format(*numbers), "answer": template.answer(*numbers), "template": name}
+    """Seeded, repeat-free problems owned by ``split``; the i-th depends only on the split."""
+    return split_problems("calculator", split, _draw, _TEST_SHARE)
 
 
 class CalculatorEnv(ToolEnv):

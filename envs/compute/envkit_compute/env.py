@@ -12,7 +12,7 @@ from typing import Any
 from envkit import Message, Task, assistant, system, user
 from envkit.errors import InvalidTaskError, ResetNeededError
 from envkit.parsing import grade_number
-from envkit.tasks import Splits, check_task, pick_task, stable_split
+from envkit.tasks import Splits, check_task, pick_task, split_problems
 from sandboxes.tools import CodeTools
 
 DEFAULT_SYSTEM_PROMPT = """\
@@ -91,19 +91,18 @@ _KINDS: dict[str, _Kind] = {
 }
 
 
+def _draw(rng: random.Random) -> tuple[str, Task]:
+    """One (kind, numbers) problem, keyed by both."""
+    name = rng.choice(list(_KINDS))
+    kind = _KINDS[name]
+    numbers = [rng.randint(lo, hi) for lo, hi in kind.ranges]
+    task = {"question": kind.text.format(*numbers), "answer": kind.answer(*numbers), "kind": name, "args": numbers}
+    return f"{name}:{','.join(map(str, numbers))}", task
+
+
 def _problems(split: str) -> Iterator[Task]:
     """Seeded, repeat-free problems owned by ``split``; the i-th depends only on the split."""
-    rng = random.Random(f"compute:{split}")
-    seen: set[str] = set()
-    while True:
-        name = rng.choice(list(_KINDS))
-        kind = _KINDS[name]
-        numbers = [rng.randint(lo, hi) for lo, hi in kind.ranges]
-        key = f"{name}:{','.join(map(str, numbers))}"
-        if key not in seen and stable_split(key, _TEST_SHARE) == split:
-            seen.add(key)
-            yield {"question": kind.text.format(*numbers), "answer": kind.answer(*numbers), "kind": name,
-                   "args": numbers}
+    return split_problems("compute", split, _draw, _TEST_SHARE)
 
 
 class ComputeEnv(CodeTools):
