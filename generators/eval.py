@@ -157,6 +157,7 @@ async def _load_tasks(config: EvalConfig) -> tuple[list[Task] | None, str]:
     """The first ``num_tasks`` tasks of the split (None when the env has no task list) and a note saying which."""
     env = config.env.make()
     try:
+        await env.init()  # a sandboxed env's task list lives in its sandbox
         try:
             source = env.tasks(config.split)
         except ValueError as e:
@@ -269,6 +270,7 @@ examples:
   envkit eval arithmetic -n 16
       the bundled SmolLM2-135M-Instruct on 16 test tasks, served by a vLLM server this command starts and stops
   envkit eval arithmetic --env-arg level=2 --env-arg ops=+- --out runs/eval/arith-l2
+  envkit eval code --sandbox docker          an env that runs model-written code, each rollout in a container
   envkit eval calculator --model ./checkpoints/step-200 --samples 4 --temperature 0.7
   envkit eval guess-number --base-url http://localhost:8000/v1 --model Qwen/Qwen3-8B
       an OpenAI-compatible endpoint in chat mode (API key from --api-key or $OPENAI_API_KEY)
@@ -306,6 +308,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="a rollout passes with reward >= this (default: 1.0)")
     p.add_argument("--env-arg", type=_env_arg, action="append", default=[], metavar="KEY=VALUE",
                    help="keyword argument for the env, repeatable; VALUE is parsed as JSON if it can be")
+    p.add_argument("--sandbox", choices=("docker", "local", "auto"),
+                   help="run each rollout's env in a sandbox of its own: a container (docker), an `envkit serve` "
+                        "child process (local), or docker when an engine answers (auto)")
     p.add_argument("--out", type=Path, metavar="DIR", help="output dir (default: runs/eval/<env>-<YYYYmmdd-HHMMSS>)")
     p.add_argument("--tool-parser", choices=TOOL_PARSER_CHOICES, default="auto",
                    help="the format the model writes tool calls in (default: auto, read off its chat template)")
@@ -335,7 +340,7 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         )
         engine = EngineConfig("openai" if endpoint else "vllm", url=args.base_url, api_key=args.api_key,
                               server_seed=None if endpoint else args.seed)
-        env = EnvRef(args.name, dict(args.env_arg))
+        env = EnvRef(args.name, dict(args.env_arg), sandbox=args.sandbox)
     except ValueError as e:
         raise EvalInputError(str(e)) from None
     return EvalConfig(env=env, model=args.model or BUNDLED, num_tasks=args.num_tasks, split=args.split,

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,14 @@ pytestmark = pytest.mark.e2e
 def _envkit(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "envkit.cli", *args], capture_output=True, text=True, cwd=cwd,
                           env={**os.environ, "COLUMNS": "160"}, timeout=900)
+
+
+def _envkit_pid(*args: str, cwd: Path) -> tuple[int, int, str]:
+    """``_envkit``, saying also which process it was: its pid, exit status and output."""
+    process = subprocess.Popen([sys.executable, "-m", "envkit.cli", *args], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, cwd=cwd, env={**os.environ, "COLUMNS": "160"})
+    output, _ = process.communicate(timeout=900)
+    return process.pid, process.returncode, output
 
 
 def _outputs(out: Path) -> tuple[dict, list[dict], str]:
@@ -73,3 +82,28 @@ async def test_eval_other_ecosystems_envs_by_name(vllm_engine, tmp_path):
         summary, trajectories, _ = _outputs(out)
         assert summary["n"] == len(trajectories) == 3 and summary["n_failed"] == 0, name
         assert all(t["stop_reason"] == "done" and t["messages"][-1]["role"] == "assistant" for t in trajectories)
+
+
+async def test_eval_runs_each_rollout_in_a_sandbox(vllm_engine, docker_client, arithmetic_image, tmp_path):
+    """`--sandbox docker`: the task list comes from one container of the env's image and each rollout from one of
+    its own; the eval removes them all."""
+    from sandboxes.docker import OWNER_LABEL
+
+    def started_by(pid: int, labels: dict[str, str]) -> bool:
+        return labels.get(OWNER_LABEL, "").split(":")[1:2] == [str(pid)]
+
+    out = tmp_path / "sandboxed"
+    since = int(time.time()) - 1
+    pid, status, output = _envkit_pid(
+        "eval", "arithmetic", "--sandbox", "docker", "-n", "3", "--max-tokens", "32", "--base-url",
+        vllm_engine.base_url + "/v1", "--model", vllm_engine.model_name, "--out", str(out), cwd=tmp_path)
+    assert status == 0, output
+    events = docker_client.events(since=since, until=int(time.time()) + 1, decode=True,
+                                  filters={"type": "container", "event": "create", "label": OWNER_LABEL})
+    assert sum(started_by(pid, e["Actor"]["Attributes"]) for e in events) == 1 + 3
+    assert not [c.name for c in docker_client.containers.list(all=True, filters={"label": OWNER_LABEL})
+                if started_by(pid, c.labels)]
+    summary, trajectories, _ = _outputs(out)
+    assert summary["n"] == len(trajectories) == 3 and summary["n_failed"] == 0
+    assert summary["config"]["env"] == {"name": "arithmetic", "kwargs": {}, "sandbox": "docker", "label": None}
+    assert all(t["stop_reason"] == "done" for t in trajectories)

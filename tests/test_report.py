@@ -256,10 +256,12 @@ def test_parsed_arguments_become_an_eval_config(tmp_path: Path) -> None:
     args = build_parser().parse_args([
         "eval", "arithmetic", "-n", "3", "--samples", "2", "--temperature", "0.7", "--env-arg", "level=2",
         "--env-arg", "ops=+-", "--out", str(tmp_path), "--max-tokens", "64", "--pass-threshold", "0.5",
+        "--sandbox", "local",
     ])
     config = config_from_args(args)
     assert (config.env, config.model, config.num_tasks, config.rollout.samples_per_prompt,
-            config.rollout.temperature) == (EnvRef("arithmetic", {"level": 2, "ops": "+-"}), "bundled", 3, 2, 0.7)
+            config.rollout.temperature) == (EnvRef("arithmetic", {"level": 2, "ops": "+-"}, sandbox="local"),
+                                            "bundled", 3, 2, 0.7)
     assert (config.out, config.rollout.max_tokens, config.pass_threshold) == (tmp_path, 64, 0.5)
     defaults = config_from_args(build_parser().parse_args(["eval", "gym:Blackjack-v1"]))
     r = defaults.rollout
@@ -282,6 +284,7 @@ def test_parsed_arguments_become_an_eval_config(tmp_path: Path) -> None:
     (["--pass-threshold", "nan"], "pass_threshold must be a finite number"),
     (["--base-url", "http://h/v1"], "--base-url needs --model"),
     (["--env-arg", "not_valid=1", "--env-arg", "x-y=2"], "KEY a Python identifier"),
+    (["--env-arg", "sandbox=\"docker\""], "sandbox cannot be env kwargs"),
 ])
 def test_eval_config_validation(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     try:
