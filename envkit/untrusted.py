@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
@@ -38,6 +39,8 @@ EXEC_USER_ENV = "ENVKIT_EXEC_USER"
 SAFE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp"}
 """The environment untrusted commands get unless the caller passes one: nothing of the caller's (no tokens)."""
 _CAP_KILL, _CAP_SETGID, _CAP_SETUID = 5, 6, 7
+UID_LOCK_DIR = "/tmp/envkit-uids"
+"""Where uid leases are locked: one fixed path, whatever each process's TMPDIR, so every process of the host sees it."""
 _KILL_DEADLINE_S = 5.0
 _READ_AFTER_KILL_S = 1.0
 _STATUS_FIELDS = re.compile(rb"\nState:\s+(\S).*?\nUid:\s+(\d+)", re.DOTALL)
@@ -81,10 +84,18 @@ def python() -> str:
 
 
 class UserPool:
-    """Uids handed out one lease at a time, so no two concurrent runs share one (and kill each other)."""
+    """Uids handed out one lease at a time across every process of the host, so no two concurrent runs share one
+    (and kill, signal or read each other's processes and files).
 
-    def __init__(self, first: int = 20000, count: int = 1000) -> None:
-        self._free = deque(range(first, first + count))
+    A lease holds an exclusive ``flock`` on the uid's file in ``lock_dir``. The kernel drops it when the lease ends or
+    its holder dies, however it dies, so a pool per process (xdist workers, Ray env workers, an ``envkit serve``
+    child that runs code tools of its own) never hands out a uid another holds. A new lease first kills whatever a
+    dead holder left running as its uid."""
+
+    def __init__(self, first: int = 20000, count: int = 1000, lock_dir: str = UID_LOCK_DIR) -> None:
+        self._uids = range(first, first + count)
+        self._lock_dir = lock_dir
+        self._start = 0  # where the next search begins: spread over the range, not retry the same held uids
 
     @asynccontextmanager
     async def lease(self) -> AsyncIterator[int | None]:
@@ -92,18 +103,46 @@ class UserPool:
         if not can_switch_user():
             yield None
             return
-        if not self._free:
-            raise RuntimeError("every uid of the pool is leased; too many untrusted runs at once")
-        uid = self._free.popleft()
+        uid, lock = self._acquire()
         try:
+            kill_user(uid)
             yield uid
         finally:
-            kill_user(uid)  # inline for the reason given in _kill_all
-            self._free.append(uid)
+            try:
+                kill_user(uid)  # inline for the reason given in _kill_all
+            finally:
+                os.close(lock)
+
+    def _acquire(self) -> tuple[int, int]:
+        """The first uid from the search start whose lock this call takes, with the lock's descriptor."""
+        directory = _private_dir(self._lock_dir)
+        for step in range(len(self._uids)):
+            index = (self._start + step) % len(self._uids)
+            lock = os.open(os.path.join(directory, str(self._uids[index])), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                           0o600)
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(lock)
+                continue
+            self._start = index + 1
+            return self._uids[index], lock
+        raise RuntimeError("every uid of the pool is leased; too many untrusted runs at once")
+
+
+def _private_dir(path: str) -> str:
+    """``path`` as a directory only this process's user may write (made if missing), or an error saying why not."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise RuntimeError(f"{path} must be a directory of uid {os.getuid()} that no one else may write: a uid "
+                           f"lease there would be open to whoever made it")
+    return path
 
 
 users = UserPool()
-"""The process's pool of uids for untrusted runs."""
+"""This process's pool of uids for untrusted runs (a lease is exclusive across the host)."""
 
 
 async def run(argv: Sequence[str], *, stdin: bytes = b"", timeout_s: float = 10.0, output_limit: int = 64 * 1024,

@@ -52,8 +52,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-async def _kill_group(proc: asyncio.subprocess.Process) -> None:
-    """SIGKILL the child's whole process group and reap it."""
+async def _stop(proc: asyncio.subprocess.Process, grace_s: float) -> None:
+    """SIGTERM the server, so it closes its envs and the sandboxes they lease (each in a session of its own, out of
+    reach of the kill below), then SIGKILL its whole process group and reap it."""
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(proc.wait(), grace_s)
     # Also after the leader exited: children it left in the group die with it.
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
@@ -64,6 +70,8 @@ class LocalSandbox(Sandbox):
     """``envkit serve`` for env ``env`` as a child process of this one, on a free loopback port."""
 
     kind = "local"
+    stop_grace_s = 10.0
+    """How long ``close`` lets the server shut down (closing its envs) before it kills the server's process group."""
 
     def __init__(self, env: str, *, limits: SandboxLimits | None = None, start_timeout_s: float = 30.0,
                  options: Sequence[str] = ()) -> None:
@@ -120,11 +128,11 @@ class LocalSandbox(Sandbox):
         return f"envkit serve {self.env} exited with status {proc.returncode} before serving:\n{tail}"
 
     async def close(self) -> None:
-        """Kill the server's process group (idempotent)."""
+        """Stop the server, killing its process group after ``stop_grace_s`` (idempotent)."""
         self.state = State.CLOSED
         proc, self._proc = self._proc, None
         if proc is not None:
-            await _kill_group(proc)
+            await _stop(proc, self.stop_grace_s)
         lease, self._lease = self._lease, None
         if lease is not None:
             await lease.__aexit__(None, None, None)  # kills whatever exec left of the uid's

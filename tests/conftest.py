@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
+import signal
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -13,6 +16,9 @@ from required import missing
 
 REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("ENVKIT_CACHE_DIR", str(REPO / ".cache"))
+# Every process this run starts inherits it (xdist's workers too): the session-end check finds the run's own leftovers.
+RUN_MARK = "ENVKIT_TEST_RUN"
+os.environ.setdefault(RUN_MARK, f"{os.getpid()}-{time.time_ns()}")
 # vLLM servers the tests start (cpu_cores=auto) keep vLLM's own binding, one core on 2 vCPUs: the other pytest worker
 # computes meanwhile (`inference.cpu_cores` is resolved in test_weight_sync).
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "auto")
@@ -58,6 +64,41 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return (1 if item.get_closest_marker("e2e") is None else 2, 0)
 
     items.sort(key=run_order)
+
+
+def _local_sandboxes_left() -> dict[int, str]:
+    """Live local-sandbox processes (``ENVKIT_SANDBOX`` in their environment) this run started, with their command."""
+    mark = f"{RUN_MARK}={os.environ[RUN_MARK]}".encode()
+    left = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+            command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if mark in environ and any(e.startswith(b"ENVKIT_SANDBOX=") for e in environ):
+            left[int(proc.name)] = command.strip()
+    return left
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """No local sandbox outlives the run: each is a session of its own, which a killed owner leaves orphaned (the
+    Docker check's counterpart, :func:`docker_client`). Leftovers are killed and fail the run; only the process that
+    ran the session checks, after every worker ended."""
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        return
+    deadline = time.monotonic() + 10  # a sandbox closed just now may still be shutting down
+    while (left := _local_sandboxes_left()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if not left:
+        return
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    reporter.write_line(f"local sandboxes left behind by this test session: {left}", red=True, bold=True)
 
 
 @pytest.hookimpl(optionalhook=True)

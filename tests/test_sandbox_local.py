@@ -3,9 +3,11 @@ fallback to it when no engine is reachable."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -27,13 +29,44 @@ async def test_local_sandbox_serves_an_env_and_runs_commands() -> None:
         assert (result.stdout, result.exit_code) == ("local\n", 0)
         started = time.monotonic()
         result = await sandbox.exec(["sh", "-c", "sleep 30 & sleep 30"], timeout=0.5)
-        assert result.timed_out and time.monotonic() - started < 3
+        assert result.timed_out and time.monotonic() - started < 3, (result, time.monotonic() - started)
         pid = sandbox._proc.pid
     assert sandbox.state.value == "closed"
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
     with pytest.raises(SandboxStateError):
         await sandbox.exec("print(1)")
+
+
+def _children(pid: int) -> list[int]:
+    """The pids whose parent is ``pid`` (read from /proc)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_bytes().rsplit(b")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid:
+            children.append(int(stat.parent.name))
+    return children
+
+
+async def test_closing_a_served_code_env_s_sandbox_stops_the_sandboxes_its_tools_opened() -> None:
+    """compute served from a local sandbox runs its tools in local sandboxes of its own, each a session of its own
+    that killing the server's process group misses: closing lets the server close them first (they were orphaned)."""
+    sandbox = LocalSandbox("compute", options=["--kwargs", json.dumps({"code_sandbox": "local", "pool_size": 2})])
+    async with sandbox:
+        env = envkit.make(f"{sandbox.url}/compute", remote=RemoteConfig(token=sandbox.token))
+        await env.reset(seed=0)
+        code = json.dumps({"name": "python", "arguments": {"code": "print(6 * 7)"}})
+        [output] = (await env.step(envkit.assistant(f"<tool_call>{code}</tool_call>"))).observation
+        assert output["role"] == "tool" and output["content"].strip() == "42"
+        await env.close()
+        runners = _children(sandbox._proc.pid)
+        assert len(runners) == 2  # the tools' pool
+    for pid in runners:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
 
 async def test_an_env_ref_borrows_its_sandbox_from_the_pool_opened_for_it() -> None:

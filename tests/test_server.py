@@ -394,6 +394,8 @@ def test_idle_sessions_expire_and_their_envs_are_closed(tmp_path: Path):
 
 
 def test_metrics_count_sessions_requests_errors_and_latency(http: httpx.Client):
+    # its own refused request: under xdist, the test that sends one may run on the other worker's server
+    assert httpx.post(str(http.base_url) + "/sessions", json={}).status_code == 401
     sid = new_session(http)
     http.post(f"/sessions/{sid}/reset", json={"seed": 0})
     for _ in range(5):

@@ -38,7 +38,7 @@ async def test_a_daemon_in_a_new_session_dies_with_the_run() -> None:
     async with untrusted.users.lease() as uid:
         assert uid is not None
         result = await untrusted.run([untrusted.python(), "-I", "-c", ESCAPE], user=uid, timeout_s=10)
-        assert result.stdout == b"left a daemon\n" and result.exit_code == 0 and not result.timed_out
+        assert result.stdout == b"left a daemon\n" and result.exit_code == 0 and not result.timed_out, result
         assert untrusted.processes_of(uid) == []
 
 
@@ -48,6 +48,39 @@ async def test_a_run_as_another_uid_cannot_read_this_process() -> None:
         probe = "import os; open(f'/proc/{os.getppid()}/environ')"
         result = await untrusted.run([untrusted.python(), "-I", "-c", probe], user=uid, timeout_s=10)
     assert result.exit_code == 1 and b"PermissionError" in result.stderr, result
+
+
+HOLDER = """
+import asyncio, subprocess
+from envkit import untrusted
+
+async def main():
+    async with untrusted.users.lease() as uid:
+        subprocess.Popen(["sleep", "60"], user=uid, group=uid, start_new_session=True)
+        print(uid, flush=True)
+        await asyncio.sleep(60)
+
+asyncio.run(main())
+"""
+
+
+@needs_root
+async def test_a_uid_leased_in_one_process_is_not_handed_out_by_another_and_its_leftovers_die() -> None:
+    """Every process has a pool of its own. One used to hand out the uid another held: two xdist workers' local
+    sandboxes ran as one uid, and one's close killed the other's running exec. A holder killed mid-run leaves a
+    process as its uid; the next lease of that uid kills it first."""
+    holder = await asyncio.create_subprocess_exec(sys.executable, "-c", HOLDER, stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout is not None
+        held = int(await asyncio.wait_for(holder.stdout.readline(), 60))
+        async with untrusted.users.lease() as ours:
+            assert ours is not None and ours != held
+    finally:
+        holder.kill()
+        await holder.wait()
+    assert untrusted.processes_of(held)  # orphaned, still running as the uid
+    async with untrusted.UserPool(first=held, count=1).lease() as again:
+        assert again == held and untrusted.processes_of(held) == []
 
 
 async def test_output_is_capped_and_the_rest_drained() -> None:
@@ -76,13 +109,13 @@ def test_exec_routes_of_a_served_env_against_hostile_clients() -> None:
     """`envkit serve --exec-user` on loopback: no token, a wrong token, malformed bodies and missing programs get a
     structured 4xx and the server stays up; only the token holder runs anything. Serving it without a token is
     refused, since /exec runs any command."""
-    refused = subprocess.run([sys.executable, "-m", "envkit.cli", "serve", "arithmetic", "--exec-user", "20999",
+    refused = subprocess.run([sys.executable, "-m", "envkit.cli", "serve", "arithmetic", "--exec-user", "29999",
                               "--port", str(free_port())], capture_output=True, text=True, timeout=60,
                              env={**os.environ, "ENVKIT_TOKEN": ""})
     assert refused.returncode == 2 and "needs a token" in refused.stdout + refused.stderr
-    workdir = Path(tempfile.mkdtemp(dir="/tmp"))  # pytest's tmp_path is root's alone: uid 20999 could not enter it
-    os.chown(workdir, 20999, 20999)
-    with envkit_serve("arithmetic", "--exec-user", "20999", "--exec-dir", str(workdir),
+    workdir = Path(tempfile.mkdtemp(dir="/tmp"))  # pytest's tmp_path is root's alone: uid 29999 could not enter it
+    os.chown(workdir, 29999, 29999)
+    with envkit_serve("arithmetic", "--exec-user", "29999", "--exec-dir", str(workdir),
                       env={"ENVKIT_TOKEN": "exec-token"}) as server:
         run = {"argv": ["sh", "-c", "id -u; pwd; touch made"]}
         for headers in ({}, {"authorization": "Bearer wrong"}):
@@ -97,7 +130,7 @@ def test_exec_routes_of_a_served_env_against_hostile_clients() -> None:
         missing = httpx.post(f"{server.url}/exec", json={"argv": ["no-such-program"]}, headers=auth, timeout=10)
         assert missing.status_code == 200 and missing.json()["exit_code"] == 127, missing.text
         answer = httpx.post(f"{server.url}/exec", json=run, headers=auth, timeout=10).json()
-        assert answer["stdout"].split() == ["20999", str(workdir)] and (workdir / "made").exists()
+        assert answer["stdout"].split() == ["29999", str(workdir)] and (workdir / "made").exists()
         assert httpx.post(f"{server.url}/exec/scrub", headers=auth, timeout=10).json()["files"] == []
         assert not (workdir / "made").exists()
         assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import re
+import signal
 import tempfile
 from collections.abc import Sequence
 from typing import Any
@@ -113,6 +114,11 @@ def serve(config: ServeConfig) -> None:
         workspace = untrusted.Workspace(config.exec_user, config.exec_dir) if config.exec_user is not None else None
         app = create_app(config.env, env_kwargs=config.env_kwargs, token=config.token, limits=config.limits,
                          workspace=workspace, mcp=config.mcp, loopback=is_loopback(config.host))
+        # uvicorn shuts down gracefully, then raises the signal again with the handler it found. SIGTERM's default
+        # would kill the process there, before asyncio.run cancels the loop's remaining tasks: what envs keep open for
+        # the loop's life (code tools' sandbox pools, their local processes) would outlive the server. SIGINT's
+        # handler ends the loop as Ctrl-C does.
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
         uvicorn.run(app, **common)
         return
     if config.exec_user is not None:
