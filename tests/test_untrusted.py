@@ -56,7 +56,7 @@ from envkit import untrusted
 
 async def main():
     async with untrusted.users.lease() as uid:
-        subprocess.Popen(["sleep", "60"], user=uid, group=uid, start_new_session=True)
+        subprocess.Popen(["sleep", "60"], user=uid, group=uid, start_new_session=True, stdout=subprocess.DEVNULL)
         print(uid, flush=True)
         await asyncio.sleep(60)
 
