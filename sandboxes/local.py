@@ -4,8 +4,8 @@ It isolates nothing: it is for machines without a Docker engine, where an env sh
 behind the same interface. ``exec`` runs on the host in a directory of the sandbox's own, with a timeout and the
 output cap. Where this process may switch users (root), it runs as a uid leased for the sandbox's life, and every
 process it started is killed when it ends, as in a container; otherwise only its process group is, and a process
-that calls ``setsid()`` escapes. Envs that run model-written code refuse to run here, because ``ENVKIT_SANDBOX``
-says ``local``.
+that calls ``setsid()`` escapes. The server ends with this process, also when this one is SIGKILLed. Envs that run
+model-written code refuse to run here, because ``ENVKIT_SANDBOX`` says ``local``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import IO
 
 from envkit import untrusted
+from envkit.remote import PARENT_ENV
 from sandboxes.base import (
     SANDBOX_ENV,
     ExecResult,
@@ -89,7 +90,7 @@ class LocalSandbox(Sandbox):
         self._workdir: str | None = None
 
     def _child_env(self) -> dict[str, str]:
-        return {**os.environ, "ENVKIT_TOKEN": self.token, SANDBOX_ENV: self.kind}
+        return {**os.environ, "ENVKIT_TOKEN": self.token, SANDBOX_ENV: self.kind, PARENT_ENV: str(os.getpid())}
 
     async def start(self) -> None:
         """Start ``envkit serve`` and wait for ``/health`` within ``start_timeout_s``."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -51,6 +53,22 @@ def _children(pid: int) -> list[int]:
     return children
 
 
+def _gone(pid: int) -> bool:
+    """True once ``pid`` has exited (a zombie nobody reaped yet counts: an orphan's reaper may be slow or absent)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except FileNotFoundError:
+        return True
+
+
+def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    """The pids still running after up to ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while (alive := [pid for pid in pids if not _gone(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive
+
+
 async def test_closing_a_served_code_env_s_sandbox_stops_the_sandboxes_its_tools_opened() -> None:
     """compute served from a local sandbox runs its tools in local sandboxes of its own, each a session of its own
     that killing the server's process group misses: closing lets the server close them first (they were orphaned)."""
@@ -63,10 +81,34 @@ async def test_closing_a_served_code_env_s_sandbox_stops_the_sandboxes_its_tools
         assert output["role"] == "tool" and output["content"].strip() == "42"
         await env.close()
         runners = _children(sandbox._proc.pid)
-        assert len(runners) == 2  # the tools' pool
-    for pid in runners:
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+        assert runners  # the tools' pool
+    assert _wait_gone(runners, 0) == []
+
+
+_OWNER = """
+import asyncio, sys
+from sandboxes.local import LocalSandbox
+
+async def main():
+    sandbox = LocalSandbox("arithmetic")
+    await sandbox.start()
+    print(sandbox._proc.pid, flush=True)
+    await asyncio.sleep(300)
+
+asyncio.run(main())
+"""
+
+
+def test_a_local_sandbox_s_server_ends_when_its_owner_is_killed() -> None:
+    """A SIGKILLed owner closes nothing: the server notices it was orphaned and shuts down (closing its envs)."""
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER], stdout=subprocess.PIPE, text=True)
+    try:
+        server = int(owner.stdout.readline())
+        assert not _gone(server)
+    finally:
+        owner.kill()
+        owner.wait()
+    assert _wait_gone([server], 15) == []
 
 
 async def test_an_env_ref_borrows_its_sandbox_from_the_pool_opened_for_it() -> None:

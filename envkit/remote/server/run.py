@@ -11,13 +11,15 @@ import os
 import re
 import signal
 import tempfile
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI
 
 from envkit import untrusted
-from envkit.remote import KEEP_ALIVE_S, TOKEN_ENV
+from envkit.remote import KEEP_ALIVE_S, PARENT_ENV, TOKEN_ENV
 from envkit.remote.server.app import create_app
 from envkit.remote.server.config import ServeConfig, ServerLimits
 from envkit.remote.server.guard import GuardedHttp, descriptor_budget
@@ -95,6 +97,21 @@ def _log_config(level: str, secrets: Sequence[str]) -> dict[str, Any]:
     return config
 
 
+def _end_with_parent() -> None:
+    """SIGTERM this process once the process :data:`~envkit.remote.PARENT_ENV` names is gone (this one is reparented):
+    a SIGKILLed owner closes nothing, and the sandboxes this server's envs opened would run on."""
+    parent = os.environ.pop(PARENT_ENV, None)  # not for this server's own children: their owner is this process
+    if parent is None:
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(parent):
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="envkit-parent-watch", daemon=True).start()
+
+
 def serve(config: ServeConfig) -> None:
     """Serve until SIGINT/SIGTERM, then close every env. Warns when bound beyond loopback without a token."""
     import uvicorn
@@ -110,6 +127,7 @@ def serve(config: ServeConfig) -> None:
     if config.exec_user is not None and not config.token:
         raise ValueError("--exec-user serves /exec, which runs any command: it needs a token ($ENVKIT_TOKEN)")
     _guard_connections(config.limits)  # workers check again: each has descriptors of its own
+    _end_with_parent()
     if config.workers == 1:
         workspace = untrusted.Workspace(config.exec_user, config.exec_dir) if config.exec_user is not None else None
         app = create_app(config.env, env_kwargs=config.env_kwargs, token=config.token, limits=config.limits,
