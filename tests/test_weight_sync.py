@@ -1,5 +1,6 @@
 """Weight sync without a server: the shared-memory transport's layout, the file a sync writes and the cleanup of
-files whose owner died; and the in-process HF engine taking weights from memory as it takes them from disk."""
+files whose owner died; the transport registry and the weight_sync config group; and the in-process HF engine taking
+weights from memory as it takes them from disk."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from weights import model_tensors, perturbed_weights
 
 from generators.engines.base import EngineError, SamplingParams
 from generators.engines.hf import HFEngine
-from generators.engines.weight_sync import HEADER_BYTES, SHARED_PREFIX, SharedWeights, plan_buckets, shared_layout
+from generators.engines.transports.buckets import plan_buckets
+from generators.engines.transports.shared import HEADER_BYTES, SHARED_PREFIX, SharedMemory, fits, shared_layout
 from trainer.backends.hf_export import write_hf_checkpoint
 
 
@@ -30,8 +32,8 @@ def test_the_file_holds_every_tensor_cast_aligned_and_stamped_last(tmp_path):
     slots, size = shared_layout(buckets)
     assert sorted(name for name, *_ in slots) == sorted(tensors)
     assert all(offset >= HEADER_BYTES and offset % dtype.itemsize == 0 for _, _, dtype, offset in slots)
-    shared = SharedWeights(tmp_path)
-    shared.write(tensors, buckets, version=41)
+    shared = SharedMemory(tmp_path)
+    shared.stage(tensors, buckets, version=41)
     assert shared.path.stat().st_size == size and shared.path.stat().st_mode & 0o777 == 0o600
     raw = torch.from_file(str(shared.path), shared=False, size=size, dtype=torch.uint8)
     assert int(raw[:8].view(torch.int64).item()) == 41
@@ -39,7 +41,7 @@ def test_the_file_holds_every_tensor_cast_aligned_and_stamped_last(tmp_path):
         got = raw[offset:offset + torch.Size(shape).numel() * dtype.itemsize].view(dtype).view(shape)
         want = tensors[name].to(torch.bfloat16) if tensors[name].is_floating_point() else tensors[name]
         assert got.dtype == want.dtype and got.equal(want), name
-    shared.write({k: v + 1 for k, v in tensors.items()}, buckets, version=42)  # same layout: same file, rewritten
+    shared.stage({k: v + 1 for k, v in tensors.items()}, buckets, version=42)  # same layout: same file, rewritten
     again = torch.from_file(str(shared.path), shared=False, size=size, dtype=torch.uint8)
     name, shape, dtype, offset = slots[0]
     got = again[offset:offset + torch.Size(shape).numel() * dtype.itemsize].view(dtype).view(shape)
@@ -56,15 +58,15 @@ def test_files_of_dead_owners_are_removed_and_live_ones_kept(tmp_path):
     odd = tmp_path / f"{SHARED_PREFIX}not-a-pid"
     for path in (orphan, mine, odd):
         path.write_bytes(b"x" * 100)
-    shared = SharedWeights(tmp_path)
+    shared = SharedMemory(tmp_path)
     assert not orphan.exists() and not odd.exists() and mine.exists()
     assert shared.path.name.startswith(f"{SHARED_PREFIX}{os.getpid()}-")
 
 
 def test_fits_reads_the_free_space_and_refuses_a_missing_directory(tmp_path):
-    assert SharedWeights.fits(1, tmp_path)
-    assert not SharedWeights.fits(1 << 62, tmp_path)
-    assert not SharedWeights.fits(1, tmp_path / "missing")
+    assert fits(1, tmp_path)
+    assert not fits(1 << 62, tmp_path)
+    assert not fits(1, tmp_path / "missing")
 
 
 async def test_the_hf_engine_serves_pushed_weights_as_it_serves_them_from_disk(bundled_model, tmp_path):
@@ -88,17 +90,38 @@ async def test_the_hf_engine_serves_pushed_weights_as_it_serves_them_from_disk(b
         assert engine.weight_version == 3
 
 
-def test_the_transport_is_chosen_by_name_from_the_trainer_config():
+def test_the_weight_sync_group_names_mode_transport_and_swap_and_an_engine_refuses_what_it_cannot_take():
     import trainer
     from generators.engines.vllm import VLLMEngine
     from trainer.config import ConfigError
 
-    assert trainer.compose(["inference.weight_transport=group"]).inference.weight_transport == "group"
-    with pytest.raises(ConfigError, match=r"inference\.weight_transport must be one of auto, shared, group, "
-                                          r"got 'nfs'"):
-        trainer.compose(["inference.weight_transport=nfs"])
+    cfg = trainer.compose(["weight_sync.transport=group", "weight_sync.swap=interrupt", "weight_sync.mode=memory"])
+    assert (cfg.weight_sync.mode, cfg.weight_sync.transport, cfg.weight_sync.swap) == ("memory", "group", "interrupt")
+    with pytest.raises(ConfigError, match=r"weight_sync\.transport must be one of auto, shared, group, got 'nfs'"):
+        trainer.compose(["weight_sync.transport=nfs"])
     with pytest.raises(ValueError, match="weight_transport must be one of auto, shared, group, got 'nfs'"):
         VLLMEngine(weight_transport="nfs")
+    for engine in ("hf", "sglang"):  # they take no transport: refused when the config is checked, not ignored
+        with pytest.raises(ConfigError, match=rf"weight_sync\.transport=shared picks how weights reach a vLLM "
+                                              rf"server's workers; engine={engine} takes no transport"):
+            trainer.compose(["weight_sync.transport=shared", f"inference.engine={engine}"])
+    with pytest.raises(ConfigError, match=r"weight_sync\.swap=interrupt needs engine=vllm"):
+        trainer.compose(["weight_sync.swap=interrupt", "inference.engine=hf"])
+
+
+def test_a_transport_is_a_registered_class_and_an_unusable_one_says_why():
+    from generators.engines.transports import TRANSPORTS, Server, WeightTransport, transport_class
+
+    assert list(TRANSPORTS) == ["shared", "group"]  # auto tries them in this order
+    for name in TRANSPORTS:
+        cls = transport_class(name)
+        assert issubclass(cls, WeightTransport) and cls.name == name
+    buckets = plan_buckets(_tensors())
+    remote = Server("10.0.0.2", local=False, device="cuda")
+    assert transport_class("shared").unusable(remote, buckets) == "it needs a CPU server this engine started"
+    assert transport_class("group").unusable(remote, buckets) is None
+    with pytest.raises(ValueError, match=r"no weight transport 'nfs' \(known: shared, group\)"):
+        transport_class("nfs")
 
 
 def test_weights_packed_for_ray_s_object_store_come_back_equal_in_every_dtype_and_layout():

@@ -15,7 +15,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 
 from envkit.ref import EnvRef
-from generators.engines.factory import EngineConfig
+from generators.engines.factory import EngineConfig, WeightSyncConfig
 from generators.rollout import GeneratorConfig
 from generators.trajectory import STOP_REASONS
 
@@ -329,6 +329,17 @@ class InferenceConfig(EngineConfig):
 
 
 @dataclass
+class WeightSyncSection(WeightSyncConfig):
+    """How new weights reach the inference engine: mode, transport and swap (see ``generators/engines/factory.py``)."""
+
+    def __post_init__(self) -> None:
+        try:
+            super().__post_init__()
+        except ValueError as e:
+            raise ConfigError(f"weight_sync.{e}") from None
+
+
+@dataclass
 class TrainerConfig:
     """Optimization, backend, checkpoints and evaluation."""
 
@@ -343,10 +354,6 @@ class TrainerConfig:
     max_staleness: int = 1
     """async: a group sampled more than this many versions before the policy it would train is dropped (0 trains
     exactly what sync mode trains)."""
-    weight_sync: str = "auto"
-    """How new weights reach the engine: memory (sent from rank 0 with no files: vllm, hf, and Ray replicas of them;
-    not sglang), disk (an HF checkpoint the server reloads), or auto (memory where the engine can take it, else
-    disk; disk again after a failed transfer)."""
     lr: float = 1e-5
     weight_decay: float = 0.0
     warmup_steps: int = 2
@@ -397,7 +404,6 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         _one_of("trainer.backend", self.backend, ("fsdp", "deepspeed"))
         _one_of("trainer.mode", self.mode, ("sync", "async"))
-        _one_of("trainer.weight_sync", self.weight_sync, ("auto", "memory", "disk"))
         _one_of("trainer.lr_schedule", self.lr_schedule, ("constant", "cosine"))
         _one_of("trainer.dtype", self.dtype, ("auto", "bf16", "fp32"))
         _one_of("trainer.attention", self.attention, ("auto", "eager", "sdpa", "flash_attention_2"))
@@ -477,6 +483,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     generator: RolloutConfig = field(default_factory=RolloutConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
+    weight_sync: WeightSyncSection = field(default_factory=WeightSyncSection)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
@@ -515,9 +522,10 @@ class Config:
         if self.model.lora.enabled and self.trainer.backend != "fsdp":
             raise ConfigError(f"model.lora.r={self.model.lora.r} needs trainer.backend=fsdp: LoRA is FSDP-only for "
                               "now (set model.lora.r=0 to fine-tune every weight with DeepSpeed)")
-        if self.trainer.weight_sync == "memory" and self.inference.engine == "sglang":
-            raise ConfigError("trainer.weight_sync=memory, but inference.engine=sglang takes new weights from a "
-                              "checkpoint on disk only: use trainer.weight_sync=auto or disk")
+        try:
+            self.weight_sync.check_engine(self.inference.engine)
+        except ValueError as e:
+            raise ConfigError(f"weight_sync.{e} (inference.engine={self.inference.engine})") from None
         if self.algorithm.aggregation == "seq-mean-token-sum-norm" and self.generator.max_total_tokens < 1:
             raise ConfigError("seq-mean-token-sum-norm normalizes by generator.max_total_tokens, which must be >= 1")
 

@@ -57,7 +57,7 @@ class RolloutSource:
 
     def serve(self, backend: TrainBackend, version: int) -> bool:
         """Have the engine serve the policy as ``version``; whether it went from memory."""
-        return sync_weights(backend, None, None, self.out, version, self.cfg.trainer.weight_sync)
+        return sync_weights(backend, None, None, self.out, version, self.cfg.weight_sync.mode)
 
     def snapshot(self, state: TrainState) -> None:
         """Put the data positions (and drawn-but-untrained groups) into ``state``, for a checkpoint."""
@@ -70,7 +70,7 @@ class RolloutSource:
     def finish(self, backend: TrainBackend, state: TrainState) -> dict[str, Any]:
         """Put the final policy on disk; its dir, and the held-out results after training where measured."""
         weights = self.out / "weights" / f"v{state.policy_version}"
-        if state.policy_version and self.cfg.trainer.weight_sync != "disk":  # synced from memory: put it on disk
+        if state.policy_version and self.cfg.weight_sync.mode != "disk":  # synced from memory: put it on disk
             backend.export_weights(weights)
         return {"weights": str(weights) if state.policy_version else str(backend.config.model_path)}
 
@@ -111,7 +111,7 @@ class SyncSource(RolloutSource):
         return trajs, 0
 
     def serve(self, backend: TrainBackend, version: int) -> bool:
-        return sync_weights(backend, self.engine, self.runner, self.out, version, self.cfg.trainer.weight_sync)
+        return sync_weights(backend, self.engine, self.runner, self.out, version, self.cfg.weight_sync.mode)
 
     def log_step(self, state: TrainState, trajs: list[Trajectory], batch: StepBatch, metrics: dict[str, float]
                  ) -> None:

@@ -121,7 +121,7 @@ def train_sft(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]:
         state.policy_version = state.step
         weights = out / "weights" / f"v{state.policy_version}"
         if evaluating:
-            sync_weights(backend, engine, runner, out, state.policy_version, cfg.trainer.weight_sync)
+            sync_weights(backend, engine, runner, out, state.policy_version, cfg.weight_sync.mode)
         if broadcast_from_rank0(not weights.exists()):  # sent from memory, or no engine: write them (collective)
             backend.export_weights(weights)
         results["weights"] = str(weights)

@@ -10,14 +10,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 from envkit.adapters.opponent import POLICY_MODEL_VAR, POLICY_URL_VAR
+from generators.engines.transports import TRANSPORTS
 
 FinishReason = Literal["stop", "length", "abort"]
 
 
 WEIGHT_SWAPS = ("finish", "interrupt")
 """What a server's requests in flight do when new weights arrive (vLLM's ``weight_swap``)."""
-WEIGHT_TRANSPORTS = ("auto", "shared", "group")
-"""How weights reach a vLLM server from memory (its ``weight_transport``)."""
+WEIGHT_TRANSPORTS = ("auto", *TRANSPORTS)
+"""How weights reach a vLLM server from memory (its ``weight_transport``): auto picks the first registered one that
+can reach the server."""
 _CORE_LIST = re.compile(r"\d+(-\d+)?(,\d+(-\d+)?)*")
 
 

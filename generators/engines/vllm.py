@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata
 import os
-import socket
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,7 +22,8 @@ from generators.engines.managed import ServerBackedEngine, ServerOptions
 from generators.precision import auto_dtype
 
 if TYPE_CHECKING:
-    from generators.engines.weight_sync import Bucket, SharedWeights, WeightSender
+    from generators.engines.transports import Rpc, WeightTransport
+    from generators.engines.transports.buckets import Bucket
 
 
 def _is_cpu_build() -> bool:
@@ -61,10 +61,10 @@ class VLLMEngine(ServerBackedEngine):
     logprobs after temperature (``--logprobs-mode processed_logprobs``), so they are the sampler's. Weights
     reload in place from an HF safetensors dir (dev-mode ``/collective_rpc``) while generation is paused, and
     the server itself reports the weight version (``/weight_info``); or, with ``push_weights``, they go from this
-    process's memory to the server's workers (:mod:`generators.engines.weight_sync`, a worker extension every server
-    here is started with): ``weight_transport="auto"`` writes them to shared memory for a CPU server this engine
-    started (``"shared"``) and broadcasts them over a process group otherwise (``"group"``: gloo on CPU, NCCL on a
-    GPU). If the server dies, the next request
+    process's memory to the server's workers through a :mod:`weight transport <generators.engines.transports>`
+    (the server side of each is a worker extension every server here is started with): ``weight_transport="auto"``
+    writes them to shared memory for a CPU server this engine started (``"shared"``) and broadcasts them over a
+    process group otherwise (``"group"``: gloo on CPU, NCCL on a GPU). If the server dies, the next request
     restarts it and restores the latest weights. How the server is started (its port, context length, dtype, log,
     timeouts) is in ``options`` (:class:`ServerOptions`, shared with SGLang). ``compile=None`` compiles the
     model (torch.compile, CUDA graphs) on a GPU and runs it eagerly on the CPU build, where compiling costs more
@@ -105,7 +105,7 @@ class VLLMEngine(ServerBackedEngine):
         self.compile = not self.cpu_build if compile is None else compile
         # Set up for one server process (``_set_up_for``; a restart starts them afresh): the transports by name, and
         # the dtype floating tensors travel in (the server's own; "" when its parameters differ, None until asked).
-        self._senders: dict[str, WeightSender | SharedWeights] = {}
+        self._transports: dict[str, WeightTransport] = {}
         self._wire_dtype: str | None = None
         self._set_up_for: object = object()
         env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), **_core_binding(cpu_cores)}
@@ -118,7 +118,7 @@ class VLLMEngine(ServerBackedEngine):
             "--host", self.server.host, "--port", str(port),
             "--max-model-len", str(self.options.max_model_len), "--dtype", self.dtype,
             "--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log",
-            "--worker-extension-cls", "generators.engines.weight_sync.WeightReceiver",
+            "--worker-extension-cls", "generators.engines.transports.receiver.WeightReceiver",
             *(() if self.compile else ("--enforce-eager",)), *self.options.extra_args,
         ]
 
@@ -141,36 +141,39 @@ class VLLMEngine(ServerBackedEngine):
     supports_weight_push = True
 
     async def _apply_tensors(self, tensors: dict[str, Any], version: int) -> None:
-        """Send the tensors (to shared memory before the pause: the server generates meanwhile), pause, have the
-        workers load them as a disk reload would, drop the prefix cache, tag, resume."""
-        from generators.engines.weight_sync import SharedWeights, manifest, plan_buckets
+        """Stage the tensors (shared memory is written before the pause: the server generates meanwhile), pause, have
+        the workers take and load them as a disk reload would, drop the prefix cache, tag, resume."""
+        from generators.engines.transports.buckets import plan_buckets
 
         buckets = plan_buckets(tensors, cast=await self._server_dtype())
-        sender = await self._weight_sender(buckets)
-        if isinstance(sender, SharedWeights):
-            await asyncio.to_thread(sender.write, tensors, buckets, version)
+        transport = await self._transport(buckets)
+        await asyncio.to_thread(transport.stage, tensors, buckets, version)
         await self._send("POST", "/pause", params={"mode": self._pause_mode})
         try:
-            if isinstance(sender, SharedWeights):
-                await self._send("POST", "/collective_rpc", {"method": "envkit_load_shared_weights", "kwargs": {
-                    "manifest": manifest(buckets, version), "path": str(sender.path)}})
-            else:
-                receive = self._send("POST", "/collective_rpc", {"method": "envkit_receive_weights",
-                                                                 "kwargs": {"manifest": manifest(buckets, version)}})
-                try:
-                    await asyncio.gather(receive, asyncio.to_thread(sender.send, tensors, buckets, version))
-                except BaseException:
-                    self._senders.pop("group")  # a half-done transfer leaves the group out of step: form it anew
-                    raise
+            try:
+                await transport.deliver(self._transport_rpc(transport.name), tensors, buckets, version)
+            except BaseException:
+                # a half-done transfer may leave the transport out of step with the workers: set it up anew
+                self._transports.pop(transport.name).close()
+                raise
             await self._send("POST", "/reset_prefix_cache")
             await self._send("POST", "/update_weight_version", {"new_version": str(version)})
         finally:
             await self._send("POST", "/resume")
 
+    async def _rpc(self, method: str, kwargs: dict[str, str] | None = None) -> list[Any]:
+        """Call ``method`` of the WeightReceiver extension on every worker; their results."""
+        body: dict[str, Any] = {"method": method, **({"kwargs": kwargs} if kwargs else {})}
+        return (await self._send("POST", "/collective_rpc", body))["results"]
+
+    def _transport_rpc(self, name: str) -> Rpc:
+        """Calls into transport ``name``'s worker side."""
+        return lambda call, kwargs: self._rpc("envkit_call", {"transport": name, "call": call, **kwargs})
+
     def _same_server(self) -> None:
         """Forget what was set up for an earlier server process: its transports and its dtype."""
         if self._set_up_for is not self.server.process:
-            self._close_senders()
+            self._close_transports()
             self._wire_dtype = None
             self._set_up_for = self.server.process
 
@@ -178,53 +181,44 @@ class VLLMEngine(ServerBackedEngine):
         """The dtype floating tensors travel in: the server's own, when all its parameters share one."""
         self._same_server()
         if self._wire_dtype is None:
-            dtypes = set((await self._send("POST", "/collective_rpc", {"method": "envkit_model_dtype"}))["results"])
+            dtypes = set(await self._rpc("envkit_model_dtype"))
             self._wire_dtype = dtypes.pop() if len(dtypes) == 1 else ""  # "": each tensor as it is
         return self._wire_dtype or None
 
-    async def _weight_sender(self, buckets: list[Bucket]) -> WeightSender | SharedWeights:
-        """The transport for this server process: shared memory where it can be used and ``weight_transport``
-        allows it, else the process group with the workers (formed once per server process)."""
-        from generators.engines.weight_sync import SharedWeights, shared_layout
+    async def _transport(self, buckets: list[Bucket]) -> WeightTransport:
+        """The transport ``weight_transport`` names, or under auto the first registered one that can reach this
+        server process (set up once per server process)."""
+        from generators.engines.transports import TRANSPORTS, Server, transport_class
 
         self._same_server()
-        if self.weight_transport != "group" and "shared" in self._senders:
-            return self._senders["shared"]  # its file already holds the room it needs
-        size = shared_layout(buckets)[1]
-        local = self.cpu_build and self.server.process is not None  # a CPU server we started: this machine
-        room = local and SharedWeights.fits(size)
-        if self.weight_transport == "shared" and not room:
-            raise EngineError("weight_transport=shared needs a CPU server this engine started and room in "
-                              f"/dev/shm for {size / 2**20:.0f} MB" + ("" if not local else
-                              " (a container's /dev/shm is 64 MB unless run with --shm-size)"))
-        kind = "shared" if room and self.weight_transport != "group" else "group"
-        if kind not in self._senders:
-            self._senders[kind] = SharedWeights() if kind == "shared" else await self._weight_group()
-        return self._senders[kind]
+        server = Server(self.server.host, local=self.cpu_build and self.server.process is not None,
+                        device="cpu" if self.cpu_build else "cuda")
+        reasons = []
+        for name in TRANSPORTS if self.weight_transport == "auto" else (self.weight_transport,):
+            if name in self._transports:
+                return self._transports[name]
+            cls = transport_class(name)
+            reason = cls.unusable(server, buckets)
+            if reason is None:
+                transport = cls()
+                try:
+                    await transport.open(self._transport_rpc(name), server)
+                except BaseException:
+                    transport.close()
+                    raise
+                self._transports[name] = transport
+                return transport
+            reasons.append(f"{name}: {reason}")
+        raise EngineError(f"weight_transport={self.weight_transport} cannot reach this server ({'; '.join(reasons)})")
 
-    def _close_senders(self) -> None:
-        from generators.engines.weight_sync import SharedWeights
-
-        for sender in self._senders.values():
-            if isinstance(sender, SharedWeights):
-                sender.close()
-        self._senders = {}
-
-    async def _weight_group(self) -> WeightSender:
-        """A process group with this server's workers."""
-        from generators.engines.weight_sync import WeightSender
-
-        sender = WeightSender(_address_towards(self.server.host), device="cpu" if self.cpu_build else "cuda")
-        port = await asyncio.to_thread(sender.listen)
-        workers = len((await self._send("POST", "/collective_rpc", {"method": "envkit_rank"}))["results"])
-        join = self._send("POST", "/collective_rpc", {"method": "envkit_open_weight_group", "kwargs": {
-            "host": sender.host, "port": str(port), "world_size": str(1 + workers)}})
-        await asyncio.gather(join, asyncio.to_thread(sender.join, 1 + workers))
-        return sender
+    def _close_transports(self) -> None:
+        for transport in self._transports.values():
+            transport.close()
+        self._transports = {}
 
     async def stop(self) -> None:
         await super().stop()
-        self._close_senders()
+        self._close_transports()
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Completion:
         if sampling.seed is not None and self.cpu_build:
@@ -250,13 +244,6 @@ class VLLMEngine(ServerBackedEngine):
     async def server_weight_version(self) -> str:
         """The weight version as the server reports it (``/weight_info``)."""
         return str((await self._get("/weight_info"))["weight_version"])
-
-
-def _address_towards(host: str) -> str:
-    """This machine's address on the route to ``host``: where that host's server can reach a group we listen for."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((host, 9))  # UDP: no packet is sent
-        return probe.getsockname()[0]
 
 
 def _completion(data: dict[str, Any], prompt_ids: list[int], version: int) -> Completion:

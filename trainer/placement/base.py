@@ -24,7 +24,8 @@ class Placement:
 
     def engine(self, model_path: str | Path, out: Path) -> InferenceEngine:
         """The engine rank 0 generates with (not started)."""
-        return make_engine(self.inference(beside_trainer=self.cfg.trainer.mode == "async"), model_path, log_dir=out)
+        return make_engine(self.inference(beside_trainer=self.cfg.trainer.mode == "async"), model_path, log_dir=out,
+                           weight_sync=self.cfg.weight_sync)
 
     def inference(self, *, beside_trainer: bool) -> InferenceConfig:
         """The engines' config. ``beside_trainer``: a trainer computes while they generate, so ``cpu_cores=auto``

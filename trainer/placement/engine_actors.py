@@ -19,16 +19,17 @@ import torch
 from ray.exceptions import RayActorError
 
 from generators.engines.base import ChatCompletion, Completion, InferenceEngine, SamplingParams
-from generators.engines.factory import EngineConfig, make_engine
+from generators.engines.factory import EngineConfig, WeightSyncConfig, make_engine
 from generators.engines.replicas import ReplicaDied
 
 
 @ray.remote
 class EngineActor:
-    """One inference replica: the engine ``config`` names, started on this actor's node."""
+    """One inference replica: the engine ``config`` names, started on this actor's node, taking new weights as
+    ``weight_sync`` says."""
 
-    def __init__(self, config: EngineConfig, model: str, log_dir: str) -> None:
-        self.engine = make_engine(config, model, log_dir=Path(log_dir))
+    def __init__(self, config: EngineConfig, weight_sync: WeightSyncConfig, model: str, log_dir: str) -> None:
+        self.engine = make_engine(config, model, log_dir=Path(log_dir), weight_sync=weight_sync)
         self.inflight = 0
 
     async def start(self) -> tuple[str, bool, bool]:

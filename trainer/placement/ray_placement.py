@@ -46,7 +46,7 @@ class RayPlacement(Placement):
         async def spawn(index: int) -> InferenceEngine:
             name = f"replica-{index}"
             actor = EngineActor.options(name=name, **actor_options(p.replica_resources, group)).remote(  # type: ignore[attr-defined]
-                inference, str(model_path), str(out / name))
+                inference, self.cfg.weight_sync, str(model_path), str(out / name))
             return ActorEngine(actor, name, stage)
 
         self.replicas = ReplicaSet(spawn, p.inference_replicas)
