@@ -247,11 +247,12 @@ def _shared_files() -> dict[Path, int]:
     return {p: p.stat().st_mtime_ns for p in SHARED_DIR.glob(f"{SHARED_PREFIX}{os.getpid()}-*")}
 
 
-@pytest.mark.parametrize("transport", ["shared", "group"])
+@pytest.mark.parametrize("transport", ["shared", "group", "disk"])
 async def test_weights_sent_from_memory_serve_what_a_reload_from_disk_serves(
         vllm_engine, chat_tokenizer, bundled_model, tmp_path, monkeypatch, transport):
     """The same perturbed policy, once as a checkpoint the server reloads and once from memory (through shared
-    memory, or broadcast over the process group): the next greedy request gets the same tokens and logprobs. A
+    memory, broadcast over the process group, or a safetensors file): the next greedy request gets the same tokens
+    and logprobs. A
     second push (the original weights) reuses the transport and brings the original output back; so does the
     restart test below, which restores pushed weights."""
     if transport == "shared" and not fits(1 << 29):
@@ -291,7 +292,8 @@ async def test_weights_sent_from_memory_serve_what_a_reload_from_disk_serves(
     if transport == "shared":
         assert len(written) == 1, written  # one file, kept for the next sync
     else:
-        assert written == unwritten  # the group carried both pushes: no shared file was made or written
+        assert written == unwritten  # the others carried both pushes: no shared file was made or written
+    assert transport in vllm_engine._transports
 
 
 @pytest.mark.parametrize("weight_swap", ["finish", "interrupt"])

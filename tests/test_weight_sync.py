@@ -97,9 +97,10 @@ def test_the_weight_sync_group_names_mode_transport_and_swap_and_an_engine_refus
 
     cfg = trainer.compose(["weight_sync.transport=group", "weight_sync.swap=interrupt", "weight_sync.mode=memory"])
     assert (cfg.weight_sync.mode, cfg.weight_sync.transport, cfg.weight_sync.swap) == ("memory", "group", "interrupt")
-    with pytest.raises(ConfigError, match=r"weight_sync\.transport must be one of auto, shared, group, got 'nfs'"):
+    with pytest.raises(ConfigError, match=r"weight_sync\.transport must be one of auto, shared, group, disk, "
+                                          r"got 'nfs'"):
         trainer.compose(["weight_sync.transport=nfs"])
-    with pytest.raises(ValueError, match="weight_transport must be one of auto, shared, group, got 'nfs'"):
+    with pytest.raises(ValueError, match="weight_transport must be one of auto, shared, group, disk, got 'nfs'"):
         VLLMEngine(weight_transport="nfs")
     for engine in ("hf", "sglang"):  # they take no transport: refused when the config is checked, not ignored
         with pytest.raises(ConfigError, match=rf"weight_sync\.transport=shared picks how weights reach a vLLM "
@@ -112,7 +113,7 @@ def test_the_weight_sync_group_names_mode_transport_and_swap_and_an_engine_refus
 def test_a_transport_is_a_registered_class_and_an_unusable_one_says_why():
     from generators.engines.transports import TRANSPORTS, Server, WeightTransport, transport_class
 
-    assert list(TRANSPORTS) == ["shared", "group"]  # auto tries them in this order
+    assert list(TRANSPORTS) == ["shared", "group", "disk"]  # auto tries them in this order
     for name in TRANSPORTS:
         cls = transport_class(name)
         assert issubclass(cls, WeightTransport) and cls.name == name
@@ -120,7 +121,9 @@ def test_a_transport_is_a_registered_class_and_an_unusable_one_says_why():
     remote = Server("10.0.0.2", local=False, device="cuda")
     assert transport_class("shared").unusable(remote, buckets) == "it needs a CPU server this engine started"
     assert transport_class("group").unusable(remote, buckets) is None
-    with pytest.raises(ValueError, match=r"no weight transport 'nfs' \(known: shared, group\)"):
+    assert transport_class("disk").unusable(remote, buckets) == "it needs a server this engine started, on this machine"
+    assert transport_class("shared").unusable(Server("127.0.0.1", local=True, device="cuda"), buckets) is not None
+    with pytest.raises(ValueError, match=r"no weight transport 'nfs' \(known: shared, group, disk\)"):
         transport_class("nfs")
 
 

@@ -191,7 +191,7 @@ class VLLMEngine(ServerBackedEngine):
         from generators.engines.transports import TRANSPORTS, Server, transport_class
 
         self._same_server()
-        server = Server(self.server.host, local=self.cpu_build and self.server.process is not None,
+        server = Server(self.server.host, local=self.server.process is not None,
                         device="cpu" if self.cpu_build else "cuda")
         reasons = []
         for name in TRANSPORTS if self.weight_transport == "auto" else (self.weight_transport,):

@@ -10,9 +10,9 @@ kinds registered by name in :data:`TRANSPORTS`.
 
 A transport is one file holding both sides: the trainer's methods, and static ``worker_*`` functions that run in
 each worker (the :class:`~generators.engines.transports.receiver.WeightReceiver` extension calls them by name).
-Adding one means that file plus a line in :data:`TRANSPORTS`. A checkpoint reloaded from disk
-(``weight_sync.mode=disk``) is not a transport: it takes the engine's ``load_weights`` path, which every engine has.
-Across a Ray cluster, pushed tensors reach the replica's actor through Ray's object store first, then its transport.
+Adding one means that file plus a line in :data:`TRANSPORTS`. ``weight_sync.mode=disk`` is not a transport: the
+trainer writes a full HF checkpoint, which any engine reloads (``load_weights``). Across a Ray cluster, pushed tensors
+reach a replica's actor through Ray's object store first (``trainer/placement/engine_actors.py``), then its transport.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # the registry is read where torch need not be loaded (config
 TRANSPORTS: dict[str, str] = {
     "shared": "generators.engines.transports.shared:SharedMemory",
     "group": "generators.engines.transports.group:ProcessGroup",
+    "disk": "generators.engines.transports.disk:SafetensorsFile",
 }
 """Each transport's name and the class (``module:Class``) that implements it, tried in this order under ``auto``."""
 
@@ -46,7 +47,7 @@ class Server:
     host: str
     """The address the server listens on."""
     local: bool
-    """A CPU server this process started: it shares this machine's memory."""
+    """A server this process started, so on this machine: it can read this machine's files and memory."""
     device: str
     """Where its workers compute: cpu or cuda."""
 

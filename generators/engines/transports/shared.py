@@ -76,7 +76,7 @@ class SharedMemory(WeightTransport):
     @classmethod
     def unusable(cls, server: Server, buckets: list[Bucket]) -> str | None:
         size = shared_layout(buckets)[1]
-        if not server.local:
+        if not server.local or server.device != "cpu":
             return "it needs a CPU server this engine started"
         if not fits(size):
             return (f"{SHARED_DIR} has no room for {size / 2**20:.0f} MB (a container's /dev/shm is 64 MB unless run "
