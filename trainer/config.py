@@ -9,6 +9,7 @@ Derived values are properties, and ``__post_init__`` checks fail fast with a mes
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -316,10 +317,7 @@ class InferenceConfig(EngineConfig):
     """The inference engine the rollouts use (shared with ``envkit eval``; see ``generators/engines/factory.py``)."""
 
     def __post_init__(self) -> None:
-        try:
-            super().__post_init__()
-        except ValueError as e:
-            raise ConfigError(f"inference.{e}") from None
+        _checked("inference", super().__post_init__)
         if self.api_key:
             raise ConfigError("inference.api_key is for engine=openai (chat mode), which cannot train; a served "
                               "model is reached without one")
@@ -333,10 +331,7 @@ class WeightSyncSection(WeightSyncConfig):
     """How new weights reach the inference engine: mode, transport and swap (see ``generators/engines/factory.py``)."""
 
     def __post_init__(self) -> None:
-        try:
-            super().__post_init__()
-        except ValueError as e:
-            raise ConfigError(f"weight_sync.{e}") from None
+        _checked("weight_sync", super().__post_init__)
 
 
 @dataclass
@@ -522,10 +517,7 @@ class Config:
         if self.model.lora.enabled and self.trainer.backend != "fsdp":
             raise ConfigError(f"model.lora.r={self.model.lora.r} needs trainer.backend=fsdp: LoRA is FSDP-only for "
                               "now (set model.lora.r=0 to fine-tune every weight with DeepSpeed)")
-        try:
-            self.weight_sync.check_engine(self.inference.engine)
-        except ValueError as e:
-            raise ConfigError(f"weight_sync.{e} (inference.engine={self.inference.engine})") from None
+        _checked("weight_sync", lambda: self.weight_sync.check_engine(self.inference.engine))
         if self.algorithm.aggregation == "seq-mean-token-sum-norm" and self.generator.max_total_tokens < 1:
             raise ConfigError("seq-mean-token-sum-norm normalizes by generator.max_total_tokens, which must be >= 1")
 
@@ -533,6 +525,14 @@ class Config:
     def steps_per_update(self) -> int:
         """Optimizer steps per training step."""
         return self.trainer.epochs * self.generator.batch_size // self.mini_batch_size
+
+
+def _checked(section: str, check: Callable[[], None]) -> None:
+    """Run a check shared with envkit eval, its ValueError becoming a ConfigError that names the section."""
+    try:
+        check()
+    except ValueError as e:
+        raise ConfigError(f"{section}.{e}") from None
 
 
 def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
