@@ -158,8 +158,10 @@ def _finish(process: subprocess.Popen[str], timeout: float = 900) -> str:
 def test_two_ranks_two_replicas_and_an_env_pool_train_as_the_local_run_does(cluster, tmp_path):
     """Seeded HF replicas sample the same tokens whichever replica serves a request, so the Ray run's batches are
     the local run's, and its updates (fp32: two ranks' bf16 rounding would drift step 2's policy) match the local
-    ones. The loss is a sum of near-cancelling advantage-weighted ratios, so it is compared absolutely."""
-    common = ["inference.engine=hf", "generator.seed=7", "trainer.dtype=fp32", *TINY]
+    ones. The replicas sample in fp32 too: on a CPU with native bf16 they would compute in it, where the last bit in
+    which the two runs' updates differ decides a rounding, and step 2 sampled other tokens. The loss is a sum of
+    near-cancelling advantage-weighted ratios, so it is compared absolutely."""
+    common = ["inference.engine=hf", "inference.dtype=float32", "generator.seed=7", "trainer.dtype=fp32", *TINY]
     local = tmp_path / "local"
     # One torch thread, as Ray gives a 1-CPU replica actor: the same sampling logits, bit for bit, whatever the cores.
     result = subprocess.run([sys.executable, "-m", "trainer", *common, f"trainer.output_dir={local}"], cwd=REPO,
