@@ -101,6 +101,36 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     reporter.write_line(f"local sandboxes left behind by this test session: {left}", red=True, bold=True)
 
 
+PRUNE_FROM_BYTES = 16 << 20
+"""A failed test's tmp_path keeps its logs and metrics, not files this big (checkpoints, weights, optimizer state)."""
+_CALL_REPORT = pytest.StashKey[pytest.TestReport]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report = yield
+    if report.when == "call":
+        item.stash[_CALL_REPORT] = report
+    return report
+
+
+@pytest.fixture(autouse=True)
+def prune_failed_tmp_path(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A failed training test kept GBs in its tmp_path (``tmp_path_retention_policy`` keeps failed tests' dirs): a few
+    failures filled a CI disk, and every later test then failed on "No space left on device", which buried the first
+    failures. Its big files go (listed in ``PRUNED.txt``); what says why it failed stays."""
+    yield  # autouse: torn down after tmp_path, which removed the dir of a test that passed
+    path = request.node.funcargs.get("tmp_path")
+    report = request.node.stash.get(_CALL_REPORT, None)
+    if path is None or report is None or not report.failed or not path.exists():
+        return
+    pruned = [f for f in path.rglob("*") if f.is_file() and not f.is_symlink() and f.stat().st_size >= PRUNE_FROM_BYTES]
+    for f in pruned:
+        f.unlink()
+    if pruned:
+        (path / "PRUNED.txt").write_text("".join(f"{f.relative_to(path)}\n" for f in pruned))
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """``--dist loadgroup``: the tests of :data:`SHARED_MODULES` as one unit of work, every other test on its own.
