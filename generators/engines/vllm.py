@@ -154,7 +154,8 @@ class VLLMEngine(ServerBackedEngine):
                 await transport.deliver(self._transport_rpc(transport.name), tensors, buckets, version)
             except BaseException:
                 # a half-done transfer may leave the transport out of step with the workers: set it up anew
-                self._transports.pop(transport.name).close()
+                self._transports.pop(transport.name, None)
+                transport.close()
                 raise
             await self._send("POST", "/reset_prefix_cache")
             await self._send("POST", "/update_weight_version", {"new_version": str(version)})
