@@ -186,8 +186,11 @@ def test_trains_on_other_ecosystems_envs_by_name(policy_url, tmp_path):
                f"test_tasks: '{tmp_path / 'test.jsonl'}'}}}}, "
                "{name: 'textarena:GuessTheNumber-v0', label: ta, kwargs: {max_turns: 2}}, "
                "{name: 'textarena:TicTacToe-v0', label: ttt, kwargs: {opponent: {max_tokens: 32}, seat: 1}}]")
+    # A whole Tic Tac Toe game fits: as player 1 the policy moves at most 4 times, each after at most one reply the
+    # game rejects, so 8 turns; such a game measured 1337 tokens with 22-token replies (the defaults, 4 turns and
+    # 1024 tokens, cut off a game the policy played well, and it ended on max_turns, not done)
     steps = train(tmp_path / "run", policy_url, mixture, "generator.max_tokens=32", "trainer.eval_tasks=2",
-                  prompts=5, every_step_updates=False)
+                  "generator.max_turns=8", "generator.max_total_tokens=2048", prompts=5, every_step_updates=False)
     labels = ("rg", "sums", "ta", "ttt")
     for m in steps.values():
         assert [m[f"env/{label}/rollouts"] for label in labels] == [16, 8, 8, 8]
