@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 
 from envkit.errors import EnvkitError
+from envkit.remote.protocol import ExecResult
 
 SANDBOX_ENV = "ENVKIT_SANDBOX"
 """Set inside every sandbox to its kind (``docker`` or ``local``); envs that run model code check it."""
@@ -87,20 +88,6 @@ class SandboxLimits:
         if (self.cpus <= 0 or self.memory_mb < 16 or self.pids < 8 or self.tmpfs_mb < 1 or self.tmpfs_inodes < 16
                 or self.output_limit_bytes < 0):
             raise ValueError(f"SandboxLimits out of range: {self}")
-
-
-@dataclass(frozen=True)
-class ExecResult:
-    """What one ``Sandbox.exec`` produced."""
-
-    stdout: str
-    stderr: str
-    exit_code: int
-    """The process's exit status; -1 when it was killed for running past its timeout."""
-    timed_out: bool
-    truncated: bool
-    """True when stdout or stderr went past ``output_limit_bytes`` and was cut."""
-    duration_s: float
 
 
 def exec_argv(code_or_cmd: str | Sequence[str]) -> list[str]:

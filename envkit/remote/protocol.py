@@ -8,7 +8,7 @@ Sessions are explicit. Over REST::
     GET    /sessions/{id}                                         -> SessionState
     DELETE /sessions/{id}                                         -> 204
     GET    /tasks?split=train&offset=0&limit=256                  -> TaskPage (the served env's task list)
-    POST   /exec                      {"argv": [...], ...}        -> ExecResponse (sandbox servers only)
+    POST   /exec                      {"argv": [...], ...}        -> ExecResult (sandbox servers only)
     POST   /exec/scrub                                            -> ScrubResult (sandbox servers only)
 
 Over one WebSocket per session (``/ws``), each text frame is one request ``{"op": ..., ...}`` with the same fields
@@ -196,8 +196,11 @@ class ExecRequest(_Body):
     """Largest stdout and stderr kept; the rest is read and dropped."""
 
 
-class ExecResponse(_Body):
-    """What one ``/exec`` produced (output decoded as UTF-8, undecodable bytes replaced)."""
+class ExecResult(_Body):
+    """What one ``/exec`` produced (output decoded as UTF-8, undecodable bytes replaced); also what every
+    ``Sandbox.exec`` returns, whatever runs the command."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     stdout: str
     stderr: str
@@ -205,6 +208,7 @@ class ExecResponse(_Body):
     """The command's exit status; -1 when it was killed at its deadline."""
     timed_out: bool
     truncated: bool
+    """True when stdout or stderr went past the output limit and was cut."""
     duration_s: float
 
 

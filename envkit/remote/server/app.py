@@ -25,7 +25,7 @@ from envkit.remote.protocol import (
     CreateSession,
     ErrorBody,
     ExecRequest,
-    ExecResponse,
+    ExecResult,
     Health,
     ResetRequest,
     ResetResult,
@@ -230,7 +230,7 @@ def _add_session_routes(app: FastAPI, server: EnvServer) -> None:
 
 
 def _add_exec_routes(app: FastAPI, server: EnvServer, workspace: untrusted.Workspace) -> None:
-    @app.post("/exec", response_model=ExecResponse, responses=_responses(), tags=["sandbox"])
+    @app.post("/exec", response_model=ExecResult, responses=_responses(), tags=["sandbox"])
     async def exec_command(body: ExecRequest) -> Response:
         """Run a command as the exec user in the exec dir, one at a time; nothing it starts outlives it."""
         try:
