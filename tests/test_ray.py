@@ -5,7 +5,8 @@ workers as actors.
   them, as the local one-process run;
 - 2 vLLM replicas + 2 env workers, one worker and one replica killed while they serve step 1: both steps complete,
   the worker's rollouts are counted failed, the replica's requests go to the other one, both are replaced;
-- after each run no actor of it, no vLLM server it started, is left.
+- after each run no actor of it, no vLLM server it started, is left;
+- ``weight_sync.transport=ray``: a vLLM server's workers take pushed weights from the cluster's object store.
 """
 
 from __future__ import annotations
@@ -25,6 +26,14 @@ from typing import Any
 
 import psutil
 import pytest
+from weights import model_tensors, perturbed_weights
+
+import envkit
+from generators.engines.base import SamplingParams
+from generators.engines.managed import ServerOptions
+from generators.engines.transports.buckets import plan_buckets
+from generators.engines.vllm import VLLMEngine
+from trainer.backends.hf_export import write_hf_checkpoint
 
 pytestmark = pytest.mark.e2e
 
@@ -267,3 +276,61 @@ def test_sandboxed_envs_run_in_env_workers_and_a_dead_worker_leaves_no_container
     assert metrics[2]["envs/worker_restarts"] == 1
     assert _run_actors(namespace) == []
     assert sandboxes() <= before
+
+
+def _store_objects() -> int:
+    """Objects in the cluster's object store now."""
+    from ray._private.internal_api import memory_summary
+
+    return int(re.search(r"Plasma memory usage \d+ MiB, (\d+) objects", memory_summary(stats_only=True)).group(1))
+
+
+def _store_empties(within_s: float = 10.0) -> bool:
+    """Whether the object store is empty within ``within_s``: a released object goes once its borrowers have told
+    its owner (0.01-0.3 s here), a pinned one never."""
+    deadline = time.monotonic() + within_s
+    while _store_objects() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return _store_objects() == 0
+
+
+async def test_weights_through_the_object_store_serve_what_a_reload_from_disk_serves(cluster, bundled_model,
+                                                                                     chat_tokenizer, tmp_path):
+    """The ray transport: the server's workers join the cluster and take pushed weights from its object store,
+    through a board actor holding the object's ref. The next greedy request gets the tokens and logprobs a reload of
+    the same weights from disk gets. Once the workers have loaded, the store holds nothing (a ref pickled out of band
+    would have pinned every sync's copy there); the board ends with the engine."""
+    import ray
+
+    def boards() -> list[str]:
+        return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["name"].startswith("envkit-weights-")]
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    prompt = chat_tokenizer.prompt_ids([envkit.user("Name a color.")])
+    perturbed, original_weights = perturbed_weights(bundled_model), model_tensors(bundled_model)
+    write_hf_checkpoint(perturbed, bundled_model, tmp_path / "perturbed")
+    engine = VLLMEngine(bundled_model, ServerOptions(served_model_name="policy", log_path=tmp_path / "vllm.log"),
+                        kv_cache_gib=1, weight_transport="ray")
+    await engine.start()
+    try:
+        original = await engine.generate(prompt, greedy)
+        await engine.load_weights(tmp_path / "perturbed", version=1)
+        from_disk = await engine.generate(prompt, greedy)
+        assert from_disk.token_ids != original.token_ids
+        await engine.push_weights(perturbed, version=2)
+        from_store = await engine.generate(prompt, greedy)
+        assert from_store.weight_version == 2 and await engine.server_weight_version() == "2"
+        assert (from_store.token_ids, from_store.logprobs) == (from_disk.token_ids, from_disk.logprobs)
+        assert _store_empties() and len(boards()) == 1
+
+        transport = engine._transports["ray"]  # a staged sync's copy is in the store until the workers load it
+        transport.stage(original_weights, plan_buckets(original_weights, cast=engine._wire_dtype), 99)
+        assert _store_objects() == 1
+        await engine.push_weights(original_weights, version=3)
+        restored = await engine.generate(prompt, greedy)
+        assert (restored.token_ids, restored.logprobs) == (original.token_ids, original.logprobs)
+        assert _store_empties()
+    finally:
+        await engine.stop()
+    assert boards() == []

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 from weights import model_tensors, perturbed_weights
 
@@ -97,10 +98,10 @@ def test_the_weight_sync_group_names_mode_transport_and_swap_and_an_engine_refus
 
     cfg = trainer.compose(["weight_sync.transport=group", "weight_sync.swap=interrupt", "weight_sync.mode=memory"])
     assert (cfg.weight_sync.mode, cfg.weight_sync.transport, cfg.weight_sync.swap) == ("memory", "group", "interrupt")
-    with pytest.raises(ConfigError, match=r"weight_sync\.transport must be one of auto, shared, group, disk, "
+    with pytest.raises(ConfigError, match=r"weight_sync\.transport must be one of auto, shared, group, disk, ray, "
                                           r"got 'nfs'"):
         trainer.compose(["weight_sync.transport=nfs"])
-    with pytest.raises(ValueError, match="weight_transport must be one of auto, shared, group, disk, got 'nfs'"):
+    with pytest.raises(ValueError, match="weight_transport must be one of auto, shared, group, disk, ray, got 'nfs'"):
         VLLMEngine(weight_transport="nfs")
     for engine in ("hf", "sglang"):  # they take no transport: refused when the config is checked, not ignored
         with pytest.raises(ConfigError, match=rf"weight_sync\.transport=shared picks how weights reach a vLLM "
@@ -113,7 +114,7 @@ def test_the_weight_sync_group_names_mode_transport_and_swap_and_an_engine_refus
 def test_a_transport_is_a_registered_class_and_an_unusable_one_says_why():
     from generators.engines.transports import TRANSPORTS, Server, WeightTransport, transport_class
 
-    assert list(TRANSPORTS) == ["shared", "group", "disk"]  # auto tries them in this order
+    assert list(TRANSPORTS) == ["shared", "group", "disk", "ray"]  # auto tries them in this order
     for name in TRANSPORTS:
         cls = transport_class(name)
         assert issubclass(cls, WeightTransport) and cls.name == name
@@ -123,7 +124,10 @@ def test_a_transport_is_a_registered_class_and_an_unusable_one_says_why():
     assert transport_class("group").unusable(remote, buckets) is None
     assert transport_class("disk").unusable(remote, buckets) == "it needs a server this engine started, on this machine"
     assert transport_class("shared").unusable(Server("127.0.0.1", local=True, device="cuda"), buckets) is not None
-    with pytest.raises(ValueError, match=r"no weight transport 'nfs' \(known: shared, group, disk\)"):
+    assert not ray.is_initialized()  # a unit test's process is in no cluster
+    assert transport_class("ray").unusable(Server("127.0.0.1", local=True, device="cpu"), buckets) == (
+        "it needs this process connected to a Ray cluster (ray.init)")
+    with pytest.raises(ValueError, match=r"no weight transport 'nfs' \(known: shared, group, disk, ray\)"):
         transport_class("nfs")
 
 

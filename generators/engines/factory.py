@@ -21,9 +21,10 @@ class WeightSyncConfig:
     failed transfer)."""
     transport: str = "auto"
     """vllm, from memory: shared (through /dev/shm, for a CPU server this run started), group (a process group with
-    the server's workers: gloo on CPU, NCCL on a GPU), disk (a safetensors file a server on this machine reads), or
-    auto (the first of those, in that order, that can reach the server). The transports are registered in
-    ``generators/engines/transports``."""
+    the server's workers: gloo on CPU, NCCL on a GPU), disk (a safetensors file a server on this machine reads), ray
+    (the object store of the Ray cluster the engine's process is connected to: a replica actor's, under
+    placement.backend=ray), or auto (the first of those, in that order, that can reach the server). The transports
+    are registered in ``generators/engines/transports``."""
     swap: str = "finish"
     """vllm: what requests in flight do when new weights arrive: finish (on the weights they started with) or
     interrupt (stop, then the generator continues each on the new weights; partial rollouts, every token's version

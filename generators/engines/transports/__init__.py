@@ -12,7 +12,8 @@ A transport is one file holding both sides: the trainer's methods, and static ``
 each worker (the :class:`~generators.engines.transports.receiver.WeightReceiver` extension calls them by name).
 Adding one means that file plus a line in :data:`TRANSPORTS`. ``weight_sync.mode=disk`` is not a transport: the
 trainer writes a full HF checkpoint, which any engine reloads (``load_weights``). Across a Ray cluster, pushed tensors
-reach a replica's actor through Ray's object store first (``trainer/placement/engine_actors.py``), then its transport.
+reach a replica's actor through Ray's object store first (``trainer/placement/engine_actors.py``), then its transport
+(``ray`` among them: the object store again, from the actor to its server's workers).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ TRANSPORTS: dict[str, str] = {
     "shared": "generators.engines.transports.shared:SharedMemory",
     "group": "generators.engines.transports.group:ProcessGroup",
     "disk": "generators.engines.transports.disk:SafetensorsFile",
+    "ray": "generators.engines.transports.ray_store:RayObjectStore",
 }
 """Each transport's name and the class (``module:Class``) that implements it, tried in this order under ``auto``."""
 

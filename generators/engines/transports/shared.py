@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,26 @@ def shared_layout(buckets: list[Bucket]) -> tuple[list[tuple[str, list[int], tor
             offset += numel(shape) * dtype.itemsize
         offset = -(-offset // 64) * 64
     return slots, offset
+
+
+def pack(tensors: dict[str, torch.Tensor], buckets: list[Bucket], raw: torch.Tensor, version: int) -> None:
+    """Cast ``tensors`` into ``raw`` (uint8, as :func:`shared_layout` sizes it) and stamp it with ``version``."""
+    for name, shape, dtype, offset in shared_layout(buckets)[0]:
+        raw[offset:offset + numel(shape) * dtype.itemsize].view(dtype).view(shape).copy_(tensors[name].detach())
+    raw[:8].view(torch.int64).fill_(version)
+
+
+def unpack(raw: torch.Tensor, buckets: list[Bucket], version: int, source: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors :func:`pack` laid into ``raw``, as views; raises unless it holds ``version`` at the right size."""
+    slots, size = shared_layout(buckets)
+    if raw.numel() != size:
+        raise RuntimeError(f"weight transfer mismatch: {source} holds {raw.numel()} bytes, the manifest lays out "
+                           f"{size}")
+    held = int(raw[:8].view(torch.int64).item())
+    if held != version:
+        raise RuntimeError(f"weight transfer mismatch: {source} holds version {held}, the manifest says {version}")
+    return ((name, raw[offset:offset + numel(shape) * dtype.itemsize].view(dtype).view(shape))
+            for name, shape, dtype, offset in slots)
 
 
 def _owner_alive(path: Path) -> bool:
@@ -85,16 +106,13 @@ class SharedMemory(WeightTransport):
 
     def stage(self, tensors: dict[str, torch.Tensor], buckets: list[Bucket], version: int) -> None:
         """Cast ``tensors`` into the file as ``buckets`` lay them out, then stamp it with ``version``."""
-        slots, size = shared_layout(buckets)
+        size = shared_layout(buckets)[1]
         if self._raw is None or self._raw.numel() != size:
             self._raw = None
             self.path.unlink(missing_ok=True)
             self.path.touch(mode=0o600, exist_ok=False)  # a file somebody else put there first is refused
             self._raw = torch.from_file(str(self.path), shared=True, size=size, dtype=torch.uint8)
-        raw = self._raw
-        for name, shape, dtype, offset in slots:
-            raw[offset:offset + numel(shape) * dtype.itemsize].view(dtype).view(shape).copy_(tensors[name].detach())
-        raw[:8].view(torch.int64).fill_(version)
+        pack(tensors, buckets, self._raw, version)
 
     async def deliver(self, rpc: Rpc, tensors: dict[str, torch.Tensor], buckets: list[Bucket], version: int) -> None:
         await rpc("load", {"manifest": manifest(buckets, version), "path": str(self.path)})
@@ -107,20 +125,11 @@ class SharedMemory(WeightTransport):
     @staticmethod
     def worker_load(worker: Any, manifest: str, path: str) -> int:
         """In a worker: load the transfer ``manifest`` describes from the shared file at ``path``; its version."""
-        buckets, want = read_manifest(manifest)
-        slots, size = shared_layout(buckets)
-        held = os.path.getsize(path)
-        if held != size:
-            raise RuntimeError(f"weight transfer mismatch: {path} holds {held} bytes, the manifest lays out {size}")
+        buckets, version = read_manifest(manifest)
+        size = os.path.getsize(path)
         mapped = getattr(worker, "_envkit_shared", None)
         if mapped is None or mapped[0] != (path, size):  # kept: mapping it afresh faults in every page again
             mapped = worker._envkit_shared = ((path, size), torch.from_file(path, shared=True, size=size,
                                                                            dtype=torch.uint8))
-        raw = mapped[1]
-        version = int(raw[:8].view(torch.int64).item())
-        if version != want:
-            raise RuntimeError(f"weight transfer mismatch: {path} holds version {version}, the manifest says {want}")
-        worker.reload_weights(weights_iterator=(
-            (name, raw[offset:offset + numel(shape) * dtype.itemsize].view(dtype).view(shape))
-            for name, shape, dtype, offset in slots))
+        worker.reload_weights(weights_iterator=unpack(mapped[1], buckets, version, path))
         return version
