@@ -109,6 +109,10 @@ def test_the_weight_sync_group_names_mode_transport_and_swap_and_an_engine_refus
             trainer.compose(["weight_sync.transport=shared", f"inference.engine={engine}"])
     with pytest.raises(ConfigError, match=r"weight_sync\.swap=interrupt needs engine=vllm"):
         trainer.compose(["weight_sync.swap=interrupt", "inference.engine=hf"])
+    with pytest.raises(ConfigError, match=r"weight_sync\.transport=ray moves weights through a Ray cluster's object "
+                                          r"store, which only placement\.backend=ray joins"):
+        trainer.compose(["weight_sync.transport=ray"])
+    trainer.compose(["weight_sync.transport=ray", "placement.backend=ray"])
 
 
 def test_a_transport_is_a_registered_class_and_an_unusable_one_says_why():

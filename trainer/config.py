@@ -518,6 +518,9 @@ class Config:
             raise ConfigError(f"model.lora.r={self.model.lora.r} needs trainer.backend=fsdp: LoRA is FSDP-only for "
                               "now (set model.lora.r=0 to fine-tune every weight with DeepSpeed)")
         _checked("weight_sync", lambda: self.weight_sync.check_engine(self.inference.engine))
+        if self.weight_sync.transport == "ray" and self.placement.backend != "ray":
+            raise ConfigError("weight_sync.transport=ray moves weights through a Ray cluster's object store, which "
+                              "only placement.backend=ray joins: add it, or pick another transport")
         if self.algorithm.aggregation == "seq-mean-token-sum-norm" and self.generator.max_total_tokens < 1:
             raise ConfigError("seq-mean-token-sum-norm normalizes by generator.max_total_tokens, which must be >= 1")
 
