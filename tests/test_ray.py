@@ -302,10 +302,7 @@ async def test_weights_through_the_object_store_serve_what_a_reload_from_disk_se
     would have pinned every sync's copy there); the board ends with the engine."""
     import ray
 
-    def boards() -> list[str]:
-        return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                if a["name"].startswith("envkit-weights-")]
-
+    namespace = ray.get_runtime_context().namespace  # the engine's, so its board's
     greedy = SamplingParams(temperature=0.0, max_tokens=12)
     prompt = chat_tokenizer.prompt_ids([envkit.user("Name a color.")])
     perturbed, original_weights = perturbed_weights(bundled_model), model_tensors(bundled_model)
@@ -322,9 +319,10 @@ async def test_weights_through_the_object_store_serve_what_a_reload_from_disk_se
         from_store = await engine.generate(prompt, greedy)
         assert from_store.weight_version == 2 and await engine.server_weight_version() == "2"
         assert (from_store.token_ids, from_store.logprobs) == (from_disk.token_ids, from_disk.logprobs)
-        assert _store_empties() and len(boards()) == 1
+        transport = engine._transports["ray"]
+        assert _store_empties() and _run_actors(namespace) == [transport._board_name]
 
-        transport = engine._transports["ray"]  # a staged sync's copy is in the store until the workers load it
+        # a staged sync's copy is in the store until the workers load it
         transport.stage(original_weights, plan_buckets(original_weights, cast=engine._wire_dtype), 99)
         assert _store_objects() == 1
         await engine.push_weights(original_weights, version=3)
@@ -333,4 +331,4 @@ async def test_weights_through_the_object_store_serve_what_a_reload_from_disk_se
         assert _store_empties()
     finally:
         await engine.stop()
-    assert boards() == []
+    assert _run_actors(namespace) == []

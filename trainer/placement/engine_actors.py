@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import contextlib
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from ray.exceptions import RayActorError
 from generators.engines.base import ChatCompletion, Completion, InferenceEngine, SamplingParams
 from generators.engines.factory import EngineConfig, WeightSyncConfig, make_engine
 from generators.engines.replicas import ReplicaDied
+from generators.engines.transports.ray_store import store_view
 
 
 @ray.remote
@@ -78,10 +78,8 @@ def pack(tensors: dict[str, torch.Tensor]) -> dict[str, Packed]:
 
 def unpack(packed: dict[str, Packed]) -> dict[str, torch.Tensor]:
     """The tensors :func:`pack` packed, as read-only views of the object store's memory (engines copy them in)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return {name: torch.from_numpy(data).view(getattr(torch, dtype)).reshape(shape)
-                for name, (dtype, shape, data) in packed.items()}
+    return {name: store_view(data).view(getattr(torch, dtype)).reshape(shape)
+            for name, (dtype, shape, data) in packed.items()}
 
 
 class WeightStage:

@@ -15,12 +15,21 @@ import secrets
 import warnings
 from typing import Any
 
+import numpy as np
 import ray
 import torch
 
 from generators.engines.transports import Rpc, Server, WeightTransport
 from generators.engines.transports.buckets import Bucket, manifest, read_manifest
 from generators.engines.transports.shared import pack, shared_layout, unpack
+
+
+def store_view(array: np.ndarray) -> torch.Tensor:
+    """A tensor over an array ``ray.get`` handed out: the store's memory, read-only, not copied (fine for a load,
+    which copies what it reads; torch's warning about the read-only buffer is silenced for that reason)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array)
 
 
 class RefBoard:
@@ -88,19 +97,16 @@ class RayObjectStore(WeightTransport):
         self._board = None
 
     @staticmethod
-    def worker_connect(worker: Any, address: str, namespace: str) -> str:
-        """In a worker: join the trainer's Ray cluster (once per worker process); the node it runs on."""
+    def worker_connect(worker: Any, address: str, namespace: str) -> None:
+        """In a worker: join the trainer's Ray cluster (once per worker process)."""
         if not ray.is_initialized():
             ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level="warning")
-        return ray.get_runtime_context().get_node_id()
 
     @staticmethod
     def worker_load(worker: Any, manifest: str, board: str) -> int:
         """In a worker: take the transfer ``manifest`` describes from the store, through the board named ``board``."""
         buckets, version = read_manifest(manifest)
         refs = ray.get(ray.get_actor(board).take.remote(version))
-        with warnings.catch_warnings():  # the store's memory is read-only; the load only reads it (it copies)
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            raw = torch.from_numpy(ray.get(refs[0]))
+        raw = store_view(ray.get(refs[0]))
         worker.reload_weights(weights_iterator=unpack(raw, buckets, version, f"ray object {refs[0].hex()}"))
         return version
