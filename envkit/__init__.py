@@ -10,6 +10,7 @@ registry that finds pip-installed env packages by name::
 """
 
 from envkit import errors
+from envkit.agent import AgentClient, AgentEnv
 from envkit.core import ContractChecker, Env, StepResult, Task, Wrapper
 from envkit.messages import Message, ToolCall, assistant, system, tool_result, user
 from envkit.parsing import Answer, extract_answer, parse_number
@@ -32,6 +33,8 @@ from envkit.tools import Tool, ToolOutput, parse_tool_calls, tool, tool_calls_of
 __version__ = "0.1.0"
 
 __all__ = [
+    "AgentClient",
+    "AgentEnv",
     "Answer",
     "BrokenEnv",
     "ContractChecker",

@@ -17,16 +17,18 @@ the env's own demonstrations in the model's place (supervised data whose tool ou
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import envkit
 from envkit import Env, Message, Task
-from generators.engines.base import Completion, InferenceEngine, SamplingParams
+from envkit.agent import AgentEnv
+from generators.engines.base import Completion, InferenceEngine, SamplingParams, generate_turn
 from generators.engines.replicas import Session, rollout_session
 from generators.parsers import REASONING_PARSER_CHOICES, TOOL_PARSER_CHOICES, OutputParser
 from generators.tool_prompt import TOOL_PROMPT_CHOICES, ToolPrompt, written_text
@@ -34,12 +36,11 @@ from generators.trajectory import StopReason, Trajectory
 
 if TYPE_CHECKING:
     from generators.chat import ChatTokenizer  # transformers: `envkit eval --help` must not pay for it
+    from generators.gateway import Gateway  # fastapi, uvicorn: only agent envs need it
 
 log = logging.getLogger(__name__)
 
 EnvFactory = Callable[[], Env]
-MAX_CONTINUATIONS = 8
-"""How often one model turn is continued after weight updates interrupted it, before it ends as it is."""
 
 
 @dataclass
@@ -141,6 +142,9 @@ class Generator:
             tool_parser=self.config.tool_parser, reasoning_parser=self.config.reasoning_parser)
         self.tool_prompt = ToolPrompt.resolve(self.config.tool_prompt, self.parser.tool_parser,
                                               tokenizer.tokenizer if tokenizer else None)
+        self._gateway: Gateway | None = None
+        self._gateway_lock = asyncio.Lock()
+        self._users = 0
         log.info("tool calls read as %s, reasoning %s, tools %s", self.parser.tool_parser,
                  "split off" if self.parser.think else "left in the content",
                  "written into the system message" if self.tool_prompt.inject
@@ -207,14 +211,16 @@ class Generator:
                 on_group(i, rollouts)
             return rollouts
 
-        groups = await asyncio.gather(*(group(i, task, seed) for i, (task, seed) in enumerate(starts)))
+        async with self._serving():
+            groups = await asyncio.gather(*(group(i, task, seed) for i, (task, seed) in enumerate(starts)))
         return [t for samples in groups for t in samples]
 
     async def rollout(self, make_env: EnvFactory, *, task: Task | None = None, seed: int | None = None,
                       group_id: str = "", sample_index: int = 0, env_name: str = "") -> Trajectory:
         """One episode. Never raises for env or engine faults: they end up in ``stop_reason``/``error``."""
-        return await self._rollout(make_env, self._model_turn, task=task, seed=seed, group_id=group_id,
-                                   sample_index=sample_index, env_name=env_name)
+        async with self._serving():
+            return await self._rollout(make_env, self._model_turn, task=task, seed=seed, group_id=group_id,
+                                       sample_index=sample_index, env_name=env_name)
 
     async def _rollout(self, make_env: EnvFactory, turn: Turn, *, task: Task | None, seed: int | None,
                        group_id: str, sample_index: int, env_name: str) -> Trajectory:
@@ -244,6 +250,11 @@ class Generator:
 
     async def _episode(self, env: Env, state: _Rollout, task: Task | None, seed: int | None, turn: Turn
                        ) -> StopReason:
+        if isinstance(env.unwrapped, AgentEnv):
+            if turn == self._demo_turn:
+                raise NotImplementedError(f"{type(env.unwrapped).__name__} is played by its agent: it has no "
+                                          "demonstrations")
+            return await self._agent_episode(env, state, task, seed)
         traj, cfg = state.traj, self.config
         t0 = time.perf_counter()
         await env.init()
@@ -284,6 +295,71 @@ class Generator:
                                                                 state.template_tools) != state.ids + pending:
                     traj.template_mismatches += 1
 
+    async def _agent_episode(self, env: Env, state: _Rollout, task: Task | None, seed: int | None) -> StopReason:
+        """An :class:`~envkit.agent.AgentEnv` episode: its agent plays the task through the capture gateway, whose
+        recorded calls become the trajectory's token sequences, and the env grades what the agent returned. An agent
+        that fails after a budget refused its call (max_turns, max_tokens) scores 0; one that fails otherwise fails
+        the rollout."""
+        traj, agent = state.traj, env.unwrapped
+        assert isinstance(agent, AgentEnv)
+        t0 = time.perf_counter()
+        await env.init()
+        traj.messages, _ = await env.reset(seed=seed, task=task)
+        state.env_s += time.perf_counter() - t0
+        gateway = await self._agent_gateway()
+        episode = gateway.open()
+        failed = False
+        try:
+            result = await agent.run(gateway.client(episode))
+        except Exception:
+            if episode.stop is None:
+                raise
+            failed = True
+        finally:
+            segments = gateway.end(episode)
+        state.generate_s += episode.generate_s
+        if segments:
+            first = segments[0]
+            traj.prompt_ids, traj.response_ids = first.prompt_ids, first.response_ids
+            traj.loss_mask, traj.rollout_logprobs = first.loss_mask, first.rollout_logprobs
+            traj.version_spans, traj.messages = first.version_spans, first.messages
+            traj.policy_version = first.version_spans[0][1] if first.version_spans else traj.policy_version
+            traj.segments = [segment.sequence() for segment in segments[1:]]
+        traj.num_turns, traj.tool_log, traj.template_mismatches = episode.calls, episode.tool_log, episode.skewed
+        t0 = time.perf_counter()
+        traj.reward = 0.0 if failed else await agent.grade(result)
+        state.env_s += time.perf_counter() - t0
+        traj.step_rewards = [traj.reward]
+        return episode.stop or "done"
+
+    async def _agent_gateway(self) -> Gateway:
+        """The capture gateway agent envs' episodes share, started on first use (:meth:`_serving` stops it)."""
+        from generators.gateway import Gateway, Limits
+
+        async with self._gateway_lock:
+            if self._gateway is None:
+                if self.engine is None or self.tokenizer is None:
+                    raise ValueError("agent envs need a token-in/token-out engine and its tokenizer: the capture "
+                                     "gateway records token ids")
+                cfg = self.config
+                gateway = Gateway(self.engine, self.tokenizer, self.parser, self.tool_prompt,
+                                  Limits(cfg.sampling, cfg.max_turns, cfg.max_total_tokens))
+                await gateway.start()
+                self._gateway = gateway
+            return self._gateway
+
+    @contextlib.asynccontextmanager
+    async def _serving(self) -> AsyncIterator[None]:
+        """Rollouts in progress: the capture gateway, if one started, stops once the last of them ends."""
+        self._users += 1
+        try:
+            yield
+        finally:
+            self._users -= 1
+            if self._users == 0 and self._gateway is not None:
+                gateway, self._gateway = self._gateway, None
+                await gateway.stop()
+
     async def _demo_turn(self, env: Env, state: _Rollout, max_tokens: int) -> tuple[Message, Completion, str]:
         """The env's demonstration as a model turn: written in the taught format, tokenized, loss_mask 1. One longer
         than ``max_tokens`` is cut there like a model turn, and the env gets what the cut tokens say."""
@@ -310,16 +386,12 @@ class Generator:
             action = self.parser.parse(text, state.tools, native_calls=chat.tool_calls, reasoning=chat.reasoning)
             return action, Completion([], [], chat.finish_reason, chat.weight_version), text
         ids: list[int] = []
-        for continuation in range(MAX_CONTINUATIONS + 1):
-            part = await self.engine.generate(state.ids, self._seeded(sampling, state, continuation))
+        async for part in generate_turn(self.engine, state.ids, sampling,
+                                        lambda params, k: self._seeded(params, state, k)):
             if part.token_ids or part.finish_reason != "abort":  # stopped before its first token: no token has it
                 self._mark_version(state.traj, part.weight_version)
             self._append(state, part.token_ids, part.logprobs)
             ids += part.token_ids
-            # A weight update stopped this request (partial rollouts): continue it from here on the new weights.
-            if part.finish_reason != "abort" or len(ids) >= max_tokens:
-                break
-            sampling = replace(sampling, max_tokens=max_tokens - len(ids))
         state.generate_s += time.perf_counter() - t0
         text = self.tokenizer.decode(ids)
         completion = Completion(ids, [], part.finish_reason, part.weight_version)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -59,6 +59,10 @@ class Trajectory:
     model with another vocabulary."""
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds spent: ``generate`` (model), ``env`` (reset+step), ``total``."""
+    segments: list[dict[str, Any]] = field(default_factory=list)
+    """Further token sequences of the episode, each with its own ``prompt_ids``, ``response_ids``, ``loss_mask``,
+    ``rollout_logprobs`` and ``version_spans``: an agent's calls that did not continue the first sequence
+    (:mod:`generators.gateway`). Each trains as a sequence of its own with this episode's reward and advantage."""
 
     @property
     def failed(self) -> bool:
@@ -72,11 +76,20 @@ class Trajectory:
 
     @property
     def num_model_tokens(self) -> int:
-        """How many response tokens the model sampled."""
-        return sum(self.loss_mask)
+        """How many response tokens the model sampled, in every segment."""
+        return sum(sum(t.loss_mask) for t in self.sequences())
+
+    def sequences(self) -> list[Trajectory]:
+        """One trajectory per token sequence: this one's first sequence, then one per :attr:`segments` entry, each
+        with the episode's reward (what the trainer trains on)."""
+        if not self.segments:
+            return [self]
+        return [replace(self, segments=[]), *(replace(self, segments=[], **segment) for segment in self.segments)]
 
     def check(self) -> None:
         """Raise ValueError if the per-token lists disagree in length or the mask is not 0/1."""
+        for segment in self.sequences()[1:]:
+            segment.check()
         n = len(self.response_ids)
         if len(self.loss_mask) != n or len(self.rollout_logprobs) != n:
             raise ValueError(

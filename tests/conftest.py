@@ -34,9 +34,9 @@ HEAVY_FIXTURES = {"vllm_engine", "docker_client"}
 # the session's vLLM server (one per worker otherwise), the Docker engine and the Ray cluster, and their checks that
 # a run left no container, vLLM server or Ray actor behind then see only their own runs. Every other test goes to
 # whichever worker is free.
-SHARED_MODULES = {"test_agent_recipe", "test_code_tools", "test_eval_e2e", "test_generators_vllm", "test_gym_bridge",
-                  "test_mcp", "test_ray", "test_sandbox_containment", "test_sandbox_docker", "test_scaffold",
-                  "test_train_anywhere"}
+SHARED_MODULES = {"test_agent_recipe", "test_code_tools", "test_eval_e2e", "test_gateway", "test_generators_vllm",
+                  "test_gym_bridge", "test_mcp", "test_ray", "test_sandbox_containment", "test_sandbox_docker",
+                  "test_scaffold", "test_train_anywhere"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

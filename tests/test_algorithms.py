@@ -469,3 +469,24 @@ def test_failed_rollouts_are_dropped_and_counted():
              rollout("b", 0.0, "ValueError: bad move"), rollout("b", 1.0)]
     batch = prepare_batch(trajs, Config())
     assert batch.counts["failed"] == 2 and batch.trajectories == trajs[:2]  # b is flat once its failure is gone
+
+
+def test_an_agent_episodes_segments_train_as_sequences_with_the_episodes_advantage():
+    """GRPO statistics are over a group's episodes: one of two sequences (an agent that compressed its context)
+    counts once, and both its sequences carry its advantage."""
+    from generators.trajectory import Trajectory
+    from trainer.config import Config
+    from trainer.loop import prepare_batch
+
+    segment = {"prompt_ids": [5, 6], "response_ids": [7, 8], "loss_mask": [1, 1], "rollout_logprobs": [-0.5, -0.7],
+               "version_spans": [[0, 0]]}
+    two = Trajectory(prompt_ids=[1], response_ids=[2, 3], loss_mask=[1, 0], rollout_logprobs=[-1.0, 0.0], reward=1.0,
+                     group_id="g", segments=[segment])
+    one = Trajectory(prompt_ids=[1], response_ids=[4], loss_mask=[1], rollout_logprobs=[-1.0], reward=0.0,
+                     group_id="g", sample_index=1)
+    batch = prepare_batch([two, one], Config())
+    assert [t.prompt_ids + t.response_ids for t in batch.trajectories] == [[1, 2, 3], [5, 6, 7, 8], [1, 4]]
+    assert batch.trajectories[1].rollout_logprobs == [-0.5, -0.7] and batch.trajectories[1].reward == 1.0
+    a = batch.advantages.tolist()
+    assert a[0] == a[1] > 0 > a[2] and abs(a[0] + a[2]) < 1e-6  # two episodes: +x and -x, whatever the segments
+    assert batch.counts["trained"] == 2 and two.num_model_tokens == 3

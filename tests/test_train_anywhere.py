@@ -10,6 +10,7 @@ back after each run.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -38,14 +39,16 @@ async def policy_url(vllm_engine, bundled_model: Path):
 
 
 def train(out: Path, url: str, *overrides: str, example: str | None = None, prompts: int = 4,
-          timeout: float = 900, every_step_updates: bool = True) -> dict[int, dict]:
+          timeout: float = 900, every_step_updates: bool = True, env: dict[str, str] | None = None
+          ) -> dict[int, dict]:
     """Run the trainer (or ``examples/<example>.py``) for 2 steps on the shared server; returns the per-step metrics
     after checking that both steps (or one, without ``every_step_updates``) made an update that reached the
     exported weights."""
     command = [str(REPO / "examples" / f"{example}.py")] if example else ["-m", "trainer"]
     result = subprocess.run([sys.executable, *command, f"inference.url={url}", f"trainer.output_dir={out}", *SMALL,
                              f"generator.prompts_per_step={prompts}", *overrides],
-                            capture_output=True, text=True, cwd=out.parent, timeout=timeout)
+                            capture_output=True, text=True, cwd=out.parent, timeout=timeout,
+                            env={**os.environ, **(env or {})})
     assert result.returncode == 0, result.stderr[-4000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = {r["step"]: r for r in rows if "reward/mean" in r}
@@ -206,6 +209,18 @@ def test_trains_on_other_ecosystems_envs_by_name(policy_url, tmp_path):
     assert all("Player 0 placed their symbol" in s or "The game ended before your move" in s for s in seen)
     evals = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert any(all(f"eval/{label}/accuracy" in r for label in labels) for r in evals)
+
+
+def test_trains_on_an_agent_that_runs_its_own_loop(policy_url, tmp_path):
+    """An AgentEnv named by entry point (tests/agents.py): an openai-SDK tool loop of its own, two calls an episode,
+    each through the capture gateway; its rollouts train as any env's."""
+    steps = train(tmp_path / "run", policy_url, "env.name=agents:sums", "generator.max_tokens=24",
+                  env={"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])})
+    for m in steps.values():
+        assert m["rollout/turns"] == 2 and m["stop/done"] == 32
+    trajs = [json.loads(line) for line in (tmp_path / "run" / "final_trajectories.jsonl").read_text().splitlines()]
+    assert trajs and all(t["segments"] == [] and t["template_mismatches"] <= 1 for t in trajs)  # 1 linked call
+    assert all(t["loss_mask"].count(1) > 0 and t["loss_mask"].count(0) > 0 for t in trajs)  # tool output masked
 
 
 # ---- the trainer's other modes on vLLM (their exact-reproduction tests use the seeded HF engine) -------------------

@@ -133,7 +133,7 @@ def _recorded(s: SFTConfig, tokenizer: ChatTokenizer) -> tuple[list[Trajectory],
                                   f"({tokenizer.fingerprint}): train on trajectories the same tokenizer wrote")
             trajectories.append(t)
     kept, counts = rejection_sample(trajectories, s, prefix="trajectories")
-    return kept, counts
+    return [sequence for t in kept for sequence in t.sequences()], counts  # an agent's episode: its segments
 
 
 def _chat_rows(path: str, tokenizer: ChatTokenizer, prompt: ToolPrompt) -> list[Trajectory]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import abc
 import os
 import re
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -13,6 +14,9 @@ from envkit.adapters.opponent import POLICY_MODEL_VAR, POLICY_URL_VAR
 from generators.engines.transports import TRANSPORTS
 
 FinishReason = Literal["stop", "length", "abort"]
+
+MAX_CONTINUATIONS = 8
+"""How often one model turn is continued after weight updates interrupted it, before it ends as it is."""
 
 
 WEIGHT_SWAPS = ("finish", "interrupt")
@@ -137,6 +141,22 @@ class InferenceEngine(abc.ABC):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+
+async def generate_turn(engine: InferenceEngine, prompt_ids: list[int], sampling: SamplingParams,
+                        seeded: Callable[[SamplingParams, int], SamplingParams] = lambda s, _: s
+                        ) -> AsyncIterator[Completion]:
+    """Sample one model turn, in parts: a weight update that aborts the request (partial rollouts) is continued from
+    where it stopped on the new weights, up to :data:`MAX_CONTINUATIONS` times. ``seeded(sampling, k)`` gives the
+    k-th request its sampling parameters (a per-request seed)."""
+    ids, total = list(prompt_ids), sampling.max_tokens
+    for continuation in range(MAX_CONTINUATIONS + 1):
+        part = await engine.generate(ids, seeded(sampling, continuation))
+        yield part
+        ids += part.token_ids
+        if part.finish_reason != "abort" or len(ids) - len(prompt_ids) >= total:
+            return
+        sampling = replace(sampling, max_tokens=total - (len(ids) - len(prompt_ids)))
 
 
 def publish_policy(engine: InferenceEngine) -> None:

@@ -1,0 +1,117 @@
+"""AgentEnv: an env whose episodes an agent plays with its own loop, talking to the policy over the OpenAI API.
+
+An SDK agent (OpenAI Agents, LangGraph, smolagents, pydantic-ai) or a coding CLI runs its own loop: it decides when
+to call the model, which tools to run and when it is done. It cannot be stepped. Such an env instead hands its agent
+an OpenAI-compatible endpoint for the episode (:class:`AgentClient`) and grades what the agent returns::
+
+    async def solve(task, client):                     # any agent: here the openai SDK, one call
+        llm = openai.AsyncOpenAI(base_url=client.base_url, api_key=client.api_key)
+        reply = await llm.chat.completions.create(model=client.model, messages=[...])
+        return reply.choices[0].message.content
+
+    env = AgentEnv(agent=solve, grader=lambda task, answer: float(answer == task["answer"]), tasks=[...])
+
+A generator serves each episode through its capture gateway (:mod:`generators.gateway`), which records the exact
+token ids every call sampled: the trainer trains on them as on any env's rollouts. ``reset`` picks the task (the
+opening messages describe it for reports), :meth:`run` plays it, :meth:`grade` scores the result; ``step`` is not
+used, since the model's turns happen inside the agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import random
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from envkit.core import Env, StepResult, Task
+from envkit.errors import ResetNeededError
+from envkit.messages import Message, user
+from envkit.tasks import check_task, pick_task
+
+
+@dataclass(frozen=True, slots=True)
+class AgentClient:
+    """Where an agent reaches the policy for one episode: an OpenAI-compatible ``base_url`` (ending in ``/v1``),
+    the episode's ``api_key``, and the ``model`` name to request. ``episode_url`` carries the key in the path, for
+    agents that cannot set one (``OPENAI_BASE_URL`` alone)."""
+
+    base_url: str
+    api_key: str
+    model: str
+    episode_url: str
+
+    def environ(self) -> dict[str, str]:
+        """The variables an agent process reads (the OpenAI SDK's and most CLIs')."""
+        return {"OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": self.api_key, "OPENAI_MODEL": self.model}
+
+
+Agent = Callable[[Task, AgentClient], Awaitable[Any]]
+"""``async (task, client) -> result``: plays one episode against ``client``."""
+Grader = Callable[[Task, Any], float | Awaitable[float]]
+"""``(task, result) -> reward``."""
+
+
+class AgentEnv(Env):
+    """An env played by an agent with its own loop (see the module docstring). Pass ``agent=`` and ``grader=``, or
+    subclass and override :meth:`run` and :meth:`grade`."""
+
+    def __init__(self, *, agent: Agent | None = None, grader: Grader | None = None,
+                 tasks: Sequence[Task] | dict[str, Sequence[Task]] | None = None) -> None:
+        self._agent = _as_async(agent) if agent is not None else None
+        self._grader = grader
+        self._tasks = {"train": list(tasks)} if isinstance(tasks, Sequence) else dict(tasks or {})
+        self._rng = random.Random()
+        self.task: Task | None = None
+        """The task of the current episode (set by ``reset``)."""
+
+    def tasks(self, split: str = "train") -> Sequence[Task] | None:
+        """The tasks given for ``split``, or None."""
+        return self._tasks.get(split)
+
+    async def reset(self, *, seed: int | None = None, task: Task | None = None) -> tuple[list[Message], dict]:
+        """Pick the episode's task: ``task``, else one of the train tasks by ``seed``."""
+        if task is None:
+            task = pick_task(self._tasks.get("train") or [], seed, self._rng)
+        self.task = dict(check_task(task))
+        return [user(str(task.get("prompt", task.get("question", task))))], {"task": task}
+
+    async def step(self, action: Message) -> StepResult:
+        """Not used: an agent env's model turns happen inside its agent."""
+        raise NotImplementedError(f"{type(self).__name__} is played by its agent: roll it out with a generator "
+                                  "(generators.Generator), which serves the agent through its capture gateway")
+
+    async def run(self, client: AgentClient) -> Any:
+        """Play the current task against ``client``; returns what :meth:`grade` scores."""
+        if self._agent is None:
+            raise NotImplementedError(f"{type(self).__name__} has no agent: pass agent= or override run()")
+        return await self._agent(self._current(), client)
+
+    async def grade(self, result: Any) -> float:
+        """The reward of the episode whose agent returned ``result``."""
+        if self._grader is None:
+            raise NotImplementedError(f"{type(self).__name__} has no grader: pass grader= or override grade()")
+        reward = self._grader(self._current(), result)
+        if inspect.isawaitable(reward):
+            reward = await reward
+        return float(reward)
+
+    def _current(self) -> Task:
+        if self.task is None:
+            raise ResetNeededError("an agent episode needs a task: call reset() first")
+        return self.task
+
+
+def _as_async(fn: Callable[[Task, AgentClient], Any]) -> Agent:
+    """``fn`` as an :data:`Agent`: async callables as they are, plain ones in a worker thread (a synchronous SDK
+    must not block the event loop the gateway answers it from)."""
+    if inspect.iscoroutinefunction(fn):
+        return fn
+
+    async def agent(task: Task, client: AgentClient) -> Any:
+        result = await asyncio.to_thread(fn, task, client)
+        return await result if inspect.isawaitable(result) else result  # e.g. a lambda returning a coroutine
+
+    return agent

@@ -1,0 +1,516 @@
+"""The capture gateway: an OpenAI-compatible server in front of the run's engine, recording exactly what the policy
+sampled for agents that run their own loop (:class:`envkit.agent.AgentEnv`).
+
+Each episode gets its own API key (also usable in the path: ``/e/KEY/v1``). A ``/v1/chat/completions`` call is
+rendered by the model's chat template, with the tools written into the system message where the template drops them
+(as the rollout loop does), sampled token-in/token-out on the engine, and recorded: prompt ids, sampled ids and their
+logprobs, finish reason, tool calls, weight version. Sampling uses the run's settings, not the request's temperature
+or seed: a training run must sample from the policy it trains. ``max_tokens`` (capped by the run's) and ``stop``
+are honoured.
+
+**Segments.** A call whose messages are an earlier call's messages, then the reply the gateway gave, then new
+messages continues that call's segment: the reply's sampled ids go in with loss mask 1, and the new messages as
+observation tokens with loss mask 0, exactly as the rollout loop appends an env's turn, so nothing the model sampled
+is ever re-tokenized. Any other call (a compressed context, a sub-agent, an edited history) starts a new segment of
+the episode, and so does each choice of an ``n > 1`` call that the agent did not continue. Every segment trains as
+a sequence of its own with the episode's reward and advantage (advantages are computed over a group's episodes; an
+episode's segments share its advantage).
+
+**Skew.** After each linked call, the whole chat is also rendered from scratch; where that differs from the linked
+ids the call counts as skewed (``Trajectory.template_mismatches``). It is measured, never fixed up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import secrets
+import socket
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from envkit import Message
+from envkit.agent import AgentClient
+from generators.engines.base import EngineError, InferenceEngine, SamplingParams, generate_turn
+from generators.engines.replicas import Session, rollout_session
+from generators.parsers import OutputParser
+from generators.tool_prompt import ToolPrompt, ToolSchemas
+from generators.trajectory import StopReason
+
+if TYPE_CHECKING:
+    import uvicorn
+
+    from generators.chat import ChatTokenizer
+
+log = logging.getLogger(__name__)
+
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one episode may spend, and how it samples (the run's generator settings)."""
+
+    sampling: SamplingParams
+    max_calls: int
+    """Model calls per episode (``generator.max_turns``)."""
+    max_total_tokens: int
+    """Prompt plus completion tokens of one call (``generator.max_total_tokens``)."""
+
+
+class GatewayError(Exception):
+    """A request the gateway refuses: answered with ``status`` and an OpenAI-style error body."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+@dataclass
+class _Choice:
+    """One sampled reply, until the agent continues it (or the episode ends)."""
+
+    ids: list[int]
+    logprobs: list[float]
+    spans: list[list[int]]
+    """``[offset in ids, weight version]`` wherever the version changes."""
+    text: str
+    message: Message
+    finish: str
+
+
+@dataclass
+class Segment:
+    """One token sequence of an episode: a prompt and everything after it, as the trainer takes it."""
+
+    messages: list[Message]
+    """The chat as the model saw it (tool prompt applied), through the last call."""
+    template_tools: ToolSchemas | None
+    tools: ToolSchemas | None
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    rollout_logprobs: list[float] = field(default_factory=list)
+    version_spans: list[list[int]] = field(default_factory=list)
+    written: dict[int, str] = field(default_factory=dict)
+    """What the model wrote, by the index of its reply in ``messages``."""
+    pending: list[_Choice] = field(default_factory=list)
+    """The last call's choices, not yet in the sequence."""
+
+    @property
+    def ids(self) -> list[int]:
+        """The running context: prompt plus response."""
+        return self.prompt_ids + self.response_ids
+
+    def take(self, choice: _Choice) -> None:
+        """Append ``choice``'s sampled tokens (loss mask 1) and record what it wrote."""
+        for offset, version in choice.spans:
+            if not self.version_spans or self.version_spans[-1][1] != version:
+                self.version_spans.append([len(self.response_ids) + offset, version])
+        self.response_ids += choice.ids
+        self.loss_mask += [1] * len(choice.ids)
+        self.rollout_logprobs += choice.logprobs
+        self.written[len(self.messages)] = choice.text
+        self.messages = [*self.messages, choice.message]
+
+    def branch(self, choice: _Choice) -> Segment:
+        """A copy of this segment (before its pending choices) continued by ``choice``."""
+        copy = Segment(list(self.messages), self.template_tools, self.tools, list(self.prompt_ids),
+                       list(self.response_ids), list(self.loss_mask), list(self.rollout_logprobs),
+                       [list(s) for s in self.version_spans], dict(self.written))
+        copy.take(choice)
+        return copy
+
+    def sequence(self) -> dict[str, Any]:
+        """The segment as trainer data (:attr:`generators.trajectory.Trajectory.segments` entries)."""
+        return {"prompt_ids": self.prompt_ids, "response_ids": self.response_ids, "loss_mask": self.loss_mask,
+                "rollout_logprobs": self.rollout_logprobs, "version_spans": self.version_spans}
+
+
+@dataclass
+class Episode:
+    """What the gateway recorded for one agent episode."""
+
+    key: str
+    limits: Limits
+    segments: list[Segment] = field(default_factory=list)
+    """Open segments (the last call of each may have pending choices)."""
+    finished: list[Segment] = field(default_factory=list)
+    calls: int = 0
+    skewed: int = 0
+    """Linked calls whose from-scratch rendering differs from the linked ids."""
+    tool_log: list[dict[str, Any]] = field(default_factory=list)
+    stop: StopReason | None = None
+    """Set when a budget refused a call (max_turns, max_tokens)."""
+    generate_s: float = 0.0
+    session: Session = field(default_factory=Session)
+    """Sticky routing: a replicated engine sends all of this episode's calls to one replica."""
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def end(self) -> list[Segment]:
+        """The episode's segments, each pending choice taken: the first by its own segment, the others as
+        branches."""
+        for segment in self.segments:
+            choices, segment.pending = segment.pending, []
+            self.finished += [segment.branch(c) for c in choices[1:]]
+            if choices:
+                segment.take(choices[0])
+        self.finished = self.segments + self.finished
+        self.segments = []
+        return [s for s in self.finished if any(s.loss_mask)]
+
+
+class Gateway:
+    """The server. ``async with Gateway(...)``; :meth:`open` an episode, hand the agent :meth:`client`, :meth:`end`
+    it when the agent returns."""
+
+    def __init__(self, engine: InferenceEngine, tokenizer: ChatTokenizer, parser: OutputParser,
+                 tool_prompt: ToolPrompt, limits: Limits, *, host: str = "127.0.0.1") -> None:
+        if not engine.supports_token_ids:
+            raise ValueError(f"the capture gateway samples token ids; {type(engine).__name__} cannot")
+        self.engine, self.tokenizer, self.parser, self.tool_prompt = engine, tokenizer, parser, tool_prompt
+        self.limits = limits
+        self.host = host
+        self.episodes: dict[str, Episode] = {}
+        self._ended: set[str] = set()
+        self._server: uvicorn.Server | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        """The server's root URL."""
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        """Serve on a free port of ``host``."""
+        import uvicorn
+
+        sock = socket.socket()
+        sock.bind((self.host, 0))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(build_app(self), log_level="warning", lifespan="off", access_log=False)
+        self._server = uvicorn.Server(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                await self._task
+                raise RuntimeError("the capture gateway stopped while starting")
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        """Stop serving; idempotent."""
+        if self._server is not None and self._task is not None:
+            self._server.should_exit = True
+            await self._task
+        self._server = self._task = None
+
+    async def __aenter__(self) -> Gateway:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def open(self) -> Episode:
+        """A new episode with a key of its own."""
+        episode = Episode(secrets.token_urlsafe(18), self.limits)
+        self.episodes[episode.key] = episode
+        return episode
+
+    def client(self, episode: Episode) -> AgentClient:
+        """What ``episode``'s agent connects with."""
+        return AgentClient(base_url=f"{self.url}/v1", api_key=episode.key, model=self.engine.model_name,
+                           episode_url=f"{self.url}/e/{episode.key}/v1")
+
+    def end(self, episode: Episode) -> list[Segment]:
+        """End ``episode``: its calls from now on get 409. Returns its segments."""
+        self.episodes.pop(episode.key, None)
+        self._ended.add(episode.key)
+        return episode.end()
+
+    def episode(self, key: str | None) -> Episode:
+        """The open episode with ``key``."""
+        if key in self._ended:
+            raise GatewayError(409, "episode_ended", "this episode has ended; its agent may not call the model any "
+                                                     "more")
+        episode = self.episodes.get(key or "")
+        if episode is None:
+            raise GatewayError(401, "invalid_api_key", "unknown episode key: use the api_key (or the /e/KEY/v1 "
+                                                       "base URL) the gateway gave this episode's agent")
+        return episode
+
+    async def chat(self, episode: Episode, request: ChatRequest) -> tuple[list[_Choice], int]:
+        """Sample ``request``'s choices in ``episode``; returns them and the prompt's length in tokens."""
+        async with episode.lock:  # one call of an episode at a time: segments grow in call order
+            if episode.calls >= self.limits.max_calls:
+                episode.stop = "max_turns"
+                raise GatewayError(429, "call_limit", f"this episode may call the model {self.limits.max_calls} "
+                                                      "times (generator.max_turns)")
+            messages, template_tools = self.tool_prompt.apply(request.chat(), request.tools)
+            segment = self._continue(episode, messages, template_tools, request.tools)
+            budget = self.limits.max_total_tokens - len(segment.ids)
+            if budget <= 0:
+                episode.stop = "max_tokens"
+                raise GatewayError(400, "context_length_exceeded", f"the prompt is {len(segment.ids)} tokens; this "
+                                   f"episode allows {self.limits.max_total_tokens} per call with its completion")
+            episode.calls += 1
+            sampling = replace(self.limits.sampling, max_tokens=min(request.token_limit(self.limits.sampling),
+                                                                    budget), stop=request.stops())
+            token = rollout_session.set(episode.session)
+            t0 = time.perf_counter()
+            try:
+                choices = await asyncio.gather(*(self._sample(episode, segment, sampling, k)
+                                                 for k in range(request.n)))
+            finally:
+                rollout_session.reset(token)
+                episode.generate_s += time.perf_counter() - t0
+            segment.pending = list(choices)
+            for choice in choices:
+                calls = choice.message.get("tool_calls") or []
+                episode.tool_log += [{"turn": episode.calls, "name": c["function"]["name"], "status": "unknown"}
+                                     for c in calls]
+                episode.tool_log += [{"turn": episode.calls, "name": None, "status": "unparsed"}
+                                     for _ in choice.message.get("tool_call_errors") or []]
+            return list(choices), len(segment.ids)
+
+    def _continue(self, episode: Episode, messages: list[Message], template_tools: ToolSchemas | None,
+                  tools: ToolSchemas | None) -> Segment:
+        """The segment this call extends, its new messages appended as observation tokens; else a new segment."""
+        for segment in reversed(episode.segments):
+            if segment.tools != tools:
+                continue
+            at = len(segment.messages)
+            matching = [c for c in segment.pending if at < len(messages) and _same(messages[at], c.message)]
+            if not matching or not _same_chat(messages[:at], segment.messages) or len(messages) == at + 1:
+                continue
+            chosen = matching[0]
+            episode.segments += [segment.branch(c) for c in segment.pending if c is not chosen]
+            segment.pending = []
+            segment.take(chosen)
+            new = messages[at + 1:]
+            observation = self.tokenizer.close_turn(chosen.ids) + self.tokenizer.observation_ids(new, template_tools)
+            segment.response_ids += observation
+            segment.loss_mask += [0] * len(observation)
+            segment.rollout_logprobs += [0.0] * len(observation)
+            segment.messages = [*segment.messages, *new]
+            if self.tokenizer.render(self._as_written(segment), template_tools) != segment.ids:
+                episode.skewed += 1
+            return segment
+        written = [self.tool_prompt.as_written(m) for m in messages]
+        segment = Segment(list(messages), template_tools, tools, self.tokenizer.prompt_ids(written, template_tools))
+        episode.segments.append(segment)
+        return segment
+
+    def _as_written(self, segment: Segment) -> list[Message]:
+        return [{"role": "assistant", "content": segment.written[i]} if i in segment.written
+                else self.tool_prompt.as_written(m) for i, m in enumerate(segment.messages)]
+
+    async def _sample(self, episode: Episode, segment: Segment, sampling: SamplingParams, k: int) -> _Choice:
+        ids: list[int] = []
+        logprobs: list[float] = []
+        spans: list[list[int]] = []
+
+        def seeded(params: SamplingParams, continuation: int) -> SamplingParams:
+            if params.seed is None:
+                return params
+            key = f"{params.seed}:{episode.key}:{episode.calls}:{k}:{continuation}".encode()
+            return replace(params, seed=int.from_bytes(hashlib.sha256(key).digest()[:4], "big"))
+
+        async for part in generate_turn(self.engine, segment.ids, sampling, seeded):
+            if (part.token_ids or part.finish_reason != "abort") and (not spans or spans[-1][1] != part.weight_version):
+                spans.append([len(ids), part.weight_version])
+            ids += part.token_ids
+            logprobs += part.logprobs
+        text = self.tokenizer.decode(ids)
+        message = self.parser.parse(text, segment.tools)
+        for i, call in enumerate(message.get("tool_calls") or []):  # unique within the episode: agents key on ids
+            call["id"] = f"call_{episode.calls}_{k}_{i}"
+        return _Choice(ids, logprobs, spans, text, message, part.finish_reason)
+
+
+# ------------------------------------------------------------------------------------------------ the HTTP API
+
+
+class ChatRequest(BaseModel):
+    """The part of an OpenAI chat completions request the gateway reads (other fields are accepted and ignored)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    n: int = Field(1, ge=1, le=16)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+
+    def chat(self) -> list[Message]:
+        """The messages in the envkit form: roles checked, text parts joined, developer read as system."""
+        out: list[Message] = []
+        for i, m in enumerate(self.messages):
+            role = m.get("role")
+            if role not in _ROLES:
+                raise GatewayError(400, "invalid_message", f"messages[{i}].role must be one of {', '.join(_ROLES)}, "
+                                                           f"got {role!r}")
+            message: Message = {"role": "system" if role == "developer" else role,
+                                "content": _text(m.get("content"), f"messages[{i}].content")}
+            if role == "assistant" and m.get("tool_calls"):
+                message["tool_calls"] = _tool_calls(m["tool_calls"], i)
+            if role == "tool":
+                message["tool_call_id"] = str(m.get("tool_call_id") or "")
+            out.append(message)
+        return out
+
+    def token_limit(self, sampling: SamplingParams) -> int:
+        """The completion's token limit: the request's, at most the run's."""
+        asked = self.max_completion_tokens or self.max_tokens
+        return min(asked, sampling.max_tokens) if asked else sampling.max_tokens
+
+    def stops(self) -> tuple[str, ...]:
+        """The stop strings asked for."""
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+
+def _text(content: Any, where: str) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in ("text", "input_text",
+                                                                                   "output_text") for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    raise GatewayError(400, "invalid_message", f"{where} must be a string or a list of text parts; the policy reads "
+                                               "text only")
+
+
+def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    try:
+        return [{"id": str(c.get("id", "")), "type": "function",
+                 "function": {"name": str(c["function"]["name"]), "arguments": str(c["function"].get("arguments")
+                                                                                   or "{}")}} for c in calls]
+    except (KeyError, TypeError, AttributeError):
+        raise GatewayError(400, "invalid_message", f"messages[{i}].tool_calls must be a list of "
+                                                   '{"function": {"name", "arguments"}} objects') from None
+
+
+def _arguments(call: dict[str, Any]) -> Any:
+    try:
+        return json.loads(call["function"]["arguments"])
+    except json.JSONDecodeError:
+        return call["function"]["arguments"]
+
+
+def _same(sent: Message, ours: Message) -> bool:
+    """Whether a message the agent sent back is the reply the gateway gave (content up to outer whitespace; calls
+    by name and arguments)."""
+    if sent["role"] != ours["role"] or (sent.get("content") or "").strip() != (ours.get("content") or "").strip():
+        return False
+    a, b = sent.get("tool_calls") or [], ours.get("tool_calls") or []
+    return len(a) == len(b) and all(x["function"]["name"] == y["function"]["name"] and _arguments(x) == _arguments(y)
+                                    for x, y in zip(a, b, strict=True))
+
+
+def _same_chat(sent: list[Message], ours: list[Message]) -> bool:
+    return len(sent) == len(ours) and all(_same(a, b) and (a.get("tool_call_id") or "") == (b.get("tool_call_id")
+                                                                                           or "")
+                                          for a, b in zip(sent, ours, strict=True))
+
+
+def _error(status: int, code: str, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error" if status < 500
+                                   else "server_error", "code": code}}, status_code=status)
+
+
+def _response(choices: list[_Choice], prompt_tokens: int, model: str) -> dict[str, Any]:
+    return {
+        "id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": i, "message": _openai_message(c.message), "logprobs": None,
+                     "finish_reason": _finish(c)} for i, c in enumerate(choices)],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": sum(len(c.ids) for c in choices),
+                  "total_tokens": prompt_tokens + sum(len(c.ids) for c in choices)},
+    }
+
+
+def _openai_message(message: Message) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
+    if message.get("tool_calls"):
+        out["tool_calls"] = message["tool_calls"]
+        out["content"] = out["content"] or None
+    return out
+
+
+def _finish(choice: _Choice) -> str:
+    if choice.message.get("tool_calls"):
+        return "tool_calls"
+    return "length" if choice.finish == "length" else "stop"
+
+
+async def _stream(body: dict[str, Any], usage: bool) -> AsyncIterator[str]:
+    """The response as server-sent chunks: each choice's whole message in one delta (the gateway samples a call at
+    once), then its finish reason, then the usage when asked for."""
+    head = {"id": body["id"], "object": "chat.completion.chunk", "created": body["created"], "model": body["model"]}
+    for choice in body["choices"]:
+        delta: dict[str, Any] = {"role": "assistant", "content": choice["message"]["content"]}
+        if "tool_calls" in choice["message"]:
+            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(choice["message"]["tool_calls"])]
+        yield f"data: {json.dumps({**head, 'choices': [{'index': choice['index'], 'delta': delta}]})}\n\n"
+        done = {"index": choice["index"], "delta": {}, "finish_reason": choice["finish_reason"]}
+        yield f"data: {json.dumps({**head, 'choices': [done]})}\n\n"
+    if usage:
+        yield f"data: {json.dumps({**head, 'choices': [], 'usage': body['usage']})}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def build_app(gateway: Gateway) -> FastAPI:
+    """The gateway's routes: ``/v1/chat/completions`` and ``/v1/models``, also under ``/e/{key}``."""
+    app = FastAPI(title="envkit capture gateway", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def key_of(request: Request, key: str | None) -> str | None:
+        if key is not None:
+            return key
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        return token.strip() if scheme.lower() == "bearer" else None
+
+    async def chat(request: Request, key: str | None = None) -> Response:
+        try:
+            episode = gateway.episode(key_of(request, key))
+            try:
+                body = ChatRequest.model_validate(await request.json())
+            except (ValidationError, ValueError) as e:
+                detail = e.errors()[0] if isinstance(e, ValidationError) else {"msg": "the body is not JSON"}
+                where = ".".join(str(p) for p in detail.get("loc", ()))
+                raise GatewayError(400, "invalid_request", f"{where}: {detail['msg']}" if where
+                                   else str(detail["msg"])) from None
+            choices, prompt_tokens = await gateway.chat(episode, body)
+        except GatewayError as e:
+            return _error(e.status, e.code, str(e))
+        except EngineError as e:
+            return _error(502, "engine_error", f"the inference engine failed: {e}")
+        out = _response(choices, prompt_tokens, gateway.engine.model_name)
+        if body.stream:
+            usage = bool((body.stream_options or {}).get("include_usage"))
+            return StreamingResponse(_stream(out, usage), media_type="text/event-stream")
+        return JSONResponse(out)
+
+    async def models(request: Request, key: str | None = None) -> Response:
+        try:
+            gateway.episode(key_of(request, key))
+        except GatewayError as e:
+            return _error(e.status, e.code, str(e))
+        return JSONResponse({"object": "list", "data": [{"id": gateway.engine.model_name, "object": "model",
+                                                         "created": 0, "owned_by": "envkit"}]})
+
+    for prefix in ("", "/e/{key}"):
+        app.add_api_route(prefix + "/v1/chat/completions", chat, methods=["POST"])
+        app.add_api_route(prefix + "/v1/models", models, methods=["GET"])
+    return app
+

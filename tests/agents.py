@@ -1,0 +1,89 @@
+"""Agents that run their own loop with the openai SDK, as AgentEnvs (by entry point: ``agents:sums``)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import openai
+
+from envkit import Task
+from envkit.agent import AgentClient, AgentEnv
+from envkit.parsing import grade_number
+
+ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.",
+                                        "parameters": {"type": "object", "required": ["a", "b"],
+                                                       "properties": {"a": {"type": "integer"},
+                                                                      "b": {"type": "integer"}}}}}
+
+
+def llm(client: AgentClient, **kwargs: Any) -> openai.AsyncOpenAI:
+    """The SDK's client for ``client``: no retries, so a refused call reaches the agent at once."""
+    return openai.AsyncOpenAI(base_url=client.base_url, api_key=client.api_key, max_retries=0, **kwargs)
+
+
+def run_add(arguments: str) -> str:
+    """What the agent's ``add`` tool answers."""
+    try:
+        args = json.loads(arguments)
+        return str(int(args["a"]) + int(args["b"]))
+    except (ValueError, KeyError, TypeError) as e:
+        return f"error: {e}"
+
+
+async def tool_loop(task: Task, client: AgentClient, *, turns: int = 3, max_tokens: int = 48,
+                    stream: bool = False) -> str:
+    """Ask, run the tool calls the model writes, and ask again, ``turns`` times at most; the last reply's text."""
+    chat = llm(client)
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "Use the add tool, then answer."},
+                                      {"role": "user", "content": task["question"]}]
+    text = ""
+    for _ in range(turns):
+        if stream:
+            message = await _streamed(chat, client.model, messages, max_tokens)
+        else:
+            reply = await chat.chat.completions.create(model=client.model, messages=messages, tools=[ADD],
+                                                       max_tokens=max_tokens)
+            message = reply.choices[0].message.model_dump(exclude_none=True)
+        messages.append(message)
+        text = message.get("content") or ""
+        calls = message.get("tool_calls") or []
+        if not calls:
+            messages.append({"role": "user", "content": "Check it with the tool."})
+        for call in calls:
+            messages.append({"role": "tool", "tool_call_id": call["id"],
+                             "content": run_add(call["function"]["arguments"])})
+    return text
+
+
+async def _streamed(chat: openai.AsyncOpenAI, model: str, messages: list[dict[str, Any]], max_tokens: int
+                    ) -> dict[str, Any]:
+    """One streamed call, its chunks assembled into the assistant message."""
+    content, calls = "", {}
+    stream = await chat.chat.completions.create(model=model, messages=messages, tools=[ADD], max_tokens=max_tokens,
+                                                stream=True)
+    async for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for call in choice.delta.tool_calls or []:
+                entry = calls.setdefault(call.index, {"id": "", "type": "function",
+                                                      "function": {"name": "", "arguments": ""}})
+                entry["id"] += call.id or ""
+                entry["function"]["name"] += call.function.name or ""
+                entry["function"]["arguments"] += call.function.arguments or ""
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return message
+
+
+def _questions(start: int, stop: int) -> list[Task]:
+    return [{"id": f"sum-{a}-{b}", "question": f"What is {a} + {b}? End with 'The answer is N.'", "answer": a + b}
+            for a in range(start, stop) for b in range(1, 4)]
+
+
+def sums() -> AgentEnv:
+    """One-digit sums, played by :func:`tool_loop` (two calls), graded on the last reply's number."""
+    return AgentEnv(agent=lambda task, client: tool_loop(task, client, turns=2, max_tokens=24),
+                    grader=lambda task, text: float(grade_number(text, task["answer"])["correct"]),
+                    tasks={"train": _questions(1, 8), "test": _questions(8, 10)})

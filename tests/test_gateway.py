@@ -1,0 +1,248 @@
+"""The capture gateway against the session's vLLM server: agents that run their own loop with the openai SDK, their
+calls captured exactly as the engine sampled them, linked into segments, and refused cleanly where they must be."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from agents import ADD, llm, tool_loop
+
+from envkit import Task
+from envkit.agent import AgentClient, AgentEnv
+from generators.engines.base import ChatCompletion, Completion, InferenceEngine, SamplingParams
+from generators.rollout import Generator, GeneratorConfig
+from generators.trajectory import Trajectory
+
+pytestmark = pytest.mark.e2e
+
+QUESTION = {"id": "q", "question": "What is 2 + 3?"}
+
+
+class Recorded(InferenceEngine):
+    """The session's vLLM engine, every generation it answered recorded as (prompt ids, completion)."""
+
+    def __init__(self, engine: InferenceEngine) -> None:
+        self.engine = engine
+        self.model_name = engine.model_name
+        self.calls: list[tuple[list[int], Completion]] = []
+
+    @property
+    def base_url(self) -> str:
+        return self.engine.base_url
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Completion:
+        completion = await self.engine.generate(prompt_ids, sampling)
+        self.calls.append((list(prompt_ids), completion))
+        return completion
+
+    async def chat(self, messages: list[dict[str, Any]], sampling: SamplingParams,
+                   tools: list[dict[str, Any]] | None = None) -> ChatCompletion:
+        return await self.engine.chat(messages, sampling, tools)
+
+
+def spans(t: Trajectory) -> list[tuple[int, int]]:
+    """``[start, end)`` of each run of model tokens, as positions in prompt + response."""
+    out, start, offset = [], None, len(t.prompt_ids)
+    for i, m in enumerate([*t.loss_mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            out.append((offset + start, offset + i))
+            start = None
+    return out
+
+
+def canonical(t: Trajectory, span: tuple[int, int], tokenizer: Any) -> bool:
+    """Whether the model's tokens in ``span`` are how the tokenizer encodes their text (sampling may write, say,
+    "\n\n" as one token where encoding gives two: re-rendering the chat then differs, the captured ids do not)."""
+    ids = (t.prompt_ids + t.response_ids)[span[0]:span[1]]
+    ids = ids[:-1] if ids[-1] == tokenizer.eos_id else ids
+    return tokenizer.tokenizer.encode(tokenizer.decode(ids), add_special_tokens=False) == ids
+
+
+def assert_exact(trajectories: list[Trajectory], engine: Recorded) -> None:
+    """Every run of model tokens in every sequence is one engine call: its prompt is everything before the run,
+    its tokens and logprobs are the run's; and every engine call is used exactly once."""
+    unused = list(range(len(engine.calls)))
+    for t in trajectories:
+        t.check()
+        for sequence in t.sequences():
+            ids = sequence.prompt_ids + sequence.response_ids
+            for start, end in spans(sequence):
+                match = [i for i in unused if engine.calls[i][0] == ids[:start]
+                         and engine.calls[i][1].token_ids == ids[start:end]]
+                assert match, f"no engine call sampled tokens {start}:{end} of {t.task_id}"
+                completion = engine.calls[match[0]][1]
+                lp = sequence.rollout_logprobs[start - len(sequence.prompt_ids):end - len(sequence.prompt_ids)]
+                assert lp == completion.logprobs
+                unused.remove(match[0])
+    assert unused == [], "engine calls that no trajectory holds"
+
+
+def generator(engine: InferenceEngine, tokenizer: Any, **config: Any) -> Generator:
+    return Generator(engine, tokenizer, GeneratorConfig(**{"max_tokens": 48, "max_turns": 3, **config}))
+
+
+def agent_env(agent: Any, answers: list[Any] | None = None) -> Any:
+    def grade(task: Task, result: Any) -> float:
+        if answers is not None:
+            answers.append(result)
+        return 1.0 if "5" in str(result) else 0.0
+
+    return lambda: AgentEnv(agent=agent, grader=grade, tasks=[QUESTION])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "streamed"])
+async def test_an_sdk_agents_calls_are_captured_as_the_engine_sampled_them(vllm_engine, chat_tokenizer, stream):
+    """A 3-call tool loop: one linked sequence per episode, no re-tokenization skew, and what the agent was told is
+    what the model wrote."""
+    engine = Recorded(vllm_engine)
+    answers: list[Any] = []
+    gen = generator(engine, chat_tokenizer, samples_per_prompt=4)
+
+    async def agent(task: Task, client: AgentClient) -> str:
+        return await tool_loop(task, client, turns=3, stream=stream)
+
+    trajs = await gen.generate(agent_env(agent, answers), tasks=[QUESTION])
+    assert [t.stop_reason for t in trajs] == ["done"] * 4, [t.error for t in trajs]
+    assert [t.num_turns for t in trajs] == [3] * 4
+    assert all(t.segments == [] for t in trajs)
+    assert len(engine.calls) == 12
+    assert_exact(trajs, engine)
+    for t in trajs:  # re-rendering differs only once the model sampled a non-canonical tokenization of its text
+        # (each linked call re-renders the whole chat, so such a turn shows in every check after it)
+        odd = [not canonical(t, span, chat_tokenizer) for span in spans(t)[:-1]]
+        assert t.template_mismatches <= sum(any(odd[:j + 1]) for j in range(len(odd)))
+    # the tool outputs and the agent's prompts went in as observation tokens (mask 0) between the model's turns
+    assert all(len(spans(t)) == 3 and t.loss_mask.count(0) > 0 for t in trajs)
+    for t in trajs:
+        # the last model turn as the parser reads it: the text the agent returned
+        start, end = spans(t)[-1]
+        reply = gen.parser.parse(chat_tokenizer.decode((t.prompt_ids + t.response_ids)[start:end]), [ADD])
+        assert (reply.get("content") or "") in answers
+        assert {m["role"] for m in t.messages} >= {"system", "user", "assistant"}
+    assert sorted(t.reward for t in trajs) == sorted(1.0 if "5" in a else 0.0 for a in answers)
+
+
+async def test_choices_not_continued_and_a_compressed_context_become_segments(vllm_engine, chat_tokenizer):
+    """n=2, the agent continuing the second choice; then a call with a summarized history: three sequences (the
+    continued one, the other choice, the new context), each exact, the episode's reward on all."""
+    engine = Recorded(vllm_engine)
+
+    async def agent(task: Task, client: AgentClient) -> str:
+        chat = llm(client)
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": task["question"]}]
+        first = await chat.chat.completions.create(model=client.model, messages=messages, n=2, max_tokens=24)
+        assert len(first.choices) == 2
+        messages += [first.choices[1].message.model_dump(exclude_none=True), {"role": "user", "content": "Sure?"}]
+        await chat.chat.completions.create(model=client.model, messages=messages, max_tokens=24)
+        summary = [{"role": "system", "content": "Be brief."},
+                   {"role": "user", "content": f"Earlier: {task['question']} Say the answer."}]
+        last = await chat.chat.completions.create(model=client.model, messages=summary, max_tokens=24)
+        return last.choices[0].message.content
+
+    [t] = await generator(engine, chat_tokenizer).generate(agent_env(agent), tasks=[QUESTION])
+    assert t.stop_reason == "done", t.error
+    assert t.num_turns == 3 and len(engine.calls) == 4
+    assert t.template_mismatches <= (not canonical(t, spans(t)[0], chat_tokenizer))  # one linked call
+    sequences = t.sequences()
+    assert len(sequences) == 3 and len(t.segments) == 2
+    assert [len(spans(s)) for s in sequences] == [2, 1, 1]
+    first_prompt = engine.calls[0][0]
+    assert sequences[0].prompt_ids == sequences[1].prompt_ids == first_prompt  # the two choices of one prompt
+    assert sequences[2].prompt_ids != first_prompt
+    assert_exact([t], engine)
+    assert {s.reward for s in sequences} == {t.reward}
+
+
+async def test_calls_are_refused_cleanly_and_the_gateway_stays_up(vllm_engine, chat_tokenizer):
+    """Unknown key 401, a malformed body 400 with a structured error, a call after the episode ended 409, the call
+    limit 429 (the episode stops on max_turns and scores 0), and good calls answered in between."""
+    seen: dict[str, Any] = {}
+
+    async def agent(task: Task, client: AgentClient) -> str:
+        async with httpx.AsyncClient(base_url=client.base_url, timeout=60) as http:
+            auth = {"Authorization": f"Bearer {client.api_key}"}
+            seen["unknown"] = (await http.post("/chat/completions", json={"messages": [{"role": "user",
+                                                                                      "content": "hi"}]},
+                                               headers={"Authorization": "Bearer nope"})).json()
+            seen["no_messages"] = await http.post("/chat/completions", json={"model": "policy"}, headers=auth)
+            seen["bad_role"] = await http.post("/chat/completions", json={"messages": [{"role": "robot"}]},
+                                               headers=auth)
+            seen["not_json"] = await http.post("/chat/completions", content=b"{", headers=auth)
+            seen["models"] = (await http.get("/models", headers=auth)).json()
+        via_path = openai.AsyncOpenAI(base_url=client.episode_url, api_key="unused", max_retries=0)
+        chat = [{"role": "user", "content": task["question"]}]
+        for _ in range(3):  # max_turns=2: the third is refused
+            try:
+                await via_path.chat.completions.create(model=client.model, messages=chat, max_tokens=8)
+            except openai.RateLimitError as e:
+                seen["limit"] = e.body
+                raise
+        return "unreachable"
+
+    gen = generator(vllm_engine, chat_tokenizer, max_turns=2)
+    env = agent_env(agent)
+    [t] = await gen.generate(env, tasks=[QUESTION])
+    assert seen["unknown"]["error"]["code"] == "invalid_api_key"
+    for key in ("no_messages", "bad_role", "not_json"):
+        assert seen[key].status_code == 400 and seen[key].json()["error"]["code"] in ("invalid_request",
+                                                                                      "invalid_message"), key
+    assert "messages" in seen["no_messages"].json()["error"]["message"]
+    assert "robot" in seen["bad_role"].json()["error"]["message"]
+    assert seen["models"]["data"][0]["id"] == vllm_engine.model_name
+    assert seen["limit"]["code"] == "call_limit"
+    assert (t.stop_reason, t.reward, t.num_turns, t.failed) == ("max_turns", 0.0, 2, False)
+    assert len(t.sequences()) >= 1 and sum(t.loss_mask) > 0  # the answered calls are kept
+
+    # an episode's key is dead once it ends: a late call (an agent's stray task) gets 409
+    ended: dict[str, Any] = {}
+
+    async def leaves_a_call_behind(task: Task, client: AgentClient) -> str:
+        ended["client"] = client
+        reply = await llm(client).chat.completions.create(model=client.model, max_tokens=4,
+                                                          messages=[{"role": "user", "content": "hi"}])
+        return reply.choices[0].message.content or ""
+
+    async with gen._serving():  # the gateway held open past the rollout, as a training step's batch holds it
+        await gen.rollout(agent_env(leaves_a_call_behind), task=QUESTION)
+        client = ended["client"]
+        async with httpx.AsyncClient() as http:
+            late = await http.post(client.base_url + "/chat/completions", headers={"Authorization":
+                                                                                   f"Bearer {client.api_key}"},
+                                   json={"messages": [{"role": "user", "content": "hi"}]})
+        assert late.status_code == 409 and late.json()["error"]["code"] == "episode_ended"
+
+
+async def test_agents_that_crash_hang_or_run_concurrently_fail_alone_and_never_mix(vllm_engine, chat_tokenizer):
+    """Of 8 concurrent episodes, one agent raises and one hangs past the rollout timeout: those two fail, the other
+    six finish, each holding only its own question."""
+    tasks = [{"id": f"t{i}", "question": f"What is {i} + {i + 1}? Question {i}."} for i in range(8)]
+
+    async def agent(task: Task, client: AgentClient) -> str:
+        if task["id"] == "t3":
+            raise RuntimeError("the agent crashed")
+        reply = await llm(client).chat.completions.create(
+            model=client.model, max_tokens=16, messages=[{"role": "user", "content": task["question"]}])
+        if task["id"] == "t5":
+            await asyncio.sleep(3600)
+        return reply.choices[0].message.content or ""
+
+    gen = generator(vllm_engine, chat_tokenizer, timeout_s=20)
+    trajs = await gen.generate(lambda: AgentEnv(agent=agent, grader=lambda task, text: 0.0, tasks=tasks),
+                               tasks=tasks)
+    by_id = {t.task_id: t for t in trajs}
+    assert by_id["t3"].stop_reason == "error" and "the agent crashed" in by_id["t3"].error
+    assert by_id["t5"].stop_reason == "timeout"
+    for i, t in by_id.items():
+        if i in ("t3", "t5"):
+            continue
+        assert t.stop_reason == "done" and t.num_turns == 1, t.error
+        text = chat_tokenizer.decode(t.prompt_ids)
+        assert f"Question {i[1:]}." in text
+        assert sum(f"Question {j}." in text for j in range(8)) == 1
+    assert gen._gateway is None  # the batch over, its gateway stopped
