@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import openai
@@ -82,8 +83,15 @@ def _questions(start: int, stop: int) -> list[Task]:
             for a in range(start, stop) for b in range(1, 4)]
 
 
+def score(task: Task, text: str) -> float:
+    """1 for the right sum, 0.1 for another number, 0 for none: graded, so that the bundled model's rewards in a
+    group differ (it gets a one-digit sum right about 1 time in 15)."""
+    if grade_number(text, task["answer"])["correct"]:
+        return 1.0
+    return 0.1 if re.search(r"\d", text or "") else 0.0
+
+
 def sums() -> AgentEnv:
-    """One-digit sums, played by :func:`tool_loop` (two calls), graded on the last reply's number."""
-    return AgentEnv(agent=lambda task, client: tool_loop(task, client, turns=2, max_tokens=24),
-                    grader=lambda task, text: float(grade_number(text, task["answer"])["correct"]),
+    """One-digit sums, played by :func:`tool_loop` (two calls), graded on the last reply (:func:`score`)."""
+    return AgentEnv(agent=lambda task, client: tool_loop(task, client, turns=2, max_tokens=24), grader=score,
                     tasks={"train": _questions(1, 8), "test": _questions(8, 10)})

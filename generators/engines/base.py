@@ -149,14 +149,15 @@ async def generate_turn(engine: InferenceEngine, prompt_ids: list[int], sampling
     """Sample one model turn, in parts: a weight update that aborts the request (partial rollouts) is continued from
     where it stopped on the new weights, up to :data:`MAX_CONTINUATIONS` times. ``seeded(sampling, k)`` gives the
     k-th request its sampling parameters (a per-request seed)."""
-    ids, total = list(prompt_ids), sampling.max_tokens
+    ids, total, sampled = list(prompt_ids), sampling.max_tokens, 0  # the caller may extend prompt_ids meanwhile
     for continuation in range(MAX_CONTINUATIONS + 1):
         part = await engine.generate(ids, seeded(sampling, continuation))
         yield part
         ids += part.token_ids
-        if part.finish_reason != "abort" or len(ids) - len(prompt_ids) >= total:
+        sampled += len(part.token_ids)
+        if part.finish_reason != "abort" or sampled >= total:
             return
-        sampling = replace(sampling, max_tokens=total - (len(ids) - len(prompt_ids)))
+        sampling = replace(sampling, max_tokens=total - sampled)
 
 
 def publish_policy(engine: InferenceEngine) -> None:
