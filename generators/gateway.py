@@ -140,10 +140,8 @@ class Episode:
     """What the gateway recorded for one agent episode."""
 
     key: str
-    limits: Limits
     segments: list[Segment] = field(default_factory=list)
-    """Open segments (the last call of each may have pending choices)."""
-    finished: list[Segment] = field(default_factory=list)
+    """Its segments (the last call of each may have pending choices)."""
     calls: int = 0
     skewed: int = 0
     """Linked calls whose from-scratch rendering differs from the linked ids."""
@@ -158,14 +156,13 @@ class Episode:
     def end(self) -> list[Segment]:
         """The episode's segments, each pending choice taken: the first by its own segment, the others as
         branches."""
+        branches = []
         for segment in self.segments:
             choices, segment.pending = segment.pending, []
-            self.finished += [segment.branch(c) for c in choices[1:]]
+            branches += [segment.branch(c) for c in choices[1:]]
             if choices:
                 segment.take(choices[0])
-        self.finished = self.segments + self.finished
-        self.segments = []
-        return [s for s in self.finished if any(s.loss_mask)]
+        return [s for s in self.segments + branches if any(s.loss_mask)]
 
 
 class Gateway:
@@ -222,7 +219,7 @@ class Gateway:
 
     def open(self) -> Episode:
         """A new episode with a key of its own."""
-        episode = Episode(secrets.token_urlsafe(18), self.limits)
+        episode = Episode(secrets.token_urlsafe(18))
         self.episodes[episode.key] = episode
         return episode
 
