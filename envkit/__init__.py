@@ -10,7 +10,7 @@ registry that finds pip-installed env packages by name::
 """
 
 from envkit import errors
-from envkit.agent import AgentClient, AgentEnv
+from envkit.agent import AgentClient, AgentEnv, Command
 from envkit.core import ContractChecker, Env, StepResult, Task, Wrapper
 from envkit.messages import Message, ToolCall, assistant, system, tool_result, user
 from envkit.parsing import Answer, extract_answer, parse_number
@@ -37,6 +37,7 @@ __all__ = [
     "AgentEnv",
     "Answer",
     "BrokenEnv",
+    "Command",
     "ContractChecker",
     "Env",
     "EnvRef",

@@ -11,6 +11,12 @@ an OpenAI-compatible endpoint for the episode (:class:`AgentClient`) and grades 
 
     env = AgentEnv(agent=solve, grader=lambda task, answer: float(answer == task["answer"]), tasks=[...])
 
+An agent that is a program (a coding CLI, a script using any SDK) is a :class:`Command`: it runs as a process with
+``OPENAI_BASE_URL``/``OPENAI_API_KEY`` pointing at the episode's endpoint and the task as JSON on stdin, and what it
+prints is the result; at its deadline, or when the rollout ends, it is killed with every process it started::
+
+    env = AgentEnv(agent=Command(["my-agent", "--quiet"], timeout_s=120), grader=...)
+
 A generator serves each episode through its capture gateway (:mod:`generators.gateway`), which records the exact
 token ids every call sampled: the trainer trains on them as on any env's rollouts. ``reset`` picks the task (the
 opening messages describe it for reports), :meth:`run` plays it, :meth:`grade` scores the result; ``step`` is not
@@ -21,13 +27,16 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
+import os
 import random
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+from envkit import untrusted
 from envkit.core import Env, StepResult, Task
-from envkit.errors import ResetNeededError
+from envkit.errors import AgentProcessError, ResetNeededError
 from envkit.messages import Message, user
 from envkit.tasks import check_task, pick_task
 
@@ -52,6 +61,39 @@ Agent = Callable[[Task, AgentClient], Awaitable[Any]]
 """``async (task, client) -> result``: plays one episode against ``client``."""
 Grader = Callable[[Task, Any], float | Awaitable[float]]
 """``(task, result) -> reward``."""
+TASK_ENV = "ENVKIT_TASK"
+"""The variable a :class:`Command` agent finds its task in (as JSON; also on its stdin)."""
+
+
+@dataclass(frozen=True)
+class Command:
+    """An agent that is a process: ``argv`` runs with :meth:`AgentClient.environ` and :data:`TASK_ENV` set, the
+    task as JSON on stdin, in a session of its own; its stdout, stripped, is the result. Past ``timeout_s``, or when
+    its rollout is cancelled, it is killed with every process in its group (one that calls ``setsid()`` escapes: run
+    untrusted agents in a container). It inherits this process's environment unless ``inherit_env`` is False (then
+    only PATH, LANG, HOME), plus ``env``."""
+
+    argv: Sequence[str]
+    env: Mapping[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+    timeout_s: float = 300.0
+    inherit_env: bool = True
+    output_limit: int = 1 << 20
+
+    async def __call__(self, task: Task, client: AgentClient) -> str:
+        """Run the process for ``task``; raises :class:`~envkit.errors.AgentProcessError` if it fails or hangs."""
+        document = json.dumps(task)
+        base = dict(os.environ) if self.inherit_env else dict(untrusted.SAFE_ENV)
+        result = await untrusted.run(list(self.argv), stdin=document.encode(), timeout_s=self.timeout_s,
+                                     output_limit=self.output_limit, cwd=self.cwd,
+                                     env={**base, **self.env, **client.environ(), TASK_ENV: document})
+        if result.timed_out:
+            raise AgentProcessError(f"agent command {self.argv[0]!r} ran past {self.timeout_s:g} s and was killed "
+                                    "with its processes")
+        if result.exit_code != 0:
+            tail = result.stderr.decode(errors="replace").strip()[-500:]
+            raise AgentProcessError(f"agent command {self.argv[0]!r} exited {result.exit_code}: {tail}")
+        return result.stdout.decode(errors="replace").strip()
 
 
 class AgentEnv(Env):
@@ -107,7 +149,7 @@ class AgentEnv(Env):
 def _as_async(fn: Callable[[Task, AgentClient], Any]) -> Agent:
     """``fn`` as an :data:`Agent`: async callables as they are, plain ones in a worker thread (a synchronous SDK
     must not block the event loop the gateway answers it from)."""
-    if inspect.iscoroutinefunction(fn):
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
         return fn
 
     async def agent(task: Task, client: AgentClient) -> Any:

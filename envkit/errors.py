@@ -21,8 +21,9 @@ fault inside one environment (record it on that rollout, keep the batch), a regi
     │                            a ToolEnv answers the model with the message, nothing crashed
     ├── EnvError                 the environment itself misbehaved
     │   ├── InvalidStepResultError  step()/reset() returned the wrong shape
-    │   └── MCPServerError       an MCP server behind an env could not be started or reached, or dropped the
-    │                            connection (envkit.mcp_env)
+    │   ├── MCPServerError       an MCP server behind an env could not be started or reached, or dropped the
+    │   │                        connection (envkit.mcp_env)
+    │   └── AgentProcessError    an agent env's command exited non-zero or ran past its deadline (envkit.agent)
     └── RemoteEnvError           an env server (envkit serve, OpenEnv) refused a request or could not be reached;
         │                        ``.code`` is the server's error code, ``.status`` the HTTP status (None: no answer)
         ├── RemoteConnectionError       no connection after the retries (nothing was sent)
@@ -126,6 +127,11 @@ class InvalidStepResultError(EnvError, TypeError):
 class MCPServerError(EnvError):
     """The MCP server an env gets its tools from could not be started or reached, did not finish the handshake in
     time, or dropped the connection; the rollout fails (a tool's own failure is a :class:`ToolCallError`)."""
+
+
+class AgentProcessError(EnvError):
+    """An agent env's command (:class:`envkit.agent.Command`) exited non-zero or ran past its deadline; it and
+    every process it started were killed, and that rollout fails."""
 
 
 class RemoteEnvError(EnvkitError):

@@ -31,7 +31,7 @@ import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -42,6 +42,7 @@ from envkit.agent import AgentClient
 from generators.engines.base import EngineError, InferenceEngine, SamplingParams, generate_turn
 from generators.engines.replicas import Session, rollout_session
 from generators.parsers import OutputParser
+from generators.responses_api import ResponsesRequest, UnsupportedInput, response_body
 from generators.tool_prompt import ToolPrompt, ToolSchemas
 from generators.trajectory import StopReason
 
@@ -53,6 +54,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
+_Body = TypeVar("_Body", bound=BaseModel)
+KEEP_ALIVE_S = 120
+"""How long the gateway keeps an agent's idle connection open: longer than the clients' own expiry (httpx, and so
+the openai SDK, drop theirs after 5 s), so no client sends a call on a connection the gateway is closing at that
+moment. With uvicorn's default, also 5 s, an agent whose loop stalls that long (a loaded machine) can lose a call to
+"Server disconnected without sending a response", and an agent without retries its episode."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +155,10 @@ class Episode:
     tool_log: list[dict[str, Any]] = field(default_factory=list)
     stop: StopReason | None = None
     """Set when a budget refused a call (max_turns, max_tokens)."""
+    truncated: int = 0
+    """Replies the token limit cut."""
+    responses: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    """Each ``/v1/responses`` reply's chat through it, by response id (for ``previous_response_id``)."""
     generate_s: float = 0.0
     session: Session = field(default_factory=Session)
     """Sticky routing: a replicated engine sends all of this episode's calls to one replica."""
@@ -194,7 +205,8 @@ class Gateway:
         sock = socket.socket()
         sock.bind((self.host, 0))
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(build_app(self), log_level="warning", lifespan="off", access_log=False)
+        config = uvicorn.Config(build_app(self), log_level="warning", lifespan="off", access_log=False,
+                                timeout_keep_alive=KEEP_ALIVE_S)
         self._server = uvicorn.Server(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:
@@ -271,6 +283,7 @@ class Gateway:
                 rollout_session.reset(token)
                 episode.generate_s += time.perf_counter() - t0
             segment.pending = list(choices)
+            episode.truncated += sum(c.finish == "length" for c in choices)
             for choice in choices:
                 calls = choice.message.get("tool_calls") or []
                 episode.tool_log += [{"turn": episode.calls, "name": c["function"]["name"], "status": "unknown"}
@@ -421,6 +434,23 @@ def _same_chat(sent: list[Message], ours: list[Message]) -> bool:
                                           for a, b in zip(sent, ours, strict=True))
 
 
+async def _json(request: Request) -> Any:
+    try:
+        return await request.json()
+    except ValueError:
+        raise GatewayError(400, "invalid_request", "the body is not JSON") from None
+
+
+def _parse(model: type[_Body], data: Any) -> _Body:
+    """``data`` as a ``model`` request, or a 400 naming the first field that is wrong."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        detail = e.errors()[0]
+        where = ".".join(str(p) for p in detail.get("loc", ()))
+        raise GatewayError(400, "invalid_request", f"{where}: {detail['msg']}" if where else detail["msg"]) from None
+
+
 def _error(status: int, code: str, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": "invalid_request_error" if status < 500
                                    else "server_error", "code": code}}, status_code=status)
@@ -468,7 +498,8 @@ async def _stream(body: dict[str, Any], usage: bool) -> AsyncIterator[str]:
 
 
 def build_app(gateway: Gateway) -> FastAPI:
-    """The gateway's routes: ``/v1/chat/completions`` and ``/v1/models``, also under ``/e/{key}``."""
+    """The gateway's routes: ``/v1/chat/completions``, ``/v1/responses`` and ``/v1/models``, also under
+    ``/e/{key}``."""
     app = FastAPI(title="envkit capture gateway", docs_url=None, redoc_url=None, openapi_url=None)
 
     def key_of(request: Request, key: str | None) -> str | None:
@@ -480,13 +511,7 @@ def build_app(gateway: Gateway) -> FastAPI:
     async def chat(request: Request, key: str | None = None) -> Response:
         try:
             episode = gateway.episode(key_of(request, key))
-            try:
-                body = ChatRequest.model_validate(await request.json())
-            except (ValidationError, ValueError) as e:
-                detail = e.errors()[0] if isinstance(e, ValidationError) else {"msg": "the body is not JSON"}
-                where = ".".join(str(p) for p in detail.get("loc", ()))
-                raise GatewayError(400, "invalid_request", f"{where}: {detail['msg']}" if where
-                                   else str(detail["msg"])) from None
+            body = _parse(ChatRequest, await _json(request))
             choices, prompt_tokens = await gateway.chat(episode, body)
         except GatewayError as e:
             return _error(e.status, e.code, str(e))
@@ -496,6 +521,28 @@ def build_app(gateway: Gateway) -> FastAPI:
         if body.stream:
             usage = bool((body.stream_options or {}).get("include_usage"))
             return StreamingResponse(_stream(out, usage), media_type="text/event-stream")
+        return JSONResponse(out)
+
+    async def responses(request: Request, key: str | None = None) -> Response:
+        try:
+            episode = gateway.episode(key_of(request, key))
+            body = _parse(ResponsesRequest, await _json(request))
+            earlier = episode.responses.get(body.previous_response_id or "", [])
+            if body.previous_response_id and not earlier:
+                raise GatewayError(400, "previous_response_not_found", f"no response {body.previous_response_id!r} "
+                                   "in this episode")
+            try:
+                chat_body = body.chat_body(earlier)
+            except UnsupportedInput as e:
+                raise GatewayError(400, "unsupported", str(e)) from None
+            (choice,), prompt_tokens = await gateway.chat(episode, _parse(ChatRequest, chat_body))
+        except GatewayError as e:
+            return _error(e.status, e.code, str(e))
+        except EngineError as e:
+            return _error(502, "engine_error", f"the inference engine failed: {e}")
+        out = response_body(choice.message, truncated=choice.finish == "length", prompt_tokens=prompt_tokens,
+                            completion_tokens=len(choice.ids), model=gateway.engine.model_name, request=body)
+        episode.responses[out["id"]] = [*chat_body["messages"], _openai_message(choice.message)]
         return JSONResponse(out)
 
     async def models(request: Request, key: str | None = None) -> Response:
@@ -508,6 +555,7 @@ def build_app(gateway: Gateway) -> FastAPI:
 
     for prefix in ("", "/e/{key}"):
         app.add_api_route(prefix + "/v1/chat/completions", chat, methods=["POST"])
+        app.add_api_route(prefix + "/v1/responses", responses, methods=["POST"])
         app.add_api_route(prefix + "/v1/models", models, methods=["GET"])
     return app
 

@@ -239,7 +239,7 @@ class Generator:
         except TimeoutError:
             traj.stop_reason, traj.error = "timeout", f"rollout exceeded {self.config.timeout_s:g} s"
         except Exception as e:
-            traj.stop_reason, traj.error = "error", f"{type(e).__name__}: {e}"
+            traj.stop_reason, traj.error = "error", _describe(e)
             log.debug("rollout failed", exc_info=True)
         finally:
             rollout_session.reset(session)
@@ -298,8 +298,8 @@ class Generator:
     async def _agent_episode(self, env: Env, state: _Rollout, task: Task | None, seed: int | None) -> StopReason:
         """An :class:`~envkit.agent.AgentEnv` episode: its agent plays the task through the capture gateway, whose
         recorded calls become the trajectory's token sequences, and the env grades what the agent returned. An agent
-        that fails after a budget refused its call (max_turns, max_tokens) scores 0; one that fails otherwise fails
-        the rollout."""
+        that fails after a budget refused its call (max_turns, max_tokens) or after the token limit cut a reply (an
+        SDK may raise on a truncated response) scores 0; one that fails otherwise fails the rollout."""
         traj, agent = state.traj, env.unwrapped
         assert isinstance(agent, AgentEnv)
         t0 = time.perf_counter()
@@ -312,9 +312,10 @@ class Generator:
         try:
             result = await agent.run(gateway.client(episode))
         except Exception:
-            if episode.stop is None:
+            if episode.stop is None and not episode.truncated:
                 raise
             failed = True
+            episode.stop = episode.stop or "max_tokens"
         finally:
             segments = gateway.end(episode)
         state.generate_s += episode.generate_s
@@ -427,6 +428,14 @@ class Generator:
         except Exception as e:  # a failing close must not turn a finished rollout into a failed one
             log.warning("env.close() failed for %s (task %s): %s: %s", traj.env_name, traj.task_id,
                         type(e).__name__, e)
+
+
+def _describe(error: BaseException) -> str:
+    """``error`` and what caused it, as one line: a client library's "Connection error." names its cause only in
+    ``__cause__``."""
+    text = f"{type(error).__name__}: {error}"
+    cause = error.__cause__
+    return f"{text} (from {type(cause).__name__}: {cause})" if cause is not None and str(cause) not in text else text
 
 
 def _tool_log(turn: int, action: Message, info: dict[str, Any]) -> list[dict[str, Any]]:

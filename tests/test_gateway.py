@@ -4,12 +4,13 @@ calls captured exactly as the engine sampled them, linked into segments, and ref
 from __future__ import annotations
 
 import asyncio
+import sys
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from agents import ADD, llm, tool_loop
+from agent_envs import ADD, llm, run_add, tool_loop
 
 from envkit import Task
 from envkit.agent import AgentClient, AgentEnv
@@ -246,3 +247,103 @@ async def test_agents_that_crash_hang_or_run_concurrently_fail_alone_and_never_m
         assert f"Question {i[1:]}." in text
         assert sum(f"Question {j}." in text for j in range(8)) == 1
     assert gen._gateway is None  # the batch over, its gateway stopped
+
+
+async def test_responses_api_calls_link_and_refuse_as_chat_calls_do(vllm_engine, chat_tokenizer):
+    """Three /v1/responses calls: the second resends the first's output items, the third continues by
+    previous_response_id; one exact sequence. A streamed call, a hosted tool and an unknown response id get 400s."""
+    engine = Recorded(vllm_engine)
+    refused: dict[str, Any] = {}
+    tools = [{"type": "function", "name": "add", "description": "Add two integers.",
+              "parameters": ADD["function"]["parameters"]}]
+
+    async def agent(task: Task, client: AgentClient) -> str:
+        sdk = llm(client)
+        first = await sdk.responses.create(model=client.model, instructions="Use the add tool, then answer.",
+                                           input=task["question"], tools=tools, max_output_tokens=24)
+        items: list[Any] = [{"role": "user", "content": task["question"]},
+                            *[item.model_dump(exclude_none=True) for item in first.output]]
+        items += [{"type": "function_call_output", "call_id": item.call_id, "output": run_add(item.arguments)}
+                  for item in first.output if item.type == "function_call"]
+        second = await sdk.responses.create(model=client.model, instructions="Use the add tool, then answer.",
+                                            input=[*items, {"role": "user", "content": "Sure?"}], tools=tools,
+                                            max_output_tokens=24)
+        third = await sdk.responses.create(model=client.model, previous_response_id=second.id, tools=tools,
+                                           input=[{"role": "user", "content": "Say it once more."}],
+                                           max_output_tokens=24)
+        for name, kwargs in [("stream", {"stream": True}), ("hosted", {"tools": [{"type": "web_search"}]}),
+                             ("unknown", {"previous_response_id": "resp_nope"})]:
+            try:
+                await sdk.responses.create(model=client.model, input="hi", **kwargs)
+            except openai.BadRequestError as e:
+                refused[name] = e.body
+        return third.output_text
+
+    [t] = await generator(engine, chat_tokenizer, max_turns=4).generate(agent_env(agent), tasks=[QUESTION])
+    assert t.stop_reason == "done", t.error
+    assert t.num_turns == 3 and len(engine.calls) == 3 and t.segments == []
+    assert len(spans(t)) == 3
+    assert_exact([t], engine)
+    assert t.template_mismatches <= sum(not canonical(t, span, chat_tokenizer) for span in spans(t)[:-1])
+    assert {name: body["code"] for name, body in refused.items()} == {
+        "stream": "unsupported", "hosted": "unsupported", "unknown": "previous_response_not_found"}
+    assert "web_search" in refused["hosted"]["message"]
+
+
+AGENT_PROCESS = """
+import json, os, subprocess, sys, time
+import openai
+task = json.load(sys.stdin)
+assert json.loads(os.environ["ENVKIT_TASK"]) == task
+mode = task["mode"]
+if mode == "crash":
+    sys.exit("the agent crashed")
+if mode in ("hang", "outlive"):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+    with open(task["pids"], "w") as f:
+        f.write(f"{os.getpid()} {child.pid}")
+    time.sleep(3600)
+chat = openai.OpenAI(max_retries=0)  # OPENAI_BASE_URL and OPENAI_API_KEY: the episode's
+reply = chat.chat.completions.create(model=os.environ["OPENAI_MODEL"], max_tokens=8,
+                                     messages=[{"role": "user", "content": task["question"]}])
+print("noise on stdout, then the answer:")
+print(reply.choices[0].message.content or "", task["id"])
+"""
+
+
+async def test_command_agents_run_as_processes_and_fail_alone_with_their_process_tree_killed(
+        vllm_engine, chat_tokenizer, tmp_path):
+    """A process per episode, reaching the policy through OPENAI_BASE_URL/OPENAI_API_KEY: one answers (its stdout
+    graded), one exits non-zero, one hangs past its deadline and one past the rollout's, each with a child process:
+    the failures fail alone, and no process of the hung agents is left."""
+    import psutil
+
+    from envkit.agent import Command
+
+    tasks = [{"id": m, "mode": m, "question": "What is 2 + 3?", "pids": str(tmp_path / f"{m}.pids")}
+             for m in ("answer", "crash", "hang", "outlive")]
+    answers: dict[str, str] = {}
+
+    def grade(task: Task, text: str) -> float:
+        answers[task["id"]] = text
+        return 1.0
+
+    def make() -> AgentEnv:
+        def command(timeout_s: float) -> Command:
+            return Command([sys.executable, "-c", AGENT_PROCESS], timeout_s=timeout_s)
+
+        fast, slow = command(3), command(3600)
+        return AgentEnv(agent=lambda task, client: (slow if task["mode"] == "outlive" else fast)(task, client),
+                        grader=grade, tasks=tasks)
+
+    trajs = await generator(vllm_engine, chat_tokenizer, timeout_s=20).generate(make, tasks=tasks)
+    by_id = {t.task_id: t for t in trajs}
+    assert by_id["answer"].stop_reason == "done" and by_id["answer"].num_turns == 1, by_id["answer"].error
+    assert answers["answer"].startswith("noise on stdout") and answers["answer"].endswith("answer")
+    assert sum(by_id["answer"].loss_mask) > 0
+    assert by_id["crash"].stop_reason == "error" and "exited 1: the agent crashed" in by_id["crash"].error
+    assert by_id["hang"].stop_reason == "error" and "ran past 3 s" in by_id["hang"].error
+    assert by_id["outlive"].stop_reason == "timeout"
+    for mode in ("hang", "outlive"):
+        pids = [int(p) for p in (tmp_path / f"{mode}.pids").read_text().split()]
+        assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"], mode

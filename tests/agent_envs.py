@@ -1,15 +1,19 @@
-"""Agents that run their own loop with the openai SDK, as AgentEnvs (by entry point: ``agents:sums``)."""
+"""Agents that run their own loop, as AgentEnvs named by entry point (``agent_envs:sums`` and the others below): an
+openai-SDK tool loop, the OpenAI Agents SDK, LangGraph, and a command-line agent process (``cli_agent.py``), each
+unmodified from PyPI and pointed at the episode's endpoint as a user points it at any OpenAI-compatible server."""
 
 from __future__ import annotations
 
 import json
 import re
+import sys
+from pathlib import Path
 from typing import Any
 
 import openai
 
 from envkit import Task
-from envkit.agent import AgentClient, AgentEnv
+from envkit.agent import AgentClient, AgentEnv, Command
 from envkit.parsing import grade_number
 
 ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.",
@@ -95,3 +99,55 @@ def sums() -> AgentEnv:
     """One-digit sums, played by :func:`tool_loop` (two calls), graded on the last reply (:func:`score`)."""
     return AgentEnv(agent=lambda task, client: tool_loop(task, client, turns=2, max_tokens=24), grader=score,
                     tasks={"train": _questions(1, 8), "test": _questions(8, 10)})
+
+
+INSTRUCTIONS = "Use the add tool, then answer."
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+async def openai_agents_loop(task: Task, client: AgentClient, *, max_tokens: int = 24) -> str:
+    """The OpenAI Agents SDK (``openai-agents``) on its default model class, which speaks the Responses API."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, RunConfig, Runner, function_tool
+
+    model = OpenAIResponsesModel(model=client.model, openai_client=llm(client))
+    agent = Agent(name="adder", instructions=INSTRUCTIONS, tools=[function_tool(add)], model=model,
+                  model_settings=ModelSettings(max_tokens=max_tokens))
+    result = await Runner.run(agent, task["question"], max_turns=10, run_config=RunConfig(tracing_disabled=True))
+    return str(result.final_output)
+
+
+async def langgraph_loop(task: Task, client: AgentClient, *, max_tokens: int = 24) -> str:
+    """LangGraph's prebuilt ReAct agent on ``langchain-openai``'s ChatOpenAI (chat completions)."""
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+    from langgraph.prebuilt import create_react_agent
+
+    chat = ChatOpenAI(model=client.model, base_url=client.base_url, api_key=client.api_key, max_tokens=max_tokens,
+                      max_retries=0)
+    graph = create_react_agent(chat, [tool(add)], prompt=INSTRUCTIONS)
+    state = await graph.ainvoke({"messages": [("user", task["question"])]}, config={"recursion_limit": 25})
+    return str(state["messages"][-1].content)
+
+
+def _env(agent: Any) -> AgentEnv:
+    return AgentEnv(agent=agent, grader=score, tasks={"train": _questions(1, 8), "test": _questions(8, 10)})
+
+
+def openai_agents_sums() -> AgentEnv:
+    """:func:`sums` played by the OpenAI Agents SDK."""
+    return _env(openai_agents_loop)
+
+
+def langgraph_sums() -> AgentEnv:
+    """:func:`sums` played by a LangGraph ReAct agent."""
+    return _env(langgraph_loop)
+
+
+def cli_sums() -> AgentEnv:
+    """:func:`sums` played by ``cli_agent.py``, a command-line agent run as a process per episode."""
+    return _env(Command([sys.executable, str(Path(__file__).with_name("cli_agent.py")), "--max-tokens", "24",
+                         "--turns", "2"], timeout_s=120))

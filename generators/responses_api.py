@@ -1,0 +1,108 @@
+"""OpenAI's Responses API as the capture gateway speaks it (``POST /v1/responses``, not streamed).
+
+A request's ``instructions`` and ``input`` items become chat messages (``function_call`` items the assistant's tool
+calls, ``function_call_output`` items tool messages), its flat function tools chat-style ones; the gateway then
+treats it as a chat completions call, so its token ids link across calls exactly as chat calls do. The reply goes
+back as a Response: a ``message`` output item with the text, a ``function_call`` item per tool call, status
+``incomplete`` where the token limit cut it. ``previous_response_id`` works within an episode: the gateway keeps
+each episode's responses until it ends (``store`` is otherwise ignored).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from envkit import Message
+
+
+class UnsupportedInput(ValueError):
+    """A request the gateway cannot serve through the policy (answered 400)."""
+
+
+class ResponsesRequest(BaseModel):
+    """The part of a Responses API request the gateway reads (other fields are accepted and ignored)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    stream: bool = False
+    previous_response_id: str | None = None
+
+    def chat_body(self, earlier: list[dict[str, Any]]) -> dict[str, Any]:
+        """The equivalent chat completions request body, continuing the chat ``earlier`` (that of
+        ``previous_response_id``, else empty)."""
+        if self.stream:
+            raise UnsupportedInput("stream: the gateway answers /v1/responses whole; send stream=false (the "
+                                   "chat completions route streams)")
+        messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        items = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input
+        body: dict[str, Any] = {"messages": [*earlier, *messages, *_messages(items)]}
+        if self.tools:
+            body["tools"] = [_chat_tool(t, i) for i, t in enumerate(self.tools)]
+        if self.max_output_tokens:
+            body["max_tokens"] = self.max_output_tokens
+        return body
+
+
+def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Input items as chat messages: consecutive ``function_call`` items join the assistant message before them."""
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        kind = item.get("type", "message")
+        if kind == "message":
+            out.append({"role": item.get("role"), "content": item.get("content")})
+        elif kind == "function_call":
+            call = {"id": str(item.get("call_id", "")), "type": "function",
+                    "function": {"name": str(item.get("name", "")), "arguments": str(item.get("arguments") or "{}")}}
+            if not out or out[-1]["role"] != "assistant":
+                out.append({"role": "assistant", "content": None})
+            out[-1].setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            output = item.get("output")
+            out.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")),
+                        "content": output if isinstance(output, str | list) else str(output)})
+        elif kind != "reasoning":  # the policy writes no separate reasoning items; an agent echoing one is harmless
+            raise UnsupportedInput(f"input[{i}].type {kind!r} is not served: the gateway reads message, "
+                                   "function_call and function_call_output items")
+    return out
+
+
+def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
+    if tool.get("type") != "function" or not tool.get("name"):
+        raise UnsupportedInput(f"tools[{i}]: only function tools reach the policy (it runs no hosted tools), got "
+                               f"type {tool.get('type')!r}")
+    function = {"name": tool["name"], "parameters": tool.get("parameters") or {"type": "object", "properties": {}}}
+    if tool.get("description"):
+        function["description"] = tool["description"]
+    return {"type": "function", "function": function}
+
+
+def response_body(message: Message, *, truncated: bool, prompt_tokens: int, completion_tokens: int, model: str,
+                  request: ResponsesRequest) -> dict[str, Any]:
+    """The Response for one sampled reply."""
+    output: list[dict[str, Any]] = []
+    if message.get("content") or not message.get("tool_calls"):
+        output.append({"type": "message", "id": f"msg_{secrets.token_hex(12)}", "status": "completed",
+                       "role": "assistant", "content": [{"type": "output_text", "text": message.get("content") or "",
+                                                         "annotations": [], "logprobs": []}]})
+    output += [{"type": "function_call", "id": f"fc_{secrets.token_hex(12)}", "call_id": c["id"],
+                "name": c["function"]["name"], "arguments": c["function"]["arguments"], "status": "completed"}
+               for c in message.get("tool_calls") or []]
+    return {
+        "id": f"resp_{secrets.token_hex(16)}", "object": "response", "created_at": int(time.time()),
+        "status": "incomplete" if truncated else "completed",
+        "incomplete_details": {"reason": "max_output_tokens"} if truncated else None,
+        "error": None, "model": model, "output": output, "instructions": request.instructions,
+        "tools": request.tools or [], "tool_choice": "auto", "parallel_tool_calls": True,
+        "previous_response_id": request.previous_response_id, "metadata": {}, "text": {"format": {"type": "text"}},
+        "usage": {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                  "output_tokens": completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                  "total_tokens": prompt_tokens + completion_tokens},
+    }

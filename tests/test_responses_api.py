@@ -1,0 +1,64 @@
+"""The Responses API dialect of the capture gateway: requests read as the chat calls they are, replies sent back as
+input items read as the reply they were (the e2e side is in test_gateway.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from generators.gateway import ChatRequest, _same
+from generators.responses_api import ResponsesRequest, UnsupportedInput, response_body
+
+ADD = {"type": "function", "name": "add", "description": "Add two integers.", "strict": True,
+       "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}
+REPLY = {"role": "assistant", "content": "Let me add.",
+         "tool_calls": [{"id": "call_1_0_0", "type": "function",
+                         "function": {"name": "add", "arguments": json.dumps({"a": 2, "b": 3})}},
+                        {"id": "call_1_0_1", "type": "function",
+                         "function": {"name": "add", "arguments": json.dumps({"a": 1, "b": 1})}}]}
+
+
+def test_a_reply_sent_back_as_input_items_reads_as_the_reply_it_was():
+    """Text and two calls go out as a message item and two function_call items; sent back (as an agent SDK does,
+    with their outputs), they read as that one assistant message, then one tool message per call."""
+    request = ResponsesRequest(input="What is 2 + 3?", instructions="Use the tools.", tools=[ADD])
+    out = response_body(REPLY, truncated=False, prompt_tokens=10, completion_tokens=5, model="policy",
+                        request=request)
+    assert [item["type"] for item in out["output"]] == ["message", "function_call", "function_call"]
+    assert out["status"] == "completed" and out["usage"]["total_tokens"] == 15
+    items = [{"role": "user", "content": "What is 2 + 3?"}, *out["output"],
+             {"type": "function_call_output", "call_id": "call_1_0_0", "output": "5"},
+             {"type": "function_call_output", "call_id": "call_1_0_1", "output": "2"}]
+    body = ResponsesRequest(input=items, instructions="Use the tools.", tools=[ADD], max_output_tokens=9).chat_body([])
+    chat = ChatRequest.model_validate(body).chat()
+    assert [m["role"] for m in chat] == ["system", "user", "assistant", "tool", "tool"]
+    assert _same(chat[2], REPLY)
+    assert [(m["tool_call_id"], m["content"]) for m in chat[3:]] == [("call_1_0_0", "5"), ("call_1_0_1", "2")]
+    assert body["max_tokens"] == 9
+    assert body["tools"] == [{"type": "function", "function": {"name": "add", "parameters": ADD["parameters"],
+                                                               "description": "Add two integers."}}]
+
+
+def test_calls_alone_and_a_cut_reply():
+    """A reply of calls only has no message item and comes back as an assistant message with no text; a reply the
+    token limit cut is ``incomplete``."""
+    calls_only = {**REPLY, "content": ""}
+    out = response_body(calls_only, truncated=True, prompt_tokens=1, completion_tokens=1, model="policy",
+                        request=ResponsesRequest(input="hi"))
+    assert [item["type"] for item in out["output"]] == ["function_call", "function_call"]
+    assert (out["status"], out["incomplete_details"]) == ("incomplete", {"reason": "max_output_tokens"})
+    [message] = ChatRequest.model_validate(ResponsesRequest(input=out["output"]).chat_body([])).chat()
+    assert _same(message, calls_only)
+
+
+def test_earlier_chat_comes_first_and_what_the_policy_cannot_serve_is_refused():
+    earlier = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    body = ResponsesRequest(input=[{"role": "user", "content": [{"type": "input_text", "text": "more"}]}]
+                            ).chat_body(earlier)
+    assert body["messages"][:2] == earlier and len(body["messages"]) == 3
+    for request, words in [(ResponsesRequest(input="hi", stream=True), "stream"),
+                           (ResponsesRequest(input="hi", tools=[{"type": "web_search"}]), "web_search"),
+                           (ResponsesRequest(input=[{"type": "computer_call"}]), "computer_call")]:
+        with pytest.raises(UnsupportedInput, match=words):
+            request.chat_body([])
