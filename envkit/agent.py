@@ -53,8 +53,10 @@ class AgentClient:
     episode_url: str
 
     def environ(self) -> dict[str, str]:
-        """The variables an agent process reads (the OpenAI SDK's and most CLIs')."""
-        return {"OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": self.api_key, "OPENAI_MODEL": self.model}
+        """The variables an agent process reads: the OpenAI SDK's and most CLIs', and the Anthropic SDK's (whose
+        base URL is the server's root; the gateway also serves ``/v1/messages``)."""
+        return {"OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": self.api_key, "OPENAI_MODEL": self.model,
+                "ANTHROPIC_BASE_URL": self.base_url.removesuffix("/v1"), "ANTHROPIC_API_KEY": self.api_key}
 
 
 Agent = Callable[[Task, AgentClient], Awaitable[Any]]

@@ -8,6 +8,10 @@ logprobs, finish reason, tool calls, weight version. Sampling uses the run's set
 or seed: a training run must sample from the policy it trains. ``max_tokens`` (capped by the run's) and ``stop``
 are honoured.
 
+``/v1/responses`` (:mod:`generators.responses_api`) and Anthropic's ``/v1/messages``
+(:mod:`generators.anthropic_api`) are read as the chat completions call they describe, and answered in their own
+shape.
+
 **Segments.** A call whose messages are an earlier call's messages, then the reply the gateway gave, then new
 messages continues that call's segment: the reply's sampled ids go in with loss mask 1, and the new messages as
 observation tokens with loss mask 0, exactly as the rollout loop appends an env's turn, so nothing the model sampled
@@ -23,7 +27,6 @@ ids the call counts as skewed (``Trajectory.template_mismatches``). It is measur
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import secrets
@@ -39,12 +42,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from envkit import Message
 from envkit.agent import AgentClient
-from generators.engines.base import EngineError, InferenceEngine, SamplingParams, generate_turn
+from generators.anthropic_api import MessagesRequest, message_body
+from generators.anthropic_api import stream as anthropic_stream
+from generators.engines.base import EngineError, InferenceEngine, SamplingParams, generate_turn, request_seed
 from generators.engines.replicas import Session, rollout_session
 from generators.parsers import OutputParser
 from generators.responses_api import ResponsesRequest, UnsupportedInput, response_body
 from generators.tool_prompt import ToolPrompt, ToolSchemas
-from generators.trajectory import StopReason
+from generators.trajectory import StopReason, mark_version
 
 if TYPE_CHECKING:
     import uvicorn
@@ -120,8 +125,7 @@ class Segment:
     def take(self, choice: _Choice) -> None:
         """Append ``choice``'s sampled tokens (loss mask 1) and record what it wrote."""
         for offset, version in choice.spans:
-            if not self.version_spans or self.version_spans[-1][1] != version:
-                self.version_spans.append([len(self.response_ids) + offset, version])
+            mark_version(self.version_spans, len(self.response_ids) + offset, version)
         self.response_ids += choice.ids
         self.loss_mask += [1] * len(choice.ids)
         self.rollout_logprobs += choice.logprobs
@@ -332,12 +336,11 @@ class Gateway:
         def seeded(params: SamplingParams, continuation: int) -> SamplingParams:
             if params.seed is None:
                 return params
-            key = f"{params.seed}:{episode.key}:{episode.calls}:{k}:{continuation}".encode()
-            return replace(params, seed=int.from_bytes(hashlib.sha256(key).digest()[:4], "big"))
+            return replace(params, seed=request_seed(params.seed, episode.key, episode.calls, k, continuation))
 
         async for part in generate_turn(self.engine, segment.ids, sampling, seeded):
-            if (part.token_ids or part.finish_reason != "abort") and (not spans or spans[-1][1] != part.weight_version):
-                spans.append([len(ids), part.weight_version])
+            if part.token_ids or part.finish_reason != "abort":  # stopped before its first token: no token has it
+                mark_version(spans, len(ids), part.weight_version)
             ids += part.token_ids
             logprobs += part.logprobs
         text = self.tokenizer.decode(ids)
@@ -456,6 +459,15 @@ def _error(status: int, code: str, message: str) -> JSONResponse:
                                    else "server_error", "code": code}}, status_code=status)
 
 
+_ANTHROPIC_ERRORS = {400: "invalid_request_error", 401: "authentication_error", 409: "invalid_request_error",
+                     429: "rate_limit_error"}
+
+
+def _anthropic_error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"type": "error", "error": {"type": _ANTHROPIC_ERRORS.get(status, "api_error"),
+                                                    "message": message}}, status_code=status)
+
+
 def _response(choices: list[_Choice], prompt_tokens: int, model: str) -> dict[str, Any]:
     return {
         "id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),
@@ -498,15 +510,15 @@ async def _stream(body: dict[str, Any], usage: bool) -> AsyncIterator[str]:
 
 
 def build_app(gateway: Gateway) -> FastAPI:
-    """The gateway's routes: ``/v1/chat/completions``, ``/v1/responses`` and ``/v1/models``, also under
-    ``/e/{key}``."""
+    """The gateway's routes: ``/v1/chat/completions``, ``/v1/responses``, Anthropic's ``/v1/messages`` and
+    ``/v1/models``, also under ``/e/{key}``."""
     app = FastAPI(title="envkit capture gateway", docs_url=None, redoc_url=None, openapi_url=None)
 
     def key_of(request: Request, key: str | None) -> str | None:
         if key is not None:
             return key
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        return token.strip() if scheme.lower() == "bearer" else None
+        return token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key")
 
     async def chat(request: Request, key: str | None = None) -> Response:
         try:
@@ -545,6 +557,25 @@ def build_app(gateway: Gateway) -> FastAPI:
         episode.responses[out["id"]] = [*chat_body["messages"], _openai_message(choice.message)]
         return JSONResponse(out)
 
+    async def messages(request: Request, key: str | None = None) -> Response:
+        try:
+            episode = gateway.episode(key_of(request, key))
+            body = _parse(MessagesRequest, await _json(request))
+            try:
+                chat_body = body.chat_body()
+            except UnsupportedInput as e:
+                raise GatewayError(400, "unsupported", str(e)) from None
+            (choice,), prompt_tokens = await gateway.chat(episode, _parse(ChatRequest, chat_body))
+        except GatewayError as e:
+            return _anthropic_error(e.status, str(e))
+        except EngineError as e:
+            return _anthropic_error(502, f"the inference engine failed: {e}")
+        out = message_body(choice.message, finish=choice.finish, prompt_tokens=prompt_tokens,
+                           completion_tokens=len(choice.ids), model=gateway.engine.model_name)
+        if body.stream:
+            return StreamingResponse(anthropic_stream(out), media_type="text/event-stream")
+        return JSONResponse(out)
+
     async def models(request: Request, key: str | None = None) -> Response:
         try:
             gateway.episode(key_of(request, key))
@@ -556,6 +587,7 @@ def build_app(gateway: Gateway) -> FastAPI:
     for prefix in ("", "/e/{key}"):
         app.add_api_route(prefix + "/v1/chat/completions", chat, methods=["POST"])
         app.add_api_route(prefix + "/v1/responses", responses, methods=["POST"])
+        app.add_api_route(prefix + "/v1/messages", messages, methods=["POST"])
         app.add_api_route(prefix + "/v1/models", models, methods=["GET"])
     return app
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -28,11 +27,11 @@ from typing import TYPE_CHECKING, Any
 import envkit
 from envkit import Env, Message, Task
 from envkit.agent import AgentEnv
-from generators.engines.base import Completion, InferenceEngine, SamplingParams, generate_turn
+from generators.engines.base import Completion, InferenceEngine, SamplingParams, generate_turn, request_seed
 from generators.engines.replicas import Session, rollout_session
 from generators.parsers import REASONING_PARSER_CHOICES, TOOL_PARSER_CHOICES, OutputParser
 from generators.tool_prompt import TOOL_PROMPT_CHOICES, ToolPrompt, written_text
-from generators.trajectory import StopReason, Trajectory
+from generators.trajectory import StopReason, Trajectory, mark_version
 
 if TYPE_CHECKING:
     from generators.chat import ChatTokenizer  # transformers: `envkit eval --help` must not pay for it
@@ -250,6 +249,9 @@ class Generator:
 
     async def _episode(self, env: Env, state: _Rollout, task: Task | None, seed: int | None, turn: Turn
                        ) -> StopReason:
+        t0 = time.perf_counter()
+        await env.init()  # first: an env in an env worker knows only then whether it is an agent env
+        state.env_s += time.perf_counter() - t0
         if isinstance(env.unwrapped, AgentEnv):
             if turn == self._demo_turn:
                 raise NotImplementedError(f"{type(env.unwrapped).__name__} is played by its agent: it has no "
@@ -257,7 +259,6 @@ class Generator:
             return await self._agent_episode(env, state, task, seed)
         traj, cfg = state.traj, self.config
         t0 = time.perf_counter()
-        await env.init()
         messages, _ = await env.reset(seed=seed, task=task)
         state.env_s += time.perf_counter() - t0
         state.tools = [t.to_openai() for t in env.tools] or None
@@ -303,7 +304,6 @@ class Generator:
         traj, agent = state.traj, env.unwrapped
         assert isinstance(agent, AgentEnv)
         t0 = time.perf_counter()
-        await env.init()
         traj.messages, _ = await env.reset(seed=seed, task=task)
         state.env_s += time.perf_counter() - t0
         gateway = await self._agent_gateway()
@@ -410,8 +410,7 @@ class Generator:
         """Record that model tokens from here on are sampled by ``version``."""
         if not traj.version_spans:
             traj.policy_version = version
-        if not traj.version_spans or traj.version_spans[-1][1] != version:
-            traj.version_spans.append([len(traj.response_ids), version])
+        mark_version(traj.version_spans, len(traj.response_ids), version)
 
     @staticmethod
     def _append(state: _Rollout, ids: list[int], logprobs: list[float] | None) -> None:
@@ -451,12 +450,10 @@ def _tool_log(turn: int, action: Message, info: dict[str, Any]) -> list[dict[str
 
 
 def _request_seed(base: int, traj: Trajectory, version: int, continuation: int = 0) -> int:
-    """A stable per-request seed from the base seed, the rollout's identity, its turn, the weight version and, for
-    a turn continued after a weight update, which continuation."""
-    key = f"{base}:{traj.group_id}:{traj.sample_index}:{traj.num_turns}:{version}".encode()
-    if continuation:
-        key += f":{continuation}".encode()
-    return int.from_bytes(hashlib.sha256(key).digest()[:4], "big")
+    """The request's seed from the rollout's identity, its turn, the weight version and, for a turn continued after
+    a weight update, which continuation."""
+    return request_seed(base, traj.group_id, traj.sample_index, traj.num_turns, version,
+                        *([continuation] if continuation else []))
 
 
 def _as_written(messages: list[Message], written: dict[int, str]) -> list[Message]:

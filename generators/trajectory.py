@@ -20,6 +20,13 @@ StopReason = Literal["done", "max_turns", "max_tokens", "timeout", "error"]
 STOP_REASONS: tuple[StopReason, ...] = ("done", "max_turns", "max_tokens", "timeout", "error")
 
 
+def mark_version(spans: list[list[int]], position: int, version: int) -> None:
+    """Record in ``spans`` (``[position, version]`` pairs, as :attr:`Trajectory.version_spans`) that the model
+    tokens from ``position`` on are sampled by ``version``."""
+    if not spans or spans[-1][1] != version:
+        spans.append([position, version])
+
+
 @dataclass
 class Trajectory:
     """One multi-turn rollout of a model in an env. ``failed`` ones (error/timeout) carry the reason, not tokens."""

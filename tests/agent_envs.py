@@ -1,10 +1,12 @@
 """Agents that run their own loop, as AgentEnvs named by entry point (``agent_envs:sums`` and the others below): an
-openai-SDK tool loop, the OpenAI Agents SDK, LangGraph, and a command-line agent process (``cli_agent.py``), each
-unmodified from PyPI and pointed at the episode's endpoint as a user points it at any OpenAI-compatible server."""
+openai-SDK tool loop, LangGraph, and a command-line agent process (``cli_agent.py``), each unmodified from PyPI and
+pointed at the episode's endpoint as a user points it at any OpenAI-compatible server (the OpenAI Agents SDK's is
+examples/train_agent_sdk.py)."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -20,6 +22,7 @@ ADD = {"type": "function", "function": {"name": "add", "description": "Add two i
                                         "parameters": {"type": "object", "required": ["a", "b"],
                                                        "properties": {"a": {"type": "integer"},
                                                                       "b": {"type": "integer"}}}}}
+INSTRUCTIONS = "Use the add tool, then answer."
 
 
 def llm(client: AgentClient, **kwargs: Any) -> openai.AsyncOpenAI:
@@ -40,7 +43,7 @@ async def tool_loop(task: Task, client: AgentClient, *, turns: int = 3, max_toke
                     stream: bool = False) -> str:
     """Ask, run the tool calls the model writes, and ask again, ``turns`` times at most; the last reply's text."""
     chat = llm(client)
-    messages: list[dict[str, Any]] = [{"role": "system", "content": "Use the add tool, then answer."},
+    messages: list[dict[str, Any]] = [{"role": "system", "content": INSTRUCTIONS},
                                       {"role": "user", "content": task["question"]}]
     text = ""
     for _ in range(turns):
@@ -97,27 +100,12 @@ def score(task: Task, text: str) -> float:
 
 def sums() -> AgentEnv:
     """One-digit sums, played by :func:`tool_loop` (two calls), graded on the last reply (:func:`score`)."""
-    return AgentEnv(agent=lambda task, client: tool_loop(task, client, turns=2, max_tokens=24), grader=score,
-                    tasks={"train": _questions(1, 8), "test": _questions(8, 10)})
-
-
-INSTRUCTIONS = "Use the add tool, then answer."
+    return _env(lambda task, client: tool_loop(task, client, turns=2, max_tokens=24))
 
 
 def add(a: int, b: int) -> int:
     """Add two integers."""
     return a + b
-
-
-async def openai_agents_loop(task: Task, client: AgentClient, *, max_tokens: int = 24) -> str:
-    """The OpenAI Agents SDK (``openai-agents``) on its default model class, which speaks the Responses API."""
-    from agents import Agent, ModelSettings, OpenAIResponsesModel, RunConfig, Runner, function_tool
-
-    model = OpenAIResponsesModel(model=client.model, openai_client=llm(client))
-    agent = Agent(name="adder", instructions=INSTRUCTIONS, tools=[function_tool(add)], model=model,
-                  model_settings=ModelSettings(max_tokens=max_tokens))
-    result = await Runner.run(agent, task["question"], max_turns=10, run_config=RunConfig(tracing_disabled=True))
-    return str(result.final_output)
 
 
 async def langgraph_loop(task: Task, client: AgentClient, *, max_tokens: int = 24) -> str:
@@ -137,11 +125,6 @@ def _env(agent: Any) -> AgentEnv:
     return AgentEnv(agent=agent, grader=score, tasks={"train": _questions(1, 8), "test": _questions(8, 10)})
 
 
-def openai_agents_sums() -> AgentEnv:
-    """:func:`sums` played by the OpenAI Agents SDK."""
-    return _env(openai_agents_loop)
-
-
 def langgraph_sums() -> AgentEnv:
     """:func:`sums` played by a LangGraph ReAct agent."""
     return _env(langgraph_loop)
@@ -151,3 +134,16 @@ def cli_sums() -> AgentEnv:
     """:func:`sums` played by ``cli_agent.py``, a command-line agent run as a process per episode."""
     return _env(Command([sys.executable, str(Path(__file__).with_name("cli_agent.py")), "--max-tokens", "24",
                          "--turns", "2"], timeout_s=120))
+
+
+def where() -> AgentEnv:
+    """A probe of where an agent env runs: one call, and the reward is the pid of the process that played and
+    graded the episode (the same one, or the reward is -1)."""
+
+    async def play(task: Task, client: AgentClient) -> int:
+        await llm(client).chat.completions.create(model=client.model, max_tokens=4,
+                                                  messages=[{"role": "user", "content": task["question"]}])
+        return os.getpid()
+
+    return AgentEnv(agent=play, grader=lambda task, pid: float(pid if pid == os.getpid() else -1),
+                    tasks=_questions(1, 3))

@@ -69,6 +69,18 @@ def test_state_shared_between_instances_fails_isolation_and_still_crosses_the_wi
     assert rows["isolated sessions"] == "fail" and rows["ws round trip"] == "pass"
 
 
+def test_an_agent_env_passes_with_its_resets_checked_and_no_step_taken():
+    """Its agent plays through a generator: check opens episodes (by seed and by task, in-process and over ws://)
+    and steps none, where stepping would raise."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", WITH_TESTS["PYTHONPATH"])
+        rows = {r.check: r for r in check("agent_envs:sums")}
+    assert not failed(rows.values()), rows
+    assert {"contract", "same start", "isolated sessions", "ws round trip", "disjoint splits"} <= {
+        name for name, r in rows.items() if r.status == "pass"}
+    assert "0 steps (an agent env" in rows["contract"].detail and rows["reward range"].status == "skip"
+
+
 def test_the_table_names_the_failing_check():
     out = subprocess.run([sys.executable, "-m", "envkit", "check", "broken_envs:LeakyEnv", "--no-serve"],
                          capture_output=True, text=True, timeout=120, env={**WITH_TESTS, "COLUMNS": "200"})

@@ -4,6 +4,7 @@ calls captured exactly as the engine sampled them, linked into segments, and ref
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 from typing import Any
 
@@ -347,3 +348,47 @@ async def test_command_agents_run_as_processes_and_fail_alone_with_their_process
     for mode in ("hang", "outlive"):
         pids = [int(p) for p in (tmp_path / f"{mode}.pids").read_text().split()]
         assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"], mode
+
+
+async def test_anthropic_messages_calls_link_stream_and_refuse_as_chat_calls_do(vllm_engine, chat_tokenizer):
+    """An Anthropic-SDK agent: a call with a tool, then a streamed call resending the reply's blocks (tool results
+    for its tool_use blocks) and a new user turn; one exact sequence. An unknown key gets the SDK's
+    AuthenticationError, a body without max_tokens a 400 in Anthropic's error shape."""
+    import anthropic
+
+    engine = Recorded(vllm_engine)
+    seen: dict[str, Any] = {}
+    tools = [{"name": "add", "description": "Add two integers.", "input_schema": ADD["function"]["parameters"]}]
+
+    async def agent(task: Task, client: AgentClient) -> str:
+        root = client.base_url.removesuffix("/v1")
+        sdk = anthropic.AsyncAnthropic(base_url=root, api_key=client.api_key, max_retries=0)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": task["question"]}]
+        first = await sdk.messages.create(model=client.model, max_tokens=24, system="Use the add tool, then answer.",
+                                          tools=tools, messages=messages)
+        results = [{"type": "tool_result", "tool_use_id": b.id, "content": run_add(json.dumps(b.input))}
+                   for b in first.content if b.type == "tool_use"]
+        messages += [{"role": "assistant", "content": [b.model_dump() for b in first.content]},
+                     {"role": "user", "content": [*results, {"type": "text", "text": "Sure?"}]}]
+        async with sdk.messages.stream(model=client.model, max_tokens=24, system="Use the add tool, then answer.",
+                                       tools=tools, messages=messages) as stream:
+            second = await stream.get_final_message()
+        seen["stop_reasons"] = [first.stop_reason, second.stop_reason]
+        try:
+            await anthropic.AsyncAnthropic(base_url=root, api_key="nope", max_retries=0).messages.create(
+                model=client.model, max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+        except anthropic.AuthenticationError as e:
+            seen["unknown"] = e.body
+        async with httpx.AsyncClient(base_url=root, timeout=60) as http:
+            seen["no_max_tokens"] = (await http.post("/v1/messages", headers={"x-api-key": client.api_key},
+                                                     json={"messages": [{"role": "user", "content": "hi"}]}))
+        return "".join(b.text for b in second.content if b.type == "text")
+
+    [t] = await generator(engine, chat_tokenizer).generate(agent_env(agent), tasks=[QUESTION])
+    assert t.stop_reason == "done", t.error
+    assert t.num_turns == 2 and len(engine.calls) == 2 and t.segments == [] and len(spans(t)) == 2
+    assert_exact([t], engine)
+    assert set(seen["stop_reasons"]) <= {"end_turn", "max_tokens", "tool_use"}
+    assert seen["unknown"]["error"]["type"] == "authentication_error"
+    bad = seen["no_max_tokens"]
+    assert bad.status_code == 400 and bad.json()["type"] == "error" and "max_tokens" in bad.json()["error"]["message"]

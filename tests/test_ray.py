@@ -60,6 +60,8 @@ def cluster() -> Iterator[str]:
         # The other pytest worker's training runs share this machine's memory; Ray's monitor would count them and
         # kill this cluster's actors at 95% in use.
         env.setenv("RAY_memory_monitor_refresh_ms", "0")
+        # Its workers (env workers included) import the test modules' envs, as the runs' trainer processes do.
+        env.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")])))
         started = subprocess.run([RAY, "start", "--head", f"--port={port}", "--num-cpus=8",
                                   "--include-dashboard=false", "--disable-usage-stats"], capture_output=True, text=True)
         assert started.returncode == 0, started.stdout + started.stderr
@@ -332,3 +334,24 @@ async def test_weights_through_the_object_store_serve_what_a_reload_from_disk_se
     finally:
         await engine.stop()
     assert _run_actors(namespace) == []
+
+
+async def test_agent_envs_play_their_episodes_in_env_workers(cluster, vllm_engine, chat_tokenizer):
+    """On env workers an agent env's agent runs, and is graded, in the worker (each episode's reward is the pid that
+    played and graded it), and reaches the policy through the generator's gateway: its calls are captured."""
+    from envkit.ref import EnvRef
+    from generators.rollout import Generator, GeneratorConfig
+    from trainer.placement.env_workers import EnvWorkerPool, WorkerEnv
+
+    pool = EnvWorkerPool(2, {"CPU": 1}, sandbox_pool_size=0)
+    try:
+        generator = Generator(vllm_engine, chat_tokenizer, GeneratorConfig(max_tokens=8, samples_per_prompt=2))
+        trajs = await generator.generate(lambda: WorkerEnv(pool, EnvRef("agent_envs:where")),
+                                         tasks=[{"id": "q", "question": "What is 2 + 3?"}] * 2)
+        assert [t.stop_reason for t in trajs] == ["done"] * 4, [t.error for t in trajs]
+        pids = {int(t.reward) for t in trajs}
+        assert os.getpid() not in pids
+        assert all(psutil.Process(pid).cmdline()[0].startswith("ray::EnvWorker") for pid in pids)
+    finally:
+        await pool.close()
+    assert all(t.num_turns == 1 and sum(t.loss_mask) > 0 for t in trajs)

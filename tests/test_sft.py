@@ -150,6 +150,19 @@ def test_trajectories_of_another_tokenizer_are_refused(chat_tokenizer, tmp_path)
     assert _recorded(SFTConfig(data="trajectories", paths=[str(path)]), chat_tokenizer)[0] == [mine]
 
 
+def test_a_captured_agent_episode_trains_each_of_its_sequences(chat_tokenizer, tmp_path) -> None:
+    """An episode the capture gateway recorded in two segments (a compressed context) is two SFT sequences, read
+    back from the JSONL a run or `envkit eval` writes."""
+    segment = {"prompt_ids": [7, 8, 9], "response_ids": [10, 11], "loss_mask": [1, 1],
+               "rollout_logprobs": [-0.5, -0.25], "version_spans": [[0, 0]]}
+    episode = _traj(tokenizer=chat_tokenizer.fingerprint, segments=[segment])
+    path = write_jsonl([episode], tmp_path / "captured.jsonl")
+    sequences, counts = _recorded(SFTConfig(data="trajectories", paths=[str(path)]), chat_tokenizer)
+    assert [(s.prompt_ids, s.response_ids, s.segments) for s in sequences] == [([1, 2], [3, 4], []),
+                                                                              ([7, 8, 9], [10, 11], [])]
+    assert counts["trajectories/kept"] == 1
+
+
 @pytest.mark.parametrize(("override", "message"), [
     ("sft.data=chat", "sft.data=chat needs sft.paths"),
     ("sft.epochs=0", "sft.epochs must be >= 1"),

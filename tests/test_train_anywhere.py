@@ -233,13 +233,16 @@ FRAMEWORKS = {"openai_agents": ('"title": "add_args"', 4), "langgraph": ('"descr
 
 @pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
 def test_trains_agents_built_with_third_party_frameworks(policy_url, tmp_path, framework):
-    """The OpenAI Agents SDK (over the Responses API), LangGraph's ReAct agent (chat completions) and a
-    command-line agent process (tests/cli_agent.py: an openai-SDK loop, a process per episode), unmodified from PyPI
-    and named by entry point: two steps with real updates, every call through the capture gateway."""
+    """The OpenAI Agents SDK over the Responses API (examples/train_agent_sdk.py, as the README runs it), LangGraph's
+    ReAct agent (chat completions) and a command-line agent process (tests/cli_agent.py: an openai-SDK loop, a
+    process per episode), unmodified from PyPI and named by entry point: two steps with real updates, every call
+    through the capture gateway."""
     mark, prompts = FRAMEWORKS[framework]
-    steps = train(tmp_path / "run", policy_url, f"env.name=agent_envs:{framework}_sums", "generator.max_tokens=24",
-                  prompts=prompts, env={"PYTHONPATH": os.pathsep.join([str(REPO / "tests"),
-                                                                       os.environ.get("PYTHONPATH", "")])})
+    overrides = ["generator.max_tokens=24"] + ([] if framework == "openai_agents"
+                                               else [f"env.name=agent_envs:{framework}_sums"])
+    steps = train(tmp_path / "run", policy_url, *overrides, prompts=prompts,
+                  example="train_agent_sdk" if framework == "openai_agents" else None,
+                  env={"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])})
     assert all(m.get("stop/done", 0) + m.get("stop/max_tokens", 0) + m.get("stop/max_turns", 0) == 8 * prompts
                for m in steps.values()), steps
     trajs = [json.loads(line) for line in (tmp_path / "run" / "final_trajectories.jsonl").read_text().splitlines()]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import hashlib
 import os
 import re
 from collections.abc import AsyncIterator, Callable
@@ -158,6 +159,13 @@ async def generate_turn(engine: InferenceEngine, prompt_ids: list[int], sampling
         if part.finish_reason != "abort" or sampled >= total:
             return
         sampling = replace(sampling, max_tokens=total - sampled)
+
+
+def request_seed(base: int, *identity: object) -> int:
+    """A stable 32-bit seed for one request, from the run's ``base`` seed and what identifies the request (its
+    rollout or episode, turn, weight version, continuation)."""
+    key = ":".join(str(part) for part in (base, *identity)).encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:4], "big")
 
 
 def publish_policy(engine: InferenceEngine) -> None:

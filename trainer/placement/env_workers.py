@@ -18,7 +18,7 @@ import ray
 from ray.exceptions import RayActorError
 from ray.util.placement_group import remove_placement_group
 
-from envkit import Env, Message, StepResult, Task, Tool
+from envkit import AgentClient, AgentEnv, Env, Message, StepResult, Task, Tool
 from envkit.ref import EnvRef
 from trainer.placement.groups import SHUTDOWN_TIMEOUT_S, actor_options, ready_group
 
@@ -36,12 +36,14 @@ class EnvWorker:
         self.pools: dict[tuple[str, str, str], Any] = {}
         self.pools_lock = asyncio.Lock()
 
-    async def open(self, key: int, ref: EnvRef) -> None:
+    async def open(self, key: int, ref: EnvRef) -> bool:
+        """Make and init the env of rollout ``key``; whether it is an agent env."""
         if ref.sandbox is not None:
             ref = ref.with_pool(await self._pool(ref))
         env = ref.make()
         self.envs[key] = env
         await env.init()
+        return isinstance(env.unwrapped, AgentEnv)
 
     async def _pool(self, ref: EnvRef) -> Any:
         from sandboxes.env import open_pool_for, operator_kwargs
@@ -59,6 +61,18 @@ class EnvWorker:
 
     async def step(self, key: int, action: Message) -> StepResult:
         return await self.envs[key].step(action)
+
+    async def run_agent(self, key: int, client: AgentClient) -> Any:
+        """Play an agent env's episode here: its agent reaches the policy at ``client`` (the generator's gateway)."""
+        return await self._agent(key).run(client)
+
+    async def grade(self, key: int, result: Any) -> float:
+        return await self._agent(key).grade(result)
+
+    def _agent(self, key: int) -> AgentEnv:
+        agent = self.envs[key].unwrapped
+        assert isinstance(agent, AgentEnv)
+        return agent
 
     async def close(self, key: int) -> None:
         env = self.envs.pop(key, None)
@@ -150,11 +164,18 @@ class WorkerEnv(Env):
         self.key = next(pool.keys)
         self.worker: Any = None
         self.tools = []  # type: ignore[misc]  # the worker's env's, once reset
+        self._agent: _WorkerAgent | None = None
+
+    @property
+    def unwrapped(self) -> Env:
+        """Once init has run, an agent env's stand-in (its agent runs in the worker), else this env."""
+        return self._agent or self
 
     async def init(self) -> None:
         if self.worker is None:
             self.worker = self.pool.pick()
-            await self._call("open", self.key, self.ref)
+            if await self._call("open", self.key, self.ref):
+                self._agent = _WorkerAgent(self)
 
     async def reset(self, *, seed: int | None = None, task: Task | None = None) -> tuple[list[Message], dict]:
         await self.init()
@@ -183,3 +204,19 @@ class WorkerEnv(Env):
             self.pool.lost(self.worker)
             raise EnvWorkerDied(f"the env worker running {self.ref.name!r} died mid-rollout ({type(e).__name__})"
                                 ) from e
+
+
+class _WorkerAgent(AgentEnv):
+    """An agent env in an env worker, as the generator sees it: :meth:`run` plays the episode there (the agent
+    reaches the gateway from the worker, so the worker must reach the generator's host), :meth:`grade` grades it
+    there; the result crosses by Ray, so it must pickle."""
+
+    def __init__(self, env: WorkerEnv) -> None:
+        super().__init__()
+        self.env = env
+
+    async def run(self, client: AgentClient) -> Any:
+        return await self.env._call("run_agent", self.env.key, client)
+
+    async def grade(self, result: Any) -> float:
+        return await self.env._call("grade", self.env.key, result)

@@ -1,5 +1,5 @@
-"""The Responses API dialect of the capture gateway: requests read as the chat calls they are, replies sent back as
-input items read as the reply they were (the e2e side is in test_gateway.py)."""
+"""The capture gateway's other dialects, OpenAI's Responses API and Anthropic's Messages API: requests read as the
+chat calls they are, and replies sent back read as the reply they were (the e2e side is in test_gateway.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from generators.anthropic_api import MessagesRequest, message_body, stream
 from generators.gateway import ChatRequest, _same
 from generators.responses_api import ResponsesRequest, UnsupportedInput, response_body
 
@@ -62,3 +63,55 @@ def test_earlier_chat_comes_first_and_what_the_policy_cannot_serve_is_refused():
                            (ResponsesRequest(input=[{"type": "computer_call"}]), "computer_call")]:
         with pytest.raises(UnsupportedInput, match=words):
             request.chat_body([])
+
+
+def test_an_anthropic_reply_sent_back_reads_as_the_reply_it_was():
+    """Text and two tool_use blocks; sent back with tool_result blocks (and a text block after them), they read as
+    one assistant message, two tool messages, then the user's text."""
+    out = message_body(REPLY, finish="stop", prompt_tokens=10, completion_tokens=5, model="policy")
+    assert [b["type"] for b in out["content"]] == ["text", "tool_use", "tool_use"]
+    assert out["stop_reason"] == "tool_use" and out["content"][1]["input"] == {"a": 2, "b": 3}
+    request = MessagesRequest(max_tokens=9, system=[{"type": "text", "text": "Use the tools."}], tools=[
+        {"name": "add", "description": "Add two integers.", "input_schema": ADD["parameters"]}], messages=[
+        {"role": "user", "content": "What is 2 + 3?"},
+        {"role": "assistant", "content": out["content"]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1_0_0", "content": "5"},
+                                     {"type": "tool_result", "tool_use_id": "call_1_0_1",
+                                      "content": [{"type": "text", "text": "2"}]},
+                                     {"type": "text", "text": "Now answer."}]}])
+    body = request.chat_body()
+    chat = ChatRequest.model_validate(body).chat()
+    assert [m["role"] for m in chat] == ["system", "user", "assistant", "tool", "tool", "user"]
+    assert _same(chat[2], REPLY)
+    assert [m["content"] for m in chat[3:]] == ["5", "2", "Now answer."]
+    assert body["tools"][0]["function"]["parameters"] == ADD["parameters"] and body["max_tokens"] == 9
+
+
+async def test_an_anthropic_stream_carries_the_same_message():
+    """The events of a streamed reply rebuild the JSON reply's blocks and stop reason."""
+    out = message_body(REPLY, finish="stop", prompt_tokens=10, completion_tokens=5, model="policy")
+    events = [json.loads(chunk.split("data: ", 1)[1]) async for chunk in stream(out)]
+    assert events[0]["type"] == "message_start" and events[-1]["type"] == "message_stop"
+    blocks: list[dict] = []
+    for e in events:
+        if e["type"] == "content_block_start":
+            blocks.append(dict(e["content_block"]))
+        elif e["type"] == "content_block_delta":
+            delta = e["delta"]
+            if delta["type"] == "text_delta":
+                blocks[e["index"]]["text"] += delta["text"]
+            else:
+                blocks[e["index"]]["input"] = json.loads(delta["partial_json"])
+    assert blocks == out["content"]
+    assert [e["delta"]["stop_reason"] for e in events if e["type"] == "message_delta"] == ["tool_use"]
+
+
+def test_what_the_anthropic_dialect_cannot_serve_is_refused():
+    for request, words in [
+        (MessagesRequest(max_tokens=5, messages=[{"role": "user", "content": [{"type": "image"}]}]), "image"),
+        (MessagesRequest(max_tokens=5, messages=[{"role": "system", "content": "hi"}]), "role"),
+        (MessagesRequest(max_tokens=5, messages=[{"role": "user", "content": "hi"}],
+                         tools=[{"type": "web_search_20250305", "name": "web_search"}]), "web_search"),
+    ]:
+        with pytest.raises(UnsupportedInput, match=words):
+            request.chat_body()

