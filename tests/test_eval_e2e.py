@@ -49,6 +49,22 @@ def test_eval_arithmetic_with_the_bundled_model_on_a_managed_server(tmp_path):
     assert "arithmetic: all 19 test tasks" in result.stdout
 
 
+def test_eval_an_agent_env_through_the_capture_gateway(tmp_path):
+    """An agent env (an openai-SDK loop, tests/agent_envs.py) evaluates as any env: its two calls an episode are
+    captured as one token sequence, written to trajectories.jsonl."""
+    out = tmp_path / "agent"
+    result = subprocess.run([sys.executable, "-m", "envkit.cli", "eval", "agent_envs:sums", "-n", "4", "--max-tokens",
+                             "24", "--out", str(out)], capture_output=True, text=True, cwd=tmp_path, timeout=900,
+                            env={**os.environ, "COLUMNS": "160",
+                                 "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                                             os.environ.get("PYTHONPATH")]))})
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary, trajectories, _ = _outputs(out)
+    assert summary["n"] == len(trajectories) == 4 and summary["n_failed"] == 0
+    assert all(t["num_turns"] == 2 and t["loss_mask"].count(1) > 0 and t["loss_mask"].count(0) > 0
+               for t in trajectories)
+
+
 async def test_eval_external_endpoint_in_chat_mode(vllm_engine, tmp_path):
     out = tmp_path / "chat"
     result = _envkit("eval", "calculator", "-n", "4", "--max-turns", "2", "--max-tokens", "48",

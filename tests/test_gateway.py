@@ -176,10 +176,17 @@ async def test_calls_are_refused_cleanly_and_the_gateway_stays_up(vllm_engine, c
             seen["bad_role"] = await http.post("/chat/completions", json={"messages": [{"role": "robot"}]},
                                                headers=auth)
             seen["not_json"] = await http.post("/chat/completions", content=b"{", headers=auth)
+            seen["n17"] = await http.post("/chat/completions", headers=auth, json={
+                "messages": [{"role": "user", "content": "hi"}], "n": 17})
+            seen["too_long"] = await http.post("/chat/completions", headers=auth, json={
+                "messages": [{"role": "user", "content": "word " * 400}]})  # past max_total_tokens=256
             seen["models"] = (await http.get("/models", headers=auth)).json()
         via_path = openai.AsyncOpenAI(base_url=client.episode_url, api_key="unused", max_retries=0)
+        capped = await via_path.chat.completions.create(model=client.model, max_tokens=1000, messages=[
+            {"role": "user", "content": "Tell me a very long story about a dragon."}])
+        seen["capped"] = (capped.usage.completion_tokens, capped.choices[0].finish_reason)
         chat = [{"role": "user", "content": task["question"]}]
-        for _ in range(3):  # max_turns=2: the third is refused
+        for _ in range(3):  # max_turns=3: the third of these is refused
             try:
                 await via_path.chat.completions.create(model=client.model, messages=chat, max_tokens=8)
             except openai.RateLimitError as e:
@@ -187,18 +194,24 @@ async def test_calls_are_refused_cleanly_and_the_gateway_stays_up(vllm_engine, c
                 raise
         return "unreachable"
 
-    gen = generator(vllm_engine, chat_tokenizer, max_turns=2)
+    gen = generator(vllm_engine, chat_tokenizer, max_turns=3, max_tokens=16, max_total_tokens=256)
     env = agent_env(agent)
     [t] = await gen.generate(env, tasks=[QUESTION])
     assert seen["unknown"]["error"]["code"] == "invalid_api_key"
-    for key in ("no_messages", "bad_role", "not_json"):
+    for key in ("no_messages", "bad_role", "not_json", "n17"):
         assert seen[key].status_code == 400 and seen[key].json()["error"]["code"] in ("invalid_request",
                                                                                       "invalid_message"), key
     assert "messages" in seen["no_messages"].json()["error"]["message"]
     assert "robot" in seen["bad_role"].json()["error"]["message"]
+    assert seen["n17"].json()["error"]["message"].startswith("n:")
+    too_long = seen["too_long"]
+    assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
+    # the agent asked for 1000 tokens; the run allows 16 a call (a story runs past them)
+    tokens, finish = seen["capped"]
+    assert tokens <= 16 and (finish != "length" or tokens == 16)
     assert seen["models"]["data"][0]["id"] == vllm_engine.model_name
     assert seen["limit"]["code"] == "call_limit"
-    assert (t.stop_reason, t.reward, t.num_turns, t.failed) == ("max_turns", 0.0, 2, False)
+    assert (t.stop_reason, t.reward, t.num_turns, t.failed) == ("max_turns", 0.0, 3, False)
     assert len(t.sequences()) >= 1 and sum(t.loss_mask) > 0  # the answered calls are kept
 
     # an episode's key is dead once it ends: a late call (an agent's stray task) gets 409
