@@ -64,13 +64,16 @@ Agent = Callable[[Task, AgentClient], Awaitable[Any]]
 Grader = Callable[[Task, Any], float | Awaitable[float]]
 """``(task, result) -> reward``."""
 TASK_ENV = "ENVKIT_TASK"
-"""The variable a :class:`Command` agent finds its task in (as JSON; also on its stdin)."""
+"""The variable a :class:`Command` agent finds its task in (as JSON; always on its stdin)."""
+TASK_ENV_LIMIT = 64 * 1024
+"""Larger tasks are on stdin only: Linux refuses to start a process with one environment string past 128 KiB."""
 
 
 @dataclass(frozen=True)
 class Command:
-    """An agent that is a process: ``argv`` runs with :meth:`AgentClient.environ` and :data:`TASK_ENV` set, the
-    task as JSON on stdin, in a session of its own; its stdout, stripped, is the result. Past ``timeout_s``, or when
+    """An agent that is a process: ``argv`` runs with :meth:`AgentClient.environ` and :data:`TASK_ENV` (up to
+    :data:`TASK_ENV_LIMIT`) set, the task as JSON on stdin, in a session of its own; its stdout, stripped, is the
+    result (past ``output_limit`` bytes the rollout fails rather than grade a cut answer). Past ``timeout_s``, or when
     its rollout is cancelled, it is killed with every process in its group (one that calls ``setsid()`` escapes: run
     untrusted agents in a container). It inherits this process's environment unless ``inherit_env`` is False (then
     only PATH, LANG, HOME), plus ``env``."""
@@ -85,16 +88,20 @@ class Command:
     async def __call__(self, task: Task, client: AgentClient) -> str:
         """Run the process for ``task``; raises :class:`~envkit.errors.AgentProcessError` if it fails or hangs."""
         document = json.dumps(task)
-        base = dict(os.environ) if self.inherit_env else dict(untrusted.SAFE_ENV)
+        env = {**(os.environ if self.inherit_env else untrusted.SAFE_ENV), **self.env, **client.environ()}
+        if len(document) <= TASK_ENV_LIMIT:
+            env[TASK_ENV] = document
         result = await untrusted.run(list(self.argv), stdin=document.encode(), timeout_s=self.timeout_s,
-                                     output_limit=self.output_limit, cwd=self.cwd,
-                                     env={**base, **self.env, **client.environ(), TASK_ENV: document})
+                                     output_limit=self.output_limit, cwd=self.cwd, env=env)
         if result.timed_out:
             raise AgentProcessError(f"agent command {self.argv[0]!r} ran past {self.timeout_s:g} s and was killed "
                                     "with its processes")
         if result.exit_code != 0:
             tail = result.stderr.decode(errors="replace").strip()[-500:]
             raise AgentProcessError(f"agent command {self.argv[0]!r} exited {result.exit_code}: {tail}")
+        if len(result.stdout) >= self.output_limit:  # cut there (a chatty stderr, cut too, is no matter)
+            raise AgentProcessError(f"agent command {self.argv[0]!r} wrote {self.output_limit} bytes or more to "
+                                    "stdout; its answer would be graded cut")
         return result.stdout.decode(errors="replace").strip()
 
 

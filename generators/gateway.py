@@ -161,8 +161,8 @@ class Episode:
     tool_log: list[dict[str, Any]] = field(default_factory=list)
     stop: StopReason | None = None
     """Set when a budget refused a call (max_turns, max_tokens)."""
-    truncated: int = 0
-    """Replies the token limit cut."""
+    last_cut: bool = False
+    """Whether the token limit cut the last call's reply (an SDK may raise on it)."""
     responses: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     """Each ``/v1/responses`` reply's chat through it, by response id (for ``previous_response_id``)."""
     generate_s: float = 0.0
@@ -289,7 +289,7 @@ class Gateway:
                 rollout_session.reset(token)
                 episode.generate_s += time.perf_counter() - t0
             segment.pending = list(choices)
-            episode.truncated += sum(c.finish == "length" for c in choices)
+            episode.last_cut = any(c.finish == "length" for c in choices)
             for choice in choices:
                 calls = choice.message.get("tool_calls") or []
                 episode.tool_log += [{"turn": episode.calls, "name": c["function"]["name"], "status": "unknown"}
@@ -457,9 +457,15 @@ def _parse(model: type[_Body], data: Any) -> _Body:
         raise GatewayError(400, "invalid_request", f"{where}: {detail['msg']}" if where else detail["msg"]) from None
 
 
+def _no_retry(status: int) -> dict[str, str]:
+    """The header that keeps the OpenAI and Anthropic SDKs from retrying a refusal (by default they retry 409 and
+    429, with back-off: a finished episode's agent would wait seconds to be refused again)."""
+    return {"x-should-retry": "false"} if status < 500 else {}
+
+
 def _error(status: int, code: str, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": "invalid_request_error" if status < 500
-                                   else "server_error", "code": code}}, status_code=status)
+                                   else "server_error", "code": code}}, status_code=status, headers=_no_retry(status))
 
 
 _ANTHROPIC_ERRORS = {400: "invalid_request_error", 401: "authentication_error", 409: "invalid_request_error",
@@ -468,7 +474,8 @@ _ANTHROPIC_ERRORS = {400: "invalid_request_error", 401: "authentication_error", 
 
 def _anthropic_error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"type": "error", "error": {"type": _ANTHROPIC_ERRORS.get(status, "api_error"),
-                                                    "message": message}}, status_code=status)
+                                                    "message": message}}, status_code=status,
+                        headers=_no_retry(status))
 
 
 def _response(choices: list[_Choice], prompt_tokens: int, model: str) -> dict[str, Any]:
@@ -557,7 +564,7 @@ def build_app(gateway: Gateway) -> FastAPI:
             return _error(502, "engine_error", f"the inference engine failed: {e}")
         out = response_body(choice.message, truncated=choice.finish == "length", prompt_tokens=prompt_tokens,
                             completion_tokens=len(choice.ids), model=gateway.engine.model_name, request=body)
-        episode.responses[out["id"]] = [*chat_body["messages"], _openai_message(choice.message)]
+        episode.responses[out["id"]] = body.history(chat_body, _openai_message(choice.message))
         return JSONResponse(out)
 
     async def messages(request: Request, key: str | None = None) -> Response:

@@ -5,7 +5,8 @@ calls, ``function_call_output`` items tool messages), its flat function tools ch
 treats it as a chat completions call, so its token ids link across calls exactly as chat calls do. The reply goes
 back as a Response: a ``message`` output item with the text, a ``function_call`` item per tool call, status
 ``incomplete`` where the token limit cut it. ``previous_response_id`` works within an episode: the gateway keeps
-each episode's responses until it ends (``store`` is otherwise ignored).
+each episode's responses until it ends (``store`` is otherwise ignored). As in OpenAI's API, a call's
+``instructions`` apply to that call alone: a call continuing another does not inherit them.
 """
 
 from __future__ import annotations
@@ -36,19 +37,28 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
 
     def chat_body(self, earlier: list[dict[str, Any]]) -> dict[str, Any]:
-        """The equivalent chat completions request body, continuing the chat ``earlier`` (that of
-        ``previous_response_id``, else empty)."""
+        """The equivalent chat completions request body: the instructions, then the chat ``earlier`` (that of
+        ``previous_response_id``, else empty), then the input."""
         if self.stream:
             raise UnsupportedInput("stream: the gateway answers /v1/responses whole; send stream=false (the "
                                    "chat completions route streams)")
-        messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
-        items = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input
-        body: dict[str, Any] = {"messages": [*earlier, *messages, *_messages(items)]}
+        body: dict[str, Any] = {"messages": [*self._instructions(), *earlier, *_messages(self._items())]}
         if self.tools:
             body["tools"] = [_chat_tool(t, i) for i, t in enumerate(self.tools)]
         if self.max_output_tokens:
             body["max_tokens"] = self.max_output_tokens
         return body
+
+    def history(self, body: dict[str, Any], reply: dict[str, Any]) -> list[dict[str, Any]]:
+        """What a later call continues by ``previous_response_id``: ``body``'s chat without this call's
+        instructions, then ``reply``."""
+        return [*body["messages"][len(self._instructions()):], reply]
+
+    def _instructions(self) -> list[dict[str, Any]]:
+        return [{"role": "system", "content": self.instructions}] if self.instructions else []
+
+    def _items(self) -> list[dict[str, Any]]:
+        return [{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input
 
 
 def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -299,8 +299,8 @@ class Generator:
     async def _agent_episode(self, env: Env, state: _Rollout, task: Task | None, seed: int | None) -> StopReason:
         """An :class:`~envkit.agent.AgentEnv` episode: its agent plays the task through the capture gateway, whose
         recorded calls become the trajectory's token sequences, and the env grades what the agent returned. An agent
-        that fails after a budget refused its call (max_turns, max_tokens) or after the token limit cut a reply (an
-        SDK may raise on a truncated response) scores 0; one that fails otherwise fails the rollout."""
+        that fails after a budget refused its call (max_turns, max_tokens) or right after the token limit cut its
+        last reply (an SDK may raise on a truncated response) scores 0; one that fails otherwise fails the rollout."""
         traj, agent = state.traj, env.unwrapped
         assert isinstance(agent, AgentEnv)
         t0 = time.perf_counter()
@@ -312,7 +312,7 @@ class Generator:
         try:
             result = await agent.run(gateway.client(episode))
         except Exception:
-            if episode.stop is None and not episode.truncated:
+            if episode.stop is None and not episode.last_cut:
                 raise
             failed = True
             episode.stop = episode.stop or "max_tokens"

@@ -147,3 +147,20 @@ def where() -> AgentEnv:
 
     return AgentEnv(agent=play, grader=lambda task, pid: float(pid if pid == os.getpid() else -1),
                     tasks=_questions(1, 3))
+
+
+HANG = """
+import json, os, subprocess, sys, time
+task = json.load(sys.stdin)
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+with open(task["pids"], "w") as f:
+    f.write(f"{os.getpid()} {child.pid}")
+time.sleep(3600)
+"""
+
+
+def hang() -> AgentEnv:
+    """An agent process that starts a child and hangs (writing both pids to the task's ``pids`` file): a probe of
+    what a cancelled rollout leaves behind."""
+    return AgentEnv(agent=Command([sys.executable, "-c", HANG], timeout_s=3600), grader=lambda task, text: 0.0,
+                    tasks=_questions(1, 2))

@@ -206,6 +206,7 @@ async def test_calls_are_refused_cleanly_and_the_gateway_stays_up(vllm_engine, c
     assert seen["n17"].json()["error"]["message"].startswith("n:")
     too_long = seen["too_long"]
     assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
+    assert too_long.headers["x-should-retry"] == "false"  # SDKs would otherwise retry refusals (409, 429)
     # the agent asked for 1000 tokens; the run allows 16 a call (a story runs past them)
     tokens, finish = seen["capped"]
     assert tokens <= 16 and (finish != "length" or tokens == 16)
@@ -308,10 +309,16 @@ AGENT_PROCESS = """
 import json, os, subprocess, sys, time
 import openai
 task = json.load(sys.stdin)
-assert json.loads(os.environ["ENVKIT_TASK"]) == task
 mode = task["mode"]
+if mode == "big":  # past the limit of one environment string: on stdin only
+    assert "ENVKIT_TASK" not in os.environ and len(task["padding"]) == 200_000
+else:
+    assert json.loads(os.environ["ENVKIT_TASK"]) == task
 if mode == "crash":
     sys.exit("the agent crashed")
+if mode == "flood":
+    sys.stdout.write("x" * (2 << 20))
+    sys.exit(0)
 if mode in ("hang", "outlive"):
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
     with open(task["pids"], "w") as f:
@@ -328,14 +335,16 @@ print(reply.choices[0].message.content or "", task["id"])
 async def test_command_agents_run_as_processes_and_fail_alone_with_their_process_tree_killed(
         vllm_engine, chat_tokenizer, tmp_path):
     """A process per episode, reaching the policy through OPENAI_BASE_URL/OPENAI_API_KEY: one answers (its stdout
-    graded), one exits non-zero, one hangs past its deadline and one past the rollout's, each with a child process:
-    the failures fail alone, and no process of the hung agents is left."""
+    graded), one answers a task too big for the environment (on stdin only), one exits non-zero, one floods stdout
+    past the output limit (failed, not graded cut), one hangs past its deadline and one past the rollout's, each
+    with a child process: the failures fail alone, and no process of the hung agents is left."""
     import psutil
 
     from envkit.agent import Command
 
     tasks = [{"id": m, "mode": m, "question": "What is 2 + 3?", "pids": str(tmp_path / f"{m}.pids")}
-             for m in ("answer", "crash", "hang", "outlive")]
+             for m in ("answer", "big", "crash", "flood", "hang", "outlive")]
+    tasks[1]["padding"] = "x" * 200_000
     answers: dict[str, str] = {}
 
     def grade(task: Task, text: str) -> float:
@@ -355,7 +364,9 @@ async def test_command_agents_run_as_processes_and_fail_alone_with_their_process
     assert by_id["answer"].stop_reason == "done" and by_id["answer"].num_turns == 1, by_id["answer"].error
     assert answers["answer"].startswith("noise on stdout") and answers["answer"].endswith("answer")
     assert sum(by_id["answer"].loss_mask) > 0
+    assert by_id["big"].stop_reason == "done" and answers["big"].endswith("big"), by_id["big"].error
     assert by_id["crash"].stop_reason == "error" and "exited 1: the agent crashed" in by_id["crash"].error
+    assert by_id["flood"].stop_reason == "error" and "bytes or more to stdout" in by_id["flood"].error
     assert by_id["hang"].stop_reason == "error" and "ran past 3 s" in by_id["hang"].error
     assert by_id["outlive"].stop_reason == "timeout"
     for mode in ("hang", "outlive"):

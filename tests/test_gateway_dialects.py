@@ -53,11 +53,17 @@ def test_calls_alone_and_a_cut_reply():
     assert _same(message, calls_only)
 
 
-def test_earlier_chat_comes_first_and_what_the_policy_cannot_serve_is_refused():
-    earlier = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
-    body = ResponsesRequest(input=[{"role": "user", "content": [{"type": "input_text", "text": "more"}]}]
-                            ).chat_body(earlier)
-    assert body["messages"][:2] == earlier and len(body["messages"]) == 3
+def test_a_chained_call_continues_the_chat_under_its_own_instructions_and_the_unservable_is_refused():
+    """By previous_response_id: the earlier chat, without the earlier call's instructions (each call's apply to it
+    alone, as the Agents SDK resends them), then the new input."""
+    first = ResponsesRequest(input="hi", instructions="Be brief.")
+    body = first.chat_body([])
+    earlier = first.history(body, {"role": "assistant", "content": "hello"})
+    assert earlier == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    second = ResponsesRequest(input=[{"role": "user", "content": [{"type": "input_text", "text": "more"}]}],
+                              instructions="Be brief.").chat_body(earlier)
+    assert [m["role"] for m in second["messages"]] == ["system", "user", "assistant", "user"]
+    assert second["messages"][1:3] == earlier
     for request, words in [(ResponsesRequest(input="hi", stream=True), "stream"),
                            (ResponsesRequest(input="hi", tools=[{"type": "web_search"}]), "web_search"),
                            (ResponsesRequest(input=[{"type": "computer_call"}]), "computer_call")]:

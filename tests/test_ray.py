@@ -11,6 +11,8 @@ workers as actors.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import math
 import os
@@ -355,3 +357,29 @@ async def test_agent_envs_play_their_episodes_in_env_workers(cluster, vllm_engin
     finally:
         await pool.close()
     assert all(t.num_turns == 1 and sum(t.loss_mask) > 0 for t in trajs)
+
+
+async def test_an_agent_process_in_an_env_worker_dies_with_its_cancelled_rollout(cluster, vllm_engine, chat_tokenizer,
+                                                                                tmp_path):
+    """A Command agent that hangs, in an env worker: the rollout times out, and the cancellation reaches the worker,
+    which kills the agent's process group (the agent and the child it started)."""
+    from envkit.ref import EnvRef
+    from generators.rollout import Generator, GeneratorConfig
+    from trainer.placement.env_workers import EnvWorkerPool, WorkerEnv
+
+    pids_file = tmp_path / "pids"
+    pool = EnvWorkerPool(1, {"CPU": 1}, sandbox_pool_size=0)
+    try:
+        generator = Generator(vllm_engine, chat_tokenizer, GeneratorConfig(timeout_s=10))
+        [t] = await generator.generate(lambda: WorkerEnv(pool, EnvRef("agent_envs:hang")),
+                                       tasks=[{"id": "h", "question": "hang", "pids": str(pids_file)}])
+        assert t.stop_reason == "timeout", t.error
+        processes = []
+        for pid in map(int, pids_file.read_text().split()):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                processes.append(psutil.Process(pid))
+        # the cancellation crosses to the worker asynchronously: give it a moment
+        _, alive = await asyncio.to_thread(psutil.wait_procs, processes, timeout=30)
+        assert alive == []
+    finally:
+        await pool.close()

@@ -198,8 +198,12 @@ class WorkerEnv(Env):
             self.pool.release(worker)
 
     async def _call(self, method: str, *args: Any) -> Any:
+        ref = getattr(self.worker, method).remote(*args)
         try:
-            return await getattr(self.worker, method).remote(*args)
+            return await ref
+        except asyncio.CancelledError:
+            ray.cancel(ref)  # the call goes on in the worker otherwise: an agent process would outlive its rollout
+            raise
         except RayActorError as e:
             self.pool.lost(self.worker)
             raise EnvWorkerDied(f"the env worker running {self.ref.name!r} died mid-rollout ({type(e).__name__})"
