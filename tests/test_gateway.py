@@ -284,6 +284,7 @@ async def test_responses_api_calls_link_and_refuse_as_chat_calls_do(vllm_engine,
                                             input=[*items, {"role": "user", "content": "Sure?"}], tools=tools,
                                             max_output_tokens=24)
         third = await sdk.responses.create(model=client.model, previous_response_id=second.id, tools=tools,
+                                           instructions="Use the add tool, then answer.",  # not inherited
                                            input=[{"role": "user", "content": "Say it once more."}],
                                            max_output_tokens=24)
         for name, kwargs in [("stream", {"stream": True}), ("hosted", {"tools": [{"type": "web_search"}]}),
@@ -352,12 +353,11 @@ async def test_command_agents_run_as_processes_and_fail_alone_with_their_process
         return 1.0
 
     def make() -> AgentEnv:
-        def command(timeout_s: float) -> Command:
-            return Command([sys.executable, "-c", AGENT_PROCESS], timeout_s=timeout_s)
+        def agent(task: Task, client: AgentClient) -> Any:
+            deadline = {"hang": 3, "outlive": 3600}.get(task["mode"], 60)
+            return Command([sys.executable, "-c", AGENT_PROCESS], timeout_s=deadline)(task, client)
 
-        fast, slow = command(3), command(3600)
-        return AgentEnv(agent=lambda task, client: (slow if task["mode"] == "outlive" else fast)(task, client),
-                        grader=grade, tasks=tasks)
+        return AgentEnv(agent=agent, grader=grade, tasks=tasks)
 
     trajs = await generator(vllm_engine, chat_tokenizer, timeout_s=20).generate(make, tasks=tasks)
     by_id = {t.task_id: t for t in trajs}
