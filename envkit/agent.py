@@ -34,11 +34,11 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from envkit import untrusted
 from envkit.core import Env, StepResult, Task
 from envkit.errors import AgentProcessError, ResetNeededError
 from envkit.messages import Message, user
 from envkit.tasks import check_task, pick_task
+from envkit.untrusted import SAFE_ENV, run
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,10 +88,10 @@ class Command:
     async def __call__(self, task: Task, client: AgentClient) -> str:
         """Run the process for ``task``; raises :class:`~envkit.errors.AgentProcessError` if it fails or hangs."""
         document = json.dumps(task)
-        env = {**(os.environ if self.inherit_env else untrusted.SAFE_ENV), **self.env, **client.environ()}
+        env = {**(os.environ if self.inherit_env else SAFE_ENV), **self.env, **client.environ()}
         if len(document) <= TASK_ENV_LIMIT:
             env[TASK_ENV] = document
-        result = await untrusted.run(list(self.argv), stdin=document.encode(), timeout_s=self.timeout_s,
+        result = await run(list(self.argv), stdin=document.encode(), timeout_s=self.timeout_s,
                                      output_limit=self.output_limit, cwd=self.cwd, env=env)
         if result.timed_out:
             raise AgentProcessError(f"agent command {self.argv[0]!r} ran past {self.timeout_s:g} s and was killed "

@@ -50,9 +50,12 @@ class MessagesRequest(BaseModel):
 def _joined(content: str | list[dict[str, Any]], where: str) -> str:
     if isinstance(content, str):
         return content
+    if not isinstance(content, list):
+        raise UnsupportedInput(f"{where} must be a string or a list of text blocks")
     for j, block in enumerate(content):
-        if block.get("type") != "text":
-            raise UnsupportedInput(f"{where}[{j}]: only text blocks reach the policy, got {block.get('type')!r}")
+        if not isinstance(block, dict) or block.get("type") != "text":
+            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+            raise UnsupportedInput(f"{where}[{j}]: only text blocks reach the policy, got {kind!r}")
     return "".join(str(b.get("text", "")) for b in content)
 
 
@@ -67,6 +70,8 @@ def _chat(message: dict[str, Any], i: int) -> list[dict[str, Any]]:
         raise UnsupportedInput(f"messages[{i}].content must be a string or a list of blocks")
     texts, calls, results = [], [], []
     for j, block in enumerate(content):
+        if not isinstance(block, dict):
+            raise UnsupportedInput(f"messages[{i}].content[{j}] must be a block (an object), got {block!r:.40}")
         kind = block.get("type")
         if kind == "text":
             texts.append(str(block.get("text", "")))

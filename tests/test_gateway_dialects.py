@@ -115,6 +115,12 @@ async def test_an_anthropic_stream_carries_the_same_message():
 def test_what_the_anthropic_dialect_cannot_serve_is_refused():
     for request, words in [
         (MessagesRequest(max_tokens=5, messages=[{"role": "user", "content": [{"type": "image"}]}]), "image"),
+        # a hostile client's non-objects where blocks go: refused (a 400), not a crash in the gateway (a 500)
+        (MessagesRequest(max_tokens=5, messages=[{"role": "user", "content": ["hi", 3]}]), "must be a block"),
+        (MessagesRequest(max_tokens=5, messages=[{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "x", "content": ["5"]}]}]), "only text blocks"),
+        (MessagesRequest(max_tokens=5, messages=[{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "x", "content": {"oops": 1}}]}]), "string or a list"),
         (MessagesRequest(max_tokens=5, messages=[{"role": "system", "content": "hi"}]), "role"),
         (MessagesRequest(max_tokens=5, messages=[{"role": "user", "content": "hi"}],
                          tools=[{"type": "web_search_20250305", "name": "web_search"}]), "web_search"),
