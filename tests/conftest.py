@@ -16,6 +16,8 @@ from required import missing
 
 REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("ENVKIT_CACHE_DIR", str(REPO / ".cache"))
+# verifiers:ENV_ID runs its envs in the venv `make install` builds for them (envkit/adapters/verifiers.py)
+os.environ.setdefault("ENVKIT_VERIFIERS_PYTHON", str(REPO / ".venv-verifiers" / "bin" / "python"))
 # Every process this run starts inherits it (xdist's workers too): the session-end check finds the run's own leftovers.
 RUN_MARK = "ENVKIT_TEST_RUN"
 os.environ.setdefault(RUN_MARK, f"{os.getpid()}-{time.time_ns()}")
@@ -36,7 +38,7 @@ HEAVY_FIXTURES = {"vllm_engine", "docker_client"}
 # whichever worker is free.
 SHARED_MODULES = {"test_agent_recipe", "test_code_tools", "test_eval_e2e", "test_gateway", "test_generators_vllm",
                   "test_gym_bridge", "test_mcp", "test_ray", "test_sandbox_containment", "test_sandbox_docker",
-                  "test_scaffold", "test_train_anywhere"}
+                  "test_scaffold", "test_train_anywhere", "test_verifiers"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

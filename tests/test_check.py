@@ -69,12 +69,15 @@ def test_state_shared_between_instances_fails_isolation_and_still_crosses_the_wi
     assert rows["isolated sessions"] == "fail" and rows["ws round trip"] == "pass"
 
 
-def test_an_agent_env_passes_with_its_resets_checked_and_no_step_taken():
-    """Its agent plays through a generator: check opens episodes (by seed and by task, in-process and over ws://)
-    and steps none, where stepping would raise."""
+@pytest.mark.parametrize(("name", "kwargs"), [
+    ("agent_envs:sums", {}),
+    ("verifiers:sophistry_bench_sprint", {"env_args": {"n_items": 5, "passage_chars": 200}})])
+def test_an_agent_env_passes_with_its_resets_checked_and_no_step_taken(name: str, kwargs: dict):
+    """Its agent (an SDK loop of its own; a verifiers package's rollout loop) plays through a generator: check opens
+    episodes (by seed and by task, in-process and over ws://) and steps none, where stepping would raise."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PYTHONPATH", WITH_TESTS["PYTHONPATH"])
-        rows = {r.check: r for r in check("agent_envs:sums")}
+        rows = {r.check: r for r in check(name, kwargs)}
     assert not failed(rows.values()), rows
     assert {"contract", "same start", "isolated sessions", "ws round trip", "disjoint splits"} <= {
         name for name, r in rows.items() if r.status == "pass"}

@@ -65,6 +65,23 @@ def test_eval_an_agent_env_through_the_capture_gateway(tmp_path):
                for t in trajectories)
 
 
+def test_eval_a_verifiers_package_through_the_capture_gateway(tmp_path):
+    """A verifiers env package from PyPI (sophistry-bench-sprint, in the venv `make install` builds for verifiers)
+    evaluates as any env: its own rollout loop calls the policy through the gateway, its rubric scores the replies,
+    and its held-out rows are the test split."""
+    out = tmp_path / "verifiers"
+    result = subprocess.run([sys.executable, "-m", "envkit.cli", "eval", "verifiers:sophistry_bench_sprint",
+                             "--env-arg", 'env_args={"n_items": 5, "passage_chars": 200}', "-n", "2", "--samples", "2",
+                             "--max-tokens", "32", "--out", str(out)], capture_output=True, text=True, cwd=tmp_path,
+                            timeout=900, env={**os.environ, "COLUMNS": "160"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary, trajectories, _ = _outputs(out)
+    assert summary["n"] == len(trajectories) == 4 and summary["n_failed"] == 0
+    assert {t["task_id"] for t in trajectories} == {"test-8", "test-9"}  # 10 rows, the last 2 held out
+    # the rubric's aggregate: a reply without <claim> tags scores 0.5, one with them otherwise
+    assert all(t["num_turns"] == 1 and t["response_ids"] and 0 <= t["reward"] <= 1 for t in trajectories)
+
+
 async def test_eval_external_endpoint_in_chat_mode(vllm_engine, tmp_path):
     out = tmp_path / "chat"
     result = _envkit("eval", "calculator", "-n", "4", "--max-turns", "2", "--max-tokens", "48",
@@ -84,12 +101,14 @@ def test_eval_bad_input_exits_2_before_starting_anything(tmp_path):
 
 
 async def test_eval_other_ecosystems_envs_by_name(vllm_engine, tmp_path):
-    """`envkit eval` takes a reasoning-gym dataset and a skyrl-gym env by name, as it takes any env."""
+    """`envkit eval` takes a reasoning-gym dataset, a skyrl-gym env and a textarena game by name, as it takes any
+    env."""
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"id": f"sum-{n}", "question": f"What is {n} + 1? End with '#### N'.",
                                         "answer": n + 1}) + "\n" for n in range(3)))
     for name, args in (("reasoning_gym:leg_counting", ["--env-arg", "num_test=3"]),
-                       ("skyrl:gsm8k", ["--env-arg", f"test_tasks={rows}", "--split", "test"])):
+                       ("skyrl:gsm8k", ["--env-arg", f"test_tasks={rows}", "--split", "test"]),
+                       ("textarena:GuessTheNumber-v0", ["--env-arg", "max_turns=2", "--split", "train"])):
         out = tmp_path / name.replace(":", "-")
         result = _envkit("eval", name, *args, "-n", "3", "--max-tokens", "32", "--base-url",
                          vllm_engine.base_url + "/v1", "--model", vllm_engine.model_name, "--out", str(out),
@@ -97,7 +116,11 @@ async def test_eval_other_ecosystems_envs_by_name(vllm_engine, tmp_path):
         assert result.returncode == 0, result.stdout + result.stderr
         summary, trajectories, _ = _outputs(out)
         assert summary["n"] == len(trajectories) == 3 and summary["n_failed"] == 0, name
-        assert all(t["stop_reason"] == "done" and t["messages"][-1]["role"] == "assistant" for t in trajectories)
+        assert all(t["stop_reason"] == "done" for t in trajectories), name
+        if name.startswith("textarena"):  # "within 2 turns": 2 guesses, each after at most one rejected reply
+            assert all(1 <= t["num_turns"] <= 4 for t in trajectories)
+        else:
+            assert all(t["messages"][-1]["role"] == "assistant" for t in trajectories)
 
 
 async def test_eval_runs_each_rollout_in_a_sandbox(vllm_engine, docker_client, arithmetic_image, tmp_path):

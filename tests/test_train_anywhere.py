@@ -212,6 +212,51 @@ def test_trains_on_other_ecosystems_envs_by_name(policy_url, tmp_path):
     assert any(all(f"eval/{label}/accuracy" in r for label in labels) for r in evals)
 
 
+def _skyrl_sums(out: Path) -> list[str]:
+    """skyrl-gym rows (ground truth a number), train and test, whose prompt shows the '#### N' answer format twice:
+    the bundled model then writes it, and is right 38% of the time (64 rollouts at temperature 1)."""
+    shots = [m for q, a in (("1 + 2", 3), ("2 + 2", 4)) for m in ({"role": "user", "content": f"What is {q}?"},
+                                                                 {"role": "assistant", "content": f"#### {a}"})]
+    for split, firsts in (("tasks", range(1, 6)), ("test_tasks", range(6, 8))):
+        (out / f"{split}.jsonl").write_text("".join(json.dumps({
+            "id": f"sum-{a}-{b}", "reward_spec": {"ground_truth": a + b},
+            "prompt": [{"role": "system", "content": "Answer with #### and the number."}, *shots,
+                       {"role": "user", "content": f"What is {a} + {b}?"}]}) + "\n"
+            for a in firsts for b in range(1, 4)))
+    return [f"+env.kwargs.{split}={out / split}.jsonl" for split in ("tasks", "test_tasks")]
+
+
+# Each ecosystem's env alone, named on the command line, with what varies its reward within a group (an update needs
+# that): GuessTheNumber's partial credit; one-digit sums, 22% right (leg_counting, 2% right even for one animal and
+# a table of legs in the prompt, would leave most steps without an update); the few-shot '#### N' rows (38%); and
+# sophistry-bench-sprint's claims aggregate plus its rubric's 200-400 character band (the aggregate alone gives every
+# reply without <claim> tags 0.5). The sums take 4 groups a step: 2 are both all-equal with p ~ 0.02.
+ECOSYSTEMS = {
+    "textarena": ["env.name=textarena:GuessTheNumber-v0", "+env.kwargs.max_turns=2", "generator.max_turns=4"],
+    "reasoning_gym": ["env.name=reasoning_gym:basic_arithmetic", "+env.kwargs.num_train=40", "+env.kwargs.num_test=8",
+                      "+env.kwargs.answer=last_number", "+env.kwargs.system_prompt='Answer with the number.'",
+                      "+env.kwargs.config={min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1, operators: ['+'], "
+                      "allow_negation: false, allow_parentheses: false}"],
+    "skyrl": ["env.name=skyrl:gsm8k"],
+    "verifiers": ["env.name=verifiers:sophistry_bench_sprint", "generator.max_tokens=96",
+                  "+env.kwargs.env_args={n_items: 10, passage_chars: 300, weights: [1, 0, 0, 0, 0, 0, 1, 0]}"],
+}
+
+
+@pytest.mark.parametrize("ecosystem", sorted(ECOSYSTEMS))
+def test_trains_on_each_ecosystems_env_alone(policy_url, tmp_path, ecosystem):
+    """`python -m trainer env.name=<scheme>:<id>` for a textarena game, a reasoning-gym dataset, a skyrl-gym env and a
+    verifiers package from PyPI (its own rollout loop through the capture gateway): 2 steps, each a real update."""
+    overrides = list(ECOSYSTEMS[ecosystem])
+    if ecosystem == "skyrl":
+        overrides += _skyrl_sums(tmp_path)
+    prompts = 4 if ecosystem == "reasoning_gym" else 2
+    steps = train(tmp_path / "run", policy_url, *overrides, "trainer.eval_tasks=2", prompts=prompts)
+    assert all(m["stop/done"] + m.get("stop/max_turns", 0) == 8 * prompts for m in steps.values()), steps
+    trajs = [json.loads(line) for line in (tmp_path / "run" / "final_trajectories.jsonl").read_text().splitlines()]
+    assert trajs and all(t["loss_mask"].count(1) > 0 for t in trajs)
+
+
 def test_trains_on_an_agent_that_runs_its_own_loop(policy_url, tmp_path):
     """An AgentEnv named by entry point (tests/agent_envs.py): an openai-SDK tool loop of its own, two calls an episode,
     each through the capture gateway; its rollouts train as any env's."""
