@@ -1,6 +1,7 @@
 """Other env ecosystems as envkit envs, each behind a scheme of ``envkit.make`` and an extra that installs it:
-``reasoning_gym:NAME`` (reasoning-gym datasets), ``skyrl:ID`` (skyrl-gym envs) and ``textarena:ID`` (textarena
-games; a two-player one with an opponent, :mod:`envkit.adapters.opponent`)."""
+``reasoning_gym:NAME`` (reasoning-gym datasets), ``skyrl:ID`` (skyrl-gym envs), ``textarena:ID`` (textarena
+games; a two-player one with an opponent, :mod:`envkit.adapters.opponent`) and ``verifiers:ENV_ID`` (verifiers
+environment packages, run in a venv of their own: :mod:`envkit.adapters.verifiers`)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Two verifiers environments (the classic API) for envkit's adapter tests, loaded from PYTHONPATH by name:
-``vf_sums`` is multi-turn (the env asks again after the first reply) and ``vf_sums_tools`` gives the model an
-``add`` tool. Their rubric pays a reply that contains the sum; the dataset is 12 sums, the eval dataset 4 others."""
+"""A verifiers environment (the classic API) for envkit's adapter tests, loaded from PYTHONPATH by name: ``vf_sums`` is
+multi-turn (the env asks again after the first reply), and with ``tools=True`` a tool env with an ``add`` tool. The
+rubric pays a reply that contains the sum; the dataset is 12 sums, the eval dataset 4 others."""
 
 from __future__ import annotations
 
