@@ -6,6 +6,7 @@
 - ``sandboxes.pool``: ``SandboxPool``, pre-started sandboxes handed over on ``acquire``
 - ``sandboxes.local``: ``LocalSandbox``, the same interface as a child process (no isolation)
 - ``sandboxes.env``: the ``envkit.make(NAME, sandbox="docker" | "local" | "auto")`` providers
+- ``sandboxes.agent``: ``DockerCommand``, an agent process in a container that reaches only its episode's gateway
 
 The docker SDK is imported only by the modules that talk to the engine (``pip install 'envkit-rl[docker]'``).
 """

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import sys
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import openai
@@ -15,6 +18,7 @@ from agent_envs import ADD, llm, run_add, tool_loop
 
 from envkit import Task
 from envkit.agent import AgentClient, AgentEnv
+from envkit.errors import AgentProcessError
 from generators.engines.base import ChatCompletion, Completion, InferenceEngine, SamplingParams
 from generators.rollout import Generator, GeneratorConfig
 from generators.trajectory import Trajectory
@@ -416,3 +420,85 @@ async def test_anthropic_messages_calls_link_stream_and_refuse_as_chat_calls_do(
     assert seen["unknown"]["error"]["type"] == "authentication_error"
     bad = seen["no_max_tokens"]
     assert bad.status_code == 400 and bad.json()["type"] == "error" and "max_tokens" in bad.json()["error"]["message"]
+
+
+# ---- agents in Docker containers that reach nothing but their gateway --------------------------------------------
+
+DOCKER_AGENT = Path(__file__).with_name("docker_agent.py")
+AGENT_IN_CONTAINER = "/agent/docker_agent.py"
+
+
+def docker_agent(*args: str, **options: Any) -> Any:
+    from sandboxes.agent import DockerCommand
+
+    return DockerCommand(["python3", AGENT_IN_CONTAINER, *args], mounts={str(DOCKER_AGENT): AGENT_IN_CONTAINER},
+                         **options)
+
+
+def agent_containers(docker_client: Any) -> list[str]:
+    """This process's agent containers, running or not."""
+    from sandboxes.base import owner_id
+    from sandboxes.docker import OWNER_LABEL, SANDBOX_LABEL
+
+    return [c.name for c in docker_client.containers.list(
+        all=True, filters={"label": [f"{SANDBOX_LABEL}=agent", f"{OWNER_LABEL}={owner_id()}"]})]
+
+
+async def test_a_docker_agent_plays_through_its_gateway_and_reaches_nothing_else(vllm_engine, chat_tokenizer,
+                                                                                  docker_client):
+    """An agent process in a container (no network, a stdlib HTTP client) makes its two calls through the relay to
+    its episode's gateway, captured as any agent's. Probing from the same container, the gateway's own port, this
+    host's addresses, the vLLM server, the outside and DNS are all out of reach; only the relay answers."""
+    import psutil
+
+    from sandboxes.agent import RELAY_PORT
+
+    answers: list[str] = []
+    trajs = await generator(vllm_engine, chat_tokenizer, samples_per_prompt=2).generate(
+        agent_env(docker_agent(timeout_s=120), answers), tasks=[QUESTION])
+    assert [t.stop_reason for t in trajs] == ["done"] * 2, [t.error for t in trajs]
+    assert all(t.num_turns == 2 and t.loss_mask.count(0) > 0 for t in trajs) and len(answers) == 2
+
+    host_ips = sorted({a.address for addresses in psutil.net_if_addrs().values() for a in addresses
+                       if a.family == socket.AF_INET and not a.address.startswith("127.")})
+    vllm = urlsplit(vllm_engine.base_url)
+    seen: list[dict[str, str]] = []
+
+    async def probe(task: Task, client: AgentClient) -> str:
+        port = urlsplit(client.base_url).port
+        targets = [f"127.0.0.1:{RELAY_PORT}", f"127.0.0.1:{port}", f"127.0.0.1:{vllm.port}", "1.1.1.1:443",
+                   *(f"{ip}:{p}" for ip in host_ips for p in (port, vllm.port))]
+        return await docker_agent("probe", *targets, timeout_s=120)(task, client)
+
+    def grade(task: Task, result: str) -> float:
+        seen.append(json.loads(result))
+        return 0.0
+
+    trajs = await generator(vllm_engine, chat_tokenizer).generate(
+        lambda: AgentEnv(agent=probe, grader=grade, tasks=[QUESTION]), tasks=[QUESTION])
+    assert trajs[0].stop_reason == "done", trajs[0].error
+    reached = {target for target, outcome in seen[0].items() if outcome == "ok"}
+    assert reached == {f"127.0.0.1:{RELAY_PORT}"}, seen[0]
+    assert len(seen[0]) == 5 + 2 * len(host_ips) and host_ips
+    assert agent_containers(docker_client) == []
+
+
+async def test_a_docker_agent_that_fails_or_hangs_fails_its_rollout_and_its_container_is_removed(docker_client):
+    from sandboxes.agent import DockerCommand
+
+    client = AgentClient(base_url="http://127.0.0.1:9/v1", api_key="k", model="m",
+                         episode_url="http://127.0.0.1:9/e/k/v1")
+    with pytest.raises(AgentProcessError, match="ran past 2 s"):
+        await DockerCommand(["sleep", "600"], timeout_s=2)(QUESTION, client)
+    with pytest.raises(AgentProcessError, match="exited 3: bad task"):
+        await DockerCommand(["python3", "-c", "import sys; print('bad task', file=sys.stderr); sys.exit(3)"])(
+            QUESTION, client)
+    flood = DockerCommand(["python3", "-c", "print('x' * 5000)"], output_limit=1000)
+    with pytest.raises(AgentProcessError, match="1000 bytes or more"):
+        await flood(QUESTION, client)
+    # the task reaches it on stdin and in ENVKIT_TASK; as the nobody user it cannot write to its root or its task
+    echo = DockerCommand(["python3", "-c", "import json, os, sys; task = json.load(sys.stdin); "
+                          "ok = os.environ['ENVKIT_TASK'] == json.dumps(task); "
+                          "print(task['id'], ok, os.getuid(), os.access('/', os.W_OK), os.access('/envkit', os.W_OK))"])
+    assert await echo(QUESTION, client) == "q True 65534 False False"
+    assert agent_containers(docker_client) == []

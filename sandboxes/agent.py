@@ -1,0 +1,191 @@
+"""DockerCommand: an agent process (a coding CLI, a script on any SDK) in a container that reaches nothing but its
+episode's gateway endpoint.
+
+An :class:`~envkit.agent.AgentEnv` takes it as its ``agent=``, as it takes :class:`envkit.Command`; the episode runs::
+
+    env = AgentEnv(agent=DockerCommand(["my-agent", "--quiet"], image="my-agent:1"), grader=...)
+
+The container has no network at all (``network_mode=none``: loopback only). The one way out is a Unix socket this
+process serves for the episode, bind-mounted read-only with the task: each connection to it is joined to the
+episode's gateway, and to nothing else. Inside, :mod:`sandboxes.agent_relay` listens on ``127.0.0.1:RELAY_PORT`` and
+relays to that socket, then runs the agent with ``OPENAI_BASE_URL`` (and ``ANTHROPIC_BASE_URL``) pointing at it and
+the task as JSON on stdin; its stdout, stripped, is the result. It runs as an unprivileged user with every capability
+dropped, a read-only root (``/tmp`` a small tmpfs) and CPU, memory and pids limits; past ``timeout_s``, or when its
+rollout is cancelled, the container is killed. Either way it is removed, and one whose owner died is removed by the
+sandbox reaper.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import shutil
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from envkit import Task
+from envkit.agent import TASK_ENV, TASK_ENV_LIMIT, AgentClient
+from envkit.errors import AgentProcessError
+from sandboxes.base import SandboxLimits, owner_id
+from sandboxes.docker import OWNER_LABEL, SANDBOX_LABEL, connect
+from sandboxes.engine import BASE_IMAGE
+
+RELAY = Path(__file__).with_name("agent_relay.py")
+RELAY_PORT = 8000
+"""Where the agent finds the gateway inside its container: ``http://127.0.0.1:8000``."""
+MOUNT = "/envkit"
+AGENT_USER = "65534:65534"
+"""nobody: the agent holds no privilege in its container."""
+
+
+@dataclass(frozen=True)
+class DockerCommand:
+    """An agent that is a process in a container of ``image`` (python3 on its PATH, for the relay), reaching only
+    its episode's gateway (see the module doc). ``mounts`` maps host paths to container paths, bound read-only (the
+    agent's code, say); ``env`` is added to the agent's environment."""
+
+    argv: tuple[str, ...] | list[str]
+    image: str = BASE_IMAGE
+    env: Mapping[str, str] = field(default_factory=dict)
+    mounts: Mapping[str, str] = field(default_factory=dict)
+    timeout_s: float = 300.0
+    output_limit: int = 1 << 20
+    limits: SandboxLimits = field(default_factory=SandboxLimits)
+
+    async def __call__(self, task: Task, client: AgentClient) -> str:
+        """Run the agent's container for ``task``; raises :class:`~envkit.errors.AgentProcessError` if it fails or
+        runs past ``timeout_s``."""
+        workdir = Path(tempfile.mkdtemp(prefix="envkit-agent-"))
+        forwarder: asyncio.Server | None = None
+        container = _Container(self, f"envkit-agent-{secrets.token_hex(6)}")
+        try:
+            forwarder = await _forward(workdir / "gateway.sock", client.base_url)
+            environment = self._environment(task, client, workdir)
+            status = await container.run(environment, workdir)
+            stdout, stderr = await asyncio.to_thread(container.output)
+        finally:
+            await asyncio.shield(container.remove())
+            if forwarder is not None:
+                forwarder.close()
+            shutil.rmtree(workdir, ignore_errors=True)
+        if status is None:
+            raise AgentProcessError(f"agent container {self.argv[0]!r} ({self.image}) ran past {self.timeout_s:g} s "
+                                    "and was killed")
+        if status != 0:
+            raise AgentProcessError(f"agent container {self.argv[0]!r} ({self.image}) exited {status}: "
+                                    f"{stderr.decode(errors='replace').strip()[-500:]}")
+        if len(stdout) >= self.output_limit:
+            raise AgentProcessError(f"agent container {self.argv[0]!r} wrote {self.output_limit} bytes or more to "
+                                    "stdout; its answer would be graded cut")
+        return stdout.decode(errors="replace").strip()
+
+    def _environment(self, task: Task, client: AgentClient, workdir: Path) -> dict[str, str]:
+        """The agent's variables, its endpoints moved to the relay; writes the task and the relay into ``workdir``."""
+        document = json.dumps(task)
+        (workdir / "task.json").write_text(document)
+        shutil.copy(RELAY, workdir / RELAY.name)
+        for path in workdir.iterdir():
+            path.chmod(0o666 if path.name == "gateway.sock" else 0o444)
+        workdir.chmod(0o755)
+        relay = f"http://127.0.0.1:{RELAY_PORT}"
+        environ = {**self.env, **{name: relay + urlsplit(value).path for name, value in client.environ().items()
+                                  if name.endswith("_BASE_URL")}}
+        environ.update({name: value for name, value in client.environ().items() if not name.endswith("_BASE_URL")})
+        if len(document) <= TASK_ENV_LIMIT:
+            environ[TASK_ENV] = document
+        return environ
+
+
+class _Container:
+    """One agent container: created, waited on with a deadline, read, and removed whatever happened."""
+
+    def __init__(self, command: DockerCommand, name: str) -> None:
+        self.command, self.name = command, name
+        self.client: Any = None
+
+    async def run(self, environment: dict[str, str], workdir: Path) -> int | None:
+        """Start it and wait for its exit status; None when it ran past the deadline (it is killed then)."""
+        await asyncio.to_thread(self._start, environment, workdir)
+        waiting = asyncio.ensure_future(asyncio.to_thread(self.client.api.wait, self.name))
+        try:
+            return (await asyncio.wait_for(asyncio.shield(waiting), self.command.timeout_s))["StatusCode"]
+        except TimeoutError:
+            return None
+        finally:
+            if not waiting.done():
+                await asyncio.shield(asyncio.to_thread(self._kill))
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(waiting)
+
+    def _start(self, environment: dict[str, str], workdir: Path) -> None:
+        command, limits = self.command, self.command.limits
+        self.client = connect()
+        volumes = {str(workdir): {"bind": MOUNT, "mode": "ro"},
+                   **{host: {"bind": inside, "mode": "ro"} for host, inside in command.mounts.items()}}
+        self.client.containers.create(
+            command.image, name=self.name, detach=True,
+            command=["python3", f"{MOUNT}/{RELAY.name}", f"{MOUNT}/gateway.sock", str(RELAY_PORT),
+                     f"{MOUNT}/task.json", "--", *command.argv],
+            environment=environment, volumes=volumes, network_mode="none", user=AGENT_USER, working_dir="/tmp",
+            labels={SANDBOX_LABEL: "agent", OWNER_LABEL: owner_id()},
+            nano_cpus=int(limits.cpus * 1e9), mem_limit=f"{limits.memory_mb}m",
+            memswap_limit=f"{limits.memory_mb}m", pids_limit=limits.pids, read_only=True, init=True,
+            tmpfs={"/tmp": f"rw,nosuid,nodev,size={limits.tmpfs_mb}m,nr_inodes={limits.tmpfs_inodes},mode=1777"},
+            security_opt=["no-new-privileges"], cap_drop=["ALL"], healthcheck={"test": ["NONE"]},
+            # a flood of output stops at twice what is read back: enough to tell it overflowed
+            log_config={"type": "json-file", "config": {"max-size": str(2 * command.output_limit), "max-file": "1"}},
+        ).start()
+
+    def _kill(self) -> None:
+        import docker.errors
+
+        with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):
+            self.client.api.kill(self.name)
+
+    def output(self) -> tuple[bytes, bytes]:
+        """What the agent wrote to stdout, and the tail of its stderr."""
+        return (self.client.api.logs(self.name, stdout=True, stderr=False),
+                self.client.api.logs(self.name, stdout=False, stderr=True, tail=20))
+
+    async def remove(self) -> None:
+        import docker.errors
+
+        if self.client is None:
+            return
+        with contextlib.suppress(docker.errors.NotFound):
+            await asyncio.to_thread(self.client.api.remove_container, self.name, force=True, v=True)
+
+
+async def _forward(path: Path, base_url: str) -> asyncio.Server:
+    """Serve ``path``: each connection joined to a new one to the gateway at ``base_url``'s host and port."""
+    url = urlsplit(base_url)
+    host, port = url.hostname or "127.0.0.1", url.port or 80
+
+    async def join(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(host, port)
+        except OSError:
+            writer.close()
+            return
+        try:
+            await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+        finally:
+            for end in (writer, up_writer):
+                end.close()
+
+    return await asyncio.start_unix_server(join, path=str(path))
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Copy ``reader`` to ``writer`` until it ends, then end ``writer``'s writing half."""
+    with contextlib.suppress(OSError):
+        while data := await reader.read(1 << 16):
+            writer.write(data)
+            await writer.drain()
+        writer.write_eof()
