@@ -108,10 +108,13 @@ class _Container:
     def __init__(self, command: DockerCommand, name: str) -> None:
         self.command, self.name = command, name
         self.client: Any = None
+        self.starting: asyncio.Future | None = None
 
     async def run(self, environment: dict[str, str], workdir: Path) -> int | None:
         """Start it and wait for its exit status; None when it ran past the deadline (it is killed then)."""
-        await asyncio.to_thread(self._start, environment, workdir)
+        # shielded and kept: a cancelled rollout's remove() waits for the container to exist before removing it
+        self.starting = asyncio.ensure_future(asyncio.to_thread(self._start, environment, workdir))
+        await asyncio.shield(self.starting)
         waiting = asyncio.ensure_future(asyncio.to_thread(self.client.api.wait, self.name))
         try:
             return (await asyncio.wait_for(asyncio.shield(waiting), self.command.timeout_s))["StatusCode"]
@@ -156,6 +159,9 @@ class _Container:
     async def remove(self) -> None:
         import docker.errors
 
+        if self.starting is not None:
+            with contextlib.suppress(Exception):
+                await self.starting
         if self.client is None:
             return
         with contextlib.suppress(docker.errors.NotFound):

@@ -501,4 +501,10 @@ async def test_a_docker_agent_that_fails_or_hangs_fails_its_rollout_and_its_cont
                           "ok = os.environ['ENVKIT_TASK'] == json.dumps(task); "
                           "print(task['id'], ok, os.getuid(), os.access('/', os.W_OK), os.access('/envkit', os.W_OK))"])
     assert await echo(QUESTION, client) == "q True 65534 False False"
-    assert agent_containers(docker_client) == []
+    for delay in (0.0, 0.01, 0.05, 2.0):  # a rollout cancelled while its container is being created, and while it runs
+        rollout = asyncio.ensure_future(DockerCommand(["sleep", "600"])(QUESTION, client))
+        await asyncio.sleep(delay)
+        rollout.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await rollout
+        assert agent_containers(docker_client) == [], delay

@@ -105,7 +105,11 @@ class _Driver:
             self.process = await asyncio.create_subprocess_exec(
                 *self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, limit=1 << 26)
             self.readers = [asyncio.ensure_future(self._drain_stderr(self.process))]
-            ready = await asyncio.wait_for(self.process.stdout.readline(), LOAD_TIMEOUT_S)  # type: ignore[union-attr]
+            try:
+                ready = await asyncio.wait_for(self.process.stdout.readline(), LOAD_TIMEOUT_S)  # type: ignore[union-attr]
+            except TimeoutError:
+                self.process.kill()
+                raise AgentProcessError(f"the verifiers driver did not load the env in {LOAD_TIMEOUT_S:g} s") from None
             if not ready:
                 await self.process.wait()
                 raise AgentProcessError(f"the verifiers driver exited {self.process.returncode} while loading the "
