@@ -124,7 +124,10 @@ class _Driver:
     async def _read(self, process: asyncio.subprocess.Process) -> None:
         assert process.stdout is not None
         while line := await process.stdout.readline():
-            answer = json.loads(line)
+            try:
+                answer = json.loads(line)
+            except ValueError:  # output the env's native code wrote to fd 1 itself, past the driver's redirect
+                continue
             future = self.pending.get(answer.get("id"))
             if future is not None and not future.done():
                 future.set_result(answer)
