@@ -88,21 +88,30 @@ class Command:
     async def __call__(self, task: Task, client: AgentClient) -> str:
         """Run the process for ``task``; raises :class:`~envkit.errors.AgentProcessError` if it fails or hangs."""
         document = json.dumps(task)
-        env = {**(os.environ if self.inherit_env else SAFE_ENV), **self.env, **client.environ()}
-        if len(document) <= TASK_ENV_LIMIT:
-            env[TASK_ENV] = document
+        env = {**(os.environ if self.inherit_env else SAFE_ENV), **self.env, **client.environ(),
+               **task_variables(document)}
         result = await run(list(self.argv), stdin=document.encode(), timeout_s=self.timeout_s,
-                                     output_limit=self.output_limit, cwd=self.cwd, env=env)
+                           output_limit=self.output_limit, cwd=self.cwd, env=env)
         if result.timed_out:
             raise AgentProcessError(f"agent command {self.argv[0]!r} ran past {self.timeout_s:g} s and was killed "
                                     "with its processes")
-        if result.exit_code != 0:
-            tail = result.stderr.decode(errors="replace").strip()[-500:]
-            raise AgentProcessError(f"agent command {self.argv[0]!r} exited {result.exit_code}: {tail}")
-        if len(result.stdout) >= self.output_limit:  # cut there (a chatty stderr, cut too, is no matter)
-            raise AgentProcessError(f"agent command {self.argv[0]!r} wrote {self.output_limit} bytes or more to "
-                                    "stdout; its answer would be graded cut")
-        return result.stdout.decode(errors="replace").strip()
+        return program_result(f"agent command {self.argv[0]!r}", result.exit_code, result.stdout, result.stderr,
+                              self.output_limit)
+
+
+def task_variables(document: str) -> dict[str, str]:
+    """:data:`TASK_ENV` holding the task's JSON ``document``, unless it is past :data:`TASK_ENV_LIMIT`."""
+    return {TASK_ENV: document} if len(document) <= TASK_ENV_LIMIT else {}
+
+
+def program_result(what: str, exit_code: int, stdout: bytes, stderr: bytes, output_limit: int) -> str:
+    """An agent program's answer, its stdout stripped; :class:`~envkit.errors.AgentProcessError` (naming ``what``)
+    when it exited non-zero, or filled ``output_limit`` (its stdout cut there: the answer would be graded cut)."""
+    if exit_code != 0:
+        raise AgentProcessError(f"{what} exited {exit_code}: {stderr.decode(errors='replace').strip()[-500:]}")
+    if len(stdout) >= output_limit:
+        raise AgentProcessError(f"{what} wrote {output_limit} bytes or more to stdout; its answer would be graded cut")
+    return stdout.decode(errors="replace").strip()
 
 
 class AgentEnv(Env):

@@ -30,7 +30,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from envkit import Task
-from envkit.agent import TASK_ENV, TASK_ENV_LIMIT, AgentClient
+from envkit.agent import AgentClient, program_result, task_variables
 from envkit.errors import AgentProcessError
 from sandboxes.base import SandboxLimits, owner_id
 from sandboxes.docker import OWNER_LABEL, SANDBOX_LABEL, connect
@@ -61,45 +61,40 @@ class DockerCommand:
     async def __call__(self, task: Task, client: AgentClient) -> str:
         """Run the agent's container for ``task``; raises :class:`~envkit.errors.AgentProcessError` if it fails or
         runs past ``timeout_s``."""
+        document = json.dumps(task)
         workdir = Path(tempfile.mkdtemp(prefix="envkit-agent-"))
         forwarder: asyncio.Server | None = None
         container = _Container(self, f"envkit-agent-{secrets.token_hex(6)}")
         try:
             forwarder = await _forward(workdir / "gateway.sock", client.base_url)
-            environment = self._environment(task, client, workdir)
-            status = await container.run(environment, workdir)
+            _stage(workdir, document)
+            status = await container.run({**self.env, **_relayed(client), **task_variables(document)}, workdir)
             stdout, stderr = await asyncio.to_thread(container.output)
         finally:
             await asyncio.shield(container.remove())
             if forwarder is not None:
                 forwarder.close()
             shutil.rmtree(workdir, ignore_errors=True)
+        what = f"agent container {self.argv[0]!r} ({self.image})"
         if status is None:
-            raise AgentProcessError(f"agent container {self.argv[0]!r} ({self.image}) ran past {self.timeout_s:g} s "
-                                    "and was killed")
-        if status != 0:
-            raise AgentProcessError(f"agent container {self.argv[0]!r} ({self.image}) exited {status}: "
-                                    f"{stderr.decode(errors='replace').strip()[-500:]}")
-        if len(stdout) >= self.output_limit:
-            raise AgentProcessError(f"agent container {self.argv[0]!r} wrote {self.output_limit} bytes or more to "
-                                    "stdout; its answer would be graded cut")
-        return stdout.decode(errors="replace").strip()
+            raise AgentProcessError(f"{what} ran past {self.timeout_s:g} s and was killed")
+        return program_result(what, status, stdout, stderr, self.output_limit)
 
-    def _environment(self, task: Task, client: AgentClient, workdir: Path) -> dict[str, str]:
-        """The agent's variables, its endpoints moved to the relay; writes the task and the relay into ``workdir``."""
-        document = json.dumps(task)
-        (workdir / "task.json").write_text(document)
-        shutil.copy(RELAY, workdir / RELAY.name)
-        for path in workdir.iterdir():
-            path.chmod(0o666 if path.name == "gateway.sock" else 0o444)
-        workdir.chmod(0o755)
-        relay = f"http://127.0.0.1:{RELAY_PORT}"
-        environ = {**self.env, **{name: relay + urlsplit(value).path for name, value in client.environ().items()
-                                  if name.endswith("_BASE_URL")}}
-        environ.update({name: value for name, value in client.environ().items() if not name.endswith("_BASE_URL")})
-        if len(document) <= TASK_ENV_LIMIT:
-            environ[TASK_ENV] = document
-        return environ
+
+def _stage(workdir: Path, document: str) -> None:
+    """Put the task and the relay beside the gateway's socket, readable (the socket writable) by the agent's user."""
+    (workdir / "task.json").write_text(document)
+    shutil.copy(RELAY, workdir / RELAY.name)
+    for path in workdir.iterdir():
+        path.chmod(0o666 if path.name == "gateway.sock" else 0o444)
+    workdir.chmod(0o755)
+
+
+def _relayed(client: AgentClient) -> dict[str, str]:
+    """The client's variables with its endpoints moved to the relay (the gateway's path kept)."""
+    relay = f"http://127.0.0.1:{RELAY_PORT}"
+    return {name: relay + urlsplit(value).path if name.endswith("_BASE_URL") else value
+            for name, value in client.environ().items()}
 
 
 class _Container:

@@ -61,6 +61,17 @@ def test_an_env_that_cannot_load_says_why():
         envkit.make("verifiers:vf_sums", holdout=1.5)
 
 
+async def test_an_env_that_cannot_load_fails_its_first_episode_with_why():
+    """In an event loop (a generator, an env worker) the tasks come from the episodes' own driver process."""
+    with pytest.raises(EnvLoadError, match="no_such_env"):
+        await envkit.make("verifiers:no_such_env").init()
+    with pytest.raises(EnvLoadError, match="bogus"):
+        await envkit.make("verifiers:vf_sums", env_args={"bogus": 1}).init()
+    env = envkit.make("verifiers:vf_sums", env_args={"tools": False})  # a spec not listed yet in this process
+    await env.init()
+    assert len(env.tasks("train")) == 12
+
+
 def generator(vllm_engine, chat_tokenizer, **config) -> Generator:
     return Generator(vllm_engine, chat_tokenizer, GeneratorConfig(**{"max_tokens": 24, "max_turns": 4, **config}))
 

@@ -56,12 +56,6 @@ def verifiers_python(python: str | None = None) -> str:
                        "bin/python, with the env package installed there")
 
 
-def _result(answer: dict[str, Any], what: str) -> Any:
-    if "error" in answer:
-        raise AgentProcessError(f"{what}: {answer['error']}")
-    return answer["result"]
-
-
 class _Driver:
     """The driver process of one env spec in one event loop, and the requests in flight to it."""
 
@@ -74,8 +68,9 @@ class _Driver:
         self.stderr_tail = b""
         self.readers: list[asyncio.Task] = []  # the process's stdout and stderr readers (a task needs a reference)
 
-    async def request(self, message: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        """Send ``message`` and wait for its answer; a timeout or a cancellation cancels it in the driver."""
+    async def request(self, message: dict[str, Any], timeout_s: float, what: str) -> Any:
+        """Send ``message`` and return its answer's result (AgentProcessError, naming ``what``, for its error); a
+        timeout or a cancellation cancels it in the driver."""
         await self._start()
         assert self.process is not None and self.process.stdin is not None
         rid = next(self.ids)
@@ -85,12 +80,15 @@ class _Driver:
         try:
             with contextlib.suppress(ConnectionError):  # a dead driver: its reader fails the future, with why
                 await self.process.stdin.drain()
-            return await asyncio.wait_for(future, timeout_s)
+            answer = await asyncio.wait_for(future, timeout_s)
         except (TimeoutError, asyncio.CancelledError):
             self._send({"op": "cancel", "id": rid})
             raise
         finally:
             self.pending.pop(rid, None)
+        if "error" in answer:
+            raise AgentProcessError(f"{what}: {answer['error']}")
+        return answer["result"]
 
     def _send(self, message: dict[str, Any]) -> None:
         if self.process is not None and self.process.returncode is None and self.process.stdin is not None:
@@ -142,14 +140,15 @@ class _Driver:
 _drivers: dict[tuple, _Driver] = {}
 
 
-def _driver(key: tuple, argv: list[str]) -> _Driver:
-    """The driver of ``key`` for the running event loop (a process's streams belong to the loop that made them)."""
-    loop = asyncio.get_running_loop()
-    driver = _drivers.get((key, loop))
+def _driver(argv: list[str]) -> _Driver:
+    """The driver running ``argv`` for the running event loop (a process's streams belong to the loop that made
+    them)."""
+    key = (tuple(argv), asyncio.get_running_loop())
+    driver = _drivers.get(key)
     if driver is None:
         for stale in [k for k in _drivers if k[1].is_closed()]:
             del _drivers[stale]
-        driver = _drivers[(key, loop)] = _Driver(argv)
+        driver = _drivers[key] = _Driver(argv)
     return driver
 
 
@@ -190,8 +189,12 @@ class VerifiersEnv(AgentEnv):
 
     async def init(self) -> None:
         """List the tasks (once per env spec) before the first episode."""
-        if self._key not in _tasks:
-            _tasks[self._key] = await asyncio.to_thread(self._list_tasks)
+        if self._key not in _tasks:  # from the driver the episodes use: the env loads once in this process
+            try:
+                _tasks[self._key] = await _driver(self._argv).request({"op": "tasks"}, LOAD_TIMEOUT_S,
+                                                                       "listing its tasks")
+            except AgentProcessError as e:
+                raise EnvLoadError(f"verifiers:{self.env_id} failed to load: {e}") from e
         self._tasks = _tasks[self._key]
 
     async def reset(self, *, seed: int | None = None, task: Task | None = None) -> tuple[list[Message], dict]:
@@ -205,13 +208,12 @@ class VerifiersEnv(AgentEnv):
     async def run(self, client: AgentClient) -> dict[str, Any]:
         """One rollout of the env's own loop against ``client``; its result carries the rubric's reward."""
         task = self._current()
-        answer = await _driver(self._key, self._argv).request(
+        failed = f"verifiers:{self.env_id} rollout of task {task.get('id')!r} failed"
+        result = await _driver(self._argv).request(
             {"op": "run", "task": task, "client": {"base_url": client.base_url, "api_key": client.api_key,
-                                                   "model": client.model}}, self.timeout_s)
-        result = _result(answer, f"verifiers:{self.env_id} rollout of task {task.get('id')!r} failed")
+                                                   "model": client.model}}, self.timeout_s, failed)
         if result["error"]:
-            raise AgentProcessError(f"verifiers:{self.env_id} rollout of task {task.get('id')!r} failed: "
-                                    f"{result['error']}")
+            raise AgentProcessError(f"{failed}: {result['error']}")
         return result
 
     async def grade(self, result: dict[str, Any]) -> float:
