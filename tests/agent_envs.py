@@ -136,6 +136,16 @@ def cli_sums() -> AgentEnv:
                          "--turns", "2"], timeout_s=120))
 
 
+def docker_sums() -> AgentEnv:
+    """:func:`sums` played by ``docker_agent.py`` (two calls, standard library) in a Docker container per episode
+    that reaches nothing but its gateway (sandboxes.agent.DockerCommand)."""
+    from sandboxes.agent import DockerCommand
+
+    inside = "/agent/docker_agent.py"
+    return _env(DockerCommand(["python3", inside], mounts={str(Path(__file__).with_name("docker_agent.py")): inside},
+                              timeout_s=120))
+
+
 def where() -> AgentEnv:
     """A probe of where an agent env runs: one call, and the reward is the pid of the process that played and
     graded the episode (the same one, or the reward is -1)."""

@@ -257,13 +257,16 @@ def test_trains_on_each_ecosystems_env_alone(policy_url, tmp_path, ecosystem):
     assert trajs and all(t["loss_mask"].count(1) > 0 for t in trajs)
 
 
-def test_trains_on_an_agent_that_runs_its_own_loop(policy_url, tmp_path):
-    """An AgentEnv named by entry point (tests/agent_envs.py): an openai-SDK tool loop of its own, two calls an episode,
-    each through the capture gateway; its rollouts train as any env's."""
-    steps = train(tmp_path / "run", policy_url, "env.name=agent_envs:sums", "generator.max_tokens=24",
+@pytest.mark.parametrize(("name", "prompts"), [("sums", 4), ("docker_sums", 2)])
+def test_trains_on_an_agent_that_runs_its_own_loop(policy_url, tmp_path, name, prompts):
+    """An AgentEnv named by entry point (tests/agent_envs.py): an openai-SDK tool loop of its own, or a program in a
+    Docker container that reaches only its gateway; two calls an episode, each through the capture gateway; its
+    rollouts train as any env's."""
+    steps = train(tmp_path / "run", policy_url, f"env.name=agent_envs:{name}", "generator.max_tokens=24",
+                  prompts=prompts,
                   env={"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])})
     for m in steps.values():
-        assert m["rollout/turns"] == 2 and m["stop/done"] == 32
+        assert m["rollout/turns"] == 2 and m["stop/done"] == 8 * prompts
     trajs = [json.loads(line) for line in (tmp_path / "run" / "final_trajectories.jsonl").read_text().splitlines()]
     assert trajs and all(t["segments"] == [] and t["template_mismatches"] <= 1 for t in trajs)  # 1 linked call
     assert all(t["loss_mask"].count(1) > 0 and t["loss_mask"].count(0) > 0 for t in trajs)  # tool output masked
