@@ -72,6 +72,20 @@ async def test_an_env_that_cannot_load_fails_its_first_episode_with_why():
     assert len(env.tasks("train")) == 12
 
 
+async def test_a_server_session_cannot_choose_the_program_the_env_runs():
+    """``python=`` names the program a verifiers env starts: over `envkit serve` a session naming one ('/bin/sh')
+    is refused; the operator sets it (envkit serve --kwargs)."""
+    from envkit.remote.protocol import ApiError
+    from envkit.remote.server.sessions import EnvServer
+
+    server = EnvServer("verifiers:vf_sums", env_kwargs={})
+    with pytest.raises(ApiError, match="python cannot be set by a session"):
+        await server.create({"python": "/bin/sh"})
+    created = await server.create({"env_args": {"tools": True}})
+    assert (await server.reset(created["session_id"], 1, None))["observation"][0]["role"] == "user"
+    await server.delete(created["session_id"])
+
+
 def generator(vllm_engine, chat_tokenizer, **config) -> Generator:
     return Generator(vllm_engine, chat_tokenizer, GeneratorConfig(**{"max_tokens": 24, "max_turns": 4, **config}))
 

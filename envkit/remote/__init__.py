@@ -21,10 +21,10 @@ TOKEN_ENV = "ENVKIT_TOKEN"
 """The environment variable both ends read the bearer token from."""
 KEEP_ALIVE_S = 75
 """How long ``envkit serve`` keeps an idle HTTP connection open; RemoteEnv reopens one well before."""
-OPERATOR_KWARGS = frozenset({"opponent"})
+OPERATOR_KWARGS = frozenset({"opponent", "python"})
 """Env kwargs only whoever starts ``envkit serve`` sets (its ``--kwargs``), never a session: a two-player game's
-opponent is code the server imports and calls, or a URL it posts to and quotes back. A sandbox starts its server with
-them."""
+opponent is code the server imports and calls, or a URL it posts to and quotes back; a verifiers env's ``python`` is a
+program the server runs. A sandbox starts its server with them."""
 PARENT_ENV = "ENVKIT_SERVE_PARENT"
 """Set to a pid, ``envkit serve`` ends when that process does: a sandbox's server must not outlive the process that
 leased it, SIGKILLed or not (nothing else would close the sandboxes its envs opened)."""
