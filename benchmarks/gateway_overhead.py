@@ -15,6 +15,9 @@ vary: the table gives completion tokens per second of wall time (the work is the
 the median over rounds of that round's ratio. Variants run in rotating order within each round, each on questions
 of its own (vLLM's prefix cache would otherwise favour whichever ran second). On a 2-core machine vLLM, the agents
 and the gateways share the cores: read ratios, not absolute numbers.
+The CPU each capture layer spends per call is also printed, far less noisy than wall time: the CPU time of this
+process (the agents, and for envkit the gateway) and of the CaptureServer's process, less what raw vLLM's agents
+spent, per call.
 Targets: envkit >= 0.95x raw vLLM's throughput (<= 5% overhead), envkit >= 1x OpenEnv's.
 
     python benchmarks/gateway_overhead.py [--agents 64] [--calls 3] [--max-tokens 32] [--rounds 5]
@@ -36,6 +39,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import psutil
 
 from envkit import Task
 from envkit.agent import AgentClient, AgentEnv
@@ -110,12 +114,19 @@ async def main() -> None:
             assert capture.stdout is not None
             if capture.stdout.readline().strip() != "ready":
                 raise SystemExit("OpenEnv's CaptureServer did not start")
-            await run(args, engine, tokenizer, f"http://127.0.0.1:{port}")
+            await run(args, engine, tokenizer, f"http://127.0.0.1:{port}", psutil.Process(capture.pid))
         finally:
             capture.communicate(timeout=30)
 
 
-async def run(args: argparse.Namespace, engine: VLLMEngine, tokenizer: ChatTokenizer, capture_url: str) -> None:
+def cpu_s(process: psutil.Process) -> float:
+    """User plus system CPU seconds ``process`` has used."""
+    times = process.cpu_times()
+    return times.user + times.system
+
+
+async def run(args: argparse.Namespace, engine: VLLMEngine, tokenizer: ChatTokenizer, capture_url: str,
+              capture: psutil.Process) -> None:
     """The rounds, then the table."""
     config = GeneratorConfig(temperature=1.0, max_tokens=args.max_tokens, max_turns=args.calls,
                              concurrency=args.agents, samples_per_prompt=1, max_total_tokens=4096)
@@ -169,17 +180,24 @@ async def run(args: argparse.Namespace, engine: VLLMEngine, tokenizer: ChatToken
     await envkit_gateway(questions(20_000_000, 8))
     rates: dict[str, list[float]] = {name: [] for name in variants}
     tokens_of: dict[str, list[int]] = {name: [] for name in variants}
+    cpu_of: dict[str, list[float]] = {name: [] for name in variants}
+    here = psutil.Process()
     names = list(variants)
     for r in range(args.rounds):
         for i, name in enumerate(names[r % len(names):] + names[:r % len(names)]):
+            cpu = cpu_s(here) + cpu_s(capture)
             tokens, wall = await variants[name](questions((r * len(names) + i + 1) * 1000, args.agents))
+            cpu_of[name].append((cpu_s(here) + cpu_s(capture) - cpu) / (args.agents * args.calls))
             rates[name].append(tokens / wall)
             tokens_of[name].append(tokens)
-            print(f"round {r + 1}: {name:<15} {wall:6.2f} s  {tokens:6d} tokens  {tokens / wall:7.1f} tok/s",
-                  flush=True)
-    print(f"\n{'variant':<16} {'tok/s':>8} {'tokens':>8}")
+            print(f"round {r + 1}: {name:<15} {wall:6.2f} s  {tokens:6d} tokens  {tokens / wall:7.1f} tok/s  "
+                  f"{cpu_of[name][-1] * 1e3:5.2f} ms CPU a call", flush=True)
+    print(f"\n{'variant':<16} {'tok/s':>8} {'tokens':>8} {'CPU ms/call':>12} {'capture ms/call':>16}")
+    floor = statistics.median(cpu_of["raw vLLM"])
     for name in names:
-        print(f"{name:<16} {statistics.median(rates[name]):8.1f} {statistics.median(tokens_of[name]):8.0f}")
+        cpu = statistics.median(cpu_of[name])
+        print(f"{name:<16} {statistics.median(rates[name]):8.1f} {statistics.median(tokens_of[name]):8.0f} "
+              f"{cpu * 1e3:12.2f} {(cpu - floor) * 1e3:16.2f}")
     over_raw = statistics.median(e / r for e, r in zip(rates["envkit gateway"], rates["raw vLLM"], strict=True))
     over_openenv = statistics.median(e / o for e, o in zip(rates["envkit gateway"], rates["OpenEnv 0.10"],
                                                            strict=True))
@@ -188,6 +206,9 @@ async def run(args: argparse.Namespace, engine: VLLMEngine, tokenizer: ChatToken
     print(f"\nenvkit / raw vLLM: {over_raw:.3f}x ({(1 - over_raw) * 100:.1f}% overhead; target <= 5%)")
     print(f"envkit / raw vLLM asked for the logprobs training needs: {over_logprobs:.3f}x")
     print(f"envkit / OpenEnv 0.10 CaptureServer: {over_openenv:.2f}x (target >= 1x)")
+    ours, theirs = (statistics.median(cpu_of[name]) - floor for name in ("envkit gateway", "OpenEnv 0.10"))
+    print(f"capture CPU a call, OpenEnv 0.10 / envkit: {theirs / ours:.2f}x ({theirs * 1e3:.2f} ms / "
+          f"{ours * 1e3:.2f} ms)")
     print(f"envkit sequences per episode (1 = every call linked): {json.dumps(sorted(set(captured[-1])))}")
 
 

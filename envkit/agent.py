@@ -30,6 +30,8 @@ import inspect
 import json
 import os
 import random
+import shutil
+import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +40,7 @@ from envkit.core import Env, StepResult, Task
 from envkit.errors import AgentProcessError, ResetNeededError
 from envkit.messages import Message, user
 from envkit.tasks import check_task, pick_task
-from envkit.untrusted import SAFE_ENV, run
+from envkit.untrusted import SAFE_ENV, kill_orphans, owner_tag, run
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +69,10 @@ TASK_ENV = "ENVKIT_TASK"
 """The variable a :class:`Command` agent finds its task in (as JSON; always on its stdin)."""
 TASK_ENV_LIMIT = 64 * 1024
 """Larger tasks are on stdin only: Linux refuses to start a process with one environment string past 128 KiB."""
+OWNER_ENV = "ENVKIT_AGENT_OWNER"
+"""Set in a :class:`Command`'s environment to the process that started it, so its processes can be found and killed
+if that process is itself killed outright (see :meth:`Command.__call__`)."""
+_orphans_reaped = False
 
 
 @dataclass(frozen=True)
@@ -76,7 +82,11 @@ class Command:
     result (past ``output_limit`` bytes the rollout fails rather than grade a cut answer). Past ``timeout_s``, or when
     its rollout is cancelled, it is killed with every process in its group (one that calls ``setsid()`` escapes: run
     untrusted agents in a container). It inherits this process's environment unless ``inherit_env`` is False (then
-    only PATH, LANG, HOME), plus ``env``."""
+    only PATH, LANG, HOME), plus ``env``.
+
+    If the process running the rollouts is killed outright (SIGKILL, the OOM killer: an env worker lost), the agent
+    process dies with it (a parent-death signal, where util-linux ``setpriv`` is installed), and what it started is
+    killed by the first ``Command`` of the next process of this user (:data:`OWNER_ENV` names its owner)."""
 
     argv: Sequence[str]
     env: Mapping[str, str] = field(default_factory=dict)
@@ -87,10 +97,16 @@ class Command:
 
     async def __call__(self, task: Task, client: AgentClient) -> str:
         """Run the process for ``task``; raises :class:`~envkit.errors.AgentProcessError` if it fails or hangs."""
+        global _orphans_reaped
+        if not _orphans_reaped:  # in the background: no rollout waits on a scan of /proc
+            _orphans_reaped = True
+            threading.Thread(target=kill_orphans, args=(OWNER_ENV,), name="envkit-orphans", daemon=True).start()
         document = json.dumps(task)
         env = {**(os.environ if self.inherit_env else SAFE_ENV), **self.env, **client.environ(),
-               **task_variables(document)}
-        result = await run(list(self.argv), stdin=document.encode(), timeout_s=self.timeout_s,
+               **task_variables(document), OWNER_ENV: owner_tag()}
+        setpriv = shutil.which("setpriv", path=SAFE_ENV["PATH"])
+        argv = [setpriv, "--pdeathsig", "KILL", "--", *self.argv] if setpriv else list(self.argv)
+        result = await run(argv, stdin=document.encode(), timeout_s=self.timeout_s,
                            output_limit=self.output_limit, cwd=self.cwd, env=env)
         if result.timed_out:
             raise AgentProcessError(f"agent command {self.argv[0]!r} ran past {self.timeout_s:g} s and was killed "

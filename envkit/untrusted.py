@@ -294,6 +294,43 @@ def processes_of(uid: int | None, *, running_only: bool = False) -> list[int]:
     return found
 
 
+def process_start_ticks(pid: int) -> int:
+    """When ``pid`` started (clock ticks since boot, from /proc), so a reused pid is not taken for its owner; 0 if
+    it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # The command name (field 2) may hold spaces and parentheses: split after its closing one.
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def owner_tag() -> str:
+    """This process as ``PID:START``: what :func:`kill_orphans` finds in the environment of processes it started."""
+    return f"{os.getpid()}:{process_start_ticks(os.getpid())}"
+
+
+def kill_orphans(variable: str) -> int:
+    """SIGKILL this uid's processes whose environment sets ``variable`` to the :func:`owner_tag` of a process that
+    is gone: what an owner killed with no chance to clean up (SIGKILL, OOM) left running. Returns how many."""
+    killed = 0
+    marker = f"{variable}=".encode()
+    for pid in processes_of(os.getuid()):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read()
+        except OSError:
+            continue  # gone, or not ours to read
+        tag = next((v[len(marker):] for v in environ.split(b"\0") if v.startswith(marker)), None)
+        owner, _, start = (tag or b"").decode(errors="replace").partition(":")
+        if not (owner.isdigit() and start.isdigit()) or process_start_ticks(int(owner)) == int(start):
+            continue
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+            killed += 1
+    return killed
+
+
 def _parent(pid: int) -> int | None:
     """The parent pid of ``pid`` as this PID namespace sees it (0: outside it), None if it is gone."""
     try:

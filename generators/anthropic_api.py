@@ -5,7 +5,8 @@ A request's ``system`` and ``messages`` become chat messages: an assistant turn'
 a user turn's ``tool_result`` blocks tool messages (before the turn's text); ``tools`` (``input_schema``) become
 function tools. The gateway then treats it as a chat completions call, so calls link by token prefix exactly as chat
 calls do. The reply goes back as a Message: a ``text`` block, a ``tool_use`` block per call, ``stop_reason``
-``tool_use``, ``max_tokens`` or ``end_turn``. The key comes in ``x-api-key`` (or as a bearer token).
+``tool_use``, ``max_tokens``, ``stop_sequence`` (with the one that matched, where the engine says which: vLLM and
+SGLang do) or ``end_turn``. The key comes in ``x-api-key`` (or as a bearer token).
 """
 
 from __future__ import annotations
@@ -100,15 +101,20 @@ def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
     return {"type": "function", "function": function}
 
 
-def message_body(message: Message, *, finish: str, prompt_tokens: int, completion_tokens: int,
-                 model: str) -> dict[str, Any]:
+def message_body(message: Message, *, finish: str, prompt_tokens: int, completion_tokens: int, model: str,
+                 stop_sequence: str | None = None) -> dict[str, Any]:
     """The Message for one sampled reply."""
     content: list[dict[str, Any]] = [{"type": "text", "text": message["content"]}] if message.get("content") else []
     content += [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
                  "input": json.loads(c["function"]["arguments"])} for c in message.get("tool_calls") or []]
-    stop = "tool_use" if message.get("tool_calls") else "max_tokens" if finish == "length" else "end_turn"
+    if message.get("tool_calls"):
+        stop, stop_sequence = "tool_use", None
+    elif finish == "length":
+        stop, stop_sequence = "max_tokens", None
+    else:
+        stop = "stop_sequence" if stop_sequence else "end_turn"
     return {"id": f"msg_{secrets.token_hex(12)}", "type": "message", "role": "assistant", "model": model,
-            "content": content, "stop_reason": stop, "stop_sequence": None,
+            "content": content, "stop_reason": stop, "stop_sequence": stop_sequence,
             "usage": {"input_tokens": prompt_tokens, "output_tokens": completion_tokens}}
 
 
@@ -130,6 +136,7 @@ async def stream(body: dict[str, Any]) -> AsyncIterator[str]:
         yield event("content_block_start", {"index": index, "content_block": start})
         yield event("content_block_delta", {"index": index, "delta": delta})
         yield event("content_block_stop", {"index": index})
-    yield event("message_delta", {"delta": {"stop_reason": body["stop_reason"], "stop_sequence": None},
+    yield event("message_delta", {"delta": {"stop_reason": body["stop_reason"],
+                                            "stop_sequence": body["stop_sequence"]},
                                   "usage": {"output_tokens": usage["output_tokens"]}})
     yield event("message_stop", {})

@@ -6,7 +6,8 @@ rendered by the model's chat template, with the tools written into the system me
 (as the rollout loop does), sampled token-in/token-out on the engine, and recorded: prompt ids, sampled ids and their
 logprobs, finish reason, tool calls, weight version. Sampling uses the run's settings, not the request's temperature
 or seed: a training run must sample from the policy it trains. ``max_tokens`` (capped by the run's) and ``stop``
-are honoured.
+are honoured; as in OpenAI's API, a reply leaves out the stop string that ended it (its tokens stay in the
+sequence: they were sampled).
 
 ``/v1/responses`` (:mod:`generators.responses_api`) and Anthropic's ``/v1/messages``
 (:mod:`generators.anthropic_api`) are read as the chat completions call they describe, and answered in their own
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from envkit import Message
 from envkit.agent import AgentClient
@@ -48,6 +49,7 @@ from generators.engines.base import EngineError, InferenceEngine, SamplingParams
 from generators.engines.replicas import Session, rollout_session
 from generators.parsers import OutputParser
 from generators.responses_api import ResponsesRequest, UnsupportedInput, response_body
+from generators.responses_api import stream as responses_stream
 from generators.tool_prompt import ToolPrompt, ToolSchemas
 from generators.trajectory import StopReason, mark_version
 
@@ -99,6 +101,7 @@ class _Choice:
     text: str
     message: Message
     finish: str
+    stop_string: str | None
 
 
 @dataclass
@@ -182,6 +185,22 @@ class Episode:
         return [s for s in self.segments + branches if any(s.loss_mask)]
 
 
+MAX_STOPS = 4
+"""Stop strings a call may ask for: OpenAI's limit, and vLLM's (past it the engine would answer 400, a 502 here)."""
+ANY_HOST = ("0.0.0.0", "")
+"""Hosts that mean every interface."""
+
+
+def node_address() -> str:
+    """This node's address on its default route, as other nodes reach it (loopback where it has no route)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.254.254.254", 1))  # no packet is sent: this only picks the outgoing interface
+        except OSError:
+            return "127.0.0.1"
+        return probe.getsockname()[0]
+
+
 class Gateway:
     """The server. ``async with Gateway(...)``; :meth:`open` an episode, hand the agent :meth:`client`, :meth:`end`
     it when the agent returns."""
@@ -201,11 +220,12 @@ class Gateway:
 
     @property
     def url(self) -> str:
-        """The server's root URL."""
-        return f"http://{self.host}:{self.port}"
+        """The server's root URL: at ``host``, or at this node's address where ``host`` is every interface."""
+        host = node_address() if self.host in ANY_HOST else self.host
+        return f"http://{host}:{self.port}"
 
     async def start(self) -> None:
-        """Serve on a free port of ``host``."""
+        """Serve on a free port of ``host`` (``0.0.0.0``: every interface)."""
         import uvicorn
 
         sock = socket.socket()
@@ -347,10 +367,13 @@ class Gateway:
             ids += part.token_ids
             logprobs += part.logprobs
         text = self.tokenizer.decode(ids)
-        message = self.parser.parse(text, segment.tools)
+        # The reply leaves out the stop string that ended it, as OpenAI's and Anthropic's APIs do (a ReAct agent
+        # stopping at "Observation:" writes its own); the sequence keeps every token sampled.
+        shown = text.partition(part.stop_string)[0] if part.stop_string else text
+        message = self.parser.parse(shown, segment.tools)
         for i, call in enumerate(message.get("tool_calls") or []):  # unique within the episode: agents key on ids
             call["id"] = f"call_{episode.calls}_{k}_{i}"
-        return _Choice(ids, logprobs, spans, text, message, part.finish_reason)
+        return _Choice(ids, logprobs, spans, text, message, part.finish_reason, part.stop_string)
 
 
 # ------------------------------------------------------------------------------------------------ the HTTP API
@@ -369,6 +392,13 @@ class ChatRequest(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(stop, list) and len(stop) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings, got {len(stop)}")
+        return stop
 
     def chat(self) -> list[Message]:
         """The messages in the envkit form: roles checked, text parts joined, developer read as system."""
@@ -565,6 +595,8 @@ def build_app(gateway: Gateway) -> FastAPI:
         out = response_body(choice.message, truncated=choice.finish == "length", prompt_tokens=prompt_tokens,
                             completion_tokens=len(choice.ids), model=gateway.engine.model_name, request=body)
         episode.responses[out["id"]] = body.history(chat_body, _openai_message(choice.message))
+        if body.stream:
+            return StreamingResponse(responses_stream(out), media_type="text/event-stream")
         return JSONResponse(out)
 
     async def messages(request: Request, key: str | None = None) -> Response:
@@ -580,8 +612,9 @@ def build_app(gateway: Gateway) -> FastAPI:
             return _anthropic_error(e.status, str(e))
         except EngineError as e:
             return _anthropic_error(502, f"the inference engine failed: {e}")
-        out = message_body(choice.message, finish=choice.finish, prompt_tokens=prompt_tokens,
-                           completion_tokens=len(choice.ids), model=gateway.engine.model_name)
+        out = message_body(choice.message, finish=choice.finish, stop_sequence=choice.stop_string,
+                           prompt_tokens=prompt_tokens, completion_tokens=len(choice.ids),
+                           model=gateway.engine.model_name)
         if body.stream:
             return StreamingResponse(anthropic_stream(out), media_type="text/event-stream")
         return JSONResponse(out)

@@ -1,4 +1,4 @@
-"""OpenAI's Responses API as the capture gateway speaks it (``POST /v1/responses``, not streamed).
+"""OpenAI's Responses API as the capture gateway speaks it (``POST /v1/responses``, JSON or streamed).
 
 A request's ``instructions`` and ``input`` items become chat messages (``function_call`` items the assistant's tool
 calls, ``function_call_output`` items tool messages), its flat function tools chat-style ones; the gateway then
@@ -6,13 +6,17 @@ treats it as a chat completions call, so its token ids link across calls exactly
 back as a Response: a ``message`` output item with the text, a ``function_call`` item per tool call, status
 ``incomplete`` where the token limit cut it. ``previous_response_id`` works within an episode: the gateway keeps
 each episode's responses until it ends (``store`` is otherwise ignored). As in OpenAI's API, a call's
-``instructions`` apply to that call alone: a call continuing another does not inherit them.
+``instructions`` apply to that call alone: a call continuing another does not inherit them. A streamed call gets
+the same Response as server-sent events, each output item's text or arguments whole in one delta (the gateway
+samples a call at once, then parses its tool calls).
 """
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -39,9 +43,6 @@ class ResponsesRequest(BaseModel):
     def chat_body(self, earlier: list[dict[str, Any]]) -> dict[str, Any]:
         """The equivalent chat completions request body: the instructions, then the chat ``earlier`` (that of
         ``previous_response_id``, else empty), then the input."""
-        if self.stream:
-            raise UnsupportedInput("stream: the gateway answers /v1/responses whole; send stream=false (the "
-                                   "chat completions route streams)")
         body: dict[str, Any] = {"messages": [*self._instructions(), *earlier, *_messages(self._items())]}
         if self.tools:
             body["tools"] = [_chat_tool(t, i) for i, t in enumerate(self.tools)]
@@ -116,3 +117,39 @@ def response_body(message: Message, *, truncated: bool, prompt_tokens: int, comp
                   "output_tokens": completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                   "total_tokens": prompt_tokens + completion_tokens},
     }
+
+
+async def stream(body: dict[str, Any]) -> AsyncIterator[str]:
+    """The Response ``body`` as the events a streamed call gets: created, each output item added, filled in one
+    delta and done, then completed (or incomplete, where the token limit cut it)."""
+    sequence = 0
+
+    def event(kind: str, **data: Any) -> str:
+        nonlocal sequence
+        sequence += 1
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': sequence - 1, **data})}\n\n"
+
+    started = {**body, "status": "in_progress", "incomplete_details": None, "output": []}
+    yield event("response.created", response=started)
+    yield event("response.in_progress", response=started)
+    for index, item in enumerate(body["output"]):
+        at = {"item_id": item["id"], "output_index": index}
+        if item["type"] == "message":
+            yield event("response.output_item.added", output_index=index,
+                        item={**item, "status": "in_progress", "content": []})
+            for part_index, part in enumerate(item["content"]):
+                yield event("response.content_part.added", **at, content_index=part_index,
+                            part={**part, "text": ""})
+                yield event("response.output_text.delta", **at, content_index=part_index, delta=part["text"],
+                            logprobs=[])
+                yield event("response.output_text.done", **at, content_index=part_index, text=part["text"],
+                            logprobs=[])
+                yield event("response.content_part.done", **at, content_index=part_index, part=part)
+        else:
+            yield event("response.output_item.added", output_index=index,
+                        item={**item, "status": "in_progress", "arguments": ""})
+            yield event("response.function_call_arguments.delta", **at, delta=item["arguments"])
+            yield event("response.function_call_arguments.done", **at, name=item["name"],
+                        arguments=item["arguments"])
+        yield event("response.output_item.done", output_index=index, item=item)
+    yield event("response.incomplete" if body["status"] == "incomplete" else "response.completed", response=body)

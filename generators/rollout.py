@@ -77,6 +77,10 @@ class GeneratorConfig:
     tool_prompt: str = "auto"
     """Where the env's tools go (generators/tool_prompt.py): auto (into the system message, in the tool parser's
     format, when the chat template drops tools=; else to the template), template, inject, or none."""
+    gateway_host: str = "127.0.0.1"
+    """Where agent envs' capture gateway listens. Loopback unless their agents run on other nodes (Ray env workers
+    there): then an address of this node they reach, or 0.0.0.0 (every interface, announced to agents as this
+    node's address on its default route). Each episode's key is its credential."""
 
     @property
     def sampling(self) -> SamplingParams:
@@ -344,7 +348,8 @@ class Generator:
                                      "gateway records token ids")
                 cfg = self.config
                 gateway = Gateway(self.engine, self.tokenizer, self.parser, self.tool_prompt,
-                                  Limits(cfg.sampling, cfg.max_turns, cfg.max_total_tokens, cfg.check_template))
+                                  Limits(cfg.sampling, cfg.max_turns, cfg.max_total_tokens, cfg.check_template),
+                                  host=cfg.gateway_host)
                 await gateway.start()
                 self._gateway = gateway
             return self._gateway

@@ -28,6 +28,7 @@ import httpx
 
 from envkit.errors import EnvkitError
 from envkit.remote.protocol import ExecResult
+from envkit.untrusted import process_start_ticks
 
 SANDBOX_ENV = "ENVKIT_SANDBOX"
 """Set inside every sandbox to its kind (``docker`` or ``local``); envs that run model code check it."""
@@ -129,16 +130,6 @@ def host_lock(name: str) -> Iterator[None]:
 def owner_id() -> str:
     """This process's owner id ``host:pid:start``, carried by every container it starts (see the reaper)."""
     return f"{socket.gethostname()}:{os.getpid()}:{process_start_ticks(os.getpid())}"
-
-
-def process_start_ticks(pid: int) -> int:
-    """When ``pid`` started (clock ticks since boot, from /proc), so a reused pid is not taken for its owner."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            # The command name (field 2) may hold spaces and parentheses: split after its closing one.
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return 0
 
 
 # ``exec(..., timeout=)`` is the sandbox's own kill deadline, enforced where the code runs (ASYNC109 is about

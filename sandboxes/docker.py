@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 import httpx
 
 from envkit.distribution import install_hint
-from envkit.untrusted import EXEC_USER_ENV
+from envkit.untrusted import EXEC_USER_ENV, process_start_ticks
 from sandboxes.base import (
     EXEC_DIR,
     EXEC_UID,
@@ -49,7 +49,6 @@ from sandboxes.base import (
     exec_argv,
     host_lock,
     owner_id,
-    process_start_ticks,
     wait_healthy,
 )
 

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 import httpx
 import openai
 import pytest
-from agent_envs import ADD, llm, run_add, tool_loop
+from agent_envs import ADD, INSTRUCTIONS, add, llm, run_add, tool_loop
 
 from envkit import Task
 from envkit.agent import AgentClient, AgentEnv
@@ -26,6 +26,7 @@ from generators.trajectory import Trajectory
 pytestmark = pytest.mark.e2e
 
 QUESTION = {"id": "q", "question": "What is 2 + 3?"}
+STOPS = ["e", "a", "o", "t"]
 
 
 class Recorded(InferenceEngine):
@@ -182,6 +183,8 @@ async def test_calls_are_refused_cleanly_and_the_gateway_stays_up(vllm_engine, c
             seen["not_json"] = await http.post("/chat/completions", content=b"{", headers=auth)
             seen["n17"] = await http.post("/chat/completions", headers=auth, json={
                 "messages": [{"role": "user", "content": "hi"}], "n": 17})
+            seen["stop5"] = await http.post("/chat/completions", headers=auth, json={
+                "messages": [{"role": "user", "content": "hi"}], "stop": list("abcde")})
             seen["too_long"] = await http.post("/chat/completions", headers=auth, json={
                 "messages": [{"role": "user", "content": "word " * 400}]})  # past max_total_tokens=256
             seen["models"] = (await http.get("/models", headers=auth)).json()
@@ -202,12 +205,13 @@ async def test_calls_are_refused_cleanly_and_the_gateway_stays_up(vllm_engine, c
     env = agent_env(agent)
     [t] = await gen.generate(env, tasks=[QUESTION])
     assert seen["unknown"]["error"]["code"] == "invalid_api_key"
-    for key in ("no_messages", "bad_role", "not_json", "n17"):
+    for key in ("no_messages", "bad_role", "not_json", "n17", "stop5"):
         assert seen[key].status_code == 400 and seen[key].json()["error"]["code"] in ("invalid_request",
                                                                                       "invalid_message"), key
     assert "messages" in seen["no_messages"].json()["error"]["message"]
     assert "robot" in seen["bad_role"].json()["error"]["message"]
     assert seen["n17"].json()["error"]["message"].startswith("n:")
+    assert "at most 4 stop strings" in seen["stop5"].json()["error"]["message"]
     too_long = seen["too_long"]
     assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
     assert too_long.headers["x-should-retry"] == "false"  # SDKs would otherwise retry refusals (409, 429)
@@ -268,11 +272,36 @@ async def test_agents_that_crash_hang_or_run_concurrently_fail_alone_and_never_m
     assert gen._gateway is None  # the batch over, its gateway stopped
 
 
+async def test_a_gateway_on_every_interface_is_announced_at_this_nodes_address(vllm_engine, chat_tokenizer):
+    """``gateway_host=0.0.0.0`` (agents on other nodes): the agent is given this node's address on its default
+    route, where its call is served and captured; loopback reaches the same gateway."""
+    from generators.gateway import node_address
+
+    reached: list[str] = []
+
+    async def agent(task: Task, client: AgentClient) -> str:
+        url = urlsplit(client.base_url)
+        for host in (url.hostname, "127.0.0.1"):
+            base = client.base_url.replace(f"//{url.hostname}:", f"//{host}:")
+            models = await openai.AsyncOpenAI(base_url=base, api_key=client.api_key, max_retries=0).models.list()
+            reached.append(f"{host} {models.data[0].id}")
+        reply = await llm(client).chat.completions.create(
+            model=client.model, max_tokens=8, messages=[{"role": "user", "content": task["question"]}])
+        return reply.choices[0].message.content or ""
+
+    [t] = await generator(vllm_engine, chat_tokenizer, gateway_host="0.0.0.0").generate(agent_env(agent),
+                                                                                        tasks=[QUESTION])
+    assert t.stop_reason == "done" and t.num_turns == 1, t.error
+    assert reached == [f"{node_address()} {vllm_engine.model_name}", f"127.0.0.1 {vllm_engine.model_name}"]
+
+
 async def test_responses_api_calls_link_and_refuse_as_chat_calls_do(vllm_engine, chat_tokenizer):
-    """Three /v1/responses calls: the second resends the first's output items, the third continues by
-    previous_response_id; one exact sequence. A streamed call, a hosted tool and an unknown response id get 400s."""
+    """Four /v1/responses calls: the second resends the first's output items, the third continues by
+    previous_response_id, the fourth continues the third streamed; one exact sequence, the stream's terminal
+    Response carrying what the model sampled. A hosted tool and an unknown response id get 400s."""
     engine = Recorded(vllm_engine)
     refused: dict[str, Any] = {}
+    streamed: dict[str, Any] = {}
     tools = [{"type": "function", "name": "add", "description": "Add two integers.",
               "parameters": ADD["function"]["parameters"]}]
 
@@ -291,7 +320,11 @@ async def test_responses_api_calls_link_and_refuse_as_chat_calls_do(vllm_engine,
                                            instructions="Use the add tool, then answer.",  # not inherited
                                            input=[{"role": "user", "content": "Say it once more."}],
                                            max_output_tokens=24)
-        for name, kwargs in [("stream", {"stream": True}), ("hosted", {"tools": [{"type": "web_search"}]}),
+        events = [e async for e in await sdk.responses.create(
+            model=client.model, previous_response_id=third.id, instructions="Use the add tool, then answer.",
+            tools=tools, input="Once more, briefly.", max_output_tokens=16, stream=True)]
+        streamed.update(kinds=[e.type for e in events], response=events[-1].response)
+        for name, kwargs in [("hosted", {"tools": [{"type": "web_search"}]}),
                              ("unknown", {"previous_response_id": "resp_nope"})]:
             try:
                 await sdk.responses.create(model=client.model, input="hi", **kwargs)
@@ -299,20 +332,24 @@ async def test_responses_api_calls_link_and_refuse_as_chat_calls_do(vllm_engine,
                 refused[name] = e.body
         return third.output_text
 
-    [t] = await generator(engine, chat_tokenizer, max_turns=4).generate(agent_env(agent), tasks=[QUESTION])
+    [t] = await generator(engine, chat_tokenizer, max_turns=5).generate(agent_env(agent), tasks=[QUESTION])
     assert t.stop_reason == "done", t.error
-    assert t.num_turns == 3 and len(engine.calls) == 3 and t.segments == []
-    assert len(spans(t)) == 3
+    assert t.num_turns == 4 and len(engine.calls) == 4 and t.segments == []
+    assert len(spans(t)) == 4
     assert_exact([t], engine)
     assert t.template_mismatches <= sum(not canonical(t, span, chat_tokenizer) for span in spans(t)[:-1])
+    last = engine.calls[-1][1]
+    assert streamed["kinds"][:2] == ["response.created", "response.in_progress"]
+    assert streamed["kinds"][-1] == ("response.incomplete" if last.finish_reason == "length" else "response.completed")
+    assert streamed["response"].usage.output_tokens == len(last.token_ids)
+    assert streamed["response"].output_text.strip() in chat_tokenizer.decode(last.token_ids)
     assert {name: body["code"] for name, body in refused.items()} == {
-        "stream": "unsupported", "hosted": "unsupported", "unknown": "previous_response_not_found"}
+        "hosted": "unsupported", "unknown": "previous_response_not_found"}
     assert "web_search" in refused["hosted"]["message"]
 
 
 AGENT_PROCESS = """
 import json, os, subprocess, sys, time
-import openai
 task = json.load(sys.stdin)
 mode = task["mode"]
 if mode == "big":  # past the limit of one environment string: on stdin only
@@ -329,12 +366,45 @@ if mode in ("hang", "outlive"):
     with open(task["pids"], "w") as f:
         f.write(f"{os.getpid()} {child.pid}")
     time.sleep(3600)
+import openai  # here, not first: importing it takes seconds on a loaded machine, past the hang's 3 s deadline
 chat = openai.OpenAI(max_retries=0)  # OPENAI_BASE_URL and OPENAI_API_KEY: the episode's
 reply = chat.chat.completions.create(model=os.environ["OPENAI_MODEL"], max_tokens=8,
                                      messages=[{"role": "user", "content": task["question"]}])
 print("noise on stdout, then the answer:")
 print(reply.choices[0].message.content or "", task["id"])
 """
+
+
+async def test_an_agents_sdk_streamed_run_is_captured_as_its_calls_were_sampled(vllm_engine, chat_tokenizer):
+    """The OpenAI Agents SDK's streamed runs (``Runner.run_streamed``, over the Responses API, the SDK's default
+    model) go through the gateway unmodified: the events reach the agent, and each model call is captured exactly.
+    (A reply the token limit cut ends the run as ``max_tokens``: the SDK raises on an incomplete response.)"""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, RunConfig, Runner, function_tool
+
+    engine = Recorded(vllm_engine)
+    seen: list[list[str]] = []
+
+    async def agent(task: Task, client: AgentClient) -> str:
+        sdk = Agent(name="adder", instructions=INSTRUCTIONS, tools=[function_tool(add)],
+                    model=OpenAIResponsesModel(model=client.model, openai_client=llm(client)),
+                    model_settings=ModelSettings(max_tokens=64))
+        run = Runner.run_streamed(sdk, task["question"], max_turns=3, run_config=RunConfig(tracing_disabled=True))
+        events: list[str] = []
+        seen.append(events)
+        async for event in run.stream_events():
+            if event.type == "raw_response_event":
+                events.append(event.data.type)
+        return str(run.final_output)
+
+    trajs = await generator(engine, chat_tokenizer, max_turns=3, max_tokens=64).generate(agent_env(agent),
+                                                                                         tasks=[QUESTION] * 2)
+    assert {t.stop_reason for t in trajs} <= {"done", "max_tokens"}, [t.error for t in trajs]
+    assert_exact(trajs, engine)
+    assert len(engine.calls) == sum(t.num_turns for t in trajs) >= 2
+    for events in seen:
+        assert events[0] == "response.created" and events.count("response.output_item.done") >= 1
+        assert events[-1] in ("response.completed", "response.incomplete")
+    assert sum(events.count("response.created") for events in seen) == len(engine.calls)
 
 
 async def test_command_agents_run_as_processes_and_fail_alone_with_their_process_tree_killed(
@@ -380,8 +450,9 @@ async def test_command_agents_run_as_processes_and_fail_alone_with_their_process
 
 async def test_anthropic_messages_calls_link_stream_and_refuse_as_chat_calls_do(vllm_engine, chat_tokenizer):
     """An Anthropic-SDK agent: a call with a tool, then a streamed call resending the reply's blocks (tool results
-    for its tool_use blocks) and a new user turn; one exact sequence. An unknown key gets the SDK's
-    AuthenticationError, a body without max_tokens a 400 in Anthropic's error shape."""
+    for its tool_use blocks) and a new user turn, then a call with stop sequences (its reply ends before the one
+    that matched, which the reply names) and one resending that reply; one exact sequence. An unknown key gets the
+    SDK's AuthenticationError, a body without max_tokens a 400 in Anthropic's error shape."""
     import anthropic
 
     engine = Recorded(vllm_engine)
@@ -402,6 +473,15 @@ async def test_anthropic_messages_calls_link_stream_and_refuse_as_chat_calls_do(
                                        tools=tools, messages=messages) as stream:
             second = await stream.get_final_message()
         seen["stop_reasons"] = [first.stop_reason, second.stop_reason]
+        messages += [{"role": "assistant", "content": [b.model_dump() for b in second.content]},
+                     {"role": "user", "content": "Say it in words."}]
+        third = await sdk.messages.create(model=client.model, max_tokens=24, system="Use the add tool, then answer.",
+                                          tools=tools, messages=messages, stop_sequences=STOPS)
+        seen["third"] = third
+        messages += [{"role": "assistant", "content": [b.model_dump() for b in third.content]},
+                     {"role": "user", "content": "Thanks."}]
+        await sdk.messages.create(model=client.model, max_tokens=24, system="Use the add tool, then answer.",
+                                  tools=tools, messages=messages, stop_sequences=STOPS)
         try:
             await anthropic.AsyncAnthropic(base_url=root, api_key="nope", max_retries=0).messages.create(
                 model=client.model, max_tokens=4, messages=[{"role": "user", "content": "hi"}])
@@ -412,11 +492,18 @@ async def test_anthropic_messages_calls_link_stream_and_refuse_as_chat_calls_do(
                                                      json={"messages": [{"role": "user", "content": "hi"}]}))
         return "".join(b.text for b in second.content if b.type == "text")
 
-    [t] = await generator(engine, chat_tokenizer).generate(agent_env(agent), tasks=[QUESTION])
+    [t] = await generator(engine, chat_tokenizer, max_turns=4).generate(agent_env(agent), tasks=[QUESTION])
     assert t.stop_reason == "done", t.error
-    assert t.num_turns == 2 and len(engine.calls) == 2 and t.segments == [] and len(spans(t)) == 2
+    assert t.num_turns == 4 and len(engine.calls) == 4 and t.segments == [] and len(spans(t)) == 4
     assert_exact([t], engine)
+    assert t.template_mismatches <= sum(not canonical(t, span, chat_tokenizer) for span in spans(t)[:-1])
     assert set(seen["stop_reasons"]) <= {"end_turn", "max_tokens", "tool_use"}
+    stopped, third = engine.calls[2][1], seen["third"]
+    assert stopped.stop_string in STOPS  # with the commonest letters as stops, the reply ends at one
+    assert (third.stop_reason, third.stop_sequence) == ("stop_sequence", stopped.stop_string)
+    text = "".join(b.text for b in third.content if b.type == "text")
+    assert chat_tokenizer.decode(stopped.token_ids).startswith(text + stopped.stop_string)
+    assert stopped.stop_string not in text
     assert seen["unknown"]["error"]["type"] == "authentication_error"
     bad = seen["no_max_tokens"]
     assert bad.status_code == 400 and bad.json()["type"] == "error" and "max_tokens" in bad.json()["error"]["message"]

@@ -10,6 +10,7 @@ import pytest
 from generators.anthropic_api import MessagesRequest, message_body, stream
 from generators.gateway import ChatRequest, _same
 from generators.responses_api import ResponsesRequest, UnsupportedInput, response_body
+from generators.responses_api import stream as responses_stream
 
 ADD = {"type": "function", "name": "add", "description": "Add two integers.", "strict": True,
        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}
@@ -64,11 +65,42 @@ def test_a_chained_call_continues_the_chat_under_its_own_instructions_and_the_un
                               instructions="Be brief.").chat_body(earlier)
     assert [m["role"] for m in second["messages"]] == ["system", "user", "assistant", "user"]
     assert second["messages"][1:3] == earlier
-    for request, words in [(ResponsesRequest(input="hi", stream=True), "stream"),
-                           (ResponsesRequest(input="hi", tools=[{"type": "web_search"}]), "web_search"),
+    for request, words in [(ResponsesRequest(input="hi", tools=[{"type": "web_search"}]), "web_search"),
                            (ResponsesRequest(input=[{"type": "computer_call"}]), "computer_call")]:
         with pytest.raises(UnsupportedInput, match=words):
             request.chat_body([])
+
+
+@pytest.mark.parametrize("truncated", [False, True])
+async def test_the_openai_sdk_rebuilds_a_streamed_response_as_the_json_one(truncated):
+    """The events of a streamed call, fed to the openai SDK's own stream accumulator (what ``responses.stream()``
+    uses), rebuild the Response the JSON call gets: text, two calls, status."""
+    from openai import omit
+    from openai._models import construct_type
+    from openai.lib.streaming.responses import ResponseStreamState
+    from openai.types.responses import ResponseStreamEvent
+
+    request = ResponsesRequest(input="What is 2 + 3?", tools=[ADD], stream=True)
+    out = response_body(REPLY, truncated=truncated, prompt_tokens=10, completion_tokens=5, model="policy",
+                        request=request)
+    state: ResponseStreamState = ResponseStreamState(input_tools=[], text_format=omit)
+    events = []
+    async for chunk in responses_stream(out):
+        kind, data = chunk.split("\n", 1)
+        event = json.loads(data.removeprefix("data: "))
+        assert kind == f"event: {event['type']}"
+        events.append(event)
+        state.handle_event(construct_type(type_=ResponseStreamEvent, value=event))
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[-1]["type"] == ("response.incomplete" if truncated else "response.completed")
+    assert events[-1]["response"] == out
+    # the SDK keeps a completed stream's Response apart; an incomplete one's is its running snapshot
+    built = state._completed_response or state._ResponseStreamState__current_snapshot
+    assert built is not None
+    # (the SDK leaves an incomplete stream's item statuses as they were added)
+    assert [item.model_dump(exclude_none=True, exclude={"parsed_arguments", "status"}) for item in built.output] == [
+        {k: v for k, v in item.items() if v is not None and k != "status"} for item in out["output"]]
+    assert built.output_text == "Let me add."
 
 
 def test_an_anthropic_reply_sent_back_reads_as_the_reply_it_was():

@@ -62,6 +62,8 @@ class Completion:
     finish_reason: FinishReason
     weight_version: int = 0
     """The weight version that produced this completion."""
+    stop_string: str | None = None
+    """The ``SamplingParams.stop`` string that ended it, where the engine says which did."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -93,8 +93,11 @@ def _completion_from_generate(data: dict[str, Any], weight_version: int) -> Comp
     if any(entry[0] is None for entry in entries):  # orjson writes NaN and -inf as null
         raise EngineError(f"SGLang returned a non-finite logprob: {entries[:8]}...")
     logprobs = [float(entry[0]) for entry in entries]
-    return Completion(ids, logprobs, _finish(meta.get("finish_reason")),
-                      weight_version=_version(meta.get("weight_version"), weight_version))
+    reason = meta.get("finish_reason")
+    matched = reason.get("matched") if isinstance(reason, dict) else None  # a stop string or token id
+    return Completion(ids, logprobs, _finish(reason), weight_version=_version(meta.get("weight_version"),
+                                                                             weight_version),
+                      stop_string=matched if isinstance(matched, str) else None)
 
 
 def _finish(reason: Any) -> FinishReason:

@@ -257,6 +257,7 @@ def _completion(data: dict[str, Any], prompt_ids: list[int], version: int) -> Co
     logprobs = choice["logprobs"]["token_logprobs"]
     if len(logprobs) != len(ids):
         raise EngineError(f"vLLM returned {len(ids)} token ids but {len(logprobs)} logprobs")
-    reason = choice.get("finish_reason")
+    reason, matched = choice.get("finish_reason"), choice.get("stop_reason")  # matched: a stop string or token id
     finish: FinishReason = reason if reason in ("stop", "length") else "abort"
-    return Completion(ids, logprobs, finish, weight_version=version)
+    return Completion(ids, logprobs, finish, weight_version=version,
+                      stop_string=matched if isinstance(matched, str) else None)

@@ -212,8 +212,8 @@ class WorkerEnv(Env):
 
 class _WorkerAgent(AgentEnv):
     """An agent env in an env worker, as the generator sees it: :meth:`run` plays the episode there (the agent
-    reaches the gateway from the worker, so the worker must reach the generator's host), :meth:`grade` grades it
-    there; the result crosses by Ray, so it must pickle."""
+    reaches the gateway from the worker: on another node, ``generator.gateway_host`` must be an address it reaches),
+    :meth:`grade` grades it there; the result crosses by Ray, so it must pickle."""
 
     def __init__(self, env: WorkerEnv) -> None:
         super().__init__()
