@@ -30,7 +30,6 @@ import inspect
 import json
 import os
 import random
-import shutil
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -40,7 +39,7 @@ from envkit.core import Env, StepResult, Task
 from envkit.errors import AgentProcessError, ResetNeededError
 from envkit.messages import Message, user
 from envkit.tasks import check_task, pick_task
-from envkit.untrusted import SAFE_ENV, kill_orphans, owner_tag, run
+from envkit.untrusted import SAFE_ENV, kill_orphans, owner_tag, run, setpriv_path
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +103,7 @@ class Command:
         document = json.dumps(task)
         env = {**(os.environ if self.inherit_env else SAFE_ENV), **self.env, **client.environ(),
                **task_variables(document), OWNER_ENV: owner_tag()}
-        setpriv = shutil.which("setpriv", path=SAFE_ENV["PATH"])
+        setpriv = setpriv_path()
         argv = [setpriv, "--pdeathsig", "KILL", "--", *self.argv] if setpriv else list(self.argv)
         result = await run(argv, stdin=document.encode(), timeout_s=self.timeout_s,
                            output_limit=self.output_limit, cwd=self.cwd, env=env)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import functools
 import os
 import re
 import shutil
@@ -180,12 +181,18 @@ async def run(argv: Sequence[str], *, stdin: bytes = b"", timeout_s: float = 10.
     return RunResult(out, err, code, timed_out, cut_out or cut_err, time.monotonic() - started)
 
 
+@functools.cache
+def setpriv_path() -> str | None:
+    """util-linux ``setpriv``, where it is installed (looked up once: commands start on hot paths)."""
+    return shutil.which("setpriv", path=SAFE_ENV["PATH"])
+
+
 def _as_user(uid: int | None, argv: Sequence[str]) -> list[str]:
     """``argv`` run as ``uid`` with no groups and no way to gain privileges. util-linux ``setpriv``, not
     ``Popen(user=)``, with which CPython forks instead of using vfork."""
     if uid is None:
         return list(argv)
-    setpriv = shutil.which("setpriv", path=SAFE_ENV["PATH"])
+    setpriv = setpriv_path()
     if setpriv is None:
         raise FileNotFoundError("running code as another user needs setpriv (util-linux)")
     return [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs", "--", *argv]

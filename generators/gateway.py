@@ -217,12 +217,12 @@ class Gateway:
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None
         self.port = 0
+        self._announced = host
 
     @property
     def url(self) -> str:
         """The server's root URL: at ``host``, or at this node's address where ``host`` is every interface."""
-        host = node_address() if self.host in ANY_HOST else self.host
-        return f"http://{host}:{self.port}"
+        return f"http://{self._announced}:{self.port}"
 
     async def start(self) -> None:
         """Serve on a free port of ``host`` (``0.0.0.0``: every interface)."""
@@ -231,6 +231,7 @@ class Gateway:
         sock = socket.socket()
         sock.bind((self.host, 0))
         self.port = sock.getsockname()[1]
+        self._announced = node_address() if self.host in ANY_HOST else self.host
         config = uvicorn.Config(build_app(self), log_level="warning", lifespan="off", access_log=False,
                                 timeout_keep_alive=KEEP_ALIVE_S)
         self._server = uvicorn.Server(config)
