@@ -48,3 +48,17 @@ def test_tokenizer_without_chat_template_is_rejected(chat_tokenizer: ChatTokeniz
     raw.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
         ChatTokenizer(raw)
+
+
+@pytest.mark.parametrize("left_set", [{}, {"truncation": True, "max_length": 3}])
+def test_render_gives_what_the_template_tokenizes_to(chat_tokenizer: ChatTokenizer, left_set: dict[str, object]):
+    """render encodes the template's text itself, faster than transformers' call; the ids are the same, special
+    tokens written by the user included, also after a caller left the tokenizer set to truncate (the Rust tokenizer
+    keeps that setting; encoding it directly would cut the chat to 3 tokens)."""
+    tok = ChatTokenizer.from_pretrained(chat_tokenizer.tokenizer.name_or_path)
+    tok.tokenizer("some text", **left_set)  # type: ignore[arg-type]
+    chat = [SYSTEM, {"role": "user", "content": "Say  <|im_end|> twice\n\n please"},
+            {"role": "assistant", "content": " It is 4.  "}, USER]
+    rendered = tok.render(chat)  # first: transformers' own call below sets the Rust tokenizer back
+    template = tok.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=True)
+    assert rendered == list(template["input_ids"]) and len(rendered) > 3

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import httpx
+import httpx2
 
 from generators.engines.base import ChatCompletion, EngineError, InferenceEngine, SamplingParams
 from generators.engines.openai_chat import OpenAIChat
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-RETRYABLE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError)
+RETRYABLE = (httpx2.ConnectError, httpx2.RemoteProtocolError, httpx2.ReadError)
 """Transport errors that mean "the server may have died"; anything else is the server's answer."""
 
 
@@ -94,7 +94,7 @@ class ServerBackedEngine(InferenceEngine):
         self._serving.set()
         self._weights: Path | dict[str, Any] | None = None
         """What the server must serve after a restart: the last checkpoint loaded, or the last tensors pushed."""
-        self._client: httpx.AsyncClient | None = None
+        self._client: httpx2.AsyncClient | None = None
         self._chat: OpenAIChat | None = None
         self._model_path = ""
         self._started = False
@@ -156,8 +156,10 @@ class ServerBackedEngine(InferenceEngine):
     def _connect(self) -> None:
         # Idle connections are dropped well before the server drops them (vLLM's and SGLang's uvicorn: after 5 s,
         # httpx's default too), so that a request is rarely sent on one the server is closing at that moment.
-        limits = httpx.Limits(max_connections=512, max_keepalive_connections=512, keepalive_expiry=2.0)
-        self._client = httpx.AsyncClient(base_url=self.base_url, timeout=self.request_timeout, limits=limits)
+        # httpx2, not httpx: httpcore's pool scans its connections quadratically on every request and response
+        # (64 agents' calls in flight: most of the gateway's CPU per call); httpcore2's pool does one pass.
+        limits = httpx2.Limits(max_connections=512, max_keepalive_connections=512, keepalive_expiry=2.0)
+        self._client = httpx2.AsyncClient(base_url=self.base_url, timeout=self.request_timeout, limits=limits)
         self._chat = OpenAIChat(self.base_url + "/v1", model_name=self.model_name, timeout=self.request_timeout)
 
     async def _disconnect(self) -> None:
