@@ -118,7 +118,8 @@ async def test_a_tool_envs_tools_reach_the_model(vllm_engine, chat_tokenizer):
 
 
 async def test_a_driver_that_dies_fails_its_rollouts_alone_and_the_next_ones_start_a_new_one(vllm_engine,
-                                                                                              chat_tokenizer):
+                                                                                              chat_tokenizer,
+                                                                                              monkeypatch):
     tasks = envkit.make("verifiers:vf_sums").tasks("test")[:1]
     gen = generator(vllm_engine, chat_tokenizer, samples_per_prompt=4)
 
@@ -130,11 +131,20 @@ async def test_a_driver_that_dies_fails_its_rollouts_alone_and_the_next_ones_sta
     first = drivers()
     assert len(first) == 1
 
-    # kill the driver while a batch's episodes are in flight: those fail with its exit status, none hangs
-    batch = asyncio.ensure_future(gen.generate(lambda: envkit.make("verifiers:vf_sums"), tasks=tasks))
-    await asyncio.sleep(1.0)
-    first[0].kill()
-    trajs = await batch
+    # kill the driver while a batch's episodes are in flight (its first model call is waiting on the engine):
+    # those fail with its exit status, none hangs
+    sample = vllm_engine.generate
+
+    async def kill_then_sample(*args, **kwargs):
+        if first[0].is_running():
+            first[0].kill()
+            await asyncio.to_thread(first[0].wait, 30)
+        return await sample(*args, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(vllm_engine, "generate", kill_then_sample)
+        trajs = await gen.generate(lambda: envkit.make("verifiers:vf_sums"), tasks=tasks)
+    assert not first[0].is_running()
     failed = [t for t in trajs if t.stop_reason == "error"]
     assert failed and all("verifiers driver exited" in (t.error or "") for t in failed), [t.error for t in trajs]
     again = await gen.generate(lambda: envkit.make("verifiers:vf_sums"), tasks=tasks)
