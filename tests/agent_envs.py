@@ -9,6 +9,7 @@ import json
 import os
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,18 @@ async def tool_loop(task: Task, client: AgentClient, *, turns: int = 3, max_toke
             messages.append({"role": "tool", "tool_call_id": call["id"],
                              "content": run_add(call["function"]["arguments"])})
     return text
+
+
+async def hosted(task: Task, client: AgentClient) -> dict[str, Any]:
+    """An agent for a host process (``agent_process=True``): by its task's id it crashes, returns what is not JSON,
+    blocks its host's event loop, or plays a 3-call :func:`tool_loop`; it says which process it ran in."""
+    if task["id"] == "crash":
+        raise RuntimeError("the agent crashed")
+    if task["id"] == "set":
+        return {"pid": {os.getpid()}}  # not JSON
+    if task["id"] == "block":
+        time.sleep(3600)  # noqa: ASYNC251 - synchronous code in an async agent: the host's event loop stops with it
+    return {"pid": os.getpid(), "answer": await tool_loop(task, client, turns=3)}
 
 
 async def _streamed(chat: openai.AsyncOpenAI, model: str, messages: list[dict[str, Any]], max_tokens: int

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import sys
 from pathlib import Path
@@ -13,11 +14,13 @@ from urllib.parse import urlsplit
 
 import httpx
 import openai
+import psutil
 import pytest
-from agent_envs import ADD, INSTRUCTIONS, add, llm, run_add, tool_loop
+from agent_envs import ADD, INSTRUCTIONS, add, hosted, llm, run_add, tool_loop
 
 from envkit import Task
 from envkit.agent import AgentClient, AgentEnv
+from envkit.agent_process import CANCEL_ACK_S
 from envkit.errors import AgentProcessError
 from generators.engines.base import ChatCompletion, Completion, InferenceEngine, SamplingParams
 from generators.rollout import Generator, GeneratorConfig
@@ -275,6 +278,57 @@ async def test_agents_that_crash_hang_or_run_concurrently_fail_alone_and_never_m
         assert f"Question {i[1:]}." in text
         assert sum(f"Question {j}." in text for j in range(8)) == 1
     assert gen._gateway is None  # the batch over, its gateway stopped
+
+
+async def test_an_agent_in_a_host_process_is_captured_exactly_and_a_blocked_host_is_replaced(vllm_engine,
+                                                                                              chat_tokenizer):
+    """agent_process=True: every episode's agent runs in one host process, not this one, and is captured as
+    exactly as in-process agents are. An agent that raises fails its rollout alone; one whose synchronous code
+    blocks the host's event loop times out, and the host, unable to confirm the cancellation, is killed so that
+    the next episodes get a fresh one."""
+    engine = Recorded(vllm_engine)
+    answers: list[Any] = []
+    gen = generator(engine, chat_tokenizer, samples_per_prompt=4, timeout_s=30)
+
+    def env(*tasks: Task) -> Any:
+        def grade(task: Task, result: dict[str, Any]) -> float:
+            answers.append(result)
+            return float("5" in result["answer"])
+
+        return lambda: AgentEnv(agent=hosted, grader=grade, tasks=list(tasks), agent_process=True)
+
+    trajs = await gen.generate(env(QUESTION), tasks=[QUESTION])
+    assert [t.stop_reason for t in trajs] == ["done"] * 4, [t.error for t in trajs]
+    assert [t.num_turns for t in trajs] == [3] * 4
+    assert_exact(trajs, engine)
+    assert all(t.template_mismatches <= skew_bound(t, chat_tokenizer) for t in trajs)
+    assert sorted(t.reward for t in trajs) == sorted(float("5" in a["answer"]) for a in answers)
+    host = {a["pid"] for a in answers}
+    assert len(host) == 1 and os.getpid() not in host
+
+    crash = {"id": "crash", "question": "?"}
+    trajs = await generator(vllm_engine, chat_tokenizer).generate(env(crash, QUESTION), tasks=[crash, QUESTION])
+    assert [t.stop_reason for t in trajs] == ["error", "done"]
+    assert "the agent crashed" in trajs[0].error and "AgentProcessError" in trajs[0].error
+
+    block = {"id": "block", "question": "?"}
+    blocked = await generator(vllm_engine, chat_tokenizer, timeout_s=5).generate(env(block), tasks=[block])
+    assert blocked[0].stop_reason == "timeout"
+    await asyncio.to_thread(psutil.Process(host.pop()).wait, CANCEL_ACK_S + 10)  # killed, having not confirmed
+    answers.clear()
+    trajs = await generator(vllm_engine, chat_tokenizer).generate(env(QUESTION), tasks=[QUESTION])
+    assert trajs[0].stop_reason == "done", trajs[0].error
+    assert answers[0]["pid"] not in {os.getpid(), *host}
+
+
+async def test_a_hosted_agent_must_be_found_by_name_and_return_json():
+    with pytest.raises(ValueError, match="module-level function"):
+        AgentEnv(agent=lambda task, client: "", agent_process=True)
+    env = AgentEnv(agent=hosted, tasks=[{"id": "set"}], agent_process=True)
+    await env.reset(seed=0)
+    client = AgentClient(base_url="http://127.0.0.1:9/v1", api_key="-", model="policy", episode_url="")
+    with pytest.raises(AgentProcessError, match="returned a dict, which is not JSON"):
+        await env.run(client)
 
 
 async def test_a_gateway_on_every_interface_is_announced_at_this_nodes_address(vllm_engine, chat_tokenizer):

@@ -16,10 +16,7 @@ Works with verifiers' classic API (``load_environment(**env_args)`` returning a 
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import importlib.util
-import itertools
 import json
 import os
 import subprocess
@@ -29,6 +26,7 @@ from typing import Any
 
 from envkit.adapters import build
 from envkit.agent import AgentClient, AgentEnv
+from envkit.agent_process import HostProcess, host_process
 from envkit.core import Env, Task
 from envkit.errors import AgentProcessError, EnvLoadError
 from envkit.messages import Message
@@ -56,100 +54,9 @@ def verifiers_python(python: str | None = None) -> str:
                        "bin/python, with the env package installed there")
 
 
-class _Driver:
-    """The driver process of one env spec in one event loop, and the requests in flight to it."""
-
-    def __init__(self, argv: list[str]) -> None:
-        self.argv = argv
-        self.process: asyncio.subprocess.Process | None = None
-        self.pending: dict[int, asyncio.Future] = {}
-        self.ids = itertools.count(1)
-        self.started = asyncio.Lock()
-        self.stderr_tail = b""
-        self.readers: list[asyncio.Task] = []  # the process's stdout and stderr readers (a task needs a reference)
-
-    async def request(self, message: dict[str, Any], timeout_s: float, what: str) -> Any:
-        """Send ``message`` and return its answer's result (AgentProcessError, naming ``what``, for its error); a
-        timeout or a cancellation cancels it in the driver."""
-        await self._start()
-        assert self.process is not None and self.process.stdin is not None
-        rid = next(self.ids)
-        future: asyncio.Future = asyncio.get_running_loop().create_future()
-        self.pending[rid] = future
-        self.process.stdin.write(json.dumps({**message, "id": rid}).encode() + b"\n")
-        try:
-            with contextlib.suppress(ConnectionError):  # a dead driver: its reader fails the future, with why
-                await self.process.stdin.drain()
-            answer = await asyncio.wait_for(future, timeout_s)
-        except (TimeoutError, asyncio.CancelledError):
-            self._send({"op": "cancel", "id": rid})
-            raise
-        finally:
-            self.pending.pop(rid, None)
-        if "error" in answer:
-            raise AgentProcessError(f"{what}: {answer['error']}")
-        return answer["result"]
-
-    def _send(self, message: dict[str, Any]) -> None:
-        if self.process is not None and self.process.returncode is None and self.process.stdin is not None:
-            with contextlib.suppress(ConnectionError):
-                self.process.stdin.write(json.dumps(message).encode() + b"\n")
-
-    async def _start(self) -> None:
-        async with self.started:
-            if self.process is not None and self.process.returncode is None:
-                return
-            # the driver ends when its stdin closes: when this process exits, however it exits
-            self.process = await asyncio.create_subprocess_exec(
-                *self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, limit=1 << 26)
-            self.readers = [asyncio.ensure_future(self._drain_stderr(self.process))]
-            try:
-                ready = await asyncio.wait_for(self.process.stdout.readline(), LOAD_TIMEOUT_S)  # type: ignore[union-attr]
-            except TimeoutError:
-                self.process.kill()
-                raise AgentProcessError(f"the verifiers driver did not load the env in {LOAD_TIMEOUT_S:g} s") from None
-            if not ready:
-                await self.process.wait()
-                raise AgentProcessError(f"the verifiers driver exited {self.process.returncode} while loading the "
-                                        f"env: {self.stderr_tail.decode(errors='replace')[-1000:]}")
-            self.readers.append(asyncio.ensure_future(self._read(self.process)))
-
-    async def _drain_stderr(self, process: asyncio.subprocess.Process) -> None:
-        assert process.stderr is not None
-        while chunk := await process.stderr.read(1 << 16):
-            self.stderr_tail = (self.stderr_tail + chunk)[-4000:]
-
-    async def _read(self, process: asyncio.subprocess.Process) -> None:
-        assert process.stdout is not None
-        while line := await process.stdout.readline():
-            try:
-                answer = json.loads(line)
-            except ValueError:  # output the env's native code wrote to fd 1 itself, past the driver's redirect
-                continue
-            future = self.pending.get(answer.get("id"))
-            if future is not None and not future.done():
-                future.set_result(answer)
-        await process.wait()
-        error = AgentProcessError(f"the verifiers driver exited {process.returncode}: "
-                                  f"{self.stderr_tail.decode(errors='replace')[-1000:]}")
-        for future in self.pending.values():
-            if not future.done():
-                future.set_exception(error)
-
-
-_drivers: dict[tuple, _Driver] = {}
-
-
-def _driver(argv: list[str]) -> _Driver:
-    """The driver running ``argv`` for the running event loop (a process's streams belong to the loop that made
-    them)."""
-    key = (tuple(argv), asyncio.get_running_loop())
-    driver = _drivers.get(key)
-    if driver is None:
-        for stale in [k for k in _drivers if k[1].is_closed()]:
-            del _drivers[stale]
-        driver = _drivers[key] = _Driver(argv)
-    return driver
+def _driver(argv: list[str]) -> HostProcess:
+    """This event loop's driver process for the env spec ``argv``."""
+    return host_process(argv, "the verifiers driver")
 
 
 class VerifiersEnv(AgentEnv):

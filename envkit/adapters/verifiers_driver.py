@@ -19,10 +19,11 @@ returning a ``vf.Environment``, ``run_rollout``): 0.2.x.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import math
 import sys
-import traceback
+from pathlib import Path
 from typing import Any
 
 TASK_FIELDS = ("prompt", "answer", "info", "task")
@@ -65,57 +66,32 @@ async def run(env: Any, task: dict[str, Any], client: dict[str, str]) -> dict[st
             "error": None if error is None else str(error)}
 
 
-class Server:
-    """Answers the requests on stdin; ``run`` requests concurrently."""
-
-    def __init__(self, env: Any, holdout: float, out: Any) -> None:
-        self.env, self.holdout, self.out = env, holdout, out
-        self.running: dict[Any, asyncio.Task] = {}
-
-    def answer(self, message: dict[str, Any]) -> None:
-        self.out.write(json.dumps(message, default=str) + "\n")
-        self.out.flush()
-
-    async def handle(self, request: dict[str, Any]) -> None:
-        rid = request.get("id")
-        try:
-            if request["op"] == "tasks":
-                result: Any = tasks(self.env, self.holdout)
-            elif request["op"] == "run":
-                result = await run(self.env, request["task"], request["client"])
-            else:
-                raise ValueError(f"unknown op {request['op']!r}")
-            self.answer({"id": rid, "result": result})
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # the env's failure is this request's answer; the server goes on
-            traceback.print_exc(file=sys.stderr)
-            self.answer({"id": rid, "error": f"{type(e).__name__}: {e}"})
-        finally:
-            self.running.pop(rid, None)
-
-    async def serve(self) -> None:
-        loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader(limit=1 << 26)
-        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-        while line := await reader.readline():
-            request = json.loads(line)
-            if request.get("op") == "cancel":
-                if (task := self.running.get(request.get("id"))) is not None:
-                    task.cancel()
-                continue
-            self.running[request.get("id")] = asyncio.ensure_future(self.handle(request))
-        for task in list(self.running.values()):
-            task.cancel()
+def line_server() -> Any:
+    """envkit's :mod:`envkit.line_server`, loaded by its path: this Python has no envkit."""
+    path = Path(__file__).resolve().parent.parent / "line_server.py"
+    spec = importlib.util.spec_from_file_location("envkit_line_server", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def main() -> None:
     env_id, env_args, holdout = sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3])
-    out, sys.stdout = sys.stdout, sys.stderr  # what the env prints must not corrupt the answers
+    serving = line_server()
+    out = serving.stdout_for_answers()
     import verifiers as vf
 
-    server = Server(vf.load_environment(env_id, **env_args), holdout, out)
-    server.answer({"id": None, "result": {"ready": type(server.env).__name__}})
+    env = vf.load_environment(env_id, **env_args)
+
+    async def list_tasks(request: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+        return tasks(env, holdout)
+
+    async def rollout(request: dict[str, Any]) -> dict[str, Any]:
+        return await run(env, request["task"], request["client"])
+
+    server = serving.Server({"tasks": list_tasks, "run": rollout}, out)
+    server.answer({"id": None, "result": {"ready": type(env).__name__}})
     asyncio.run(server.serve())
 
 

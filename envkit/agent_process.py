@@ -1,0 +1,237 @@
+"""Host processes: episodes run in a process of their own, one process serving many concurrent episodes.
+
+:class:`HostProcess` is the calling end (the serving end is :mod:`envkit.line_server`): it starts the process on
+the first request, sends requests, and fails every request in flight, with the process's exit status and the tail
+of its stderr, when it dies; the next request starts a new one. The verifiers adapter runs its envs' driver this
+way, and an :class:`~envkit.agent.AgentEnv` its agent with ``agent_process=True``:
+
+``python -m envkit.agent_process REF`` hosts the agent ``REF`` (``module:qualname``, or ``/path/to/script.py:name``
+for one defined in a script run as ``__main__``) and answers ``{"op": "run", "task": {...}, "client": {...}}`` with
+what the agent returned (as JSON).
+
+Why a process: the agents' own CPU work (an SDK building requests and parsing replies) then runs in parallel with the
+generator and its capture gateway, on another core, instead of in turns on one event loop; and an agent that
+blocks its event loop stalls its host's episodes, not the gateway every episode talks to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import importlib.util
+import itertools
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from envkit.errors import AgentProcessError
+
+if TYPE_CHECKING:
+    from envkit.agent import AgentClient
+    from envkit.core import Task
+
+START_TIMEOUT_S = 300.0
+"""Seconds a host process may take to become ready (importing an SDK, loading an env)."""
+CANCEL_ACK_S = 10.0
+"""Seconds a host has to confirm a cancellation; one that does not is blocked (code holding its event loop) and is
+killed, failing what else it runs, so that later requests get a fresh host instead of waiting behind it."""
+
+
+class HostProcess:
+    """One host process (``argv``) serving this event loop's requests, and the requests in flight to it; ``name``
+    says what it is in errors."""
+
+    def __init__(self, argv: list[str], name: str, env: dict[str, str] | None = None) -> None:
+        self.argv, self.name, self.env = argv, name, env
+        self.process: asyncio.subprocess.Process | None = None
+        self.pending: dict[int, asyncio.Future] = {}
+        self.cancels: dict[int, asyncio.Future] = {}
+        self.ids = itertools.count(1)
+        self.started = asyncio.Lock()
+        self.stderr_tail = b""
+        self.readers: list[asyncio.Task] = []  # the process's stdout and stderr readers (a task needs a reference)
+        self.watchdogs: set[asyncio.Task] = set()  # waiting for cancellations to be confirmed
+
+    async def request(self, message: dict[str, Any], timeout_s: float | None, what: str) -> Any:
+        """Send ``message`` and return its answer's result (AgentProcessError, naming ``what``, for its error); a
+        timeout or a cancellation cancels it in the host."""
+        await self._start()
+        assert self.process is not None and self.process.stdin is not None
+        rid = next(self.ids)
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.pending[rid] = future
+        self.process.stdin.write(json.dumps({**message, "id": rid}).encode() + b"\n")
+        try:
+            with contextlib.suppress(ConnectionError):  # a dead host: its reader fails the future, with why
+                await self.process.stdin.drain()
+            answer = await asyncio.wait_for(future, timeout_s)
+        except (TimeoutError, asyncio.CancelledError):
+            self._cancel(rid)
+            raise
+        finally:
+            self.pending.pop(rid, None)
+        if "error" in answer:
+            raise AgentProcessError(f"{what}: {answer['error']}")
+        return answer["result"]
+
+    def _cancel(self, rid: int) -> None:
+        process = self.process
+        if process is None or process.returncode is not None or process.stdin is None:
+            return
+        with contextlib.suppress(ConnectionError):
+            process.stdin.write(json.dumps({"op": "cancel", "id": rid}).encode() + b"\n")
+        ack = self.cancels[rid] = asyncio.get_running_loop().create_future()
+        watchdog = asyncio.ensure_future(self._expect(ack, rid, process))
+        self.watchdogs.add(watchdog)
+        watchdog.add_done_callback(self.watchdogs.discard)
+
+    async def _expect(self, ack: asyncio.Future, rid: int, process: asyncio.subprocess.Process) -> None:
+        try:
+            await asyncio.wait_for(ack, CANCEL_ACK_S)
+        except TimeoutError:
+            if process.returncode is None:
+                self.stderr_tail += f"\n[{self.name} did not confirm a cancellation in {CANCEL_ACK_S:g} s: " \
+                                    "its event loop is blocked; killed]".encode()
+                process.kill()
+        finally:
+            self.cancels.pop(rid, None)
+
+    async def _start(self) -> None:
+        async with self.started:
+            if self.process is not None and self.process.returncode is None:
+                return
+            # the host ends when its stdin closes: when this process exits, however it exits
+            self.process = await asyncio.create_subprocess_exec(
+                *self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, limit=1 << 26,
+                env=self.env)
+            self.readers = [asyncio.ensure_future(self._drain_stderr(self.process))]
+            try:
+                ready = await asyncio.wait_for(self.process.stdout.readline(), START_TIMEOUT_S)  # type: ignore[union-attr]
+            except TimeoutError:
+                self.process.kill()
+                raise AgentProcessError(f"{self.name} did not start in {START_TIMEOUT_S:g} s") from None
+            if not ready:
+                await self.process.wait()
+                raise AgentProcessError(f"{self.name} exited {self.process.returncode} while starting: "
+                                        f"{self.stderr_tail.decode(errors='replace')[-1000:]}")
+            self.readers.append(asyncio.ensure_future(self._read(self.process)))
+
+    async def _drain_stderr(self, process: asyncio.subprocess.Process) -> None:
+        assert process.stderr is not None
+        while chunk := await process.stderr.read(1 << 16):
+            self.stderr_tail = (self.stderr_tail + chunk)[-4000:]
+
+    async def _read(self, process: asyncio.subprocess.Process) -> None:
+        assert process.stdout is not None
+        while line := await process.stdout.readline():
+            try:
+                answer = json.loads(line)
+            except ValueError:  # output native code wrote to fd 1 itself, past the host's redirect
+                continue
+            waiting = self.cancels if answer.get("cancelled") else self.pending
+            future = waiting.get(answer.get("id"))
+            if future is not None and not future.done():
+                future.set_result(answer)
+        await process.wait()
+        error = AgentProcessError(f"{self.name} exited {process.returncode}: "
+                                  f"{self.stderr_tail.decode(errors='replace')[-1000:]}")
+        for future in self.pending.values():
+            if not future.done():
+                future.set_exception(error)
+
+
+_hosts: dict[tuple, HostProcess] = {}
+
+
+def host_process(argv: list[str], name: str, env: dict[str, str] | None = None) -> HostProcess:
+    """The host process running ``argv`` for the running event loop (a process's streams belong to the loop that
+    made them)."""
+    key = (tuple(argv), asyncio.get_running_loop())
+    host = _hosts.get(key)
+    if host is None:
+        for stale in [k for k in _hosts if k[1].is_closed()]:
+            del _hosts[stale]
+        host = _hosts[key] = HostProcess(argv, name, env)
+    return host
+
+
+def agent_ref(agent: Callable[..., Any]) -> str:
+    """Where a host process finds ``agent``: ``module:qualname``, or ``script.py:qualname`` for a script's."""
+    module, qualname = getattr(agent, "__module__", None), getattr(agent, "__qualname__", "")
+    if module is None or not qualname or "<" in qualname:
+        raise ValueError(f"agent_process=True runs the agent in another process, which finds it by name: {agent!r} "
+                         "is not a module-level function or class (a lambda, a closure, a bound method or a "
+                         "partial cannot be found there)")
+    if module == "__main__":
+        script = getattr(sys.modules["__main__"], "__file__", None)
+        if script is None:
+            raise ValueError(f"agent_process=True cannot find {qualname!r} from another process: it was defined "
+                             "interactively; define it in a module")
+        return f"{Path(script).resolve()}:{qualname}"
+    return f"{module}:{qualname}"
+
+
+def load_agent(ref: str) -> Any:
+    """The object ``ref`` (from :func:`agent_ref`) names; a script is run as a module that is not ``__main__``, so
+    its ``if __name__ == "__main__":`` block does not run."""
+    where, _, qualname = ref.rpartition(":")
+    if where.endswith(".py"):
+        spec = importlib.util.spec_from_file_location("__envkit_agent_main__", where)
+        assert spec is not None and spec.loader is not None
+        target: Any = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = target
+        spec.loader.exec_module(target)
+    else:
+        target = importlib.import_module(where)
+    for part in qualname.split("."):
+        target = getattr(target, part)
+    return target
+
+
+@dataclass(frozen=True)
+class HostedAgent:
+    """The agent ``ref`` (see :func:`agent_ref`), run in this event loop's host process for it, started with this
+    process's ``sys.path`` so that it imports what this process does."""
+
+    ref: str
+
+    async def __call__(self, task: Task, client: AgentClient) -> Any:
+        """Run one episode in the host; raises :class:`~envkit.errors.AgentProcessError` if the agent raised or
+        the host died."""
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        argv = [sys.executable, "-m", "envkit.agent_process", self.ref]
+        host = host_process(argv, f"the agent host process of {self.ref!r}", env)
+        return await host.request({"op": "run", "task": task, "client": asdict(client)}, None,
+                                  f"the agent of task {task.get('id')!r} failed")
+
+
+def main() -> None:
+    """Host the agent named on the command line (see the module docstring)."""
+    from envkit import line_server
+    from envkit.agent import AgentClient, as_async_agent
+
+    out = line_server.stdout_for_answers()
+    agent = as_async_agent(load_agent(sys.argv[1]))
+
+    async def run(request: dict[str, Any]) -> Any:
+        result = await agent(request["task"], AgentClient(**request["client"]))
+        try:
+            json.dumps(result)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"the agent returned a {type(result).__name__}, which is not JSON ({e}): a hosted "
+                            "agent's result crosses processes; return strings, numbers, lists and dicts") from None
+        return result
+
+    server = line_server.Server({"run": run}, out)
+    server.answer({"id": None, "result": {"ready": sys.argv[1]}})
+    asyncio.run(server.serve())
+
+
+if __name__ == "__main__":
+    main()
