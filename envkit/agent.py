@@ -39,6 +39,7 @@ from envkit.agent_process import HostedAgent, agent_ref
 from envkit.core import Env, StepResult, Task
 from envkit.errors import AgentProcessError, ResetNeededError
 from envkit.messages import Message, user
+from envkit.rubrics import Episode, Rubric, Score, load_rubric
 from envkit.tasks import check_task, pick_task
 from envkit.untrusted import SAFE_ENV, kill_orphans, owner_tag, run, setpriv_path
 
@@ -137,14 +138,18 @@ class AgentEnv(Env):
     ``agent_process=True`` runs a Python agent in a host process of its own (one per agent, serving all of this
     event loop's episodes; :mod:`envkit.agent_process`): its CPU work then runs beside the capture gateway instead
     of in turns with it, and an agent that blocks its event loop stalls only its host. The agent must be a
-    module-level function (the host imports it by name) and return JSON."""
+    module-level function (the host imports it by name) and return JSON.
+
+    ``rubric`` (:mod:`envkit.rubrics`) scores each episode from the grade and the agent's result."""
 
     def __init__(self, *, agent: Agent | None = None, grader: Grader | None = None,
                  tasks: Sequence[Task] | dict[str, Sequence[Task]] | None = None, agent_process: bool = False,
-                 ) -> None:
+                 rubric: Rubric | str | None = None) -> None:
         self._agent = None if agent is None else HostedAgent(agent_ref(agent)) if agent_process else \
             as_async_agent(agent)
         self._grader = grader
+        self.rubric = None if rubric is None else load_rubric(rubric)
+        """Scores the episode from what :meth:`grade` gave (see :meth:`score`)."""
         self._tasks = {"train": list(tasks)} if isinstance(tasks, Sequence) else dict(tasks or {})
         self._rng = random.Random()
         self.task: Task | None = None
@@ -180,6 +185,14 @@ class AgentEnv(Env):
         if inspect.isawaitable(reward):
             reward = await reward
         return float(reward)
+
+    async def score(self, result: Any) -> Score:
+        """The episode's reward and its breakdown: :meth:`grade`, through :attr:`rubric` where there is one (its
+        :class:`~envkit.rubrics.EnvReward` is the grade)."""
+        reward = await self.grade(result)
+        if self.rubric is None:
+            return Score(reward)
+        return await self.rubric.score(Episode(self._current(), [], reward, {}, result))
 
     def _current(self) -> Task:
         if self.task is None:

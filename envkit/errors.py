@@ -129,6 +129,11 @@ class MCPServerError(EnvError):
     time, or dropped the connection; the rollout fails (a tool's own failure is a :class:`ToolCallError`)."""
 
 
+class RubricError(EnvError):
+    """A rubric could not score an episode (a judge that failed or answered without a score): the rollout fails,
+    never scored a silent 0."""
+
+
 class AgentProcessError(EnvError):
     """An agent env's command (:class:`envkit.agent.Command`) exited non-zero or ran past its deadline; it and
     every process it started were killed, and that rollout fails."""

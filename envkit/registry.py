@@ -46,11 +46,14 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from importlib.metadata import EntryPoint, entry_points
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from envkit.core import ContractChecker, Env
 from envkit.distribution import install_hint
 from envkit.errors import DuplicateEnvError, EnvLoadError, EnvNotFoundError, InvalidEnvNameError
+
+if TYPE_CHECKING:
+    from envkit.rubrics import Rubric
 
 ENTRY_POINT_GROUP = "envkit.envs"
 SANDBOX_GROUP = "envkit.sandboxes"
@@ -184,13 +187,14 @@ class Registry:
         raise EnvNotFoundError(name, self._suggest(name))
 
     def make(self, name: str, /, *, checked: bool = True, sandbox: str | None = None, pool: Any = None,
-             **kwargs: Any) -> Env:
+             rubric: Rubric | str | None = None, **kwargs: Any) -> Env:
         """Construct the env registered as ``name`` with its default kwargs updated by ``kwargs``.
 
         The result is wrapped in :class:`ContractChecker` unless ``checked=False``. ``sandbox="docker"`` (or another
         ``envkit.sandboxes`` provider) runs the env in a sandbox of its own instead of in this process, borrowed from
         the warm ``pool`` if one is given (``sandboxes.open_pool``); a name with a scheme (``ws://...``, ``gym:...``)
-        is made by that scheme's ``envkit.schemes`` provider.
+        is made by that scheme's ``envkit.schemes`` provider. ``rubric`` (:mod:`envkit.rubrics`: a Rubric or
+        ``"module:attr"``) scores each episode as it ends.
         """
         if sandbox is not None:
             env: Env = _sandbox_provider(sandbox)(name, pool=pool, **kwargs)
@@ -213,6 +217,8 @@ class Registry:
             if not isinstance(env, Env):
                 raise EnvLoadError(f"Env {name!r}: {spec.entry_point} returned {type(env).__name__}, not an Env")
             env.spec = replace(spec, kwargs=merged, description=spec.description or first_doc_line(factory))
+        if rubric is not None:
+            env = _with_rubric(env, rubric)
         return ContractChecker(env) if checked else env
 
     def list(self) -> list[EnvSpec]:
@@ -337,9 +343,21 @@ def register(name: str, entry_point: str | EnvFactory, *, description: str | Non
     return registry.register(name, entry_point, description=description, **kwargs)
 
 
-def make(name: str, /, *, checked: bool = True, sandbox: str | None = None, pool: Any = None, **kwargs: Any) -> Env:
+def _with_rubric(env: Env, rubric: Rubric | str) -> Env:
+    """``env`` scored by ``rubric``: an agent env scores its episodes itself, any other is wrapped."""
+    from envkit.agent import AgentEnv
+    from envkit.rubrics import RubricEnv, load_rubric
+
+    if isinstance(env.unwrapped, AgentEnv):
+        env.unwrapped.rubric = load_rubric(rubric)
+        return env
+    return RubricEnv(env, rubric)
+
+
+def make(name: str, /, *, checked: bool = True, sandbox: str | None = None, pool: Any = None,
+         rubric: Rubric | str | None = None, **kwargs: Any) -> Env:
     """Make the env called ``name``; ``kwargs`` override its registered defaults (see :meth:`Registry.make`)."""
-    return registry.make(name, checked=checked, sandbox=sandbox, pool=pool, **kwargs)
+    return registry.make(name, checked=checked, sandbox=sandbox, pool=pool, rubric=rubric, **kwargs)
 
 
 def spec(name: str) -> EnvSpec:

@@ -35,7 +35,7 @@ from generators.engines.base import EngineError, publish_policy
 from generators.engines.factory import EngineConfig, make_engine
 from generators.models import BUNDLED
 from generators.parsers import REASONING_PARSER_CHOICES, TOOL_PARSER_CHOICES
-from generators.report import EvalSummary, describe_tools, passed, summarize, write_html_report
+from generators.report import EvalSummary, describe_rubric, describe_tools, passed, summarize, write_html_report
 from generators.rollout import GeneratorConfig
 from generators.signals import exit_status, handled_signals
 from generators.tool_prompt import TOOL_PROMPT_CHOICES
@@ -244,6 +244,8 @@ def print_summary(console: Console, summary: EvalSummary, out: Path) -> None:
     table.add_row("mean turns", f"{s.mean_turns:.2f}")
     if s.tools:
         table.add_row("tool use", describe_tools(s.tools))
+    if s.rubric:
+        table.add_row("rubric", describe_rubric(s.rubric))
     tokens = f"{s.tokens_per_s:.1f} ({s.model_tokens} model tokens)" if s.tokens_counted else "n/a (chat mode)"
     table.add_row("tokens/s", tokens)
     table.add_row("wall time", f"{s.wall_s:.1f} s (rollouts)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 import json
 import math
+import statistics
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -58,6 +59,8 @@ class EvalSummary:
     """The first few distinct error messages, in order of appearance."""
     tools: dict[str, float] = field(default_factory=dict)
     """What the agent did with its tools (:func:`tool_stats`); empty when no rollout called one."""
+    rubric: dict[str, float] = field(default_factory=dict)
+    """Each rubric part's mean score and the length bias (:func:`rubric_stats`); empty without a rubric."""
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-serializable dict."""
@@ -89,6 +92,27 @@ def tool_stats(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     for kind, count in sorted(Counter(e["sandbox"] for e in log if e.get("sandbox")).items()):
         stats[f"execs/{kind}"] = count
     return stats
+
+
+def rubric_stats(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """Over the finished rollouts a rubric scored: each part's mean score (by part name), and ``length_corr``, the
+    correlation of reward with the model tokens sampled (a judge that likes long answers shows here; 0 where either
+    does not vary). Empty when no rollout has a breakdown."""
+    scored = [t for t in trajectories if not t.failed and t.scores]
+    if not scored:
+        return {}
+    parts = sorted({name for t in scored for name in t.scores})
+    stats = {name: statistics.fmean(t.scores[name] for t in scored if name in t.scores) for name in parts}
+    rewards, lengths = [t.reward for t in scored], [float(t.num_model_tokens) for t in scored]
+    varies = len(set(rewards)) > 1 and len(set(lengths)) > 1
+    stats["length_corr"] = statistics.correlation(rewards, lengths) if varies else 0.0
+    return stats
+
+
+def describe_rubric(stats: dict[str, float]) -> str:
+    """:func:`rubric_stats` in a line of words."""
+    parts = ", ".join(f"{name} {value:.3f}" for name, value in stats.items() if name != "length_corr")
+    return f"mean by part: {parts}; reward/length correlation {stats['length_corr']:+.2f}"
 
 
 def first_errors(trajectories: Sequence[Trajectory], limit: int = MAX_ERRORS) -> list[str]:
@@ -126,6 +150,7 @@ def summarize(trajectories: Sequence[Trajectory], *, wall_s: float, pass_thresho
         wall_s=wall_s,
         errors=errors,
         tools=tool_stats(trajectories),
+        rubric=rubric_stats(trajectories),
     )
 
 
@@ -192,6 +217,8 @@ def _summary_table(s: EvalSummary) -> str:
     }
     if s.tools:
         rows["tool use"] = describe_tools(s.tools)
+    if s.rubric:
+        rows["rubric"] = describe_rubric(s.rubric)
     if s.errors:
         rows["errors (first distinct)"] = "\n".join(s.errors)
     return kv_table(rows)
@@ -278,6 +305,8 @@ def trajectory_html(index: int, t: Trajectory, pass_threshold: float, attrs: dic
         "template mismatches": t.template_mismatches, "policy version": t.policy_version,
         "timings (s)": {k: round(v, 3) for k, v in t.timings.items()},
     }
+    if t.scores:
+        meta["rubric"] = {name: round(value, 6) for name, value in t.scores.items()}
     if t.tool_log:
         meta["tool calls"] = "\n".join(_call_note(e, with_turn=True) for e in t.tool_log)
     if t.error:

@@ -292,6 +292,7 @@ class Generator:
             traj.tool_log.extend(_tool_log(traj.num_turns, action, result.info))
             if result.done:
                 traj.truncated = result.truncated and not result.terminated
+                traj.scores = dict(result.info.get("rubric") or {})
                 return "done"
             if self.tokenizer is not None:
                 pending = self.tokenizer.close_turn(completion.token_ids)
@@ -332,7 +333,9 @@ class Generator:
             traj.segments = [segment.sequence() for segment in segments[1:]]
         traj.num_turns, traj.tool_log, traj.template_mismatches = episode.calls, episode.tool_log, episode.skewed
         t0 = time.perf_counter()
-        traj.reward = 0.0 if failed else await agent.grade(result)
+        if not failed:
+            score = await agent.score(result)
+            traj.reward, traj.scores = score.value, score.breakdown
         state.env_s += time.perf_counter() - t0
         traj.step_rewards = [traj.reward]
         return episode.stop or "done"

@@ -37,8 +37,8 @@ HEAVY_FIXTURES = {"vllm_engine", "docker_client"}
 # a run left no container, vLLM server or Ray actor behind then see only their own runs. Every other test goes to
 # whichever worker is free.
 SHARED_MODULES = {"test_agent_recipe", "test_code_tools", "test_eval_e2e", "test_gateway", "test_generators_vllm",
-                  "test_gym_bridge", "test_mcp", "test_ray", "test_sandbox_containment", "test_sandbox_docker",
-                  "test_scaffold", "test_train_anywhere", "test_verifiers"}
+                  "test_gym_bridge", "test_mcp", "test_ray", "test_rubrics", "test_sandbox_containment",
+                  "test_sandbox_docker", "test_scaffold", "test_train_anywhere", "test_verifiers"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

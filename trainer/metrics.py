@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from torch.utils.tensorboard import SummaryWriter
 
-from generators.report import passed, tool_stats
+from generators.report import passed, rubric_stats, tool_stats
 from generators.trajectory import Trajectory, write_jsonl
 from trainer.config import Config
 from trainer.report import Phase, RunRecord, write_run_report
@@ -237,6 +237,7 @@ def rollout_metrics(trajs: list[Trajectory], batch: StepBatch, version: int) -> 
             metrics.update({f"env/{label}/{k}": v for k, v in _outcomes(mine).items()})
             metrics[f"env/{label}/rollouts"] = len(mine)
     metrics.update({f"tools/{k}": v for k, v in tool_stats(trajs).items()})
+    metrics.update({f"rubric/{k}": v for k, v in rubric_stats(trajs).items()})
     gen_s = sum(t.timings.get("generate", 0.0) for t in trajs)
     metrics["rollout/model_tokens"] = sum(t.num_model_tokens for t in trajs)
     metrics["train/tokens"] = sum(len(t.prompt_ids) + len(t.response_ids) for t in batch.trajectories)

@@ -20,6 +20,7 @@ from ray.util.placement_group import remove_placement_group
 
 from envkit import AgentClient, AgentEnv, Env, Message, StepResult, Task, Tool
 from envkit.ref import EnvRef
+from envkit.rubrics import Score
 from trainer.placement.groups import SHUTDOWN_TIMEOUT_S, actor_options, ready_group
 
 log = logging.getLogger(__name__)
@@ -66,8 +67,8 @@ class EnvWorker:
         """Play an agent env's episode here: its agent reaches the policy at ``client`` (the generator's gateway)."""
         return await self._agent(key).run(client)
 
-    async def grade(self, key: int, result: Any) -> float:
-        return await self._agent(key).grade(result)
+    async def score(self, key: int, result: Any) -> Score:
+        return await self._agent(key).score(result)
 
     def _agent(self, key: int) -> AgentEnv:
         agent = self.envs[key].unwrapped
@@ -213,7 +214,7 @@ class WorkerEnv(Env):
 class _WorkerAgent(AgentEnv):
     """An agent env in an env worker, as the generator sees it: :meth:`run` plays the episode there (the agent
     reaches the gateway from the worker: on another node, ``generator.gateway_host`` must be an address it reaches),
-    :meth:`grade` grades it there; the result crosses by Ray, so it must pickle."""
+    :meth:`score` grades and scores it there; the result crosses by Ray, so it must pickle."""
 
     def __init__(self, env: WorkerEnv) -> None:
         super().__init__()
@@ -222,5 +223,5 @@ class _WorkerAgent(AgentEnv):
     async def run(self, client: AgentClient) -> Any:
         return await self.env._call("run_agent", self.env.key, client)
 
-    async def grade(self, result: Any) -> float:
-        return await self.env._call("grade", self.env.key, result)
+    async def score(self, result: Any) -> Score:
+        return await self.env._call("score", self.env.key, result)

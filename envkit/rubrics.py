@@ -1,0 +1,257 @@
+"""Rubrics: an episode's reward built from named parts (checks, the env's own reward, LLM judges), each part's score
+kept in a breakdown that reaches the metrics, the report and ``envkit eval``.
+
+A :class:`Rubric` scores a finished :class:`Episode` (its task, messages, the env's own reward) and returns a
+:class:`Score`: a value and a breakdown by part name. Parts combine with :class:`WeightedSum`, :class:`Gate`,
+:class:`AllOf`, :class:`AnyOf` and :class:`Max`::
+
+    from envkit.rubrics import Check, EnvReward, Gate, WeightedSum
+
+    correct, concise = EnvReward(), Check(lambda ep: float(len(ep.reply) < 200), name="concise")
+    rubric = Gate(correct, WeightedSum({correct: 0.8, concise: 0.2}))   # no style points for a wrong answer
+    env = envkit.make("arithmetic", rubric=rubric)
+
+Any env takes ``rubric=`` through :func:`envkit.make` (a :class:`Rubric`, or ``"module:attr"`` naming one, as configs
+and ``envkit serve --kwargs`` pass text): :class:`RubricEnv` scores the episode when it ends, the score is the last
+step's reward (the steps before it give 0, so the episode's return is the score) and its breakdown is
+``info["rubric"]``. An :class:`~envkit.agent.AgentEnv` takes the rubric itself: its grade is the env reward the
+rubric sees, and :meth:`~envkit.agent.AgentEnv.score` scores the episode. A rubric that raises fails the rollout
+(:class:`~envkit.errors.RubricError`): a judge that could not score is never a silent 0.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import importlib
+import inspect
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from envkit.core import Env, StepResult, Task, Wrapper
+from envkit.errors import RubricError
+from envkit.messages import Message
+
+
+@dataclass(frozen=True)
+class Episode:
+    """A finished episode, as a rubric sees it."""
+
+    task: Task | None
+    messages: list[Message]
+    """The whole chat: the opening messages, then each action and the env's reply to it."""
+    env_reward: float = 0.0
+    """The env's own return (the sum of its step rewards)."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """The last step's info."""
+    result: Any = None
+    """What an :class:`~envkit.agent.AgentEnv`'s agent returned (None for stepped envs)."""
+
+    @property
+    def reply(self) -> str:
+        """The text of the last assistant message (an agent's result, if it is text)."""
+        if isinstance(self.result, str):
+            return self.result
+        for message in reversed(self.messages):
+            if message.get("role") == "assistant":
+                return str(message.get("content") or "")
+        return ""
+
+
+@dataclass(frozen=True)
+class Score:
+    """A rubric's ``value`` and every part's score by name (the rubric's own included)."""
+
+    value: float
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+
+class Rubric(abc.ABC):
+    """Scores an episode. Subclasses implement :meth:`evaluate`; ``name`` keys the part in breakdowns."""
+
+    name: str = "rubric"
+
+    @abc.abstractmethod
+    async def evaluate(self, episode: Episode) -> Score:
+        """The episode's score, with the breakdown of the parts below this one."""
+
+    async def score(self, episode: Episode) -> Score:
+        """:meth:`evaluate`, with this rubric's own value added to the breakdown; a failure is a
+        :class:`~envkit.errors.RubricError` naming the part."""
+        try:
+            score = await self.evaluate(episode)
+        except RubricError:
+            raise
+        except Exception as e:
+            raise RubricError(f"rubric part {self.name!r} failed: {type(e).__name__}: {e}") from e
+        return Score(float(score.value), {**score.breakdown, self.name: float(score.value)})
+
+    def parts(self) -> list[Rubric]:
+        """The rubrics this one combines (none for a leaf)."""
+        return []
+
+
+class Check(Rubric):
+    """A leaf: ``fn(episode) -> float`` (sync or async)."""
+
+    def __init__(self, fn: Callable[[Episode], float | Awaitable[float]], *, name: str | None = None) -> None:
+        self.fn = fn
+        self.name = name or getattr(fn, "__name__", "check")
+
+    async def evaluate(self, episode: Episode) -> Score:
+        value = self.fn(episode)
+        if inspect.isawaitable(value):
+            value = await value
+        return Score(float(value))
+
+
+class EnvReward(Rubric):
+    """A leaf: the env's own return."""
+
+    name = "env"
+
+    async def evaluate(self, episode: Episode) -> Score:
+        return Score(episode.env_reward)
+
+
+class _Combined(Rubric):
+    """A rubric over parts, all scored concurrently."""
+
+    def __init__(self, parts: Iterable[Rubric], name: str) -> None:
+        self._parts = list(parts)
+        self.name = name
+        if not self._parts:
+            raise ValueError(f"{type(self).__name__} needs at least one part")
+        names = [r.name for r in {id(r): r for r in _walk(self)}.values()]  # a part used twice is one part
+        if len(names) != len(set(names)):
+            raise ValueError(f"rubric part names must be unique (they key the breakdown): {sorted(names)}")
+
+    def parts(self) -> list[Rubric]:
+        return self._parts
+
+    async def _scores(self, episode: Episode) -> tuple[list[float], dict[str, float]]:
+        scores = await asyncio.gather(*(part.score(episode) for part in self._parts))
+        breakdown: dict[str, float] = {}
+        for s in scores:
+            breakdown.update(s.breakdown)
+        return [s.value for s in scores], breakdown
+
+
+class WeightedSum(_Combined):
+    """``sum(weight * part)`` over ``{part: weight}``."""
+
+    def __init__(self, weights: Mapping[Rubric, float], *, name: str = "weighted_sum") -> None:
+        self.weights = [float(w) for w in weights.values()]
+        super().__init__(weights.keys(), name)
+
+    async def evaluate(self, episode: Episode) -> Score:
+        values, breakdown = await self._scores(episode)
+        return Score(sum(w * v for w, v in zip(self.weights, values, strict=True)), breakdown)
+
+
+class Gate(_Combined):
+    """``then``'s score where ``gate`` scores at least ``threshold``, else ``otherwise``; ``then`` is not scored
+    (no judge call is spent) when the gate is shut."""
+
+    def __init__(self, gate: Rubric, then: Rubric, *, threshold: float = 1.0, otherwise: float = 0.0,
+                 name: str = "gate") -> None:
+        super().__init__([gate, then], name)
+        self.gate, self.then, self.threshold, self.otherwise = gate, then, threshold, otherwise
+
+    async def evaluate(self, episode: Episode) -> Score:
+        opened = await self.gate.score(episode)
+        if opened.value < self.threshold:
+            return Score(self.otherwise, opened.breakdown)
+        scored = await self.then.score(episode)
+        return Score(scored.value, {**opened.breakdown, **scored.breakdown})
+
+
+class AllOf(_Combined):
+    """1 where every part scores at least ``threshold``, else 0."""
+
+    def __init__(self, *parts: Rubric, threshold: float = 1.0, name: str = "all_of") -> None:
+        super().__init__(parts, name)
+        self.threshold = threshold
+
+    async def evaluate(self, episode: Episode) -> Score:
+        values, breakdown = await self._scores(episode)
+        return Score(float(all(v >= self.threshold for v in values)), breakdown)
+
+
+class AnyOf(_Combined):
+    """1 where some part scores at least ``threshold``, else 0."""
+
+    def __init__(self, *parts: Rubric, threshold: float = 1.0, name: str = "any_of") -> None:
+        super().__init__(parts, name)
+        self.threshold = threshold
+
+    async def evaluate(self, episode: Episode) -> Score:
+        values, breakdown = await self._scores(episode)
+        return Score(float(any(v >= self.threshold for v in values)), breakdown)
+
+
+class Max(_Combined):
+    """The greatest part's score."""
+
+    def __init__(self, *parts: Rubric, name: str = "max") -> None:
+        super().__init__(parts, name)
+
+    async def evaluate(self, episode: Episode) -> Score:
+        values, breakdown = await self._scores(episode)
+        return Score(max(values), breakdown)
+
+
+def _walk(rubric: Rubric) -> list[Rubric]:
+    return [rubric, *(r for part in rubric.parts() for r in _walk(part))]
+
+
+def load_rubric(rubric: Rubric | str) -> Rubric:
+    """``rubric`` itself, or the rubric ``"module:attr"`` names (an instance, or a callable returning one)."""
+    if isinstance(rubric, Rubric):
+        return rubric
+    module_name, _, attr = str(rubric).partition(":")
+    if not attr:
+        raise ValueError(f"rubric must be a Rubric or a 'module:attr' path, got {rubric!r}")
+    try:
+        found: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            found = getattr(found, part)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"rubric {rubric!r} could not be loaded: {type(e).__name__}: {e}") from e
+    if not isinstance(found, Rubric) and callable(found):  # a Rubric class, or a factory taking no arguments
+        try:
+            found = found()
+        except TypeError as e:
+            raise ValueError(f"rubric {rubric!r} is not an envkit.rubrics.Rubric, nor makes one without arguments: "
+                             f"{e}") from e
+    if not isinstance(found, Rubric):
+        raise ValueError(f"rubric {rubric!r} is a {type(found).__name__}, not an envkit.rubrics.Rubric")
+    return found
+
+
+class RubricEnv(Wrapper):
+    """``env`` scored by ``rubric`` when each episode ends (see the module docstring)."""
+
+    def __init__(self, env: Env, rubric: Rubric | str) -> None:
+        super().__init__(env)
+        self.rubric = load_rubric(rubric)
+        self._task: Task | None = None
+        self._messages: list[Message] = []
+        self._return = 0.0
+
+    async def reset(self, *, seed: int | None = None, task: Task | None = None) -> tuple[list[Message], dict]:
+        messages, info = await self.env.reset(seed=seed, task=task)
+        self._task = task if task is not None else info.get("task")
+        self._messages, self._return = list(messages), 0.0
+        return messages, info
+
+    async def step(self, action: Message) -> StepResult:
+        result = await self.env.step(action)
+        self._messages += [action, *result.observation]
+        self._return += result.reward
+        if not result.done:
+            return StepResult(result.observation, 0.0, result.terminated, result.truncated, result.info)
+        score = await self.rubric.score(Episode(self._task, list(self._messages), self._return, result.info))
+        return StepResult(result.observation, score.value, result.terminated, result.truncated,
+                          {**result.info, "rubric": score.breakdown})
