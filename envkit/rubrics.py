@@ -202,6 +202,29 @@ class Max(_Combined):
         return Score(max(values), breakdown)
 
 
+class GroupRubric(abc.ABC):
+    """Scores the episodes of one group together (the samples of one task): a relative judge ranks them in one
+    call. A generator with ``group_rubric=`` applies it as each group finishes; its score becomes each episode's
+    reward, and its breakdown joins the episode's."""
+
+    name: str = "group"
+
+    @abc.abstractmethod
+    async def score_group(self, episodes: list[Episode]) -> list[Score]:
+        """One score per episode, in order."""
+
+
+def load_group_rubric(rubric: GroupRubric | str) -> GroupRubric:
+    """``rubric`` itself, or the group rubric ``"module:attr"`` names (an instance, or a factory taking no
+    arguments)."""
+    if isinstance(rubric, GroupRubric):
+        return rubric
+    found = _load(rubric, GroupRubric)
+    if not isinstance(found, GroupRubric):
+        raise ValueError(f"group rubric {rubric!r} is a {type(found).__name__}, not an envkit.rubrics.GroupRubric")
+    return found
+
+
 def _walk(rubric: Rubric) -> list[Rubric]:
     return [rubric, *(r for part in rubric.parts() for r in _walk(part))]
 
@@ -210,23 +233,29 @@ def load_rubric(rubric: Rubric | str) -> Rubric:
     """``rubric`` itself, or the rubric ``"module:attr"`` names (an instance, or a callable returning one)."""
     if isinstance(rubric, Rubric):
         return rubric
-    module_name, _, attr = str(rubric).partition(":")
+    found = _load(rubric, Rubric)
+    if not isinstance(found, Rubric):
+        raise ValueError(f"rubric {rubric!r} is a {type(found).__name__}, not an envkit.rubrics.Rubric")
+    return found
+
+
+def _load(ref: str, kind: type) -> Any:
+    """What ``"module:attr"`` names; called if it is not a ``kind`` (a class, or a factory taking no arguments)."""
+    module_name, _, attr = str(ref).partition(":")
     if not attr:
-        raise ValueError(f"rubric must be a Rubric or a 'module:attr' path, got {rubric!r}")
+        raise ValueError(f"expected an envkit.rubrics.{kind.__name__} or a 'module:attr' path, got {ref!r}")
     try:
         found: Any = importlib.import_module(module_name)
         for part in attr.split("."):
             found = getattr(found, part)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"rubric {rubric!r} could not be loaded: {type(e).__name__}: {e}") from e
-    if not isinstance(found, Rubric) and callable(found):  # a Rubric class, or a factory taking no arguments
+        raise ValueError(f"{ref!r} could not be loaded: {type(e).__name__}: {e}") from e
+    if not isinstance(found, kind) and callable(found):
         try:
             found = found()
         except TypeError as e:
-            raise ValueError(f"rubric {rubric!r} is not an envkit.rubrics.Rubric, nor makes one without arguments: "
+            raise ValueError(f"{ref!r} is not an envkit.rubrics.{kind.__name__}, nor makes one without arguments: "
                              f"{e}") from e
-    if not isinstance(found, Rubric):
-        raise ValueError(f"rubric {rubric!r} is a {type(found).__name__}, not an envkit.rubrics.Rubric")
     return found
 
 

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 import envkit
 from envkit import Env, Message, Task
 from envkit.agent import AgentEnv
+from envkit.errors import RubricError
+from envkit.rubrics import Episode, GroupRubric, load_group_rubric
 from generators.engines.base import Completion, InferenceEngine, SamplingParams, generate_turn, request_seed
 from generators.engines.replicas import Session, rollout_session
 from generators.parsers import REASONING_PARSER_CHOICES, TOOL_PARSER_CHOICES, OutputParser
@@ -81,6 +83,9 @@ class GeneratorConfig:
     """Where agent envs' capture gateway listens. Loopback unless their agents run on other nodes (Ray env workers
     there): then an address of this node they reach, or 0.0.0.0 (every interface, announced to agents as this
     node's address on its default route). Each episode's key is its credential."""
+    group_rubric: str | None = None
+    """``module:attr`` naming an :class:`envkit.rubrics.GroupRubric` (a relative judge) that scores each group's
+    finished rollouts together as the group finishes: its score is their reward (see :class:`Generator`)."""
 
     @property
     def sampling(self) -> SamplingParams:
@@ -133,13 +138,17 @@ class Generator:
     the generator only plays demonstrations (:meth:`demonstrate`)."""
 
     def __init__(self, engine: InferenceEngine | None, tokenizer: ChatTokenizer | None,
-                 config: GeneratorConfig | None = None) -> None:
+                 config: GeneratorConfig | None = None, *, group_rubric: GroupRubric | None = None) -> None:
         if (engine is None or engine.supports_token_ids) and tokenizer is None:
             what = "demonstrations are token ids" if engine is None else f"{type(engine).__name__} generates from ids"
             raise ValueError(f"{what}: pass the model's ChatTokenizer")
         self.engine = engine
         self.tokenizer = tokenizer
         self.config = config or GeneratorConfig()
+        self.group_rubric = group_rubric or (load_group_rubric(self.config.group_rubric)
+                                             if self.config.group_rubric else None)
+        """Scores each group's finished rollouts together (``group_rubric=``, else the config's): their reward
+        becomes its score, its breakdown joins theirs; if it fails, so do they."""
         self.parser = OutputParser.for_template(
             tokenizer.template if tokenizer else None, tokenizer.generation_prompt if tokenizer else "",
             tool_parser=self.config.tool_parser, reasoning_parser=self.config.reasoning_parser)
@@ -210,6 +219,8 @@ class Generator:
 
         async def group(i: int, task: Task | None, seed: int | None) -> list[Trajectory]:
             rollouts = await asyncio.gather(*(one(task, seed, _group_id(task, seed, i), k) for k in range(samples)))
+            if self.group_rubric is not None and turn != self._demo_turn:
+                await self._score_group(self.group_rubric, task, rollouts)
             if on_group is not None:
                 on_group(i, rollouts)
             return rollouts
@@ -217,6 +228,19 @@ class Generator:
         async with self._serving():
             groups = await asyncio.gather(*(group(i, task, seed) for i, (task, seed) in enumerate(starts)))
         return [t for samples in groups for t in samples]
+
+    @staticmethod
+    async def _score_group(rubric: GroupRubric, task: Task | None, rollouts: list[Trajectory]) -> None:
+        finished = [t for t in rollouts if not t.failed]
+        try:
+            scores = await rubric.score_group([Episode(task, t.messages, t.reward) for t in finished])
+        except Exception as e:
+            for t in finished:
+                t.stop_reason, t.error = "error", _describe(e if isinstance(e, RubricError) else RubricError(
+                    f"group rubric {rubric.name!r} failed: {type(e).__name__}: {e}"))
+            return
+        for t, score in zip(finished, scores, strict=True):
+            t.reward, t.scores = score.value, {"env": t.reward, **t.scores, **score.breakdown}
 
     async def rollout(self, make_env: EnvFactory, *, task: Task | None = None, seed: int | None = None,
                       group_id: str = "", sample_index: int = 0, env_name: str = "") -> Trajectory:
