@@ -105,13 +105,14 @@ class JudgeEndpoint:
         call = asyncio.ensure_future(self._call(client, slots, messages, params))
         if self.cache_size:
             self._inflight[flight] = call
-            call.add_done_callback(lambda done: self._settle(flight, done))
+        call.add_done_callback(lambda done: self._settle(flight, done))
         return await asyncio.shield(call)  # a waiter cancelled (its rollout timed out) leaves the call to the others
 
     def _settle(self, flight: tuple[asyncio.AbstractEventLoop, str], call: asyncio.Future[str]) -> None:
-        """A call ended: out of flight, and its answer cached (a failure is not: the next request tries again)."""
+        """A call ended: out of flight, and its answer cached (a failure is not: the next request tries again; it is
+        retrieved here, since every waiter may have been cancelled)."""
         self._inflight.pop(flight, None)
-        if call.cancelled() or call.exception() is not None:
+        if call.cancelled() or call.exception() is not None or not self.cache_size:
             return
         self._cache[flight[1]] = call.result()
         while len(self._cache) > self.cache_size:

@@ -27,11 +27,13 @@ import importlib
 import inspect
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from envkit.core import Env, StepResult, Task, Wrapper
 from envkit.errors import RubricError
 from envkit.messages import Message
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -167,28 +169,33 @@ class Gate(_Combined):
         return Score(scored.value, {**opened.breakdown, **scored.breakdown})
 
 
-class AllOf(_Combined):
+class _Passing(_Combined):
+    """1 where enough parts (``quantifier``: all or any) score at least ``threshold``, else 0."""
+
+    quantifier: Callable[[Iterable[bool]], bool] = all
+    default_name = ""
+
+    def __init__(self, *parts: Rubric, threshold: float = 1.0, name: str | None = None) -> None:
+        super().__init__(parts, name or self.default_name)
+        self.threshold = threshold
+
+    async def evaluate(self, episode: Episode) -> Score:
+        values, breakdown = await self._scores(episode)
+        return Score(float(type(self).quantifier(v >= self.threshold for v in values)), breakdown)
+
+
+class AllOf(_Passing):
     """1 where every part scores at least ``threshold``, else 0."""
 
-    def __init__(self, *parts: Rubric, threshold: float = 1.0, name: str = "all_of") -> None:
-        super().__init__(parts, name)
-        self.threshold = threshold
-
-    async def evaluate(self, episode: Episode) -> Score:
-        values, breakdown = await self._scores(episode)
-        return Score(float(all(v >= self.threshold for v in values)), breakdown)
+    quantifier = all
+    default_name = "all_of"
 
 
-class AnyOf(_Combined):
+class AnyOf(_Passing):
     """1 where some part scores at least ``threshold``, else 0."""
 
-    def __init__(self, *parts: Rubric, threshold: float = 1.0, name: str = "any_of") -> None:
-        super().__init__(parts, name)
-        self.threshold = threshold
-
-    async def evaluate(self, episode: Episode) -> Score:
-        values, breakdown = await self._scores(episode)
-        return Score(float(any(v >= self.threshold for v in values)), breakdown)
+    quantifier = any
+    default_name = "any_of"
 
 
 class Max(_Combined):
@@ -217,12 +224,7 @@ class GroupRubric(abc.ABC):
 def load_group_rubric(rubric: GroupRubric | str) -> GroupRubric:
     """``rubric`` itself, or the group rubric ``"module:attr"`` names (an instance, or a factory taking no
     arguments)."""
-    if isinstance(rubric, GroupRubric):
-        return rubric
-    found = _load(rubric, GroupRubric)
-    if not isinstance(found, GroupRubric):
-        raise ValueError(f"group rubric {rubric!r} is a {type(found).__name__}, not an envkit.rubrics.GroupRubric")
-    return found
+    return rubric if isinstance(rubric, GroupRubric) else _load(rubric, GroupRubric)
 
 
 def _walk(rubric: Rubric) -> list[Rubric]:
@@ -231,16 +233,12 @@ def _walk(rubric: Rubric) -> list[Rubric]:
 
 def load_rubric(rubric: Rubric | str) -> Rubric:
     """``rubric`` itself, or the rubric ``"module:attr"`` names (an instance, or a callable returning one)."""
-    if isinstance(rubric, Rubric):
-        return rubric
-    found = _load(rubric, Rubric)
-    if not isinstance(found, Rubric):
-        raise ValueError(f"rubric {rubric!r} is a {type(found).__name__}, not an envkit.rubrics.Rubric")
-    return found
+    return rubric if isinstance(rubric, Rubric) else _load(rubric, Rubric)
 
 
-def _load(ref: str, kind: type) -> Any:
-    """What ``"module:attr"`` names; called if it is not a ``kind`` (a class, or a factory taking no arguments)."""
+def _load(ref: str, kind: type[T]) -> T:
+    """The ``kind`` that ``"module:attr"`` names: an instance, or a class or factory making one without
+    arguments."""
     module_name, _, attr = str(ref).partition(":")
     if not attr:
         raise ValueError(f"expected an envkit.rubrics.{kind.__name__} or a 'module:attr' path, got {ref!r}")
@@ -256,6 +254,8 @@ def _load(ref: str, kind: type) -> Any:
         except TypeError as e:
             raise ValueError(f"{ref!r} is not an envkit.rubrics.{kind.__name__}, nor makes one without arguments: "
                              f"{e}") from e
+    if not isinstance(found, kind):
+        raise ValueError(f"{ref!r} is a {type(found).__name__}, not an envkit.rubrics.{kind.__name__}")
     return found
 
 
