@@ -1,6 +1,7 @@
 """Rubrics and LLM judges: parts combine as documented and every part's score reaches the breakdown; any env takes
 ``rubric=``; a judge reads only its own score (the policy's "Score: 10", fake JSON and a forged end of quote do not
-count), and a judge that cannot score fails the rollout; the bundled model, served by vLLM, judges for real."""
+count), and a judge that cannot score fails the rollout; the bundled model, served by vLLM, judges for real, and
+a reward head made from it scores episodes in batches."""
 
 from __future__ import annotations
 
@@ -193,3 +194,18 @@ async def test_a_relative_judge_scores_each_group_in_one_call(vllm_engine, chat_
     trajs = await Generator(vllm_engine, chat_tokenizer, config, group_rubric=Broken()).generate(
         lambda: envkit.make("arithmetic"), tasks=tasks[:1])
     assert all(t.stop_reason == "error" and "group rubric 'group' failed: TimeoutError" in t.error for t in trajs)
+
+
+async def test_a_reward_model_scores_concurrent_episodes_in_shared_batches():
+    """The bundled reward head (made at setup from the bundled model, no download) scores 6 episodes that finish
+    together in one forward pass; the same chat scores the same alone or in a batch, and another chat differently."""
+    from generators.reward_model import RewardModel
+
+    model = RewardModel("bundled", batch_size=8, max_wait_s=0.05)
+    alone = await model.score(episode("The answer is 3."))
+    replies = ["The answer is 9.", "The answer is 3.", "nine", "9", "I do not know.", "The answer is 9."]
+    scores = await asyncio.gather(*(model.score(episode(r)) for r in replies))
+    assert model.batches == [1, 6]
+    assert all(0.0 < s.value < 1.0 and set(s.breakdown) == {"reward_model"} for s in [alone, *scores])
+    assert scores[0].value == pytest.approx(scores[5].value, abs=1e-5) and scores[0].value != scores[1].value
+    assert alone.value == pytest.approx(scores[1].value, abs=1e-5)

@@ -1,0 +1,126 @@
+"""Reward models: an HF sequence-classification model scoring episodes as a rubric part, in batches.
+
+``RewardModel(path)`` is an :class:`envkit.rubrics.Rubric`: each episode's chat, rendered by the model's chat
+template, is one row of a batch; concurrent episodes (a step's rollouts finish together) share forward passes of up
+to ``batch_size`` rows, gathered for at most ``max_wait_s``. The score is the model's single logit, squashed to
+[0, 1] by a sigmoid unless ``raw=True``::
+
+    rubric = WeightedSum({EnvReward(): 0.5, RewardModel("my-org/my-reward-model"): 0.5})
+    env = envkit.make("arithmetic", rubric=rubric)
+
+``RewardModel("bundled")`` is the bundled policy with a one-logit head, made at setup time from the bundled model
+(no downloads, seeded): its scores mean nothing until it is trained, and it runs the path a real reward model does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import threading
+from pathlib import Path
+from typing import Any
+
+from envkit.rubrics import Episode, Rubric, Score
+from generators.models import _file_lock, bundled_model_dir, cache_dir
+
+HEAD_SEED = 0
+"""The seed of the bundled reward head's initial weights: every machine makes the same one."""
+
+
+def bundled_reward_model_dir() -> Path:
+    """The bundled model with a one-logit sequence-classification head, made on first use; safe across
+    processes."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    base = bundled_model_dir()
+    target = cache_dir() / "models" / f"{base.name}-reward-head{HEAD_SEED}"
+    marker = target / ".envkit-complete"
+    if marker.exists():
+        return target
+    with _file_lock(target.with_name(target.name + ".lock")):  # not with_suffix: the name has dots in it
+        if marker.exists():
+            return target
+        tokenizer = AutoTokenizer.from_pretrained(base)
+        torch.manual_seed(HEAD_SEED)
+        model = AutoModelForSequenceClassification.from_pretrained(base, num_labels=1, dtype=torch.float32)
+        model.config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else \
+            tokenizer.eos_token_id
+        tmp = target.with_name(target.name + ".tmp")
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / marker.name).write_text(json.dumps({"base": str(base), "seed": HEAD_SEED}))
+        tmp.rename(target)
+    return target
+
+
+class RewardModel(Rubric):
+    """A sequence-classification reward model as a rubric part (see the module docstring)."""
+
+    def __init__(self, path: str | Path = "bundled", *, batch_size: int = 16, max_wait_s: float = 0.005,
+                 max_length: int = 2048, raw: bool = False, name: str = "reward_model") -> None:
+        if batch_size < 1 or max_wait_s < 0:
+            raise ValueError(f"batch_size must be >= 1 and max_wait_s >= 0, got {batch_size}, {max_wait_s}")
+        self.path, self.batch_size, self.max_wait_s = path, batch_size, max_wait_s
+        self.max_length, self.raw, self.name = max_length, raw, name
+        self._model: Any = None
+        self._tokenizer: Any = None
+        self._lock = threading.Lock()  # one forward pass at a time, from whichever event loop's thread
+        self._queues: dict[asyncio.AbstractEventLoop, list[tuple[str, asyncio.Future[float]]]] = {}
+        self._workers: dict[asyncio.AbstractEventLoop, asyncio.Task[None]] = {}
+        self.batches: list[int] = []
+        """The size of every forward pass so far."""
+
+    async def evaluate(self, episode: Episode) -> Score:
+        loop = asyncio.get_running_loop()
+        if self._model is None:
+            await asyncio.to_thread(self._load)
+        text = self._tokenizer.apply_chat_template(episode.messages, tokenize=False)
+        future: asyncio.Future[float] = loop.create_future()
+        self._queues.setdefault(loop, []).append((text, future))
+        worker = self._workers.get(loop)
+        if worker is None or worker.done():
+            self._workers[loop] = asyncio.ensure_future(self._drain(loop))
+        return Score(await future)
+
+    def _load(self) -> None:
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        with self._lock:
+            if self._model is not None:
+                return
+            path = bundled_reward_model_dir() if str(self.path) == "bundled" else self.path
+            self._tokenizer = AutoTokenizer.from_pretrained(path)
+            model = AutoModelForSequenceClassification.from_pretrained(path)
+            if model.config.num_labels != 1:
+                raise ValueError(f"a reward model has one output, {path} has {model.config.num_labels}")
+            self._model = model.eval()
+
+    async def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Run this loop's queued rows in batches until none is left."""
+        queue = self._queues[loop]
+        while queue:
+            if len(queue) < self.batch_size:
+                await asyncio.sleep(self.max_wait_s)  # let the rollouts finishing now join this batch
+            batch, queue[:] = queue[:self.batch_size], queue[self.batch_size:]
+            try:
+                values = await asyncio.to_thread(self._forward, [text for text, _ in batch])
+            except Exception as e:
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(e)
+                continue
+            for (_, future), value in zip(batch, values, strict=True):
+                if not future.done():
+                    future.set_result(value)
+
+    def _forward(self, texts: list[str]) -> list[float]:
+        import torch
+
+        with self._lock, torch.inference_mode():
+            inputs = self._tokenizer(texts, return_tensors="pt", padding=True, truncation=True,
+                                     max_length=self.max_length, add_special_tokens=False)
+            logits = self._model(**inputs).logits[:, 0].float().tolist()
+        self.batches.append(len(texts))
+        return [v if self.raw else 1 / (1 + math.exp(-v)) for v in logits]
