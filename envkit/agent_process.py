@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from envkit.errors import AgentProcessError
+from envkit.registry import import_ref
 
 if TYPE_CHECKING:
     from envkit.agent import AgentClient
@@ -184,14 +185,11 @@ def load_agent(ref: str) -> Any:
     if where.endswith(".py"):
         spec = importlib.util.spec_from_file_location("__envkit_agent_main__", where)
         assert spec is not None and spec.loader is not None
-        target: Any = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = target
-        spec.loader.exec_module(target)
-    else:
-        target = importlib.import_module(where)
-    for part in qualname.split("."):
-        target = getattr(target, part)
-    return target
+        script = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = script
+        spec.loader.exec_module(script)
+        ref = f"{spec.name}:{qualname}"
+    return import_ref(ref)
 
 
 @dataclass(frozen=True)

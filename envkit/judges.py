@@ -175,16 +175,7 @@ class LLMJudge(Rubric):
 
     async def evaluate(self, episode: Episode) -> Score:
         reply = episode.reply
-        params: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": 0.0}
-        low, high = self.scale
-        if self.constrain == "schema":
-            schema = {"type": "object", "required": ["score"], "additionalProperties": False,
-                      "properties": {"score": {"type": "integer", "minimum": low, "maximum": high}}}
-            params["response_format"] = {"type": "json_schema",
-                                         "json_schema": {"name": "score", "schema": schema, "strict": True}}
-        elif self.constrain == "regex":
-            values = "|".join(str(v) for v in range(high, low - 1, -1))  # longest first: 10 before 1
-            params["extra_body"] = {"structured_outputs": {"regex": f'\\{{"score": ({values})\\}}'}}
+        params = _request(self.constrain, "score", self.scale, None, self.max_tokens)
         answer = await self.endpoint.complete(self.prompt(reply), **params)
         return Score(self.read(answer, reply))
 
@@ -237,19 +228,7 @@ class RelativeJudge(GroupRubric):
             return []
         replies = [e.reply for e in episodes]
         task = next((str(m.get("content") or "") for m in episodes[0].messages if m.get("role") == "user"), "")
-        params: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": 0.0}
-        low, high = self.scale
-        if self.constrain == "schema":
-            item = {"type": "integer", "minimum": low, "maximum": high}
-            schema = {"type": "object", "required": ["scores"], "additionalProperties": False,
-                      "properties": {"scores": {"type": "array", "items": item, "minItems": len(replies),
-                                                "maxItems": len(replies)}}}
-            params["response_format"] = {"type": "json_schema",
-                                         "json_schema": {"name": "scores", "schema": schema, "strict": True}}
-        elif self.constrain == "regex":
-            value = "(" + "|".join(str(v) for v in range(high, low - 1, -1)) + ")"
-            params["extra_body"] = {"structured_outputs": {
-                "regex": f'\\{{"scores": \\[{value}(, {value}){{{len(replies) - 1}}}\\]\\}}'}}
+        params = _request(self.constrain, "scores", self.scale, len(replies), self.max_tokens)
         answer = await self.endpoint.complete(self.prompt(task, replies), **params)
         values = self.read(answer, replies)
         return [Score((1 - self.env_weight) * v + self.env_weight * e.env_reward, {self.name: v})
@@ -265,6 +244,27 @@ class RelativeJudge(GroupRubric):
         if not all(low <= v <= high for v in candidates[-1]):
             raise RubricError(f"judge {self.name!r} scored {candidates[-1]}, outside {low}..{high}")
         return [(v - low) / (high - low) for v in candidates[-1]]
+
+
+def _request(constrain: str, key: str, scale: tuple[int, int], n: int | None, max_tokens: int) -> dict[str, Any]:
+    """A judge call's parameters, its answer ``{"KEY": N}`` (``n`` None) or ``{"KEY": [N, ...]}`` (``n`` integers)
+    on ``scale``, constrained as ``constrain`` says (see :class:`LLMJudge`)."""
+    low, high = scale
+    params: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0.0}
+    integer = {"type": "integer", "minimum": low, "maximum": high}
+    value = "(" + "|".join(str(v) for v in range(high, low - 1, -1)) + ")"  # longest first: 10 before 1
+    if n is None:
+        schema, pattern = integer, value
+    else:
+        schema = {"type": "array", "items": integer, "minItems": n, "maxItems": n}
+        pattern = f"\\[{value}(, {value}){{{n - 1}}}\\]"
+    if constrain == "schema":
+        whole = {"type": "object", "required": [key], "additionalProperties": False, "properties": {key: schema}}
+        params["response_format"] = {"type": "json_schema",
+                                     "json_schema": {"name": key, "schema": whole, "strict": True}}
+    elif constrain == "regex":
+        params["extra_body"] = {"structured_outputs": {"regex": f'\\{{"{key}": {pattern}\\}}'}}
+    return params
 
 
 def _json_scores(text: str) -> list[float] | None:

@@ -55,6 +55,16 @@ from envkit.errors import DuplicateEnvError, EnvLoadError, EnvNotFoundError, Inv
 if TYPE_CHECKING:
     from envkit.rubrics import Rubric
 
+def import_ref(ref: str) -> Any:
+    """What ``"module:attr.attr"`` names (the module itself, without ``:attr``); raises what the import or the
+    lookup raises."""
+    module_name, _, attr = ref.partition(":")
+    found: Any = importlib.import_module(module_name)
+    for part in attr.split(".") if attr else []:
+        found = getattr(found, part)
+    return found
+
+
 ENTRY_POINT_GROUP = "envkit.envs"
 SANDBOX_GROUP = "envkit.sandboxes"
 SCHEME_GROUP = "envkit.schemes"
@@ -89,11 +99,8 @@ class EnvSpec:
         """Import and return the Env class (or factory) this spec points at."""
         if self.factory is not None:
             return self.factory
-        module_name, _, attr = self.entry_point.partition(":")
         try:
-            obj: Any = importlib.import_module(module_name)
-            for part in attr.split(".") if attr else []:
-                obj = getattr(obj, part)
+            obj = import_ref(self.entry_point)
         except Exception as e:
             raise EnvLoadError(
                 f"Env {self.name!r} could not be loaded from {self.entry_point!r} ({self.source}): "

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import importlib
 import inspect
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from typing import Any, TypeVar
 from envkit.core import Env, StepResult, Task, Wrapper
 from envkit.errors import RubricError
 from envkit.messages import Message
+from envkit.registry import import_ref
 
 T = TypeVar("T")
 
@@ -239,13 +239,10 @@ def load_rubric(rubric: Rubric | str) -> Rubric:
 def _load(ref: str, kind: type[T]) -> T:
     """The ``kind`` that ``"module:attr"`` names: an instance, or a class or factory making one without
     arguments."""
-    module_name, _, attr = str(ref).partition(":")
-    if not attr:
+    if not str(ref).partition(":")[2]:
         raise ValueError(f"expected an envkit.rubrics.{kind.__name__} or a 'module:attr' path, got {ref!r}")
     try:
-        found: Any = importlib.import_module(module_name)
-        for part in attr.split("."):
-            found = getattr(found, part)
+        found = import_ref(str(ref))
     except (ImportError, AttributeError) as e:
         raise ValueError(f"{ref!r} could not be loaded: {type(e).__name__}: {e}") from e
     if not isinstance(found, kind) and callable(found):
