@@ -43,6 +43,9 @@ CANCEL_ACK_S = 10.0
 """Seconds a host has to confirm a cancellation; one that does not is blocked (code holding its event loop) and is
 killed, failing what else it runs, so that later requests get a fresh host instead of waiting behind it."""
 
+STDERR_AFTER_EXIT_S = 2.0
+"""Seconds to wait, once a host has exited, for the rest of its stderr (a child it started may hold the pipe)."""
+
 
 class HostProcess:
     """One host process (``argv``) serving this event loop's requests, and the requests in flight to it; ``name``
@@ -50,30 +53,30 @@ class HostProcess:
 
     def __init__(self, argv: list[str], name: str, env: dict[str, str] | None = None) -> None:
         self.argv, self.name, self.env = argv, name, env
-        self.process: asyncio.subprocess.Process | None = None
-        self.pending: dict[int, asyncio.Future] = {}
+        self.process: asyncio.subprocess.Process | None = None  # the one taking requests; None until started
+        self.pending: dict[int, tuple[asyncio.subprocess.Process, asyncio.Future]] = {}
         self.cancels: dict[int, asyncio.Future] = {}
         self.ids = itertools.count(1)
         self.started = asyncio.Lock()
-        self.stderr_tail = b""
-        self.readers: list[asyncio.Task] = []  # the process's stdout and stderr readers (a task needs a reference)
+        self.stderr_tails: dict[asyncio.subprocess.Process, bytes] = {}  # the last 4 kB each process wrote
+        self.readers: set[asyncio.Task] = set()  # each process's stdout and stderr readers (a task needs a reference)
         self.watchdogs: set[asyncio.Task] = set()  # waiting for cancellations to be confirmed
 
     async def request(self, message: dict[str, Any], timeout_s: float | None, what: str) -> Any:
         """Send ``message`` and return its answer's result (AgentProcessError, naming ``what``, for its error); a
         timeout or a cancellation cancels it in the host."""
-        await self._start()
-        assert self.process is not None and self.process.stdin is not None
+        process = await self._start()
+        assert process.stdin is not None
         rid = next(self.ids)
         future: asyncio.Future = asyncio.get_running_loop().create_future()
-        self.pending[rid] = future
-        self.process.stdin.write(json.dumps({**message, "id": rid}).encode() + b"\n")
+        self.pending[rid] = (process, future)
+        process.stdin.write(json.dumps({**message, "id": rid}).encode() + b"\n")
         try:
             with contextlib.suppress(ConnectionError):  # a dead host: its reader fails the future, with why
-                await self.process.stdin.drain()
+                await process.stdin.drain()
             answer = await asyncio.wait_for(future, timeout_s)
         except (TimeoutError, asyncio.CancelledError):
-            self._cancel(rid)
+            self._cancel(rid, process)
             raise
         finally:
             self.pending.pop(rid, None)
@@ -81,69 +84,90 @@ class HostProcess:
             raise AgentProcessError(f"{what}: {answer['error']}")
         return answer["result"]
 
-    def _cancel(self, rid: int) -> None:
-        process = self.process
-        if process is None or process.returncode is not None or process.stdin is None:
+    def _cancel(self, rid: int, process: asyncio.subprocess.Process) -> None:
+        if process.returncode is not None or process.stdin is None or process.stdin.is_closing():
             return
         with contextlib.suppress(ConnectionError):
             process.stdin.write(json.dumps({"op": "cancel", "id": rid}).encode() + b"\n")
         ack = self.cancels[rid] = asyncio.get_running_loop().create_future()
-        watchdog = asyncio.ensure_future(self._expect(ack, rid, process))
-        self.watchdogs.add(watchdog)
-        watchdog.add_done_callback(self.watchdogs.discard)
+        self._keep(self.watchdogs, self._expect(ack, rid, process))
 
     async def _expect(self, ack: asyncio.Future, rid: int, process: asyncio.subprocess.Process) -> None:
         try:
             await asyncio.wait_for(ack, CANCEL_ACK_S)
         except TimeoutError:
             if process.returncode is None:
-                self.stderr_tail += f"\n[{self.name} did not confirm a cancellation in {CANCEL_ACK_S:g} s: " \
-                                    "its event loop is blocked; killed]".encode()
+                self._retire(process)  # before it is reaped: requests from now on must not reach it
+                self._note(process, f"\n[{self.name} did not confirm a cancellation in {CANCEL_ACK_S:g} s: "
+                                    "its event loop is blocked; killed]".encode())
                 process.kill()
         finally:
             self.cancels.pop(rid, None)
 
-    async def _start(self) -> None:
+    def _retire(self, process: asyncio.subprocess.Process) -> None:
+        if self.process is process:
+            self.process = None
+
+    async def _start(self) -> asyncio.subprocess.Process:
         async with self.started:
             if self.process is not None and self.process.returncode is None:
-                return
+                return self.process
             # the host ends when its stdin closes: when this process exits, however it exits
-            self.process = await asyncio.create_subprocess_exec(
+            process = await asyncio.create_subprocess_exec(
                 *self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, limit=1 << 26,
                 env=self.env)
-            self.readers = [asyncio.ensure_future(self._drain_stderr(self.process))]
+            stderr = self._keep(self.readers, self._drain_stderr(process))
             try:
-                ready = await asyncio.wait_for(self.process.stdout.readline(), START_TIMEOUT_S)  # type: ignore[union-attr]
+                ready = await asyncio.wait_for(process.stdout.readline(), START_TIMEOUT_S)  # type: ignore[union-attr]
             except TimeoutError:
-                self.process.kill()
+                process.kill()
                 raise AgentProcessError(f"{self.name} did not start in {START_TIMEOUT_S:g} s") from None
             if not ready:
-                await self.process.wait()
-                raise AgentProcessError(f"{self.name} exited {self.process.returncode} while starting: "
-                                        f"{self.stderr_tail.decode(errors='replace')[-1000:]}")
-            self.readers.append(asyncio.ensure_future(self._read(self.process)))
+                await process.wait()
+                await asyncio.wait({stderr}, timeout=STDERR_AFTER_EXIT_S)
+                raise AgentProcessError(f"{self.name} exited {process.returncode} while starting: "
+                                        f"{self._tail(process)}")
+            self._keep(self.readers, self._read(process, stderr))
+            self.process = process
+            return process
+
+    @staticmethod
+    def _keep(tasks: set[asyncio.Task], work: Any) -> asyncio.Task:
+        task = asyncio.ensure_future(work)
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        return task
 
     async def _drain_stderr(self, process: asyncio.subprocess.Process) -> None:
         assert process.stderr is not None
         while chunk := await process.stderr.read(1 << 16):
-            self.stderr_tail = (self.stderr_tail + chunk)[-4000:]
+            self._note(process, chunk)
 
-    async def _read(self, process: asyncio.subprocess.Process) -> None:
+    def _note(self, process: asyncio.subprocess.Process, text: bytes) -> None:
+        self.stderr_tails[process] = (self.stderr_tails.get(process, b"") + text)[-4000:]
+
+    def _tail(self, process: asyncio.subprocess.Process) -> str:
+        return self.stderr_tails.pop(process, b"").decode(errors="replace")[-1000:]
+
+    async def _read(self, process: asyncio.subprocess.Process, stderr: asyncio.Task) -> None:
         assert process.stdout is not None
         while line := await process.stdout.readline():
             try:
                 answer = json.loads(line)
             except ValueError:  # output native code wrote to fd 1 itself, past the host's redirect
                 continue
-            waiting = self.cancels if answer.get("cancelled") else self.pending
-            future = waiting.get(answer.get("id"))
+            if answer.get("cancelled"):
+                future = self.cancels.get(answer.get("id"))
+            else:
+                future = self.pending.get(answer.get("id"), (None, None))[1]
             if future is not None and not future.done():
                 future.set_result(answer)
+        self._retire(process)  # its stdout is closed: it is exiting, whether or not it has been reaped yet
         await process.wait()
-        error = AgentProcessError(f"{self.name} exited {process.returncode}: "
-                                  f"{self.stderr_tail.decode(errors='replace')[-1000:]}")
-        for future in self.pending.values():
-            if not future.done():
+        await asyncio.wait({stderr}, timeout=STDERR_AFTER_EXIT_S)
+        error = AgentProcessError(f"{self.name} exited {process.returncode}: {self._tail(process)}")
+        for sent_to, future in self.pending.values():
+            if sent_to is process and not future.done():
                 future.set_exception(error)
 
 

@@ -101,6 +101,18 @@ def assert_exact(trajectories: list[Trajectory], engine: Recorded) -> None:
     assert unused == [], "engine calls that no trajectory holds"
 
 
+async def exited(pid: int, timeout_s: float) -> None:
+    """Wait for process ``pid`` to exit without reaping it (its parent, the code under test, does that)."""
+    for _ in range(int(timeout_s * 10)):
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"process {pid} still runs after {timeout_s} s")
+
+
 def generator(engine: InferenceEngine, tokenizer: Any, **config: Any) -> Generator:
     return Generator(engine, tokenizer, GeneratorConfig(**{"max_tokens": 48, "max_turns": 3, **config}))
 
@@ -314,7 +326,7 @@ async def test_an_agent_in_a_host_process_is_captured_exactly_and_a_blocked_host
     block = {"id": "block", "question": "?"}
     blocked = await generator(vllm_engine, chat_tokenizer, timeout_s=5).generate(env(block), tasks=[block])
     assert blocked[0].stop_reason == "timeout"
-    await asyncio.to_thread(psutil.Process(host.pop()).wait, CANCEL_ACK_S + 10)  # killed, having not confirmed
+    await exited(host.pop(), CANCEL_ACK_S + 10)  # killed, having not confirmed
     answers.clear()
     trajs = await generator(vllm_engine, chat_tokenizer).generate(env(QUESTION), tasks=[QUESTION])
     assert trajs[0].stop_reason == "done", trajs[0].error
@@ -472,7 +484,6 @@ async def test_command_agents_run_as_processes_and_fail_alone_with_their_process
     graded), one answers a task too big for the environment (on stdin only), one exits non-zero, one floods stdout
     past the output limit (failed, not graded cut), one hangs past its deadline and one past the rollout's, each
     with a child process: the failures fail alone, and no process of the hung agents is left."""
-    import psutil
 
     from envkit.agent import Command
 
@@ -595,7 +606,6 @@ async def test_a_docker_agent_plays_through_its_gateway_and_reaches_nothing_else
     """An agent process in a container (no network, a stdlib HTTP client) makes its two calls through the relay to
     its episode's gateway, captured as any agent's. Probing from the same container, the gateway's own port, this
     host's addresses, the vLLM server, the outside and DNS are all out of reach; only the relay answers."""
-    import psutil
 
     from sandboxes.agent import RELAY_PORT
 
