@@ -257,6 +257,18 @@ def test_trains_on_each_ecosystems_env_alone(policy_url, tmp_path, ecosystem):
     assert trajs and all(t["loss_mask"].count(1) > 0 for t in trajs)
 
 
+def test_trains_on_a_judges_score_from_a_judge_server_the_run_starts(policy_url, tmp_path):
+    """examples/train_judged.py: ``judge.model=bundled`` starts a vLLM judge beside the policy's server and publishes
+    it; the env's LLM judge, made with no endpoint, scores every rollout through it (its expected digit: graded, where
+    a reward of the env's own would be 0 or 1), and both steps update on those scores."""
+    out = tmp_path / "run"
+    steps = train(out, policy_url, example="train_judged", prompts=2)
+    for m in steps.values():
+        assert m["reward/mean"] == pytest.approx(m["rubric/polite"]) and 0 < m["rubric/polite"] < 1, m
+        assert m["reward/mean"] not in (0.0, 0.5, 1.0) and "rubric/length_corr" in m
+    assert (out / "judge" / "vllm.log").stat().st_size > 0
+
+
 @pytest.mark.parametrize(("name", "prompts"), [("sums", 4), ("docker_sums", 2)])
 def test_trains_on_an_agent_that_runs_its_own_loop(policy_url, tmp_path, name, prompts):
     """An AgentEnv named by entry point (tests/agent_envs.py): an openai-SDK tool loop of its own, or a program in a

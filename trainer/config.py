@@ -327,6 +327,29 @@ class InferenceConfig(EngineConfig):
 
 
 @dataclass
+class JudgeSection(EngineConfig):
+    """A judge server for the run's LLM judges: started and stopped with the run, its weights frozen, and published
+    in ``ENVKIT_JUDGE_URL`` and ``ENVKIT_JUDGE_MODEL``, where a judge made with no endpoint calls it (an env's
+    ``rubric=LLMJudge(...)``; see envkit/judges.py). Takes the engine options of ``inference``."""
+
+    model: str | None = None
+    """bundled, a checkpoint dir, policy (a frozen copy of the weights this stage starts from), or the served
+    model's name for engine=openai (an external judge at ``url``); None (the default): no judge."""
+    kv_cache_gib: int = 1
+
+    def __post_init__(self) -> None:
+        _checked("judge", super().__post_init__)
+        if self.model is None and (self.url or self.api_key):
+            raise ConfigError("judge.url and judge.api_key name a judge's endpoint: set judge.model too (bundled, a "
+                              "checkpoint dir, policy, or the endpoint's model name)")
+        if self.model is not None and self.engine == "hf":
+            raise ConfigError("judge.engine=hf would run in the trainer's process, where envs cannot call it: use "
+                              "vllm, sglang, or openai with judge.url")
+        if self.api_key and self.engine != "openai":
+            raise ConfigError("judge.api_key is for engine=openai (an external judge); a served judge needs none")
+
+
+@dataclass
 class WeightSyncSection(WeightSyncConfig):
     """How new weights reach the inference engine: mode, transport and swap (see ``generators/engines/factory.py``)."""
 
@@ -478,6 +501,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     generator: RolloutConfig = field(default_factory=RolloutConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
+    judge: JudgeSection = field(default_factory=JudgeSection)
     weight_sync: WeightSyncSection = field(default_factory=WeightSyncSection)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

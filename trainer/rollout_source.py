@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from generators import ChatTokenizer, Generator, Trajectory
-from generators.engines.base import InferenceEngine, publish_policy
+from generators.engines.base import InferenceEngine, publish_judge, publish_policy
+from generators.engines.factory import make_engine
+from generators.models import resolve_model
 from generators.report import first_errors, passed
 from trainer.async_rollouts import AsyncRollouts, LoopThread
 from trainer.backends.base import TrainBackend
@@ -85,6 +87,7 @@ class SyncSource(RolloutSource):
                  runner: asyncio.Runner | LoopThread | None = None) -> None:
         super().__init__(cfg, out)
         self.runner = runner or asyncio.Runner()
+        self.judge = judge_engine(cfg, out, model_path)
         self.placement = make_placement(cfg)  # the engine and the envs: here, or on Ray actors
         self.envs = Mixture(cfg.env, seed=cfg.trainer.seed, make_env=self.placement.make_env)
         self.engine = self.placement.engine(model_path, out)
@@ -95,6 +98,9 @@ class SyncSource(RolloutSource):
     def open(self, backend: TrainBackend, state: TrainState, *, evaluate_before: bool) -> dict[str, Any]:
         # the envs first: a wrong env or task source fails before the inference server starts
         self.runner.run(self.envs.open(pool_size=self.placement.sandbox_pool_size()))
+        if self.judge is not None:
+            self.runner.run(self.judge.start())
+            publish_judge(self.judge, self.cfg.judge.api_key)
         if state.data:
             self.envs.load_state(state.data)
         self.runner.run(self.engine.start())
@@ -135,7 +141,8 @@ class SyncSource(RolloutSource):
         return evaluate(self.generator, self.envs, self.runner, self.cfg, self.logger, step=step)
 
     def close(self) -> None:
-        for stop in (self.engine.stop, self.envs.close, self.placement.close):
+        stops = [self.engine.stop, self.envs.close, self.placement.close]
+        for stop in stops + ([self.judge.stop] if self.judge is not None else []):
             self.runner.run(stop())
         self.runner.close()
         self.logger.close()
@@ -184,6 +191,17 @@ def rollout_source(cfg: Config, rank: int, out: Path, model_path: str | Path, to
         return RolloutSource(cfg, out)
     kind = AsyncSource if cfg.trainer.mode == "async" else SyncSource
     return kind(cfg, out, model_path, tokenizer, state.step)
+
+
+def judge_engine(cfg: Config, out: Path, model_path: str | Path) -> InferenceEngine | None:
+    """The run's judge (``cfg.judge``), not started; None without one."""
+    judge = cfg.judge
+    if judge.model is None:
+        return None
+    model: str | Path = judge.model
+    if judge.engine != "openai":
+        model = model_path if judge.model == "policy" else resolve_model(judge.model)
+    return make_engine(judge, model, log_dir=out / "judge")
 
 
 def sync_weights(backend: TrainBackend, engine: InferenceEngine | None, runner: asyncio.Runner | LoopThread | None,

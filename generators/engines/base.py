@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from envkit.adapters.opponent import POLICY_MODEL_VAR, POLICY_URL_VAR
+from envkit.judges import JUDGE_KEY_VAR, JUDGE_MODEL_VAR, JUDGE_URL_VAR
 from generators.engines.transports import TRANSPORTS
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -176,3 +177,21 @@ def publish_policy(engine: InferenceEngine) -> None:
     if engine.chat_url is not None:
         os.environ[POLICY_URL_VAR] = engine.chat_url
         os.environ[POLICY_MODEL_VAR] = engine.model_name
+
+
+def publish_judge(engine: InferenceEngine, api_key: str | None = None) -> None:
+    """Tell this process's envs (and the processes they start) where the run's judge answers: an LLM judge made with
+    no endpoint calls it (see envkit/judges.py)."""
+    if engine.chat_url is None:
+        raise ValueError(f"{type(engine).__name__} runs in-process: no env can call it as a judge")
+    os.environ[JUDGE_URL_VAR] = engine.chat_url
+    os.environ[JUDGE_MODEL_VAR] = engine.model_name
+    if api_key:
+        os.environ[JUDGE_KEY_VAR] = api_key
+
+
+def published() -> dict[str, str]:
+    """What :func:`publish_policy` and :func:`publish_judge` told this process, for envs that run in another one
+    (a Ray env worker)."""
+    names = (POLICY_URL_VAR, POLICY_MODEL_VAR, JUDGE_URL_VAR, JUDGE_MODEL_VAR, JUDGE_KEY_VAR)
+    return {name: os.environ[name] for name in names if name in os.environ}

@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import json
 import logging
+import os
 from typing import Any
 
 import ray
@@ -21,6 +22,7 @@ from ray.util.placement_group import remove_placement_group
 from envkit import AgentClient, AgentEnv, Env, Message, StepResult, Task, Tool
 from envkit.ref import EnvRef
 from envkit.rubrics import Score
+from generators.engines.base import published
 from trainer.placement.groups import SHUTDOWN_TIMEOUT_S, actor_options, ready_group
 
 log = logging.getLogger(__name__)
@@ -37,8 +39,10 @@ class EnvWorker:
         self.pools: dict[tuple[str, str, str], Any] = {}
         self.pools_lock = asyncio.Lock()
 
-    async def open(self, key: int, ref: EnvRef) -> bool:
-        """Make and init the env of rollout ``key``; whether it is an agent env."""
+    async def open(self, key: int, ref: EnvRef, published: dict[str, str]) -> bool:
+        """Make and init the env of rollout ``key``, where the driver's ``published`` endpoints (the policy's, the
+        judge's) are known; whether it is an agent env."""
+        os.environ.update(published)
         if ref.sandbox is not None:
             ref = ref.with_pool(await self._pool(ref))
         env = ref.make()
@@ -175,7 +179,7 @@ class WorkerEnv(Env):
     async def init(self) -> None:
         if self.worker is None:
             self.worker = self.pool.pick()
-            if await self._call("open", self.key, self.ref):
+            if await self._call("open", self.key, self.ref, published()):
                 self._agent = _WorkerAgent(self)
 
     async def reset(self, *, seed: int | None = None, task: Task | None = None) -> tuple[list[Message], dict]:
