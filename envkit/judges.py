@@ -250,8 +250,9 @@ class LLMJudge(Rubric):
         low, high = self.scale
         probs = [0.0] * (high + 1)
         for token, logprob in answer.top_logprobs.items():
-            if token.strip().isdigit() and low <= int(token.strip()) <= high:
-                probs[int(token.strip())] += math.exp(logprob)
+            digit = token.strip()
+            if len(digit) == 1 and "0" <= digit <= "9" and low <= int(digit) <= high:  # not "²": isdigit() says it is
+                probs[int(digit)] += math.exp(logprob)
         mass = sum(probs)
         if mass < MIN_SCORE_MASS:
             hint = "" if self.prefill else " (a small judge may need prefill='SCORE: ' to answer with the score first)"

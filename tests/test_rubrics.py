@@ -163,7 +163,7 @@ async def test_a_logprobs_judge_scores_the_expected_digit_of_its_own_probabiliti
     judge's expected digit, graded. A judge with too little probability on the scores has not scored; one with no
     endpoint calls the judge the run published, and without one says how to get one."""
     judge = LLMJudge("correct", endpoint=OFFLINE, parse="logprobs", scale=(0, 9))
-    top = {"9": math.log(0.5), " 9": math.log(0.1), "0": math.log(0.2), "SCORE": math.log(0.2)}
+    top = {"9": math.log(0.5), " 9": math.log(0.1), "0": math.log(0.2), "SCORE": math.log(0.1), "²": math.log(0.1)}
     assert judge.expected(Answer("9", top)) == pytest.approx((9 * 0.6) / 0.8 / 9)
     with pytest.raises(RubricError, match="put 20% of its first token on a score"):
         judge.expected(Answer("The", {"The": math.log(0.8), "7": math.log(0.2)}))
