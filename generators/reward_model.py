@@ -8,7 +8,7 @@ to ``batch_size`` rows, gathered for at most ``max_wait_s``. The score is the mo
     rubric = WeightedSum({EnvReward(): 0.5, RewardModel("my-org/my-reward-model"): 0.5})
     env = envkit.make("arithmetic", rubric=rubric)
 
-``RewardModel("bundled")`` is the bundled policy with a one-logit head, made at setup time from the bundled model
+``RewardModel("bundled")`` is the bundled policy with a one-logit head, made from the bundled model on first use
 (no downloads, seeded): its scores mean nothing until it is trained, and it runs the path a real reward model does.
 """
 
@@ -85,11 +85,11 @@ class RewardModel(Rubric):
         return Score(await future)
 
     def _load(self) -> None:
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-        with self._lock:
+        with self._lock:  # the import too: transformers' lazy imports from two threads at once can fail
             if self._model is not None:
                 return
+            from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
             path = bundled_reward_model_dir() if str(self.path) == "bundled" else self.path
             self._tokenizer = AutoTokenizer.from_pretrained(path)
             model = AutoModelForSequenceClassification.from_pretrained(path)
