@@ -55,7 +55,7 @@ class HostProcess:
         self.argv, self.name, self.env = argv, name, env
         self.process: asyncio.subprocess.Process | None = None  # the one taking requests; None until started
         self.pending: dict[int, tuple[asyncio.subprocess.Process, asyncio.Future]] = {}
-        self.cancels: dict[int, asyncio.Future] = {}
+        self.cancels: dict[int, tuple[asyncio.subprocess.Process, asyncio.Future]] = {}
         self.ids = itertools.count(1)
         self.started = asyncio.Lock()
         self.stderr_tails: dict[asyncio.subprocess.Process, bytes] = {}  # the last 4 kB each process wrote
@@ -89,7 +89,8 @@ class HostProcess:
             return
         with contextlib.suppress(ConnectionError):
             process.stdin.write(json.dumps({"op": "cancel", "id": rid}).encode() + b"\n")
-        ack = self.cancels[rid] = asyncio.get_running_loop().create_future()
+        ack = asyncio.get_running_loop().create_future()
+        self.cancels[rid] = (process, ack)
         self._keep(self.watchdogs, self._expect(ack, rid, process))
 
     async def _expect(self, ack: asyncio.Future, rid: int, process: asyncio.subprocess.Process) -> None:
@@ -156,11 +157,9 @@ class HostProcess:
                 answer = json.loads(line)
             except ValueError:  # output native code wrote to fd 1 itself, past the host's redirect
                 continue
-            if answer.get("cancelled"):
-                future = self.cancels.get(answer.get("id"))
-            else:
-                future = self.pending.get(answer.get("id"), (None, None))[1]
-            if future is not None and not future.done():
+            waiting = self.cancels if answer.get("cancelled") else self.pending
+            sent_to, future = waiting.get(answer.get("id"), (None, None))
+            if sent_to is process and not future.done():  # a host answers only what was sent to it
                 future.set_result(answer)
         self._retire(process)  # its stdout is closed: it is exiting, whether or not it has been reaped yet
         await process.wait()
