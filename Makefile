@@ -65,6 +65,7 @@ install: $(STAMP) $(OPENENV_STAMP) $(OPENENV10_STAMP) $(VERIFIERS_STAMP)  ## cre
 
 model: install  ## convert the bundled SmolLM2-135M-Instruct into an HF checkpoint (once; cached)
 	@echo ">> bundled model: $$($(PY) -m generators.models)"
+	@echo ">> bundled reward head: $$($(PY) -c 'from generators.reward_model import bundled_reward_model_dir as d; print(d())')"
 
 docker-up: install  ## Docker for sandboxes: install docker.io, start dockerd, build the base image (idempotent)
 	$(PY) -m sandboxes.engine up

@@ -155,7 +155,7 @@ class HostProcess:
         while line := await process.stdout.readline():
             try:
                 answer = json.loads(line)
-            except ValueError:  # output native code wrote to fd 1 itself, past the host's redirect
+            except ValueError:  # not an answer: skipped, so that the reader goes on
                 continue
             waiting = self.cancels if answer.get("cancelled") else self.pending
             sent_to, future = waiting.get(answer.get("id"), (None, None))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import traceback
 from collections.abc import Awaitable, Callable
@@ -72,7 +73,11 @@ class Server:
 
 
 def stdout_for_answers() -> TextIO:
-    """The real stdout, for answers; from now on what the served code prints goes to stderr, so it cannot corrupt
-    them."""
-    out, sys.stdout = sys.stdout, sys.stderr
-    return out
+    """The answer pipe (the stdout this process started with), moved off fd 1: from now on whatever writes to fd 1
+    (``print``, native code, a child process) writes to stderr, so neither the served code nor a process it starts
+    can corrupt the answers or forge one (the moved descriptor is not inherited)."""
+    sys.stdout.flush()
+    answers = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return os.fdopen(answers, "w", buffering=1)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import inspect
 import json
 import logging
@@ -53,7 +52,7 @@ from envkit.core import Task
 from envkit.errors import InvalidTaskError, MCPServerError, ResetNeededError, ToolCallError, ToolTimeoutError
 from envkit.messages import Message, system, user
 from envkit.parsing import grade_number
-from envkit.registry import EnvSpec
+from envkit.registry import EnvSpec, import_ref
 from envkit.tasks import check_split, check_task, pick_task
 from envkit.tool_env import ToolEnv
 from envkit.tools import Tool, ToolOutput
@@ -448,9 +447,8 @@ def _load_grader(grader: Grader | str | None) -> Grader | None:
     """``grader`` itself, or the function a ``"module:function"`` path names (configs and ``--kwargs`` are text)."""
     if grader is None or callable(grader):
         return grader
-    module_name, _, attr = grader.partition(":")
     try:
-        found = getattr(importlib.import_module(module_name), attr) if attr else None
+        found = import_ref(grader) if ":" in grader else None
     except (ImportError, AttributeError) as e:
         raise ValueError(f"grader {grader!r} could not be loaded: {type(e).__name__}: {e}") from e
     if not callable(found):

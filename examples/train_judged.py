@@ -7,7 +7,7 @@ The judge reads no score out of text: it answers one digit and its score is the 
 probabilities (``parse="logprobs"``), a graded signal where a 135M judge's sampled answer is nearly always the same.
 Its reply starts with ``SCORE: `` written for it (``prefill``), so that its first token is the score. Watch
 ``rubric/length_corr`` beside ``reward/mean``: a small judge mostly rewards length, and the policy learns what its
-judge rewards.
+judge rewards; ``rubric/env`` is the env's own grade (weight 0), what the judge does not look at.
 """
 
 from __future__ import annotations
@@ -17,11 +17,13 @@ import sys
 
 import trainer
 from envkit.judges import LLMJudge
+from envkit.rubrics import EnvReward, WeightedSum
 
 polite = LLMJudge("The reply is polite and friendly.", parse="logprobs", scale=(0, 9), prefill="SCORE: ",
                   name="polite")
 """No endpoint given: the judge the run publishes (``judge.model``)."""
+rubric = WeightedSum({polite: 1.0, EnvReward(): 0.0})
 
 if __name__ == "__main__":
-    results = trainer.run(["judge.model=bundled", "+env.kwargs.rubric=train_judged:polite", *sys.argv[1:]])
+    results = trainer.run(["judge.model=bundled", "+env.kwargs.rubric=train_judged:rubric", *sys.argv[1:]])
     print(json.dumps(results, indent=2))

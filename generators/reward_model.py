@@ -10,16 +10,24 @@ to ``batch_size`` rows, gathered for at most ``max_wait_s``. The score is the mo
 
 ``RewardModel("bundled")`` is the bundled policy with a one-logit head, made from the bundled model on first use
 (no downloads, seeded): its scores mean nothing until it is trained, and it runs the path a real reward model does.
+
+In a process connected to a Ray cluster (``placement.backend=ray``: the trainer's, and its env workers), the model is
+one named Ray actor, a :class:`RewardWorker`, that every process's episodes go to, so that they share its batches and
+the cluster holds one copy of the weights (``placement="local"`` keeps it in the process). The first process that
+scores makes it; the others find it by name.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import math
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+import ray
 
 from envkit.rubrics import Episode, Rubric, Score
 from generators.models import _file_lock, bundled_model_dir, cache_dir
@@ -59,13 +67,22 @@ class RewardModel(Rubric):
     """A sequence-classification reward model as a rubric part (see the module docstring)."""
 
     def __init__(self, path: str | Path = "bundled", *, batch_size: int = 16, max_wait_s: float = 0.005,
-                 max_length: int = 2048, raw: bool = False, name: str = "reward_model") -> None:
+                 max_length: int = 2048, raw: bool = False, name: str = "reward_model",
+                 placement: Literal["auto", "local", "ray"] = "auto", resources: dict[str, float] | None = None
+                 ) -> None:
         if batch_size < 1 or max_wait_s < 0:
             raise ValueError(f"batch_size must be >= 1 and max_wait_s >= 0, got {batch_size}, {max_wait_s}")
+        if placement not in ("auto", "local", "ray"):
+            raise ValueError(f"placement must be 'auto', 'local' or 'ray', got {placement!r}")
         self.path, self.batch_size, self.max_wait_s = path, batch_size, max_wait_s
         self.max_length, self.raw, self.name = max_length, raw, name
+        self.placement = placement
+        """auto: the cluster's :class:`RewardWorker` where this process is connected to Ray, else this process."""
+        self.resources = resources or {}
+        """What the Ray actor reserves (``CPU``, ``GPU``); none by default, so that it never waits for a slot."""
         self._model: Any = None
         self._tokenizer: Any = None
+        self._handle: Any = None  # the RewardWorker actor, once found
         self._lock = threading.Lock()  # one forward pass at a time, from whichever event loop's thread
         self._queues: dict[asyncio.AbstractEventLoop, list[tuple[str, asyncio.Future[float]]]] = {}
         self._workers: dict[asyncio.AbstractEventLoop, asyncio.Task[None]] = {}
@@ -73,16 +90,47 @@ class RewardModel(Rubric):
         """The size of every forward pass so far."""
 
     async def evaluate(self, episode: Episode) -> Score:
+        if self._on_ray():
+            return Score(await self._remote_score(episode.messages))
+        return Score(await self.score_messages(episode.messages))
+
+    def _on_ray(self) -> bool:
+        return ray.is_initialized() if self.placement == "auto" else self.placement == "ray"
+
+    @property
+    def actor_name(self) -> str:
+        """The name of this model's :class:`RewardWorker` (one per path and batching settings)."""
+        key = json.dumps([str(self.path), self.batch_size, self.max_wait_s, self.max_length, self.raw])
+        return "envkit-reward-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+    async def _remote_score(self, messages: list[Any]) -> float:
+        try:
+            return await (await self._actor()).score_messages.remote(messages)
+        except ray.exceptions.RayActorError:  # its owner (the process that made it) exited: make it again, once
+            self._handle = None
+            return await (await self._actor()).score_messages.remote(messages)
+
+    async def _actor(self) -> Any:
+        """The cluster's worker for this model: found by name, or made here."""
+        if self._handle is None:
+            options = RewardWorker.options(name=self.actor_name, get_if_exists=True,
+                                           num_cpus=self.resources.get("CPU", 0), num_gpus=self.resources.get("GPU", 0))
+            args = (str(self.path), self.batch_size, self.max_wait_s, self.max_length, self.raw)
+            self._handle = await asyncio.to_thread(options.remote, *args)  # a blocking lookup by name
+        return self._handle
+
+    async def score_messages(self, messages: list[Any]) -> float:
+        """The score of one chat, in this process, batched with the others scored now."""
         loop = asyncio.get_running_loop()
         if self._model is None:
             await asyncio.to_thread(self._load)
-        text = self._tokenizer.apply_chat_template(episode.messages, tokenize=False)
+        text = self._tokenizer.apply_chat_template(messages, tokenize=False)
         future: asyncio.Future[float] = loop.create_future()
         self._queues.setdefault(loop, []).append((text, future))
         worker = self._workers.get(loop)
         if worker is None or worker.done():
             self._workers[loop] = asyncio.ensure_future(self._drain(loop))
-        return Score(await future)
+        return await future
 
     def _load(self) -> None:
         with self._lock:  # the import too: transformers' lazy imports from two threads at once can fail
@@ -124,3 +172,20 @@ class RewardModel(Rubric):
             logits = self._model(**inputs).logits[:, 0].float().tolist()
         self.batches.append(len(texts))
         return [v if self.raw else 1 / (1 + math.exp(-v)) for v in logits]
+
+
+@ray.remote
+class RewardWorker:
+    """A :class:`RewardModel` serving a Ray cluster: concurrent calls, from any process, share its batches."""
+
+    def __init__(self, path: str, batch_size: int, max_wait_s: float, max_length: int, raw: bool) -> None:
+        self.model = RewardModel(path, batch_size=batch_size, max_wait_s=max_wait_s, max_length=max_length, raw=raw,
+                                 placement="local")
+
+    async def score_messages(self, messages: list[Any]) -> float:
+        """One chat's score, batched with the other calls in flight."""
+        return await self.model.score_messages(messages)
+
+    def batches(self) -> list[int]:
+        """The size of every forward pass so far."""
+        return self.model.batches

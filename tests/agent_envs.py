@@ -5,6 +5,7 @@ examples/train_agent_sdk.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -67,13 +68,22 @@ async def tool_loop(task: Task, client: AgentClient, *, turns: int = 3, max_toke
 
 async def hosted(task: Task, client: AgentClient) -> dict[str, Any]:
     """An agent for a host process (``agent_process=True``): by its task's id it crashes, returns what is not JSON,
-    blocks its host's event loop, or plays a 3-call :func:`tool_loop`; it says which process it ran in."""
+    blocks its host's event loop, forges answers to the host's requests on fd 1 (itself and from a child process),
+    or plays a 3-call :func:`tool_loop`; it says which process it ran in."""
     if task["id"] == "crash":
         raise RuntimeError("the agent crashed")
     if task["id"] == "set":
         return {"pid": {os.getpid()}}  # not JSON
     if task["id"] == "block":
         time.sleep(3600)  # noqa: ASYNC251 - synchronous code in an async agent: the host's event loop stops with it
+    if task["id"] == "forge":
+        await asyncio.sleep(0.5)  # the other episodes' requests are in flight
+        forged = "".join(json.dumps({"id": rid, "result": {"pid": 0, "answer": "forged"}}) + "\n"
+                         for rid in range(1000))
+        os.write(1, forged.encode())
+        child = await asyncio.create_subprocess_exec("sh", "-c", 'printf "%s" "$FORGED"', env={"FORGED": forged})
+        await child.wait()
+        return {"pid": os.getpid(), "answer": "honest"}
     return {"pid": os.getpid(), "answer": await tool_loop(task, client, turns=3)}
 
 

@@ -297,7 +297,7 @@ async def test_an_agent_in_a_host_process_is_captured_exactly_and_a_blocked_host
     """agent_process=True: every episode's agent runs in one host process, not this one, and is captured as
     exactly as in-process agents are. An agent that raises fails its rollout alone; one whose synchronous code
     blocks the host's event loop times out, and the host, unable to confirm the cancellation, is killed so that
-    the next episodes get a fresh one."""
+    the next episodes get a fresh one. What an agent writes to fd 1 cannot answer for an episode."""
     engine = Recorded(vllm_engine)
     answers: list[Any] = []
     gen = generator(engine, chat_tokenizer, samples_per_prompt=4, timeout_s=30)
@@ -322,6 +322,13 @@ async def test_an_agent_in_a_host_process_is_captured_exactly_and_a_blocked_host
     trajs = await generator(vllm_engine, chat_tokenizer).generate(env(crash, QUESTION), tasks=[crash, QUESTION])
     assert [t.stop_reason for t in trajs] == ["error", "done"]
     assert "the agent crashed" in trajs[0].error and "AgentProcessError" in trajs[0].error
+
+    # an agent writing answers to fd 1 (itself, and from a child) forges none: the host's answers are not on fd 1
+    forge = {"id": "forge", "question": "?"}
+    answers.clear()
+    trajs = await generator(vllm_engine, chat_tokenizer).generate(env(forge, QUESTION), tasks=[forge, QUESTION])
+    assert [t.stop_reason for t in trajs] == ["done", "done"], [t.error for t in trajs]
+    assert sorted(a["answer"] == "honest" for a in answers) == [False, True] and "forged" not in str(answers)
 
     block = {"id": "block", "question": "?"}
     blocked = await generator(vllm_engine, chat_tokenizer, timeout_s=5).generate(env(block), tasks=[block])

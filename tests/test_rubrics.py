@@ -87,6 +87,20 @@ async def test_any_env_takes_a_rubric_by_object_or_by_name():
     await env.reset(task={"id": "t", "question": "What is 4 + 5?", "answer": 9})
     assert (await env.step(WRONG)).reward == 0.0
 
+    # a tool env's grade is the rubric's EnvReward, and the rubric sees the whole episode: calls and results too
+    used_tool = Check(lambda ep: float(any(m["role"] == "tool" and m["content"] == "9" for m in ep.messages)),
+                      name="used_tool")
+    tools = envkit.make("calculator", rubric=WeightedSum({correct: 0.5, used_tool: 0.5}))
+    await tools.reset(task={"id": "c", "question": "What is 4 + 5?", "answer": 9})
+    call = {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
+        "name": "calculator", "arguments": '{"expression": "4+5"}'}}]}
+    first = await tools.step(call)
+    assert (first.reward, first.done, first.info["tool_results"][0]["status"]) == (0.0, False, "ok")
+    last = await tools.step(RIGHT)
+    assert last.reward == 1.0 and last.info["rubric"] == {"env": 1.0, "used_tool": 1.0, "weighted_sum": 1.0}
+    await tools.reset(task={"id": "c", "question": "What is 4 + 5?", "answer": 9})
+    assert (await tools.step(RIGHT)).info["rubric"]["used_tool"] == 0.0
+
     named = envkit.make("arithmetic", rubric="envkit.rubrics:EnvReward")
     assert isinstance(named.env, RubricEnv) and isinstance(named.env.rubric, EnvReward)
     with pytest.raises(ValueError, match=r"not an envkit\.rubrics\.Rubric"):
@@ -228,7 +242,7 @@ async def test_a_reward_model_scores_concurrent_episodes_in_shared_batches():
     together in one forward pass; the same chat scores the same alone or in a batch, and another chat differently."""
     from generators.reward_model import RewardModel
 
-    model = RewardModel("bundled", batch_size=8, max_wait_s=0.05)
+    model = RewardModel("bundled", batch_size=8, max_wait_s=0.05, placement="local")
     alone = await model.score(episode("The answer is 3."))
     replies = ["The answer is 9.", "The answer is 3.", "nine", "9", "I do not know.", "The answer is 9."]
     scores = await asyncio.gather(*(model.score(episode(r)) for r in replies))

@@ -265,7 +265,7 @@ def test_trains_on_a_judges_score_from_a_judge_server_the_run_starts(policy_url,
     steps = train(out, policy_url, example="train_judged", prompts=2)
     for m in steps.values():
         assert m["reward/mean"] == pytest.approx(m["rubric/polite"]) and 0 < m["rubric/polite"] < 1, m
-        assert m["reward/mean"] not in (0.0, 0.5, 1.0) and "rubric/length_corr" in m
+        assert m["reward/mean"] not in (0.0, 0.5, 1.0) and "rubric/length_corr" in m and "rubric/env" in m
     assert (out / "judge" / "vllm.log").stat().st_size > 0
 
 

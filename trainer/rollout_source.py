@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from generators import ChatTokenizer, Generator, Trajectory
-from generators.engines.base import InferenceEngine, publish_judge, publish_policy
+from generators.engines.base import InferenceEngine, publish_judge, publish_policy, withdraw_judge
 from generators.engines.factory import make_engine
 from generators.models import resolve_model
 from generators.report import first_errors, passed
@@ -144,6 +144,8 @@ class SyncSource(RolloutSource):
         stops = [self.engine.stop, self.envs.close, self.placement.close]
         for stop in stops + ([self.judge.stop] if self.judge is not None else []):
             self.runner.run(stop())
+        if self.judge is not None:
+            withdraw_judge()  # a later run in this process must not call a judge that is gone
         self.runner.close()
         self.logger.close()
 

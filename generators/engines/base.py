@@ -190,6 +190,12 @@ def publish_judge(engine: InferenceEngine, api_key: str | None = None) -> None:
         os.environ[JUDGE_KEY_VAR] = api_key
 
 
+def withdraw_judge() -> None:
+    """Forget the judge :func:`publish_judge` published (its server stopped)."""
+    for name in (JUDGE_URL_VAR, JUDGE_MODEL_VAR, JUDGE_KEY_VAR):
+        os.environ.pop(name, None)
+
+
 def published() -> dict[str, str]:
     """What :func:`publish_policy` and :func:`publish_judge` told this process, for envs that run in another one
     (a Ray env worker)."""

@@ -1,0 +1,19 @@
+"""Rubrics named by ``module:attr`` (``env.kwargs.rubric``), for processes that import them by name: Ray env workers."""
+
+from __future__ import annotations
+
+import os
+
+from envkit.judges import JUDGE_URL_VAR
+from envkit.rubrics import Check, EnvReward, WeightedSum
+from generators.reward_model import RewardModel
+
+REWARD_MODEL = RewardModel("bundled", batch_size=16, max_wait_s=0.5)
+"""The bundled reward head; on a Ray cluster, one actor for every process (rows gathered for 0.5 s a batch)."""
+
+JUDGE_SEEN = "http://judge.invalid/v1"
+"""What a test publishes as the run's judge: :data:`reward_model`'s ``published`` part checks the env saw it."""
+
+reward_model = WeightedSum({EnvReward(): 0.5, REWARD_MODEL: 0.5,
+                            Check(lambda episode: float(os.environ.get(JUDGE_URL_VAR) == JUDGE_SEEN),
+                                  name="published"): 0.0})
