@@ -83,6 +83,7 @@ class RewardModel(Rubric):
         self._model: Any = None
         self._tokenizer: Any = None
         self._handle: Any = None  # the RewardWorker actor, once found
+        self._actor_lock = threading.Lock()
         self._lock = threading.Lock()  # one forward pass at a time, from whichever event loop's thread
         self._queues: dict[asyncio.AbstractEventLoop, list[tuple[str, asyncio.Future[float]]]] = {}
         self._workers: dict[asyncio.AbstractEventLoop, asyncio.Task[None]] = {}
@@ -113,11 +114,19 @@ class RewardModel(Rubric):
     async def _actor(self) -> Any:
         """The cluster's worker for this model: found by name, or made here."""
         if self._handle is None:
-            options = RewardWorker.options(name=self.actor_name, get_if_exists=True,
-                                           num_cpus=self.resources.get("CPU", 0), num_gpus=self.resources.get("GPU", 0))
-            args = (str(self.path), self.batch_size, self.max_wait_s, self.max_length, self.raw)
-            self._handle = await asyncio.to_thread(options.remote, *args)  # a blocking lookup by name
+            await asyncio.to_thread(self._find_actor)  # a blocking lookup by name
         return self._handle
+
+    def _find_actor(self) -> None:
+        # One lookup at a time: a second handle to an actor this process made, taken by name while the first is
+        # being stored, would replace it, and dropping the creating handle ends the actor.
+        with self._actor_lock:
+            if self._handle is None:
+                options = RewardWorker.options(name=self.actor_name, get_if_exists=True,
+                                               num_cpus=self.resources.get("CPU", 0),
+                                               num_gpus=self.resources.get("GPU", 0))
+                self._handle = options.remote(str(self.path), self.batch_size, self.max_wait_s, self.max_length,
+                                              self.raw)
 
     async def score_messages(self, messages: list[Any]) -> float:
         """The score of one chat, in this process, batched with the others scored now."""
