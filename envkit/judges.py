@@ -95,6 +95,7 @@ class JudgeEndpoint:
         if base_url is not None and model is None:
             raise ValueError(f"JudgeEndpoint({base_url!r}) needs model=: the name the endpoint serves its judge as")
         self.base_url, self.model, self.api_key = base_url, model, api_key
+        self._published = base_url is None  # the run's judge, looked up in the environment
         self.retries, self.timeout_s, self.cache_size = retries, timeout_s, cache_size
         self.max_concurrency = max_concurrency
         self._cache: OrderedDict[str, Answer] = OrderedDict()
@@ -105,16 +106,19 @@ class JudgeEndpoint:
         self.cache_hits = 0
 
     def _resolve(self) -> None:
-        """Take the run's judge from the environment, where this endpoint was given none."""
-        if self.base_url is not None:
+        """Take the run's judge from the environment, where this endpoint was given none: at every call, since a
+        module-level judge outlives a run, and the next run in this process publishes a judge of its own."""
+        if not self._published:
             return
         url, model = os.environ.get(JUDGE_URL_VAR), os.environ.get(JUDGE_MODEL_VAR)
         if not url or not model:
             raise RubricError(f"no judge to call: give JudgeEndpoint a base_url and model, or train with a judge "
                               f"server (python -m trainer judge.model=bundled, or judge.engine=openai judge.url=...), "
                               f"which publishes it in {JUDGE_URL_VAR} and {JUDGE_MODEL_VAR}")
-        self.base_url, self.model = url, model
-        self.api_key = self.api_key or os.environ.get(JUDGE_KEY_VAR)
+        if (url, model) != (self.base_url, self.model):  # another judge: not its connections, not its answers
+            self._clients.clear()
+            self._cache.clear()
+        self.base_url, self.model, self.api_key = url, model, os.environ.get(JUDGE_KEY_VAR)
 
     def _client(self) -> tuple[Any, asyncio.Semaphore]:
         """This event loop's SDK client and call slots (a client's connections belong to the loop that made them)."""

@@ -196,6 +196,9 @@ async def test_a_logprobs_judge_scores_the_expected_digit_of_its_own_probabiliti
     scores = [(await published.score(episode(r))).value for r in replies]
     assert all(0 < v < 1 for v in scores) and len(set(scores)) == len(scores), scores
     assert published.endpoint.calls == 4 and published.endpoint.base_url == vllm_engine.base_url + "/v1"
+    monkeypatch.delenv(JUDGE_URL_VAR)  # the run that published it ended: no stale judge is called
+    with pytest.raises(RubricError, match="no judge to call"):
+        await published.score(episode("another reply"))
 
 
 def test_a_relative_judge_reads_its_own_scores_and_quotes_every_reply():
