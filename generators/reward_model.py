@@ -8,8 +8,9 @@ to ``batch_size`` rows, gathered for at most ``max_wait_s``. The score is the mo
     rubric = WeightedSum({EnvReward(): 0.5, RewardModel("my-org/my-reward-model"): 0.5})
     env = envkit.make("arithmetic", rubric=rubric)
 
-``RewardModel("bundled")`` is the bundled policy with a one-logit head, made from the bundled model on first use
-(no downloads, seeded): its scores mean nothing until it is trained, and it runs the path a real reward model does.
+``RewardModel("bundled")`` is the bundled policy with a one-logit head, made from the bundled model at setup
+(``make model``) or else on first use (no downloads, seeded): its scores mean nothing until it is trained, and it
+runs the path a real reward model does.
 
 In a process connected to a Ray cluster (``placement.backend=ray``: the trainer's, and its env workers), the model is
 one named Ray actor, a :class:`RewardWorker`, that every process's episodes go to, so that they share its batches and
