@@ -214,23 +214,27 @@ def test_trains_on_other_ecosystems_envs_by_name(policy_url, tmp_path):
 
 def _skyrl_sums(out: Path) -> list[str]:
     """skyrl-gym rows (ground truth a number), train and test, whose prompt shows the '#### N' answer format twice:
-    the bundled model then writes it, and is right 38% of the time (64 rollouts at temperature 1)."""
+    the bundled model then writes it. It is right on a sum far more often when the sum is 5 (63-88% of 32 samples at
+    temperature 1) than otherwise (0-38%; 0 on 1 + 2, 2 + 2, 3 + 1), so the train rows are the sums it gets right
+    25-80% of the time: a group of 8 then scores all alike with p < 0.14."""
     shots = [m for q, a in (("1 + 2", 3), ("2 + 2", 4)) for m in ({"role": "user", "content": f"What is {q}?"},
                                                                  {"role": "assistant", "content": f"#### {a}"})]
-    for split, firsts in (("tasks", range(1, 6)), ("test_tasks", range(6, 8))):
+    train = [(1, 1), (1, 4), (2, 3), (3, 2), (4, 2), (4, 4), (5, 1), (5, 4), (6, 2)]
+    for split, sums in (("tasks", train), ("test_tasks", [(6, 3), (7, 2)])):
         (out / f"{split}.jsonl").write_text("".join(json.dumps({
             "id": f"sum-{a}-{b}", "reward_spec": {"ground_truth": a + b},
             "prompt": [{"role": "system", "content": "Answer with #### and the number."}, *shots,
                        {"role": "user", "content": f"What is {a} + {b}?"}]}) + "\n"
-            for a in firsts for b in range(1, 4)))
+            for a, b in sums))
     return [f"+env.kwargs.{split}={out / split}.jsonl" for split in ("tasks", "test_tasks")]
 
 
 # Each ecosystem's env alone, named on the command line, with what varies its reward within a group (an update needs
 # that): GuessTheNumber's partial credit; one-digit sums, 22% right (leg_counting, 2% right even for one animal and
-# a table of legs in the prompt, would leave most steps without an update); the few-shot '#### N' rows (38%); and
+# a table of legs in the prompt, would leave most steps without an update); the few-shot '#### N' rows (25-80%); and
 # sophistry-bench-sprint's claims aggregate plus its rubric's 200-400 character band (the aggregate alone gives every
-# reply without <claim> tags 0.5). The sums take 4 groups a step: 2 are both all-equal with p ~ 0.02.
+# reply without <claim> tags 0.5). The sums and the '#### N' rows take 4 groups a step: 2 are both all-equal with
+# p ~ 0.02 (a 2-group step of '#### N' rows once scored 0 on all 16 rollouts and made no update).
 ECOSYSTEMS = {
     "textarena": ["env.name=textarena:GuessTheNumber-v0", "+env.kwargs.max_turns=2", "generator.max_turns=4"],
     "reasoning_gym": ["env.name=reasoning_gym:basic_arithmetic", "+env.kwargs.num_train=40", "+env.kwargs.num_test=8",
@@ -250,7 +254,7 @@ def test_trains_on_each_ecosystems_env_alone(policy_url, tmp_path, ecosystem):
     overrides = list(ECOSYSTEMS[ecosystem])
     if ecosystem == "skyrl":
         overrides += _skyrl_sums(tmp_path)
-    prompts = 4 if ecosystem == "reasoning_gym" else 2
+    prompts = 4 if ecosystem in ("reasoning_gym", "skyrl") else 2
     steps = train(tmp_path / "run", policy_url, *overrides, "trainer.eval_tasks=2", prompts=prompts)
     assert all(m["stop/done"] + m.get("stop/max_turns", 0) == 8 * prompts for m in steps.values()), steps
     trajs = [json.loads(line) for line in (tmp_path / "run" / "final_trajectories.jsonl").read_text().splitlines()]
