@@ -11,7 +11,7 @@ registry that finds pip-installed env packages by name::
 
 from envkit import errors
 from envkit.agent import AgentClient, AgentEnv, Command
-from envkit.core import ContractChecker, Env, StepResult, Task, Wrapper
+from envkit.core import ContractChecker, Env, Snapshot, StepResult, Task, Wrapper
 from envkit.messages import Message, ToolCall, assistant, system, tool_result, user
 from envkit.parsing import Answer, extract_answer, parse_number
 from envkit.ref import EnvRef
@@ -44,6 +44,7 @@ __all__ = [
     "EnvSpec",
     "Message",
     "Registry",
+    "Snapshot",
     "StepResult",
     "SyncEnv",
     "Task",

@@ -11,6 +11,9 @@ one row, named in :data:`CHECKS`:
     isolated sessions the same episodes, played by several envs at once with their turns interleaved, go as they
                       went alone: no state is shared between instances
     ws round trip     the same episodes through ``envkit serve`` over ws:// give the same messages and rewards
+    snapshot          each episode snapshotted after its first step: a fresh env restored from it, and the env
+                      itself restored after it went on, play the rest as the episode went (skipped for an env
+                      that cannot snapshot: ``Env.snapshot`` raised SnapshotError)
     disjoint splits   every listed task has a string ``id``, unique, and no task is in two splits (ids or contents)
     reward range      every reward seen lies in the env's declared ``reward_range``
     speed             reset latency and steps/s (reported, never failed)
@@ -33,9 +36,10 @@ import envkit
 from envkit.agent import AgentEnv
 from envkit.core import Env, Task
 from envkit.distribution import install_hint
+from envkit.errors import SnapshotError
 
-CHECKS = ("contract", "same start", "close twice", "isolated sessions", "ws round trip", "disjoint splits",
-          "reward range", "speed")
+CHECKS = ("contract", "same start", "close twice", "isolated sessions", "ws round trip", "snapshot",
+          "disjoint splits", "reward range", "speed")
 SPLITS = ("train", "test")
 TASKS_COMPARED = 5000
 """Tasks of each split read for the disjointness check (a split may be generated without end)."""
@@ -98,16 +102,32 @@ async def play(env: Env, start: Start, max_steps: int, *, replay: list[envkit.Me
         max_steps = 0
     for k in range(max_steps if replay is None else len(replay)):
         reply = replay[k] if replay is not None else await _reply(env, history, k, demonstrate)
-        episode.actions.append(reply)
         if turn:
             await turn()
-        began = time.perf_counter()
-        result = await env.step(reply)
-        episode.step_s += time.perf_counter() - began
-        episode.rewards.append(float(result.reward))
-        episode.transcript.append(as_json([result.observation, result.reward, result.terminated, result.truncated]))
+        result = await step(env, reply, episode)
         history += [reply, *result.observation]
         if result.done:
+            break
+    return episode
+
+
+async def step(env: Env, reply: envkit.Message, episode: Episode) -> envkit.StepResult:
+    """One step of ``episode``, recorded in it."""
+    episode.actions.append(reply)
+    began = time.perf_counter()
+    result = await env.step(reply)
+    episode.step_s += time.perf_counter() - began
+    episode.rewards.append(float(result.reward))
+    episode.transcript.append(as_json([result.observation, result.reward, result.terminated, result.truncated]))
+    return result
+
+
+async def go_on(env: Env, first: Episode, start: int) -> Episode:
+    """``first``'s steps from ``start`` on, replayed in ``env`` where the episode stands after ``start`` steps; the
+    transcript holds the opening messages of ``first``, so that :func:`first_difference` counts steps alike."""
+    episode = Episode(first.start, transcript=first.transcript[:start + 1])
+    for reply in first.actions[start:]:
+        if (await step(env, reply, episode)).done:
             break
     return episode
 
@@ -171,7 +191,8 @@ class Checker:
         rows.append(await _guarded("same start", self._same_start(alone)) if alone
                     else Row("same start", "skip", "no episode ran (see contract)"))
         repeats = rows[-1].status == "pass"
-        for title, check in (("isolated sessions", self._isolated), ("ws round trip", self._ws_round_trip)):
+        for title, check in (("isolated sessions", self._isolated), ("ws round trip", self._ws_round_trip),
+                             ("snapshot", self._snapshot)):
             # both compare other plays of a start with the first one, which only a deterministic env repeats
             rows.append(await _guarded(title, check(alone)) if repeats
                         else Row(title, "skip", "needs the same start (see it)"))
@@ -271,6 +292,36 @@ class Checker:
                 if again.transcript != first.transcript:
                     return "fail", f"{describe(first.start)} differs over ws:// at {first_difference(first, again)}"
         return "pass", f"{len(alone)} episodes through envkit serve, in one ws:// session, as in-process"
+
+    async def _snapshot(self, alone: list[Episode]) -> Outcome:
+        episodes = [e for e in alone if len(e.actions) >= 2]
+        if not episodes:
+            return "skip", "no episode ran two steps to snapshot between"
+        took: list[float] = []
+        for first in episodes:
+            env, fresh = self.make(), self.make()
+            try:
+                await play(env, first.start, 0, replay=first.actions[:1])
+                began = time.perf_counter()
+                try:
+                    snapshot = await env.snapshot()
+                except SnapshotError as e:
+                    return "skip", f"the env cannot snapshot its state: {e}"
+                took.append(time.perf_counter() - began)
+                plays = {"the env that was snapshotted": await go_on(env, first, 1)}
+                for label, target in (("a fresh env restored from it", fresh), ("the env restored", env)):
+                    began = time.perf_counter()
+                    await target.restore(snapshot)
+                    took.append(time.perf_counter() - began)
+                    plays[label] = await go_on(target, first, 1)
+            finally:
+                await asyncio.gather(env.close(), fresh.close())
+            for label, again in plays.items():
+                if again.transcript != first.transcript:
+                    return "fail", (f"{describe(first.start)}, snapshotted after step 1: {label} went differently at "
+                                    f"{first_difference(first, again)}")
+        return "pass", (f"{len(episodes)} episodes, each snapshotted after step 1 and restored twice; "
+                        f"{1000 * sum(took) / len(took):.2f} ms a snapshot or restore")
 
     @staticmethod
     def _disjoint(tasks: dict[str, list[Task] | None]) -> Outcome:

@@ -10,8 +10,9 @@ An environment is an async, gym-style episode over chat messages::
     await env.close()                        # idempotent
 
 Every subclass must implement ``reset`` and ``step``; it may set ``tools`` (OpenAI function tools the model can
-call), override ``init``/``close`` for resources, ``tasks(split)`` when its task set is enumerable, and
-``demonstrate`` when it can show how a task is solved (supervised data before RL).
+call), override ``init``/``close`` for resources, ``tasks(split)`` when its task set is enumerable,
+``demonstrate`` when it can show how a task is solved (supervised data before RL), and ``snapshot``/``restore``
+when its state is more than plain data (a group of rollouts can then branch from one mid-episode state).
 ``make()`` wraps every env in :class:`ContractChecker`, which enforces call order and validates both sides.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import abc
 import math
+import pickle
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -29,6 +31,7 @@ from envkit.errors import (
     InvalidActionError,
     InvalidStepResultError,
     ResetNeededError,
+    SnapshotError,
 )
 from envkit.messages import Message, is_message, validate_action
 
@@ -60,6 +63,17 @@ class StepResult:
         return self.terminated or self.truncated
 
 
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """An env's state at one moment, mid-episode included (from ``Env.snapshot``): ``Env.restore`` puts that env, or
+    another of its kind, in it, and its next steps go as the original's did. Opaque to callers."""
+
+    kind: str
+    """The kind of env that took it (its ``snapshot_kind``): only an env of that kind restores it."""
+    state: Any
+    """What the env saved: its pickled attributes by default, a server's signed token for a remote env."""
+
+
 class Env(abc.ABC):
     """Base class of every environment. The docstrings of its methods are the contract."""
 
@@ -71,6 +85,10 @@ class Env(abc.ABC):
 
     reward_range: tuple[float, float] = (-math.inf, math.inf)
     """The least and the greatest reward one step can give (``envkit check`` holds the env to it)."""
+
+    snapshot_exclude: ClassVar[frozenset[str]] = frozenset()
+    """Attributes that are resources or configuration rather than episode state (a client, a lock, a judge): the
+    default ``snapshot`` leaves them out, and ``restore`` keeps the restoring env's own."""
 
     async def init(self) -> None:  # noqa: B027 - optional hook with a no-op default
         """Acquire expensive resources (connections, containers, datasets) once, before the first reset."""
@@ -115,6 +133,24 @@ class Env(abc.ABC):
                                   "Env.demonstrate)")
 
     @property
+    def snapshot_kind(self) -> str:
+        """The kind of env this one's snapshots restore into: its type (``module:QualName``)."""
+        return kind_of(self)
+
+    async def snapshot(self) -> Snapshot:
+        """The env's state now, for :meth:`restore`. Optional: the default pickles the env's attributes (less
+        ``snapshot_exclude``), which is right when its state is plain data (numbers, strings, containers,
+        ``random.Random``, numpy arrays); an env holding anything else raises SnapshotError unless it lists that in
+        ``snapshot_exclude`` or overrides this and :meth:`restore`."""
+        return Snapshot(self.snapshot_kind, pickled_state(self))
+
+    async def restore(self, snapshot: Snapshot) -> None:
+        """Put this env in ``snapshot``'s state, taken from it or from another env of its kind: its next steps then
+        go as the original's did after the snapshot. Restoring into a fresh env (never reset) is allowed."""
+        check_kind(self, snapshot)
+        vars(self).update(pickle.loads(snapshot.state))
+
+    @property
     def unwrapped(self) -> Env:
         """The innermost env, below any wrappers."""
         return self
@@ -132,7 +168,10 @@ class Env(abc.ABC):
 
 
 class Wrapper(Env):
-    """An env that forwards to another; subclass it to change one part of the behaviour."""
+    """An env that forwards to another; subclass it to change one part of the behaviour. Its snapshot holds its
+    own attributes (less ``snapshot_exclude``) and the wrapped env's snapshot."""
+
+    snapshot_exclude = frozenset({"env"})
 
     def __init__(self, env: Env) -> None:
         self.env = env
@@ -178,6 +217,21 @@ class Wrapper(Env):
     async def demonstrate(self, messages: list[Message]) -> Message:
         return await self.env.demonstrate(messages)
 
+    @property
+    def snapshot_kind(self) -> str:
+        """This wrapper's type, then the wrapped env's kind in parentheses."""
+        return f"{kind_of(self)}({self.env.snapshot_kind})"
+
+    async def snapshot(self) -> Snapshot:
+        inner = await self.env.snapshot()
+        return Snapshot(self.snapshot_kind, (pickled_state(self), inner))
+
+    async def restore(self, snapshot: Snapshot) -> None:
+        check_kind(self, snapshot)
+        own, inner = snapshot.state
+        await self.env.restore(inner)
+        vars(self).update(pickle.loads(own))
+
     def __getattr__(self, name: str) -> Any:
         # Reached only for attributes the wrapper lacks: expose the wrapped env's extras (e.g. env.max_turns).
         if name.startswith("_") or name == "env":
@@ -195,6 +249,8 @@ class ContractChecker(Wrapper):
     episode ended raises a :class:`~envkit.errors.ContractError`; malformed actions raise InvalidActionError; a
     malformed return value from the env raises InvalidStepResultError naming the env.
     """
+
+    snapshot_exclude = frozenset({"env", "_initialized", "_closed"})
 
     def __init__(self, env: Env) -> None:
         super().__init__(env)
@@ -256,6 +312,17 @@ class ContractChecker(Wrapper):
         except InvalidActionError as e:
             raise InvalidStepResultError(f"{self.env!r}.demonstrate() must return an assistant message: {e}") from e
 
+    async def snapshot(self) -> Snapshot:
+        if self._closed:
+            raise EnvClosedError("snapshot() called on a closed env.")
+        return await super().snapshot()
+
+    async def restore(self, snapshot: Snapshot) -> None:
+        if self._closed:
+            raise EnvClosedError("restore() called on a closed env. Make a new one with envkit.make().")
+        await self.init()
+        await super().restore(snapshot)
+
     async def close(self) -> None:
         if not self._closed:
             self._closed = True
@@ -269,3 +336,27 @@ def _check_messages(env: Env, method: str, messages: Any) -> None:
             f"{env!r}.{method}() must return a list of chat messages "
             f"({{'role': 'user'|'assistant'|'system'|'tool', 'content': str}}), got {messages!r:.160}"
         )
+
+
+def kind_of(env: Env) -> str:
+    """``module:QualName`` of ``env``'s type: the kind a :class:`Snapshot` of it restores into."""
+    return f"{type(env).__module__}:{type(env).__qualname__}"
+
+
+def check_kind(env: Env, snapshot: Snapshot) -> None:
+    """Raise SnapshotError unless ``snapshot`` was taken of an env of ``env``'s ``snapshot_kind``."""
+    if not isinstance(snapshot, Snapshot):
+        raise SnapshotError(f"restore() takes an envkit.Snapshot, got {type(snapshot).__name__}")
+    if snapshot.kind != env.snapshot_kind:
+        raise SnapshotError(f"a snapshot of {snapshot.kind} cannot restore {env.snapshot_kind}")
+
+
+def pickled_state(env: Env) -> bytes:
+    """``env``'s attributes less its ``snapshot_exclude``, pickled; SnapshotError when they are not plain data."""
+    state = {k: v for k, v in vars(env).items() if k not in env.snapshot_exclude}
+    try:
+        return pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+    except (pickle.PicklingError, TypeError, AttributeError) as e:
+        raise SnapshotError(f"{type(env).__name__}'s state is not plain data ({type(e).__name__}: {e}): name the "
+                            "attributes that hold resources in its snapshot_exclude, or override snapshot() and "
+                            "restore()") from e

@@ -17,6 +17,8 @@ fault inside one environment (record it on that rollout, keep the batch), a regi
     │   ├── EnvClosedError       reset()/step() after close()
     │   ├── InvalidActionError   the action is not an assistant message
     │   └── InvalidTaskError     reset(task=...) got a task the env cannot use
+    ├── SnapshotError            an env's state cannot be saved or restored: it holds resources it does not say how
+    │                            to save, or the snapshot is of another kind of env, or forged
     ├── ToolCallError            the model's tool call cannot run (unknown tool, bad arguments, the tool failed):
     │                            a ToolEnv answers the model with the message, nothing crashed
     ├── EnvError                 the environment itself misbehaved
@@ -31,6 +33,7 @@ fault inside one environment (record it on that rollout, keep the batch), a regi
         ├── RemoteEpisodeDoneError      also an EpisodeDoneError    (code episode_done)
         ├── RemoteInvalidActionError    also an InvalidActionError  (code invalid_action)
         ├── RemoteInvalidTaskError      also an InvalidTaskError    (code invalid_task)
+        ├── RemoteSnapshotError         also a SnapshotError        (codes invalid_snapshot, snapshot_unsupported)
         └── RemoteEnvCrashError         also an EnvError: the env raised or hung on the server
                                         (codes env_error, env_timeout)
 """
@@ -104,6 +107,12 @@ class InvalidTaskError(ContractError, ValueError):
     """reset(task=...) got a task that does not have the fields and types the env needs."""
 
 
+class SnapshotError(EnvkitError):
+    """An env's state could not be snapshotted or restored (see ``Env.snapshot``): the env holds something that is
+    not plain data and does not override ``snapshot``/``restore``, or the snapshot was taken of another kind of env,
+    or a server's snapshot token is forged or another server's."""
+
+
 class ToolCallError(EnvkitError):
     """A tool call the model made cannot run: unknown tool, bad arguments, or the tool itself failed.
 
@@ -174,6 +183,10 @@ class RemoteInvalidActionError(RemoteEnvError, InvalidActionError):
 
 class RemoteInvalidTaskError(RemoteEnvError, InvalidTaskError):
     """The server's env refused the task passed to reset()."""
+
+
+class RemoteSnapshotError(RemoteEnvError, SnapshotError):
+    """The server could not snapshot its env, or refused a snapshot token to restore."""
 
 
 class RemoteEnvCrashError(RemoteEnvError, EnvError):

@@ -259,6 +259,8 @@ def _load(ref: str, kind: type[T]) -> T:
 class RubricEnv(Wrapper):
     """``env`` scored by ``rubric`` when each episode ends (see the module docstring)."""
 
+    snapshot_exclude = frozenset({"env", "rubric"})
+
     def __init__(self, env: Env, rubric: Rubric | str) -> None:
         super().__init__(env)
         self.rubric = load_rubric(rubric)

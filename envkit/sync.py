@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Coroutine, Iterable
 from typing import Any, TypeVar
 
-from envkit.core import Env, StepResult, Task
+from envkit.core import Env, Snapshot, StepResult, Task
 from envkit.errors import ContractError
 from envkit.messages import Message
 
@@ -47,6 +47,14 @@ class SyncEnv:
         if isinstance(action, str):
             action = {"role": "assistant", "content": action}
         return self._run(self.env.step(action))
+
+    def snapshot(self) -> Snapshot:
+        """Blocking ``Env.snapshot``."""
+        return self._run(self.env.snapshot())
+
+    def restore(self, snapshot: Snapshot) -> None:
+        """Blocking ``Env.restore``."""
+        self._run(self.env.restore(snapshot))
 
     def tasks(self, split: str = "train") -> Iterable[Task] | None:
         """The wrapped env's tasks for ``split``."""

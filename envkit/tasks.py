@@ -100,6 +100,10 @@ class Splits:
         self._sizes = {"train": num_train, "test": num_test}
         self._lists: dict[str, TaskList] = {}
 
+    def __getstate__(self) -> dict[str, Any]:
+        # An env's snapshot holds its Splits: the lists are remade on use, the same, rather than pickled.
+        return {**vars(self), "_lists": {}}
+
     def __call__(self, split: str) -> TaskList:
         """The tasks of ``split`` ("train" or "test"), generated lazily and cached."""
         if check_split(split) not in self._lists:

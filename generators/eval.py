@@ -31,8 +31,8 @@ from rich.table import Table
 
 from envkit.errors import EnvkitError
 from envkit.ref import EnvRef
-from generators.engines.base import EngineError, publish_policy
-from generators.engines.factory import EngineConfig, make_engine
+from generators.engines.base import EngineError, publish_judge, publish_policy, withdraw_judge
+from generators.engines.factory import EngineConfig, make_engine, make_judge
 from generators.models import BUNDLED
 from generators.parsers import REASONING_PARSER_CHOICES, TOOL_PARSER_CHOICES
 from generators.report import EvalSummary, describe_rubric, describe_tools, passed, summarize, write_html_report
@@ -57,6 +57,10 @@ def _greedy() -> GeneratorConfig:
     return GeneratorConfig(temperature=0.0)
 
 
+def _small_server() -> EngineConfig:
+    return EngineConfig(kv_cache_gib=1)
+
+
 @dataclass
 class EvalConfig:
     """One evaluation run: the env and its tasks, the rollout settings and the engine (``envkit eval``'s options)."""
@@ -75,6 +79,13 @@ class EvalConfig:
     move between runs."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """A managed vLLM server by default; ``EngineConfig(engine="openai", url=...)`` for an external endpoint."""
+    judge_model: str | None = None
+    """A judge for the env's LLM judges (a ``rubric=LLMJudge(...)`` made with no endpoint), started and stopped with
+    the eval and published in ``ENVKIT_JUDGE_URL``/``ENVKIT_JUDGE_MODEL``: bundled, a checkpoint dir, policy (the
+    evaluated model, frozen; with an openai engine, the same endpoint), or for an openai ``judge`` engine the
+    endpoint's model name. None: no judge."""
+    judge: EngineConfig = field(default_factory=_small_server)
+    """The judge's engine: a managed vLLM server with a 1 GiB KV cache, or ``engine="openai"`` with its ``url``."""
 
     def __post_init__(self) -> None:
         if self.num_tasks < 1:
@@ -83,6 +94,10 @@ class EvalConfig:
             raise EvalInputError(f"pass_threshold must be a finite number, got {self.pass_threshold}")
         if self.engine.engine == "openai" and self.model == BUNDLED:
             raise EvalInputError("--base-url needs --model: the model name the endpoint serves (e.g. gpt-4o-mini)")
+        if self.judge.engine == "openai" and self.judge_model is None:
+            raise EvalInputError("--judge-url needs --judge-model: the model name the judge endpoint serves")
+        if self.judge.engine == "hf":
+            raise EvalInputError("a judge on engine=hf would run in this process, where envs cannot call it")
         if isinstance(self.env, str):
             try:
                 self.env = EnvRef(self.env)
@@ -95,6 +110,7 @@ class EvalConfig:
         data = asdict(self)
         data["env"] = self.env.to_json()
         data["engine"].pop("api_key")
+        data["judge"].pop("api_key")
         data["out"] = str(self.out)
         return data
 
@@ -122,27 +138,33 @@ async def run_eval(config: EvalConfig, *, console: Console | None = None
     if samples > 1 and config.rollout.temperature == 0:
         say("[yellow]note:[/yellow] --samples > 1 at temperature 0 gives (nearly) identical samples")
     engine, tokenizer, model_note = await _engine(config)
+    judge, judge_note, judge_key = await _judge(config)
     generator = Generator(engine, tokenizer, config.rollout)
     total = len(tasks or seeds or ()) * samples
     try:
         t0 = time.perf_counter()
-        with console.status(f"starting {model_note}") if console else contextlib.nullcontext():
-            await engine.start()
+        starting = model_note + (f" and the judge, {judge_note}" if judge is not None else "")
+        with console.status(f"starting {starting}") if console else contextlib.nullcontext():
+            await asyncio.gather(engine.start(), *([judge.start()] if judge is not None else []))
         publish_policy(engine)
+        if judge is not None:
+            publish_judge(judge, judge_key)
         start_s = time.perf_counter() - t0
-        say(f"{model_note} ready in {start_s:.0f} s", highlight=False)
+        say(f"{starting} ready in {start_s:.0f} s", highlight=False)
         with _progress(console, total, config.pass_threshold) as on_done:
             t0 = time.perf_counter()
             trajectories = await generator.generate(config.env.make, tasks=tasks, seeds=seeds,
                                                     env_name=config.env.name, on_done=on_done)
             wall_s = time.perf_counter() - t0
     finally:
-        await engine.stop()
+        withdraw_judge()
+        await asyncio.gather(engine.stop(), *([judge.stop()] if judge is not None else []))
 
     summary = summarize(trajectories, wall_s=wall_s, pass_threshold=config.pass_threshold)
     out = config.out
     assert out is not None  # set by __post_init__
-    meta = {**config.to_json(), "engine_note": model_note, "tasks": task_note, "engine_start_s": round(start_s, 1)}
+    meta = {**config.to_json(), "engine_note": model_note, "tasks": task_note, "engine_start_s": round(start_s, 1),
+            **({"judge_note": judge_note} if judge is not None else {})}
     write_jsonl(trajectories, out / "trajectories.jsonl")
     write_html_report(trajectories, summary, out / "report.html", title=f"envkit eval: {config.env.name}", config=meta)
     _write_json({**summary.to_json(), "config": meta}, out / "summary.json")
@@ -190,6 +212,31 @@ async def _engine(config: EvalConfig) -> tuple[InferenceEngine, ChatTokenizer | 
     if isinstance(engine, ServerBackedEngine):
         return engine, tokenizer, f"{name} on a managed {config.engine.engine} server (log: {engine.server.log_path})"
     return engine, tokenizer, f"{name} in-process ({config.engine.engine})"
+
+
+async def _judge(config: EvalConfig) -> tuple[InferenceEngine | None, str, str | None]:
+    """The judge (not started), a description for the outputs and its endpoint's API key; None without
+    ``judge_model``."""
+    if config.judge_model is None:
+        return None, "", None
+    judge = config.judge
+    if config.judge_model == "policy" and judge.engine != "openai" and config.engine.engine == "openai":
+        key = config.engine.api_key or os.environ.get("OPENAI_API_KEY")
+        return (make_engine(config.engine, config.model), f"{config.model} at {config.engine.url} (the evaluated "
+                "endpoint)", key)
+    if judge.engine == "openai":
+        key = judge.api_key or os.environ.get("OPENAI_API_KEY")
+        return make_engine(judge, config.judge_model), f"{config.judge_model} at {judge.url}", key
+    assert config.out is not None  # set by __post_init__
+    policy = config.model
+    if config.judge_model == "policy":
+        policy, _ = await asyncio.to_thread(_load_model, config.model)
+    try:
+        engine = await asyncio.to_thread(make_judge, judge, config.judge_model, policy=policy,
+                                         log_dir=config.out / "judge")
+    except (OSError, ValueError) as e:
+        raise EvalInputError(f"cannot load judge model {config.judge_model!r}: {e}") from e
+    return engine, f"{config.judge_model} on a managed {judge.engine} server (log: {config.out / 'judge'})", None
 
 
 def _load_model(model: str) -> tuple[str, ChatTokenizer]:
@@ -276,10 +323,13 @@ examples:
   envkit eval calculator --model ./checkpoints/step-200 --samples 4 --temperature 0.7
   envkit eval guess-number --base-url http://localhost:8000/v1 --model Qwen/Qwen3-8B
       an OpenAI-compatible endpoint in chat mode (API key from --api-key or $OPENAI_API_KEY)
+  envkit eval arithmetic --env-arg rubric=train_judged:rubric --judge-model bundled
+      the LLM judge of examples/train_judged.py (examples/ on PYTHONPATH) as the reward, the bundled model
+      judging on a second managed vLLM server
 
 writes into --out: trajectories.jsonl (one Trajectory per line), report.html (self-contained, every
-conversation), summary.json, and vllm.log (the managed server's log). Exit status: 0 done, 1 engine
-failure, 2 bad input, 130 interrupted.
+conversation), summary.json, vllm.log (the managed server's log) and judge/vllm.log (a managed judge's).
+Exit status: 0 done, 1 engine failure, 2 bad input, 130 interrupted.
 """
 
 
@@ -322,6 +372,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--reasoning-parser", choices=REASONING_PARSER_CHOICES, default="auto",
                    help="think: <think> text goes to reasoning_content, not the env (default: auto, when the chat "
                         "template writes <think>)")
+    p.add_argument("--judge-model", metavar="MODEL",
+                   help="a judge for the env's LLM judges (rubric=LLMJudge(...) with no endpoint), served beside the "
+                        "model and stopped with it: bundled, a checkpoint dir, or policy (the evaluated model, "
+                        "frozen); with --judge-url, the endpoint's model name")
+    p.add_argument("--judge-url", metavar="URL", help="an external OpenAI-compatible judge endpoint (needs "
+                                                     "--judge-model)")
+    p.add_argument("--judge-api-key", help="API key for --judge-url (default: $OPENAI_API_KEY)")
     p.add_argument("--seed", type=int, help="sampling seed: the managed vLLM server's --seed, or the base of "
                                           "per-request seeds for --base-url (default: none)")
     p.set_defaults(func=_cmd_eval)
@@ -342,11 +399,16 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         )
         engine = EngineConfig("openai" if endpoint else "vllm", url=args.base_url, api_key=args.api_key,
                               server_seed=None if endpoint else args.seed)
+        judge = EngineConfig("openai" if args.judge_url else "vllm", url=args.judge_url, api_key=args.judge_api_key,
+                             kv_cache_gib=1)
         env = EnvRef(args.name, dict(args.env_arg), sandbox=args.sandbox)
     except ValueError as e:
         raise EvalInputError(str(e)) from None
+    if args.judge_api_key and not args.judge_url:
+        raise EvalInputError("--judge-api-key is for --judge-url (an external judge); a served judge needs none")
     return EvalConfig(env=env, model=args.model or BUNDLED, num_tasks=args.num_tasks, split=args.split,
-                      pass_threshold=args.pass_threshold, out=args.out, rollout=rollout, engine=engine)
+                      pass_threshold=args.pass_threshold, out=args.out, rollout=rollout, engine=engine,
+                      judge_model=args.judge_model, judge=judge)
 
 
 def _cmd_eval(args: argparse.Namespace, console: Console) -> int:

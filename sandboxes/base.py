@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import functools
 import json
 import os
+import secrets
 import socket
 import tempfile
 import time
@@ -27,6 +29,7 @@ from typing import Any
 import httpx
 
 from envkit.errors import EnvkitError
+from envkit.remote import SNAPSHOT_KEY_ENV
 from envkit.remote.protocol import ExecResult
 from envkit.untrusted import process_start_ticks
 
@@ -39,6 +42,13 @@ EXEC_UID = 1000
 to run and kill it), so it cannot read the env packages, signal the server or read its /proc."""
 EXEC_DIR = "/work"
 """Where ``exec`` runs in a container; its files stay there until the sandbox is scrubbed."""
+
+
+@functools.cache
+def snapshot_key() -> str:
+    """The snapshot key of every sandbox server this process starts (``$ENVKIT_SNAPSHOT_KEY``, else one made now): a
+    snapshot of an env in one sandbox restores into another."""
+    return os.environ.get(SNAPSHOT_KEY_ENV) or secrets.token_hex(32)
 
 
 class SandboxError(EnvkitError):

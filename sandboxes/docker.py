@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 import httpx
 
 from envkit.distribution import install_hint
+from envkit.remote import SNAPSHOT_KEY_ENV
 from envkit.untrusted import EXEC_USER_ENV, process_start_ticks
 from sandboxes.base import (
     EXEC_DIR,
@@ -49,6 +50,7 @@ from sandboxes.base import (
     exec_argv,
     host_lock,
     owner_id,
+    snapshot_key,
     wait_healthy,
 )
 
@@ -216,7 +218,7 @@ class DockerSandbox(Sandbox):
             self.image, command=self.command, name=self.name, detach=True,
             labels={SANDBOX_LABEL: "1", OWNER_LABEL: self.owner},
             environment={**self.environment, "ENVKIT_TOKEN": self.token, SANDBOX_ENV: self.kind,
-                         EXEC_USER_ENV: str(EXEC_UID)},
+                         EXEC_USER_ENV: str(EXEC_UID), SNAPSHOT_KEY_ENV: snapshot_key()},
             nano_cpus=int(limits.cpus * 1e9), mem_limit=f"{limits.memory_mb}m",
             memswap_limit=f"{limits.memory_mb}m", pids_limit=limits.pids,
             read_only=True, working_dir="/", init=True,

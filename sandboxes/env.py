@@ -23,7 +23,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from envkit.core import Env, StepResult, Task
+from envkit.core import Env, Snapshot, StepResult, Task
 from envkit.errors import ResetNeededError
 from envkit.messages import Message
 from envkit.ref import EnvRef
@@ -85,6 +85,25 @@ class SandboxedEnv(Env):
         """One assistant message to the sandboxed env."""
         assert self._remote is not None, "ContractChecker runs reset before step"
         return await self._remote.step(action)
+
+    @property
+    def snapshot_kind(self) -> str:
+        """The served env's, as a :class:`RemoteEnv`'s: a snapshot restores into another sandbox of the env."""
+        return f"envkit-serve:{self.name}"
+
+    async def snapshot(self) -> Snapshot:
+        """The sandboxed env's state (its server's token, see :meth:`RemoteEnv.snapshot`): it restores into another
+        sandbox of this env, since every sandbox this process starts shares one snapshot key. The sandbox's files
+        are not in it."""
+        await self.init()
+        assert self._remote is not None
+        return await self._remote.snapshot()
+
+    async def restore(self, snapshot: Snapshot) -> None:
+        """Put the sandboxed env in ``snapshot``'s state."""
+        await self.init()
+        assert self._remote is not None
+        await self._remote.restore(snapshot)
 
     def tasks(self, split: str = "train") -> Sequence[Task] | None:
         """The sandboxed env's task list (see :meth:`RemoteEnv.tasks`); the sandbox must be up: ``init`` first."""

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import IO
 
 from envkit import untrusted
-from envkit.remote import PARENT_ENV
+from envkit.remote import PARENT_ENV, SNAPSHOT_KEY_ENV
 from sandboxes.base import (
     SANDBOX_ENV,
     ExecResult,
@@ -34,6 +34,7 @@ from sandboxes.base import (
     SandboxStartError,
     State,
     exec_argv,
+    snapshot_key,
     wait_healthy,
 )
 
@@ -90,7 +91,8 @@ class LocalSandbox(Sandbox):
         self._workdir: str | None = None
 
     def _child_env(self) -> dict[str, str]:
-        return {**os.environ, "ENVKIT_TOKEN": self.token, SANDBOX_ENV: self.kind, PARENT_ENV: str(os.getpid())}
+        return {**os.environ, "ENVKIT_TOKEN": self.token, SANDBOX_ENV: self.kind, PARENT_ENV: str(os.getpid()),
+                SNAPSHOT_KEY_ENV: snapshot_key()}
 
     async def start(self) -> None:
         """Start ``envkit serve`` and wait for ``/health`` within ``start_timeout_s``."""

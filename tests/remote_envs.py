@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, ClassVar
@@ -108,6 +109,20 @@ class ScriptedEnv(Env):
         log = os.environ.get(CLOSE_LOG_ENV)
         if log and self.initialized:  # a session's env, not the server's probe instance
             await asyncio.to_thread(_append_line, Path(log), self.prefix or "-")
+
+
+class Held(ScriptedEnv):
+    """ScriptedEnv with a lock in its state: not plain data, so it cannot snapshot."""
+
+    def __init__(self, prefix: str = "", max_turns: int = 1000) -> None:
+        super().__init__(prefix, max_turns)
+        self.lock = threading.Lock()
+
+
+class HeldButSaid(Held):
+    """Held, naming its lock a resource: it snapshots the rest."""
+
+    snapshot_exclude = frozenset({"lock"})
 
 
 def _append_line(path: Path, line: str) -> None:

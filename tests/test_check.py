@@ -18,6 +18,12 @@ WITH_TESTS = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TEST
 """The environment of an `envkit check` (and of the `envkit serve` it starts) that imports broken_envs."""
 
 
+SNAPSHOTTED = {"arithmetic", "guess-number", "frozenlake", "gym:Blackjack-v1", "textarena:GuessTheNumber-v0",
+               "textarena:2048-v0", "textarena:TicTacToe-v0", "skyrl:gsm8k_multi_turn"}
+"""The envs among them whose state is plain data: their snapshot row passes where they play several turns (the
+others skip it, saying why)."""
+
+
 @pytest.mark.parametrize(("name", "kwargs"), [
     ("arithmetic", {}), ("arithmetic", {"level": 3, "followups": 2}), ("calculator", {}),
     ("compute", {"code_sandbox": "local"}),  # its own demonstrations run: no need for the Docker image here
@@ -35,6 +41,8 @@ def test_every_env_here_passes_every_check(name: str, kwargs: dict, monkeypatch:
     assert not failed(rows), rows
     ran = {r.check for r in rows if r.status == "pass"}
     assert {"contract", "same start", "close twice", "isolated sessions", "ws round trip", "reward range"} <= ran
+    if name in SNAPSHOTTED and (name != "arithmetic" or "followups" in kwargs):
+        assert "snapshot" in ran, rows
 
 
 def test_the_openenv_adapter_passes_every_check_that_applies():

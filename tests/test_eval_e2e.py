@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.e2e
+REPO = Path(__file__).resolve().parent.parent
 
 
-def _envkit(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def _envkit(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "envkit.cli", *args], capture_output=True, text=True, cwd=cwd,
-                          env={**os.environ, "COLUMNS": "160"}, timeout=900)
+                          env={**os.environ, "COLUMNS": "160", **(env or {})}, timeout=900)
 
 
 def _envkit_pid(*args: str, cwd: Path) -> tuple[int, int, str]:
@@ -94,9 +95,35 @@ async def test_eval_external_endpoint_in_chat_mode(vllm_engine, tmp_path):
     assert "chat mode" in result.stdout
 
 
+async def test_eval_an_llm_judged_env_with_the_judge_it_names(vllm_engine, tmp_path):
+    """`--judge-model` gives an env's LLM judge (examples/train_judged.py's, made with no endpoint) its judge: the
+    evaluated endpoint itself (`policy`), or an external one (`--judge-url`). Every rollout is scored through it
+    (graded scores, the judge's expected digit); without a judge each rollout fails, counted and said why."""
+    url, model = vllm_engine.base_url + "/v1", vllm_engine.model_name
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "examples"), os.environ.get("PYTHONPATH")]))}
+    common = ["eval", "arithmetic", "--env-arg", "rubric=train_judged:rubric", "-n", "3", "--samples", "2",
+              "--temperature", "1", "--max-tokens", "24", "--base-url", url, "--model", model]
+    judges = {"self": ["--judge-model", "policy"], "external": ["--judge-url", url, "--judge-model", model], "none": []}
+    for name, judge in judges.items():
+        out = tmp_path / name
+        result = _envkit(*common, *judge, "--out", str(out), cwd=tmp_path, env=env)
+        assert result.returncode == 0, result.stdout + result.stderr
+        summary, trajectories, _ = _outputs(out)
+        if name == "none":
+            assert summary["n_failed"] == 6 and "judge.model=bundled" in " ".join(summary["errors"]), summary
+            continue
+        assert summary["n"] == 6 and summary["n_failed"] == 0, summary
+        rewards = [t["reward"] for t in trajectories]
+        assert all(0 < r < 1 for r in rewards) and len(set(rewards)) > 1, rewards
+        assert summary["rubric"]["polite"] == pytest.approx(summary["mean_reward"]) and "env" in summary["rubric"]
+        assert f"at {url}" in summary["config"]["judge_note"]
+
+
 def test_eval_bad_input_exits_2_before_starting_anything(tmp_path):
     result = _envkit("eval", "arithmetc", cwd=tmp_path)
     assert result.returncode == 2 and "Did you mean: 'arithmetic'?" in result.stderr
+    result = _envkit("eval", "arithmetic", "--judge-url", "http://127.0.0.1:9/v1", cwd=tmp_path)
+    assert result.returncode == 2 and "--judge-url needs --judge-model" in result.stderr
     assert not (tmp_path / "runs").exists()
 
 

@@ -298,3 +298,24 @@ async def test_pool_replaces_expired_sandboxes_and_reports_failed_starts(docker_
             await broken.acquire()
     finally:
         await broken.close()
+
+
+async def test_a_sandboxed_envs_snapshot_restores_into_another_container(docker_client, arithmetic_image):
+    """Two Docker sandboxes of arithmetic with follow-ups (two containers, two servers sharing this process's
+    snapshot key): the snapshot of one's episode after its first answer restores into the other, which plays on as
+    the first did."""
+    first, second = (envkit.make("arithmetic", followups=3, sandbox="docker") for _ in range(2))
+    try:
+        await first.reset(seed=2)
+        await first.step(envkit.assistant("7"))
+        snapshot = await first.snapshot()
+        replies = [envkit.assistant(n) for n in ("9", "12", "20")]
+        original = [await first.step(reply) for reply in replies]
+        await second.restore(snapshot)
+        assert first.unwrapped.sandbox.url != second.unwrapped.sandbox.url
+        again = [await second.step(reply) for reply in replies]
+        assert [(r.observation, r.reward, r.done) for r in again] == [(r.observation, r.reward, r.done)
+                                                                       for r in original]
+        assert original[-1].done and not original[0].done
+    finally:
+        await asyncio.gather(first.close(), second.close())

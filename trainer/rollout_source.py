@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from generators import ChatTokenizer, Generator, Trajectory
 from generators.engines.base import InferenceEngine, publish_judge, publish_policy, withdraw_judge
-from generators.engines.factory import make_engine
-from generators.models import resolve_model
+from generators.engines.factory import make_judge
 from generators.report import first_errors, passed
 from trainer.async_rollouts import AsyncRollouts, LoopThread
 from trainer.backends.base import TrainBackend
@@ -197,13 +196,9 @@ def rollout_source(cfg: Config, rank: int, out: Path, model_path: str | Path, to
 
 def judge_engine(cfg: Config, out: Path, model_path: str | Path) -> InferenceEngine | None:
     """The run's judge (``cfg.judge``), not started; None without one."""
-    judge = cfg.judge
-    if judge.model is None:
+    if cfg.judge.model is None:
         return None
-    model: str | Path = judge.model
-    if judge.engine != "openai":
-        model = model_path if judge.model == "policy" else resolve_model(judge.model)
-    return make_engine(judge, model, log_dir=out / "judge")
+    return make_judge(cfg.judge, cfg.judge.model, policy=model_path, log_dir=out / "judge")
 
 
 def sync_weights(backend: TrainBackend, engine: InferenceEngine | None, runner: asyncio.Runner | LoopThread | None,

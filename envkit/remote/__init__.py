@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from envkit.remote.client import RemoteConfig, RemoteEnv
 
-__all__ = ["KEEP_ALIVE_S", "OPERATOR_KWARGS", "PARENT_ENV", "TOKEN_ENV", "RemoteConfig", "RemoteEnv"]
+__all__ = ["KEEP_ALIVE_S", "OPERATOR_KWARGS", "PARENT_ENV", "SNAPSHOT_KEY_ENV", "TOKEN_ENV", "RemoteConfig",
+           "RemoteEnv"]
 
 TOKEN_ENV = "ENVKIT_TOKEN"
 """The environment variable both ends read the bearer token from."""
@@ -25,6 +26,9 @@ OPERATOR_KWARGS = frozenset({"opponent", "python"})
 """Env kwargs only whoever starts ``envkit serve`` sets (its ``--kwargs``), never a session: a two-player game's
 opponent is code the server imports and calls, or a URL it posts to and quotes back; a verifiers env's ``python`` is a
 program the server runs. A sandbox starts its server with them."""
+SNAPSHOT_KEY_ENV = "ENVKIT_SNAPSHOT_KEY"
+"""A key ``envkit serve`` signs its snapshot tokens with (random per server when unset): servers that share one
+restore each other's snapshots. Keep it secret: a server unpickles whatever a holder of its key seals."""
 PARENT_ENV = "ENVKIT_SERVE_PARENT"
 """Set to a pid, ``envkit serve`` ends when that process does: a sandbox's server must not outlive the process that
 leased it, SIGKILLed or not (nothing else would close the sandboxes its envs opened)."""

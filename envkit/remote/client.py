@@ -27,7 +27,7 @@ from urllib.parse import quote, urlsplit
 import httpx
 import websockets
 
-from envkit.core import Env, StepResult, Task
+from envkit.core import Env, Snapshot, StepResult, Task, check_kind
 from envkit.errors import (
     RemoteConnectionError,
     RemoteEnvCrashError,
@@ -36,6 +36,7 @@ from envkit.errors import (
     RemoteInvalidActionError,
     RemoteInvalidTaskError,
     RemoteResetNeededError,
+    RemoteSnapshotError,
 )
 from envkit.messages import Message
 from envkit.registry import EnvSpec
@@ -52,6 +53,8 @@ _ERRORS: dict[str, type[RemoteEnvError]] = {
     "invalid_task": RemoteInvalidTaskError,
     "env_error": RemoteEnvCrashError,
     "env_timeout": RemoteEnvCrashError,
+    "invalid_snapshot": RemoteSnapshotError,
+    "snapshot_unsupported": RemoteSnapshotError,
 }
 
 
@@ -362,6 +365,27 @@ class RemoteEnv(Env):
             if e.code == "invalid_split":
                 raise ValueError(str(e)) from e
             raise
+
+    @property
+    def snapshot_kind(self) -> str:
+        """The served env's: its snapshots restore into a session of that env on any server with the same key,
+        over either transport."""
+        return f"envkit-serve:{self.name}"
+
+    async def snapshot(self) -> Snapshot:
+        """The session's env state as the server's signed token: it restores into any session of this env on a
+        server with the same key (``$ENVKIT_SNAPSHOT_KEY``), this one included."""
+        await self.init()
+        assert self._transport is not None
+        body = await self._transport.call("snapshot", {})
+        return Snapshot(self.snapshot_kind, body["snapshot"])
+
+    async def restore(self, snapshot: Snapshot) -> None:
+        """Put the session's env in ``snapshot``'s state (the server checks the token's signature)."""
+        check_kind(self, snapshot)
+        await self.init()
+        assert self._transport is not None
+        await self._transport.call("restore", {"snapshot": snapshot.state})
 
     async def state(self) -> dict[str, Any]:
         """The server's view of this session (episode active, counts, idle time)."""

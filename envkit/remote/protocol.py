@@ -7,13 +7,16 @@ Sessions are explicit. Over REST::
     POST   /sessions/{id}/step        {"action": {assistant msg}} -> StepResultBody
     GET    /sessions/{id}                                         -> SessionState
     DELETE /sessions/{id}                                         -> 204
+    POST   /sessions/{id}/snapshot                                -> SnapshotToken (the env's state, signed)
+    POST   /sessions/{id}/restore     {"snapshot": token}         -> SessionState (the session now in that state)
     GET    /tasks?split=train&offset=0&limit=256                  -> TaskPage (the served env's task list)
     POST   /exec                      {"argv": [...], ...}        -> ExecResult (sandbox servers only)
     POST   /exec/scrub                                            -> ScrubResult (sandbox servers only)
 
 Over one WebSocket per session (``/ws``), each text frame is one request ``{"op": ..., ...}`` with the same fields
 as the REST body, answered in order by one frame holding the REST response body: ``create`` (``kwargs``), ``reset``
-(``seed``, ``task``), ``step`` (``action``), ``state``, ``delete``. Closing the socket deletes its session.
+(``seed``, ``task``), ``step`` (``action``), ``state``, ``snapshot``, ``restore`` (``snapshot``), ``delete``.
+Closing the socket deletes its session.
 
 Every error, REST or WebSocket, is ``{"error": {"code": ..., "message": ..., "status": ...}}``; :data:`ERROR_STATUS`
 gives the HTTP status of each code (a WebSocket error frame carries it too).
@@ -45,8 +48,10 @@ ERROR_STATUS: dict[str, int] = {
     "invalid_task": 422,  # the env refused the task passed to reset
     "invalid_kwargs": 422,  # the env could not be constructed with the session's kwargs
     "invalid_split": 422,  # /tasks for a split the env does not have
+    "invalid_snapshot": 422,  # a snapshot token this server did not seal (altered, another key, another env)
     "no_tasks": 404,  # /tasks of an env that does not list its tasks (draw episodes by seed)
     "internal_error": 500,  # a bug in the server itself
+    "snapshot_unsupported": 501,  # the env's state cannot be snapshotted (Env.snapshot raised SnapshotError)
     "env_error": 500,  # the env raised or broke the contract: reported, contained, the session lives on
     "capacity": 503,  # max concurrent sessions (or open connections) reached
     "env_timeout": 504,  # the env did not answer within the step timeout
@@ -162,6 +167,13 @@ class StepResultBody(_Body):
     info: dict[str, Any]
 
 
+class SnapshotToken(_Body):
+    """A session's env state (``POST /sessions/{id}/snapshot``), sealed by the server: ``restore`` takes it back
+    into any session of a server with the same key. Opaque."""
+
+    snapshot: str = Field(min_length=1)
+
+
 class TaskPage(_Body):
     """``GET /tasks``: tasks ``offset .. offset + len(tasks)`` of the ``total`` in ``split``, as the env lists them
     when made with ``kwargs`` over the served ones (the echo tells a client the server applied them)."""
@@ -263,8 +275,9 @@ class WsRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    op: Literal["create", "reset", "step", "state", "delete"]
+    op: Literal["create", "reset", "step", "state", "snapshot", "restore", "delete"]
     kwargs: dict[str, Any] = Field(default_factory=dict)
     seed: int | None = None
     task: dict[str, Any] | None = None
     action: ActionBody | None = None
+    snapshot: str | None = None

@@ -116,3 +116,18 @@ def make_engine(config: EngineConfig, model: str | Path, *, log_dir: Path | None
         options = replace(options, extra_args=("--seed", str(config.server_seed)))
     return VLLMEngine(model, options, kv_cache_gib=config.kv_cache_gib, weight_swap=weight_sync.swap,
                       weight_transport=weight_sync.transport, cpu_cores=config.cpu_cores)
+
+
+def make_judge(config: EngineConfig, model: str, *, policy: str | Path, log_dir: Path | None = None
+               ) -> InferenceEngine:
+    """A judge's engine (not started) for the LLM judges of envs: ``model`` is bundled, a checkpoint dir or hub name,
+    policy (a frozen copy of ``policy``: the weights trained or evaluated), or for engine=openai the endpoint's model
+    name. Blocking: the bundled model is converted on first use."""
+    if config.engine == "hf":
+        raise ValueError("a judge on engine=hf would run in this process, where envs cannot call it: use vllm, "
+                         "sglang, or openai with a url")
+    if config.engine == "openai":
+        return make_engine(config, model)
+    from generators.models import resolve_model
+
+    return make_engine(config, policy if model == "policy" else resolve_model(model), log_dir=log_dir)

@@ -33,6 +33,7 @@ from envkit.remote.protocol import (
     ServerInfo,
     SessionCreated,
     SessionState,
+    SnapshotToken,
     StepRequest,
     StepResultBody,
     TaskPage,
@@ -221,6 +222,19 @@ def _add_session_routes(app: FastAPI, server: EnvServer) -> None:
             return _answer(server.state(session_id))
         except ApiError as e:
             return _error(server, e)
+
+    @app.post("/sessions/{session_id}/snapshot", response_model=SnapshotToken,
+              responses=_responses("session_not_found", "snapshot_unsupported", *_ENV_FAULTS), tags=["sessions"])
+    async def snapshot_session(session_id: str) -> Response:
+        """The session's env state, mid-episode included, as a token signed by this server."""
+        return await _timed(server, "snapshot", server.snapshot(session_id))
+
+    @app.post("/sessions/{session_id}/restore", response_model=SessionState,
+              responses=_responses("session_not_found", "invalid_snapshot", "snapshot_unsupported", *_ENV_FAULTS),
+              tags=["sessions"])
+    async def restore_session(session_id: str, body: SnapshotToken) -> Response:
+        """Put the session's env in a snapshot's state: its next steps go as the snapshotted session's did."""
+        return await _timed(server, "restore", server.restore(session_id, body.snapshot))
 
     @app.delete("/sessions/{session_id}", status_code=204, responses=_responses("session_not_found"),
                 tags=["sessions"])

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import signal
 import tempfile
 import threading
@@ -19,7 +20,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from envkit import untrusted
-from envkit.remote import KEEP_ALIVE_S, PARENT_ENV, TOKEN_ENV
+from envkit.remote import KEEP_ALIVE_S, PARENT_ENV, SNAPSHOT_KEY_ENV, TOKEN_ENV
 from envkit.remote.server.app import create_app
 from envkit.remote.server.config import ServeConfig, ServerLimits
 from envkit.remote.server.guard import GuardedHttp, descriptor_budget
@@ -119,10 +120,13 @@ def serve(config: ServeConfig) -> None:
     if not is_loopback(config.host) and not config.token:
         log.warning("envkit serve is listening on %s without a token: anyone who can reach this port can run the "
                     "env. Set %s or pass --token.", config.host, TOKEN_ENV)
+    # Workers share one snapshot key, so that a token restores on any of them.
+    shared_key = config.workers > 1 and SNAPSHOT_KEY_ENV not in os.environ
+    key = secrets.token_hex(32) if shared_key else os.environ.get(SNAPSHOT_KEY_ENV, "")
     common: dict[str, Any] = {
         "host": config.host, "port": config.port, "log_level": config.log_level, "access_log": False,
         "ws_max_size": config.limits.max_request_bytes, "timeout_keep_alive": KEEP_ALIVE_S, "lifespan": "on",
-        "log_config": _log_config(config.log_level, [config.token or ""]), "http": GuardedHttp,
+        "log_config": _log_config(config.log_level, [config.token or "", key]), "http": GuardedHttp,
     }
     if config.exec_user is not None and not config.token:
         raise ValueError("--exec-user serves /exec, which runs any command: it needs a token ($ENVKIT_TOKEN)")
@@ -149,8 +153,12 @@ def serve(config: ServeConfig) -> None:
     with tempfile.TemporaryDirectory(prefix="envkit-serve-") as run_dir:
         os.environ[_CONFIG_ENV] = json.dumps(config.to_json())
         os.environ[RUN_DIR_ENV] = run_dir
+        if shared_key:
+            os.environ[SNAPSHOT_KEY_ENV] = key
         try:
             uvicorn.run("envkit.remote.server.run:_app_from_environ", factory=True, workers=config.workers, **common)
         finally:
             os.environ.pop(_CONFIG_ENV, None)
             os.environ.pop(RUN_DIR_ENV, None)
+            if shared_key:
+                os.environ.pop(SNAPSHOT_KEY_ENV, None)

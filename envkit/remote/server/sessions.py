@@ -23,6 +23,7 @@ from envkit.errors import (
     InvalidActionError,
     InvalidTaskError,
     ResetNeededError,
+    SnapshotError,
     ToolCallError,
 )
 from envkit.remote import OPERATOR_KWARGS, wire
@@ -30,6 +31,7 @@ from envkit.remote.deadlines import Canceller, Deadlines
 from envkit.remote.protocol import PROTOCOL_VERSION, ApiError
 from envkit.remote.server.config import ServerLimits
 from envkit.remote.server.metrics import Metrics
+from envkit.remote.server.snapshots import SnapshotSeal, snapshot_key
 from envkit.remote.server.workers import FLUSH_S, LocalSlots, WorkerSlots
 from envkit.tasks import task_counts
 from envkit.tool_env import ToolEnv
@@ -109,6 +111,7 @@ class EnvServer:
         self.is_tool_env = isinstance(self._probe.unwrapped, ToolEnv)
         """Whether the env's tools are functions :meth:`run_tool` can call (``envkit serve --mcp``)."""
         self._task_lists: dict[tuple[str, str], Sequence[dict[str, Any]]] = {}
+        self._seal = SnapshotSeal(snapshot_key())
         spec = self._probe.spec
         self.info = {
             "env": env,
@@ -203,6 +206,8 @@ class EnvServer:
             raise ApiError("episode_done", str(e)) from e
         except ResetNeededError as e:
             raise ApiError("reset_needed", str(e)) from e
+        except SnapshotError as e:
+            raise ApiError("snapshot_unsupported", str(e)) from e
         except ApiError:
             raise
         except Exception as e:
@@ -311,6 +316,31 @@ class EnvServer:
         now = time.monotonic()
         return {"session_id": s.id, "env": self.env_name, "episode_active": s.episode == "active",
                 "episodes": s.episodes, "steps": s.steps, "idle_s": now - s.last_used, "age_s": now - s.created}
+
+    async def snapshot(self, session_id: str) -> dict[str, Any]:
+        """The session's env state as a sealed token (``Env.snapshot``), mid-episode included."""
+        s = self.get(session_id)
+        async with s.lock:
+            self._check_open(s)
+            try:
+                snapshot = await self._call(s.env.snapshot())
+            finally:
+                s.last_used = time.monotonic()
+            return {"snapshot": self._seal.seal(self.env_name, snapshot, s.episode)}
+
+    async def restore(self, session_id: str, token: str) -> dict[str, Any]:
+        """Put the session's env in the state a snapshot token holds (``Env.restore``); answers its state."""
+        s = self.get(session_id)
+        snapshot, episode = self._seal.open(token, self.env_name)
+        async with s.lock:
+            self._check_open(s)
+            s.episode = "failed"  # until the env answers
+            try:
+                await self._call(s.env.restore(snapshot))
+            finally:
+                s.last_used = time.monotonic()
+            s.episode = episode  # type: ignore[assignment]  # sealed from a session's own
+        return self.state(session_id)
 
     async def delete(self, session_id: str, reason: str = "deleted") -> None:
         """Close the session's env and forget the session."""

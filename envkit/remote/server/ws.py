@@ -34,7 +34,8 @@ class Connection(Protocol):
 
 
 class WsEndpoint:
-    """``/ws``: one session per connection, frames ``{"op": "create"|"reset"|"step"|"state"|"delete", ...}`` (or
+    """``/ws``: one session per connection, frames ``{"op": "create"|"reset"|"step"|"state"|"snapshot"|"restore"|
+    "delete", ...}`` (or
     another protocol's, by ``connection``: ``/openenv/ws``).
 
     A plain ASGI app that :class:`~envkit.remote.server.guard.Guard` calls, not a FastAPI route: Starlette's
@@ -129,6 +130,12 @@ class _WsSession:
             return await server.step(self.session_id, req.action.model_dump(exclude_unset=True))
         if req.op == "state":
             return server.state(self.session_id)
+        if req.op == "snapshot":
+            return await server.snapshot(self.session_id)
+        if req.op == "restore":
+            if not req.snapshot:
+                raise ApiError("validation_error", "restore needs a 'snapshot' (a token from the snapshot op)")
+            return await server.restore(self.session_id, req.snapshot)
         session_id, self.session_id = self.session_id, None
         await server.delete(session_id)
         return {"deleted": session_id}

@@ -150,6 +150,8 @@ class ArithmeticEnv(Env):
     turn gradeable on its own: one wrong answer does not doom the rest of the episode.
     """
 
+    snapshot_exclude = frozenset({"_splits"})  # generated task lists: the same in every env of these kwargs
+
     def __init__(
         self,
         *,
