@@ -157,6 +157,58 @@ def _add_check_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_check)
 
 
+def _cmd_replay(args: argparse.Namespace, console: Console) -> int:
+    from envkit.recording import replay
+
+    if not args.file.is_file():
+        raise EnvkitError(f"no recording at {args.file}")
+    kwargs = None if args.kwargs is None else _json_kwargs(args.kwargs)
+    results = asyncio.run(replay(args.file, env=args.env, kwargs=kwargs, only=args.episode,
+                                 ignore_info=args.ignore_info))
+    if not results:
+        raise EnvkitError(f"{args.file} holds no episode" + (" with those ids" if args.episode else ""))
+    if args.json:
+        print(json.dumps([vars(r) for r in results], indent=2))
+    else:
+        table = Table(title=f"envkit replay {args.file}", title_justify="left")
+        for column in ("episode", "env", "start", "steps", "result"):
+            table.add_column(column, overflow="fold")
+        for r in results:
+            verdict = "[green]same[/]" if r.difference is None else f"[bold red]differs[/] at {r.difference}"
+            table.add_row(r.episode, r.env, r.start, str(r.steps), verdict)
+        console.print(table)
+    differ = [r for r in results if r.difference is not None]
+    if differ and not args.json:
+        Console(stderr=True).print(f"[red]{len(differ)} of {len(results)} episode(s) went otherwise than "
+                                   "recorded[/red]", highlight=False)
+    return 1 if differ else 0
+
+
+def _add_replay_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "replay", help="play recorded episodes again against their env and name where they differ (exit 1 if one "
+                       "does)",
+        description="Play each episode of a recording (envkit.make(name, record=FILE), or +env.kwargs.record=FILE "
+                    "in a training run) again in a fresh env made as recorded: the recorded seed or task, then the "
+                    "recorded actions. Each answer (messages, reward, end flags, info) is compared with the "
+                    "recorded one, and the first that differs is named with its step. A restored snapshot's "
+                    "episode replays from its parent's start.",
+        epilog="examples:\n  envkit replay runs/episodes.jsonl\n"
+               "  envkit replay runs/episodes.jsonl --episode 3f2a9c0d1e4b5a6f --ignore-info elapsed_s\n\n"
+               "To play a recording back without its env (tests, offline data): envkit.make(\"replay:FILE\").",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("file", type=Path, metavar="FILE", help="a recording (JSONL)")
+    p.add_argument("--episode", action="append", default=[], metavar="ID", help="replay only this episode "
+                                                                                "(repeatable)")
+    p.add_argument("--env", help="replay against this env instead of the recorded one (with --kwargs)")
+    p.add_argument("--kwargs", metavar="JSON", help="constructor kwargs instead of the recorded ones")
+    p.add_argument("--ignore-info", action="append", default=[], metavar="KEY",
+                   help="an info key whose value may differ, such as a timing (repeatable)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.set_defaults(func=_cmd_replay)
+
+
 def _cmd_new(args: argparse.Namespace, console: Console) -> int:
     target = new_env(args.name, kind=args.kind, parent=args.dir)
     shown = os.path.relpath(target)
@@ -327,6 +379,7 @@ def build_parser(console: Console | None = None) -> argparse.ArgumentParser:
     p_info.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p_info.set_defaults(func=_cmd_info)
     _add_check_parser(sub)
+    _add_replay_parser(sub)
     _add_new_parser(sub)
     _add_serve_parser(sub)
     _add_plugin_commands(sub, console or Console(stderr=True))

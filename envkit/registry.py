@@ -53,6 +53,8 @@ from envkit.distribution import install_hint
 from envkit.errors import DuplicateEnvError, EnvLoadError, EnvNotFoundError, InvalidEnvNameError
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from envkit.rubrics import Rubric
 
 def import_ref(ref: str) -> Any:
@@ -72,7 +74,7 @@ SCHEME_GROUP = "envkit.schemes"
 # gets a clear error when its provider is not installed.
 _SCHEME_EXTRAS = {"http": "server", "https": "server", "ws": "server", "wss": "server", "openenv": "server",
                   "gym": "gym", "mcp": "mcp", "reasoning_gym": "reasoning-gym", "skyrl": "skyrl",
-                  "textarena": "textarena"}
+                  "textarena": "textarena", "replay": ""}
 _NAME_RE = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 EnvFactory = Callable[..., Env]
@@ -194,14 +196,16 @@ class Registry:
         raise EnvNotFoundError(name, self._suggest(name))
 
     def make(self, name: str, /, *, checked: bool = True, sandbox: str | None = None, pool: Any = None,
-             rubric: Rubric | str | None = None, **kwargs: Any) -> Env:
+             rubric: Rubric | str | None = None, record: str | Path | None = None,
+             **kwargs: Any) -> Env:
         """Construct the env registered as ``name`` with its default kwargs updated by ``kwargs``.
 
         The result is wrapped in :class:`ContractChecker` unless ``checked=False``. ``sandbox="docker"`` (or another
         ``envkit.sandboxes`` provider) runs the env in a sandbox of its own instead of in this process, borrowed from
         the warm ``pool`` if one is given (``sandboxes.open_pool``); a name with a scheme (``ws://...``, ``gym:...``)
         is made by that scheme's ``envkit.schemes`` provider. ``rubric`` (:mod:`envkit.rubrics`: a Rubric or
-        ``"module:attr"``) scores each episode as it ends.
+        ``"module:attr"``) scores each episode as it ends. ``record`` appends every reset and step to that JSONL
+        file (:mod:`envkit.recording`).
         """
         if sandbox is not None:
             env: Env = _sandbox_provider(sandbox)(name, pool=pool, **kwargs)
@@ -226,6 +230,10 @@ class Registry:
             env.spec = replace(spec, kwargs=merged, description=spec.description or first_doc_line(factory))
         if rubric is not None:
             env = _with_rubric(env, rubric)
+        if record is not None:
+            from envkit.recording import Recorder
+
+            env = Recorder(env, record)
         return ContractChecker(env) if checked else env
 
     def list(self) -> list[EnvSpec]:
@@ -362,9 +370,9 @@ def _with_rubric(env: Env, rubric: Rubric | str) -> Env:
 
 
 def make(name: str, /, *, checked: bool = True, sandbox: str | None = None, pool: Any = None,
-         rubric: Rubric | str | None = None, **kwargs: Any) -> Env:
+         rubric: Rubric | str | None = None, record: str | Path | None = None, **kwargs: Any) -> Env:
     """Make the env called ``name``; ``kwargs`` override its registered defaults (see :meth:`Registry.make`)."""
-    return registry.make(name, checked=checked, sandbox=sandbox, pool=pool, rubric=rubric, **kwargs)
+    return registry.make(name, checked=checked, sandbox=sandbox, pool=pool, rubric=rubric, record=record, **kwargs)
 
 
 def spec(name: str) -> EnvSpec:
