@@ -12,12 +12,17 @@ wall-clock ``timeout``, or an ``error`` raised by the env or the engine (recorde
 The opening messages carry the env's tools as the chat template wants them, or written into the system message
 where the template drops them (:mod:`generators.tool_prompt`). :meth:`Generator.demonstrate` plays the same loop with
 the env's own demonstrations in the model's place (supervised data whose tool outputs are real).
+
+With ``branch_at=k`` a group's rollouts share their first k turns: the first plays them and snapshots its env
+(``Env.snapshot``), and the others continue from there in envs restored from the snapshot, so that they differ only
+in what they do after turn k (see :class:`_Branch`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -25,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import envkit
-from envkit import Env, Message, Task
+from envkit import Env, Message, Snapshot, Task
 from envkit.agent import AgentEnv
 from envkit.errors import RubricError
 from envkit.rubrics import Episode, GroupRubric, load_group_rubric
@@ -86,6 +91,10 @@ class GeneratorConfig:
     group_rubric: str | None = None
     """``module:attr`` naming an :class:`envkit.rubrics.GroupRubric` (a relative judge) that scores each group's
     finished rollouts together as the group finishes: its score is their reward (see :class:`Generator`)."""
+    branch_at: int = 0
+    """k >= 1: a group's rollouts share their first k turns, played once and snapshotted (``Env.snapshot``), and
+    differ only after (the shared tokens are masked from the loss, so the group's advantages compare what came
+    after); sooner where that episode ended before turn k. 0: each rollout plays its own episode."""
 
     @property
     def sampling(self) -> SamplingParams:
@@ -97,6 +106,8 @@ class GeneratorConfig:
         for name in ("samples_per_prompt", "max_tokens", "max_turns", "max_total_tokens", "concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.branch_at < self.max_turns:
+            raise ValueError(f"branch_at must be >= 0 and below max_turns ({self.max_turns}), got {self.branch_at}")
         for name in ("timeout_s", "close_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
@@ -120,8 +131,50 @@ class _Rollout:
     """The running context: prompt plus response so far."""
     written: dict[int, str] = field(default_factory=dict)
     """What the model wrote, by the index of its message in ``traj.messages`` (which holds it parsed)."""
+    pending: list[int] = field(default_factory=list)
+    """Env tokens, added to the context only once another model turn follows them."""
     generate_s: float = 0.0
     env_s: float = 0.0
+
+
+@dataclass
+class _BranchPoint:
+    """Where a group's rollouts part: the first rollout's env snapshot and its rollout state at that turn."""
+
+    snapshot: Snapshot
+    state: _Rollout
+
+
+class _Branch:
+    """One group's branching (``branch_at``): its first rollout, the trunk, snapshots its env and copies its state
+    at the start of each of its first ``at`` + 1 turns; the branch point is the one at turn ``at``, or, where the
+    trunk's episode ended sooner, the last one it took. The other rollouts wait for it."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+        self.point: asyncio.Future[_BranchPoint] = asyncio.get_running_loop().create_future()
+        self._latest: _BranchPoint | None = None
+
+    async def at_turn(self, env: Env, state: _Rollout) -> None:
+        """The trunk's hook before each model turn."""
+        if self.point.done() or state.traj.num_turns > self.at:
+            return
+        self._latest = _BranchPoint(await env.snapshot(), copy.deepcopy(state))
+        if state.traj.num_turns == self.at:
+            self.point.set_result(self._latest)
+
+    def trunk_ended(self, trunk: Trajectory) -> None:
+        """Settle the branch point when the trunk ended sooner, and mask the shared turns out of the trunk too."""
+        if not self.point.done():
+            if self._latest is None:
+                self.point.set_exception(RuntimeError(f"the group's first rollout failed before it could branch: "
+                                                      f"{trunk.error}"))
+                return
+            self.point.set_result(self._latest)
+        if not self.point.exception():
+            shared = self.point.result().state.traj
+            trunk.loss_mask[:len(shared.loss_mask)] = [0] * len(shared.loss_mask)
+            trunk.branch_turn = shared.num_turns
 
 
 def env_factory(name: str, **kwargs: Any) -> EnvFactory:
@@ -209,16 +262,27 @@ class Generator:
         )
         limit = asyncio.Semaphore(self.config.concurrency)
 
-        async def one(task: Task | None, seed: int | None, group: str, k: int) -> Trajectory:
+        async def one(task: Task | None, seed: int | None, group: str, k: int, branch: _Branch | None) -> Trajectory:
+            point = None
+            if branch is not None and k > 0:
+                try:
+                    point = await branch.point  # before taking a slot: the trunks must get theirs
+                except RuntimeError as e:
+                    return self._failed(group, k, seed, task, env_name, str(e))
             async with limit:
                 traj = await self._rollout(make_env, turn, task=task, seed=seed, group_id=group, sample_index=k,
-                                           env_name=env_name)
+                                           env_name=env_name, at_turn=branch.at_turn if branch and k == 0 else None,
+                                           resume=point)
+            if branch is not None and k == 0:
+                branch.trunk_ended(traj)
             if on_done is not None:
                 on_done(traj)
             return traj
 
         async def group(i: int, task: Task | None, seed: int | None) -> list[Trajectory]:
-            rollouts = await asyncio.gather(*(one(task, seed, _group_id(task, seed, i), k) for k in range(samples)))
+            branch = _Branch(self.config.branch_at) if self.config.branch_at and samples > 1 else None
+            rollouts = await asyncio.gather(*(one(task, seed, _group_id(task, seed, i), k, branch)
+                                              for k in range(samples)))
             if self.group_rubric is not None and turn != self._demo_turn:
                 await self._score_group(self.group_rubric, task, rollouts)
             if on_group is not None:
@@ -249,20 +313,39 @@ class Generator:
             return await self._rollout(make_env, self._model_turn, task=task, seed=seed, group_id=group_id,
                                        sample_index=sample_index, env_name=env_name)
 
-    async def _rollout(self, make_env: EnvFactory, turn: Turn, *, task: Task | None, seed: int | None,
-                       group_id: str, sample_index: int, env_name: str) -> Trajectory:
-        version = -1 if turn == self._demo_turn else self.engine.weight_version if self.engine else 0
-        traj = Trajectory(group_id=group_id, sample_index=sample_index, seed=seed, env_name=env_name,
-                          task_id=(task or {}).get("id"), policy_version=version,
+    def _failed(self, group_id: str, sample_index: int, seed: int | None, task: Task | None, env_name: str,
+                error: str) -> Trajectory:
+        return Trajectory(group_id=group_id, sample_index=sample_index, seed=seed, env_name=env_name,
+                          task_id=(task or {}).get("id"), stop_reason="error", error=error,
                           tokenizer=self.tokenizer.fingerprint if self.tokenizer else "")
-        state = _Rollout(traj)
+
+    async def _rollout(self, make_env: EnvFactory, turn: Turn, *, task: Task | None, seed: int | None,
+                       group_id: str, sample_index: int, env_name: str,
+                       at_turn: Callable[[Env, _Rollout], Awaitable[None]] | None = None,
+                       resume: _BranchPoint | None = None) -> Trajectory:
+        if resume is None:
+            version = -1 if turn == self._demo_turn else self.engine.weight_version if self.engine else 0
+            traj = Trajectory(group_id=group_id, sample_index=sample_index, seed=seed, env_name=env_name,
+                              task_id=(task or {}).get("id"), policy_version=version,
+                              tokenizer=self.tokenizer.fingerprint if self.tokenizer else "")
+            state = _Rollout(traj)
+        else:  # a branch: the trunk's rollout up to the branch point, none of it this rollout's to train on
+            state = copy.deepcopy(resume.state)
+            state.generate_s = state.env_s = 0.0
+            traj = state.traj
+            traj.sample_index, traj.branch_turn = sample_index, traj.num_turns
+            traj.loss_mask = [0] * len(traj.loss_mask)
         start = time.perf_counter()
         env: Env | None = None
         session = rollout_session.set(Session())  # a replicated engine sends all of this rollout's turns to one
         try:
             async with asyncio.timeout(self.config.timeout_s):
                 env = make_env()
-                traj.stop_reason = await self._episode(env, state, task, seed, turn)
+                if resume is not None:
+                    await env.init()
+                    await env.restore(resume.snapshot)
+                traj.stop_reason = await self._episode(env, state, task, seed, turn, at_turn=at_turn,
+                                                       resumed=resume is not None)
         except TimeoutError:
             traj.stop_reason, traj.error = "timeout", f"rollout exceeded {self.config.timeout_s:g} s"
         except Exception as e:
@@ -275,8 +358,11 @@ class Generator:
             traj.timings = {"generate": state.generate_s, "env": state.env_s, "total": time.perf_counter() - start}
         return traj
 
-    async def _episode(self, env: Env, state: _Rollout, task: Task | None, seed: int | None, turn: Turn
+    async def _episode(self, env: Env, state: _Rollout, task: Task | None, seed: int | None, turn: Turn, *,
+                       at_turn: Callable[[Env, _Rollout], Awaitable[None]] | None = None, resumed: bool = False
                        ) -> StopReason:
+        """Play the episode from its reset, or from where ``state`` stands (``resumed``: a branch, its env
+        restored); ``at_turn`` is awaited before each model turn."""
         t0 = time.perf_counter()
         await env.init()  # first: an env in an env worker knows only then whether it is an agent env
         state.env_s += time.perf_counter() - t0
@@ -284,24 +370,30 @@ class Generator:
             if turn == self._demo_turn:
                 raise NotImplementedError(f"{type(env.unwrapped).__name__} is played by its agent: it has no "
                                           "demonstrations")
+            if at_turn is not None or resumed:
+                raise ValueError(f"generator.branch_at needs an env the generator steps; "
+                                 f"{type(env.unwrapped).__name__}'s agent runs its own loop")
             return await self._agent_episode(env, state, task, seed)
         traj, cfg = state.traj, self.config
-        t0 = time.perf_counter()
-        messages, _ = await env.reset(seed=seed, task=task)
-        state.env_s += time.perf_counter() - t0
-        state.tools = [t.to_openai() for t in env.tools] or None
-        traj.messages, state.template_tools = self.tool_prompt.apply(list(messages), state.tools)
-        if self.tokenizer is not None:
-            traj.prompt_ids = self.tokenizer.prompt_ids(traj.messages, state.template_tools)
-            state.ids = list(traj.prompt_ids)
-        pending: list[int] = []  # env tokens, appended only once another model turn follows them
+        if not resumed:
+            t0 = time.perf_counter()
+            messages, _ = await env.reset(seed=seed, task=task)
+            state.env_s += time.perf_counter() - t0
+            state.tools = [t.to_openai() for t in env.tools] or None
+            traj.messages, state.template_tools = self.tool_prompt.apply(list(messages), state.tools)
+            if self.tokenizer is not None:
+                traj.prompt_ids = self.tokenizer.prompt_ids(traj.messages, state.template_tools)
+                state.ids = list(traj.prompt_ids)
         while True:
+            if at_turn is not None:
+                await at_turn(env, state)
             if traj.num_turns >= cfg.max_turns:
                 return "max_turns"
-            budget = cfg.max_total_tokens - len(state.ids) - len(pending)
+            budget = cfg.max_total_tokens - len(state.ids) - len(state.pending)
             if budget <= 0:
                 return "max_tokens"
-            self._append(state, pending, None)
+            self._append(state, state.pending, None)
+            state.pending = []
             action, completion, text = await turn(env, state, min(cfg.sampling.max_tokens, budget))
             state.written[len(traj.messages)] = text
             traj.messages.append(action)
@@ -319,10 +411,10 @@ class Generator:
                 traj.scores = dict(result.info.get("rubric") or {})
                 return "done"
             if self.tokenizer is not None:
-                pending = self.tokenizer.close_turn(completion.token_ids)
-                pending += self.tokenizer.observation_ids(list(result.observation), state.template_tools)
+                state.pending = self.tokenizer.close_turn(completion.token_ids)
+                state.pending += self.tokenizer.observation_ids(list(result.observation), state.template_tools)
                 if cfg.check_template and self.tokenizer.render(_as_written(traj.messages, state.written),
-                                                                state.template_tools) != state.ids + pending:
+                                                                state.template_tools) != state.ids + state.pending:
                     traj.template_mismatches += 1
 
     async def _agent_episode(self, env: Env, state: _Rollout, task: Task | None, seed: int | None) -> StopReason:

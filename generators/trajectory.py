@@ -54,6 +54,9 @@ class Trajectory:
     group_id: str = ""
     """Rollouts of the same task and seed share a group id (the unit GRPO normalizes over)."""
     sample_index: int = 0
+    branch_turn: int | None = None
+    """The turns this rollout shares with the rest of its group (``generator.branch_at``), masked from its loss:
+    they are the group's, and its advantage is for what it did after them. None: it shares none."""
     seed: int | None = None
     template_mismatches: int = 0
     """Turns where re-rendering the chat would not reproduce the running token ids (counted, never fixed up)."""

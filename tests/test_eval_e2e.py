@@ -119,6 +119,22 @@ async def test_eval_an_llm_judged_env_with_the_judge_it_names(vllm_engine, tmp_p
         assert f"at {url}" in summary["config"]["judge_note"]
 
 
+async def test_eval_records_its_rollouts_and_they_replay_the_same(vllm_engine, tmp_path):
+    """`--env-arg record=FILE`: each of the policy's guess-number rollouts (several turns, sampled) is recorded as
+    it runs, and `envkit replay FILE` plays every one again against the env, the same at each step."""
+    path = tmp_path / "episodes.jsonl"
+    result = _envkit("eval", "guess-number", "--env-arg", f"record={path}", "-n", "4", "--max-turns", "3",
+                     "--max-tokens", "16", "--temperature", "1", "--base-url", vllm_engine.base_url + "/v1",
+                     "--model", vllm_engine.model_name, "--out", str(tmp_path / "out"), cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    _, trajectories, _ = _outputs(tmp_path / "out")
+    replayed = _envkit("replay", str(path), "--json", cwd=tmp_path)
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+    results = json.loads(replayed.stdout)
+    assert len(results) == 4 and all(r["difference"] is None for r in results), results
+    assert sorted(r["steps"] for r in results) == sorted(t["num_turns"] for t in trajectories)
+
+
 def test_eval_bad_input_exits_2_before_starting_anything(tmp_path):
     result = _envkit("eval", "arithmetc", cwd=tmp_path)
     assert result.returncode == 2 and "Did you mean: 'arithmetic'?" in result.stderr

@@ -152,6 +152,38 @@ async def test_tool_env_rollout_with_calculator(vllm_engine, chat_tokenizer):
         assert traj.messages[0]["role"] == "system" and "calculator" in traj.messages[0]["content"]
 
 
+@pytest.mark.parametrize(("followups", "branch_turn"), [(3, 2), (1, 1)], ids=["at-turn-2", "ended-sooner"])
+async def test_a_branched_group_shares_its_first_turns_and_plays_on_in_restored_envs(vllm_engine, chat_tokenizer,
+                                                                                     followups, branch_turn):
+    """branch_at=2 on arithmetic with follow-ups: a group's rollouts share their first turns (messages and token
+    ids, masked from the loss) and differ after; each branch's env was restored from the first rollout's snapshot,
+    so a fresh env given a branch's replies answers as the branch's env did. With 1 follow-up (2 turns) the first
+    rollout's episode ends at turn 2, so the group branches after turn 1."""
+    gen = Generator(vllm_engine, chat_tokenizer, _config(max_tokens=8, max_turns=4, samples_per_prompt=4,
+                                                         branch_at=2))
+    trajs = await gen.generate(env_factory("arithmetic", followups=followups), seeds=[3, 4], env_name="arithmetic")
+    for group in (trajs[:4], trajs[4:]):
+        assert all(not t.failed and t.branch_turn == branch_turn for t in group), [t.error for t in group]
+        first_trained = [t.loss_mask.index(1) for t in group]
+        assert len(set(first_trained)) == 1 and first_trained[0] > 0
+        shared = first_trained[0]
+        assert len({tuple(t.prompt_ids + t.response_ids[:shared]) for t in group}) == 1
+        assert all(t.loss_mask[:shared] == [0] * shared for t in group)
+        cut = [i for i, m in enumerate(group[0].messages) if m["role"] == "assistant"][branch_turn]
+        assert len({str(t.messages[:cut]) for t in group}) == 1
+        assert len({tuple(t.response_ids[shared:]) for t in group}) > 1  # they differ after
+        for t in group:
+            trained = [ids for ids, mask in _segments(t) if mask == 1]
+            after = [m["content"] for m in t.messages[cut:] if m["role"] == "assistant"]
+            assert [chat_tokenizer.decode(ids) for ids in trained] == after
+            env = envkit.make("arithmetic", followups=followups)
+            assert (await env.reset(seed=t.seed))[0] == t.messages[:2]
+            replies = [m for m in t.messages if m["role"] == "assistant"]
+            results = [await env.step(reply) for reply in replies]
+            assert [r.reward for r in results] == t.step_rewards
+            assert [m for r in results for m in r.observation] == [m for m in t.messages[2:] if m["role"] == "user"]
+
+
 async def test_failed_rollouts_are_recorded_and_the_batch_completes(vllm_engine, chat_tokenizer):
     # FlakyEnv ignores what the model says: 4 tokens keep generation far inside the timeout on a slow CPU, so only
     # the hanging env reaches it.

@@ -261,6 +261,22 @@ def test_trains_on_each_ecosystems_env_alone(policy_url, tmp_path, ecosystem):
     assert trajs and all(t["loss_mask"].count(1) > 0 for t in trajs)
 
 
+def test_trains_on_groups_that_branch_from_one_mid_episode_state(policy_url, tmp_path):
+    """`generator.branch_at=1` on arithmetic with 2 follow-ups: each group's first rollout plays the first turn once
+    and snapshots its env, the group's other rollouts go on from there in restored envs; both steps train on what
+    they did after it (the shared turn is masked out)."""
+    steps = train(tmp_path / "run", policy_url, "+env.kwargs.followups=2", "generator.branch_at=1",
+                  "generator.max_turns=3", "generator.max_tokens=12", prompts=4)
+    assert all(m["rollout/branch_turn"] == 1 and m["rollout/failed"] == 0 for m in steps.values()), steps
+    trajs = [json.loads(line) for line in (tmp_path / "run" / "final_trajectories.jsonl").read_text().splitlines()]
+    groups: dict[str, list[dict]] = {}
+    for t in trajs:
+        groups.setdefault(t["group_id"], []).append(t)
+    for group in groups.values():
+        assert len({json.dumps(t["messages"][:4]) for t in group}) == 1  # the opening, turn 1 and the env's reply
+        assert all(t["branch_turn"] == 1 and t["loss_mask"].count(1) > 0 for t in group)
+
+
 def test_trains_on_a_judges_score_from_a_judge_server_the_run_starts(policy_url, tmp_path):
     """examples/train_judged.py: ``judge.model=bundled`` starts a vLLM judge beside the policy's server and publishes
     it; the env's LLM judge, made with no endpoint, scores every rollout through it (its expected digit: graded, where

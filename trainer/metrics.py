@@ -230,6 +230,9 @@ def rollout_metrics(trajs: list[Trajectory], batch: StepBatch, version: int) -> 
         "rollout/failed": batch.counts.get("failed", 0),
         "rollout/zero_variance_groups": batch.counts.get("zero_variance_groups", 0),
     })
+    shared = [t.branch_turn for t in trajs if t.branch_turn is not None and not t.failed]
+    if shared:
+        metrics["rollout/branch_turn"] = _mean(shared)
     labels = sorted({t.env_name for t in trajs})
     if len(labels) > 1:
         for label in labels:

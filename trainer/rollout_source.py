@@ -244,7 +244,7 @@ def evaluate(generator: Generator, envs: Mixture, runner: asyncio.Runner | LoopT
     # idle while the first set's slowest rollouts finish.
     total = sum(samples for _, samples in settings.values())
     generators = [Generator(generator.engine, generator.tokenizer, cfg.generator.generator_config(
-        temperature=temperature, samples_per_prompt=samples, seed=None,
+        temperature=temperature, samples_per_prompt=samples, seed=None, branch_at=0,
         concurrency=max(1, cfg.generator.concurrency * samples // total)))
         for temperature, samples in settings.values()]
 

@@ -19,7 +19,7 @@ import ray
 from ray.exceptions import RayActorError
 from ray.util.placement_group import remove_placement_group
 
-from envkit import AgentClient, AgentEnv, Env, Message, StepResult, Task, Tool
+from envkit import AgentClient, AgentEnv, Env, Message, Snapshot, StepResult, Task, Tool
 from envkit.ref import EnvRef
 from envkit.rubrics import Score
 from generators.engines.base import published
@@ -66,6 +66,12 @@ class EnvWorker:
 
     async def step(self, key: int, action: Message) -> StepResult:
         return await self.envs[key].step(action)
+
+    async def snapshot(self, key: int) -> Snapshot:
+        return await self.envs[key].snapshot()
+
+    async def restore(self, key: int, snapshot: Snapshot) -> None:
+        await self.envs[key].restore(snapshot)
 
     async def run_agent(self, key: int, client: AgentClient) -> Any:
         """Play an agent env's episode here: its agent reaches the policy at ``client`` (the generator's gateway)."""
@@ -190,6 +196,15 @@ class WorkerEnv(Env):
 
     async def step(self, action: Message) -> StepResult:
         return await self._call("step", self.key, action)
+
+    async def snapshot(self) -> Snapshot:
+        """The worker's env's snapshot (it crosses by Ray: it restores in another worker's env of its kind)."""
+        await self.init()
+        return await self._call("snapshot", self.key)
+
+    async def restore(self, snapshot: Snapshot) -> None:
+        await self.init()
+        await self._call("restore", self.key, snapshot)
 
     async def close(self) -> None:
         worker, self.worker = self.worker, None
