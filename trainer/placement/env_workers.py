@@ -21,8 +21,10 @@ from ray.util.placement_group import remove_placement_group
 
 from envkit import AgentClient, AgentEnv, Env, Message, Snapshot, StepResult, Task, Tool
 from envkit.ref import EnvRef
+from envkit.remote import SNAPSHOT_KEY_ENV
 from envkit.rubrics import Score
 from generators.engines.base import published
+from sandboxes.base import snapshot_key
 from trainer.placement.groups import SHUTDOWN_TIMEOUT_S, actor_options, ready_group
 
 log = logging.getLogger(__name__)
@@ -40,8 +42,8 @@ class EnvWorker:
         self.pools_lock = asyncio.Lock()
 
     async def open(self, key: int, ref: EnvRef, published: dict[str, str]) -> bool:
-        """Make and init the env of rollout ``key``, where the driver's ``published`` endpoints (the policy's, the
-        judge's) are known; whether it is an agent env."""
+        """Make and init the env of rollout ``key``, where what the driver ``published`` (the policy's and the
+        judge's endpoints, its sandboxes' snapshot key) is known; whether it is an agent env."""
         os.environ.update(published)
         if ref.sandbox is not None:
             ref = ref.with_pool(await self._pool(ref))
@@ -185,7 +187,8 @@ class WorkerEnv(Env):
     async def init(self) -> None:
         if self.worker is None:
             self.worker = self.pool.pick()
-            if await self._call("open", self.key, self.ref, published()):
+            # the driver's snapshot key too: a sandbox's snapshot taken in one worker restores in another's
+            if await self._call("open", self.key, self.ref, {**published(), SNAPSHOT_KEY_ENV: snapshot_key()}):
                 self._agent = _WorkerAgent(self)
 
     async def reset(self, *, seed: int | None = None, task: Task | None = None) -> tuple[list[Message], dict]:
