@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import statistics
 import time
 from collections import Counter
 from dataclasses import asdict
@@ -233,6 +234,7 @@ def rollout_metrics(trajs: list[Trajectory], batch: StepBatch, version: int) -> 
     shared = [t.branch_turn for t in trajs if t.branch_turn is not None and not t.failed]
     if shared:
         metrics["rollout/branch_turn"] = _mean(shared)
+    metrics["reward/group_std"] = _mean(_group_stds(trajs))
     labels = sorted({t.env_name for t in trajs})
     if len(labels) > 1:
         for label in labels:
@@ -256,6 +258,15 @@ def _outcomes(trajs: list[Trajectory]) -> dict[str, float]:
     for reason, count in Counter(t.stop_reason for t in trajs).items():
         metrics[f"stop/{reason}"] = count
     return metrics
+
+
+def _group_stds(trajs: list[Trajectory]) -> list[float]:
+    """The spread of reward within each group of two or more finished rollouts: what its advantages compare."""
+    groups: dict[str, list[float]] = {}
+    for t in trajs:
+        if not t.failed:
+            groups.setdefault(t.group_id, []).append(t.reward)
+    return [statistics.pstdev(rewards) for rewards in groups.values() if len(rewards) > 1]
 
 
 def is_eval_row(row: dict[str, Any]) -> bool:
