@@ -16,6 +16,7 @@ line whole (one ``write`` on a file opened for appending).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -196,7 +197,11 @@ class RecordedEnv(Env):
     def __init__(self, path: str | os.PathLike[str], *, strict: bool = True) -> None:
         self.path, self.strict = Path(path), strict
         by_id = episodes(read_events(self.path))
-        self._episodes = [lineage(e, by_id) for e in by_id.values() if e.error is None]
+        self._episodes = []
+        for episode in by_id.values():
+            with contextlib.suppress(RecordedEnvError):  # continues an episode recorded elsewhere: unplayable
+                if episode.error is None:
+                    self._episodes.append(lineage(episode, by_id))
         if not self._episodes:
             raise RecordedEnvError(f"{self.path} holds no finished episode to play back")
         self.tools = [Tool.from_openai(t) for t in self._episodes[0][0].get("tools", [])]  # type: ignore[misc]
@@ -262,7 +267,11 @@ async def replay(path: str | os.PathLike[str], *, env: str | None = None, kwargs
     for episode in by_id.values():
         if wanted and episode.id not in wanted:
             continue
-        start, steps = lineage(episode, by_id)
+        try:
+            start, steps = lineage(episode, by_id)
+        except RecordedEnvError as e:
+            out.append(Replayed(episode.id, env or "?", "?", 0, f"cannot replay: {e}"))
+            continue
         name = env or start.get("env")
         if not name:
             raise RecordedEnvError(f"episode {episode.id} does not name its env: replay it with env=")
