@@ -83,12 +83,16 @@ def train(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]:
             state.step = state.policy_version = state.step + 1
             from_memory = source.serve(backend, state.policy_version)
             t3 = time.perf_counter()
-            if state.step % cfg.trainer.save_every == 0 or state.step == cfg.trainer.steps:
-                source.snapshot(state)
-                checkpoints.save(backend, state)
+            # The step's metrics before its checkpoint: a run killed between the two resumes from the checkpoint
+            # before and logs the step again (the last row of a step counts); the other way round, a run killed
+            # there would resume past a step whose metrics were never written.
             source.log_step(state, trajs, batch, {
                 **train_metrics, "time/generate_s": t1 - t0, "time/train_s": t2 - t1, "time/sync_s": t3 - t2,
                 "weights/from_memory": float(from_memory), "time/step_s": time.perf_counter() - t_step})
+            if state.step % cfg.trainer.save_every == 0 or state.step == cfg.trainer.steps:
+                source.snapshot(state)
+                checkpoints.save(backend, state)
+            source.evaluate_every(state)
         results.update(source.finish(backend, state))
     finally:
         source.close()

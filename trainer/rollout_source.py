@@ -65,8 +65,11 @@ class RolloutSource:
 
     def log_step(self, state: TrainState, trajs: list[Trajectory], batch: StepBatch, metrics: dict[str, float]
                  ) -> None:
-        """Record a finished step: its rollouts, what was trained on, and the update's ``metrics`` (and evaluate
-        held-out every ``eval_every`` steps)."""
+        """Record a finished step: its rollouts, what was trained on, and the update's ``metrics``."""
+
+    def evaluate_every(self, state: TrainState) -> None:
+        """Evaluate held-out where ``trainer.eval_every`` says this step should (after its checkpoint: a crash in a
+        long evaluation costs no step)."""
 
     def finish(self, backend: TrainBackend, state: TrainState) -> dict[str, Any]:
         """Put the final policy on disk; its dir, and the held-out results after training where measured."""
@@ -125,6 +128,8 @@ class SyncSource(RolloutSource):
                         batch.counts["failed"], len(trajs), first_errors([t for t in trajs if t.failed], limit=3))
         metrics = {**rollout_metrics(trajs, batch, state.policy_version - 1), **metrics, **self.placement.metrics()}
         self.logger.log_step(state.step, metrics, trajs)
+
+    def evaluate_every(self, state: TrainState) -> None:
         every = self.cfg.trainer.eval_every
         if self.evaluating and every and state.step % every == 0 and state.step < self.cfg.trainer.steps:
             self.evaluate(step=state.step)
