@@ -190,6 +190,7 @@ def test_every_error_code_has_its_status_and_a_structured_body(server: Server, h
     expect("env_error", http.post(step, json=say("bad")))  # the server's ContractChecker caught a malformed result
     http.post(f"/sessions/{sid}/reset", json={"seed": 1})
     expect("env_timeout", http.post(step, json=say("hang")))
+    expect("invalid_snapshot", http.post(f"/sessions/{sid}/restore", json={"snapshot": "not.sealed"}))
     http.delete(f"/sessions/{sid}")
     expect("no_tasks", http.get("/tasks"))  # ScriptedEnv lists no tasks
     with envkit_serve("arithmetic") as arithmetic:
@@ -199,6 +200,9 @@ def test_every_error_code_has_its_status_and_a_structured_body(server: Server, h
             expect("invalid_kwargs", httpx.get(arithmetic.url + "/tasks", params={"kwargs": kwargs}))
         page = httpx.get(arithmetic.url + "/tasks", params={"split": "test", "offset": 18, "limit": 5}).json()
         assert (page["total"], page["offset"], len(page["tasks"])) == (19, 18, 1)  # level 1 owns 19 test problems
+    with envkit_serve("remote_envs:Held") as held:  # a lock in its state: it cannot snapshot
+        session = httpx.post(held.url + "/sessions", json={}).json()["session_id"]
+        expect("snapshot_unsupported", httpx.post(f"{held.url}/sessions/{session}/snapshot"))
     with envkit_serve(SCRIPTED, "--max-sessions", "1") as small:
         assert httpx.post(small.url + "/sessions", json={}).status_code == 201
         full = httpx.post(small.url + "/sessions", json={})
