@@ -91,7 +91,7 @@ def test_schema_fuzz_of_every_route_finds_no_server_error(server: Server, capsys
     with capsys.disabled():
         print(f"\nschema fuzz: {total} generated requests over {len(operations)} operations, "
               f"status codes {dict(sorted(statuses.items()))}")
-    assert total >= 1000 and len(operations) == 11  # GET /tasks and the two OpenEnv GETs included
+    assert total >= 1000 and len(operations) == 13  # GET /tasks, the two OpenEnv GETs, snapshot and restore included
     assert not [s for s in statuses if s >= 500]
     assert {200, 201, 204, 404, 409, 422} <= set(statuses)  # the fuzz reached envs, not only validation
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
