@@ -162,6 +162,7 @@ async def test_a_branched_group_shares_its_first_turns_and_plays_on_in_restored_
     gen = Generator(vllm_engine, chat_tokenizer, _config(max_tokens=8, max_turns=4, samples_per_prompt=4,
                                                          branch_at=2))
     trajs = await gen.generate(env_factory("arithmetic", followups=followups), seeds=[3, 4], env_name="arithmetic")
+    parted = []
     for group in (trajs[:4], trajs[4:]):
         assert all(not t.failed and t.branch_turn == branch_turn for t in group), [t.error for t in group]
         first_trained = [t.loss_mask.index(1) for t in group]
@@ -171,7 +172,7 @@ async def test_a_branched_group_shares_its_first_turns_and_plays_on_in_restored_
         assert all(t.loss_mask[:shared] == [0] * shared for t in group)
         cut = [i for i, m in enumerate(group[0].messages) if m["role"] == "assistant"][branch_turn]
         assert len({str(t.messages[:cut]) for t in group}) == 1
-        assert len({tuple(t.response_ids[shared:]) for t in group}) > 1  # they differ after
+        parted.append(len({tuple(t.response_ids[shared:]) for t in group}) > 1)
         for t in group:
             trained = [ids for ids, mask in _segments(t) if mask == 1]
             after = [m["content"] for m in t.messages[cut:] if m["role"] == "assistant"]
@@ -182,6 +183,7 @@ async def test_a_branched_group_shares_its_first_turns_and_plays_on_in_restored_
             results = [await env.step(reply) for reply in replies]
             assert [r.reward for r in results] == t.step_rewards
             assert [m for r in results for m in r.observation] == [m for m in t.messages[2:] if m["role"] == "user"]
+    assert any(parted)  # sampled apart after the branch (a peaked turn can repeat within one group)
 
 
 async def test_failed_rollouts_are_recorded_and_the_batch_completes(vllm_engine, chat_tokenizer):
