@@ -262,10 +262,11 @@ def test_trains_on_each_ecosystems_env_alone(policy_url, tmp_path, ecosystem):
 
 
 def test_trains_on_groups_that_branch_from_one_mid_episode_state(policy_url, tmp_path):
-    """`generator.branch_at=1` on arithmetic with 2 follow-ups: each group's first rollout plays the first turn once
-    and snapshots its env, the group's other rollouts go on from there in restored envs; both steps train on what
-    they did after it (the shared turn is masked out)."""
-    steps = train(tmp_path / "run", policy_url, "+env.kwargs.followups=2", "generator.branch_at=1",
+    """`generator.branch_at=1` on guess-number: each group's first rollout plays the first guess once and snapshots
+    its env, the group's other rollouts go on from there in restored envs; both steps train on what they did after
+    it (the shared turn is masked out). The rewards of a group differ by its later replies: a guess, or a reply
+    without a number (-0.1)."""
+    steps = train(tmp_path / "run", policy_url, "env.name=guess-number", "generator.branch_at=1",
                   "generator.max_turns=3", "generator.max_tokens=12", prompts=4)
     assert all(m["rollout/branch_turn"] == 1 and m["rollout/failed"] == 0 for m in steps.values()), steps
     trajs = [json.loads(line) for line in (tmp_path / "run" / "final_trajectories.jsonl").read_text().splitlines()]
