@@ -273,7 +273,9 @@ def test_trains_on_groups_that_branch_from_one_mid_episode_state(policy_url, tmp
     groups: dict[str, list[dict]] = {}
     for t in trajs:
         groups.setdefault(t["group_id"], []).append(t)
-    for group in groups.values():
+    trained = [g for g in groups.values() if len(g) == 8]  # the held-out evaluation's pairs play their own episodes
+    assert len(trained) == 4 and all(t["branch_turn"] is None for g in groups.values() if len(g) == 2 for t in g)
+    for group in trained:
         assert len({json.dumps(t["messages"][:4]) for t in group}) == 1  # the opening, turn 1 and the env's reply
         assert all(t["branch_turn"] == 1 and t["loss_mask"].count(1) > 0 for t in group)
 
