@@ -199,8 +199,7 @@ async def _load_tasks(config: EvalConfig) -> tuple[list[Task] | None, str]:
 async def _engine(config: EvalConfig) -> tuple[InferenceEngine, ChatTokenizer | None, str]:
     """The engine (not started), its tokenizer (None in chat mode) and a description for the outputs."""
     if config.engine.engine == "openai":
-        api_key = config.engine.api_key or os.environ.get("OPENAI_API_KEY")
-        engine = make_engine(replace(config.engine, api_key=api_key), config.model)
+        engine = make_engine(_keyed(config.engine), config.model)
         return engine, None, f"{config.model} at {config.engine.url} (chat mode)"
     from generators.engines.managed import ServerBackedEngine
 
@@ -214,6 +213,11 @@ async def _engine(config: EvalConfig) -> tuple[InferenceEngine, ChatTokenizer | 
     return engine, tokenizer, f"{name} in-process ({config.engine.engine})"
 
 
+def _keyed(config: EngineConfig) -> EngineConfig:
+    """An external endpoint's config with its API key, ``$OPENAI_API_KEY`` where none is given."""
+    return replace(config, api_key=config.api_key or os.environ.get("OPENAI_API_KEY"))
+
+
 async def _judge(config: EvalConfig) -> tuple[InferenceEngine | None, str, str | None]:
     """The judge (not started), a description for the outputs and its endpoint's API key; None without
     ``judge_model``."""
@@ -221,12 +225,12 @@ async def _judge(config: EvalConfig) -> tuple[InferenceEngine | None, str, str |
         return None, "", None
     judge = config.judge
     if config.judge_model == "policy" and judge.engine != "openai" and config.engine.engine == "openai":
-        key = config.engine.api_key or os.environ.get("OPENAI_API_KEY")
-        return (make_engine(config.engine, config.model), f"{config.model} at {config.engine.url} (the evaluated "
-                "endpoint)", key)
+        keyed = _keyed(config.engine)
+        return (make_engine(keyed, config.model), f"{config.model} at {keyed.url} (the evaluated endpoint)",
+                keyed.api_key)
     if judge.engine == "openai":
-        key = judge.api_key or os.environ.get("OPENAI_API_KEY")
-        return make_engine(judge, config.judge_model), f"{config.judge_model} at {judge.url}", key
+        keyed = _keyed(judge)
+        return make_engine(keyed, config.judge_model), f"{config.judge_model} at {keyed.url}", keyed.api_key
     assert config.out is not None  # set by __post_init__
     policy = config.model
     if config.judge_model == "policy":
