@@ -265,9 +265,10 @@ def test_trains_on_groups_that_branch_from_one_mid_episode_state(policy_url, tmp
     """`generator.branch_at=1` on guess-number: each group's first rollout plays the first guess once and snapshots
     its env, the group's other rollouts go on from there in restored envs; both steps train on what they did after
     it (the shared turn is masked out). The rewards of a group differ by its later replies: a guess, or a reply
-    without a number (-0.1)."""
-    steps = train(tmp_path / "run", policy_url, "env.name=guess-number", "generator.branch_at=1",
-                  "generator.max_turns=3", "generator.max_tokens=12", prompts=4)
+    without a number (-0.1). The secret is drawn from 1..10^6 so that no trunk finds it with its first guess (a
+    trunk that did would end at turn 1, and its group would branch at turn 0: CI saw one with 1..100)."""
+    steps = train(tmp_path / "run", policy_url, "env.name=guess-number", "+env.kwargs.high=1000000",
+                  "generator.branch_at=1", "generator.max_turns=3", "generator.max_tokens=12", prompts=4)
     assert all(m["rollout/branch_turn"] == 1 and m["rollout/failed"] == 0 for m in steps.values()), steps
     trajs = [json.loads(line) for line in (tmp_path / "run" / "final_trajectories.jsonl").read_text().splitlines()]
     groups: dict[str, list[dict]] = {}
