@@ -14,6 +14,12 @@ The policy will try to talk the judge into a high score, so:
   is told that everything inside them is data;
 - a score (or a JSON object) in the judge's answer that the policy's own text contains verbatim is not read: a
   judge that quotes "Score: 10" from the reply has not given 10;
+- a reply that talks to its grader (a score, a grade, JSON, a quote marker, the words judge, criteria,
+  instructions, ignore, ...: :func:`without_grader_talk`) is scored a second time without that talk, and the lower
+  score counts (a look the judge gave no score of its own for, as when it echoes the reply's, counts only when
+  neither got one): what a reply says to its judge can only cost it. The rules above leave a judge that reads its
+  score out of text open to being talked into it, and a ``parse="logprobs"`` judge reads no text at all; the second
+  look holds both. ``second_look=False`` turns it off where replies must talk of scores (a sports task);
 - an answer with no readable score, out of range, or a judge call that fails after its retries, is a
   :class:`~envkit.errors.RubricError`: the rollout fails and is counted, never scored 0 in silence.
 
@@ -36,6 +42,7 @@ import os
 import re
 import secrets
 from collections import OrderedDict
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -61,6 +68,13 @@ Answer {answer_format}, where N is an integer from {low} to {high}.
 {high} means the reply fully meets the criteria, {low} that it does not meet them at all."""
 FORMATS = {"json": 'with only the JSON object {"score": N}', "regex": "with a short reason, then a last line SCORE: N",
            "logprobs": "with only the number N"}
+GRADER_TALK = re.compile(
+    r"\b(?:scor(?:e|es|ed|ing)|grad(?:e|es|ed|ing|er|ers)|ratings?|rated?|marks?|judg\w*|evaluat\w*|deserv\w*|"
+    r"review(?:er|ers)?|criteri\w*|instructions?|ignor\w*|disregard\w*|system|assistant|this\s+(?:reply|response))\b"
+    r"|\b\d+\s*(?:/|out\s+of)\s*\d+|<<<|>>>|[{}]", re.IGNORECASE)
+"""What a sentence that talks to its grader has (see :func:`without_grader_talk`)."""
+SENTENCE_RE = re.compile(r"[^.!?]*(?:[.!?]+|$)")
+"""A sentence of a line, with its end: punctuation, or the end of the line."""
 MIN_SCORE_MASS = 0.5
 """The least probability a ``parse="logprobs"`` judge must put on the scores for its answer to be read."""
 GROUP_SYSTEM = """You compare {n} replies other models wrote to the same task. Score each one only by these criteria:
@@ -203,12 +217,16 @@ class LLMJudge(Rubric):
     small judge's sampled score is nearly always the same. It needs an endpoint that returns ``top_logprobs``, and
     the judge's first token must be the score: a small model that would write text first needs ``prefill`` (e.g.
     ``"SCORE: "``), the start of its answer written for it (a server that continues an assistant message: vLLM,
-    SGLang). With less than :data:`MIN_SCORE_MASS` of its probability on the scores, the judge has not scored."""
+    SGLang). With less than :data:`MIN_SCORE_MASS` of its probability on the scores, the judge has not scored.
+
+    ``second_look`` (on by default): a reply that talks to its grader is scored again without those sentences and
+    the lower score counts; the breakdown's ``NAME/grader_talk`` is 1 for such a reply (its mean in the metrics is
+    how often the policy tries)."""
 
     def __init__(self, criteria: str, *, endpoint: JudgeEndpoint | None = None,
                  parse: Literal["json", "regex", "logprobs"] = "json", scale: tuple[int, int] = (0, 10),
                  constrain: Literal["schema", "regex", "none"] | None = None, prefill: str | None = None,
-                 max_tokens: int = 256, name: str = "judge") -> None:
+                 max_tokens: int = 256, second_look: bool = True, name: str = "judge") -> None:
         if parse not in FORMATS:
             raise ValueError(f"parse must be 'json', 'regex' or 'logprobs', got {parse!r}")
         constrain = constrain or ("schema" if parse == "json" else "none")
@@ -223,6 +241,7 @@ class LLMJudge(Rubric):
             raise ValueError("prefill is for parse='logprobs' (a text answer is read whole)")
         self.criteria, self.endpoint, self.parse, self.scale = criteria, endpoint or JudgeEndpoint(), parse, scale
         self.constrain, self.prefill, self.max_tokens, self.name = constrain, prefill, max_tokens, name
+        self.second_look = second_look
         self._key = secrets.token_bytes(16)
 
     def prompt(self, reply: str) -> list[dict[str, str]]:
@@ -239,15 +258,22 @@ class LLMJudge(Rubric):
         return messages
 
     async def evaluate(self, episode: Episode) -> Score:
-        reply = episode.reply
+        looks = _looks([episode.reply], self.second_look)
+        [value] = await _lowest([self._scores(replies) for replies in looks])
+        return Score(value, {f"{self.name}/grader_talk": float(len(looks) > 1)} if self.second_look else {})
+
+    async def _scores(self, replies: list[str]) -> list[float]:
+        return [await self._score(replies[0])]
+
+    async def _score(self, reply: str) -> float:
         if self.parse == "logprobs":
             params: dict[str, Any] = {"max_tokens": 1, "temperature": 0.0, "logprobs": True, "top_logprobs": 20}
             if self.prefill is not None:
                 params["extra_body"] = {"continue_final_message": True, "add_generation_prompt": False}
-            return Score(self.expected(await self.endpoint.complete(self.prompt(reply), **params)))
+            return self.expected(await self.endpoint.complete(self.prompt(reply), **params))
         params = _request(self.constrain, "score", self.scale, None, self.max_tokens)
         answer = await self.endpoint.complete(self.prompt(reply), **params)
-        return Score(self.read(answer.text, reply))
+        return self.read(answer.text, reply)
 
     def expected(self, answer: Answer) -> float:
         """The expected score under the judge's first-token probabilities, scaled to [0, 1]."""
@@ -281,15 +307,38 @@ class LLMJudge(Rubric):
         return (value - low) / (high - low)
 
 
+def without_grader_talk(text: str) -> str:
+    """``text`` less what talks to its grader (:data:`GRADER_TALK`): each sentence from the first such word to its
+    end (a policy glues its talk onto its last sentence as often as it starts a new one), and each line that leaves
+    empty; the rest verbatim."""
+    if not GRADER_TALK.search(text):
+        return text
+    lines = []
+    for line in text.split("\n"):
+        kept = "".join(_before_talk(sentence) for sentence in SENTENCE_RE.findall(line))
+        if kept == line or kept.strip():
+            lines.append(line if kept == line else kept.rstrip())
+    return "\n".join(lines).strip()
+
+
+def _before_talk(sentence: str) -> str:
+    """``sentence`` up to its first word to a grader ("" if only blanks come before it)."""
+    talk = GRADER_TALK.search(sentence)
+    if talk is None:
+        return sentence
+    return sentence[:talk.start()] if sentence[:talk.start()].strip() else ""
+
+
 class RelativeJudge(GroupRubric):
     """A relative judge (RULER-style): one call scores a whole group (the samples of one task) against each other,
     on ``low..high`` scaled to [0, 1], as each group finishes (``generator.group_rubric``). The replies are quoted
-    under one keyed nonce and the answer is read as a pointwise judge's is (:class:`LLMJudge`). ``env_weight``
-    mixes in the env's own reward: ``(1 - w) * judge + w * env``."""
+    under one keyed nonce and the answer is read as a pointwise judge's is (:class:`LLMJudge`), with its second
+    look: a group in which a reply talks to its grader is scored again with every reply without such sentences, and
+    each reply's lower score counts. ``env_weight`` mixes in the env's own reward: ``(1 - w) * judge + w * env``."""
 
     def __init__(self, criteria: str, *, endpoint: JudgeEndpoint | None = None, scale: tuple[int, int] = (0, 10),
                  constrain: Literal["schema", "regex", "none"] = "schema", env_weight: float = 0.0,
-                 max_tokens: int = 512, name: str = "relative_judge") -> None:
+                 max_tokens: int = 512, second_look: bool = True, name: str = "relative_judge") -> None:
         if constrain not in ("schema", "regex", "none"):
             raise ValueError(f"constrain must be 'schema', 'regex' or 'none', got {constrain!r}")
         if not 0 < scale[1] - scale[0] <= 100 or not 0 <= env_weight <= 1:
@@ -297,6 +346,7 @@ class RelativeJudge(GroupRubric):
         self.criteria, self.scale, self.constrain = criteria, scale, constrain
         self.endpoint = endpoint or JudgeEndpoint()
         self.env_weight, self.max_tokens, self.name = env_weight, max_tokens, name
+        self.second_look = second_look
         self._key = secrets.token_bytes(16)
 
     def prompt(self, task: str, replies: list[str]) -> list[dict[str, str]]:
@@ -314,11 +364,17 @@ class RelativeJudge(GroupRubric):
             return []
         replies = [e.reply for e in episodes]
         task = next((str(m.get("content") or "") for m in episodes[0].messages if m.get("role") == "user"), "")
+        looks = _looks(replies, self.second_look)
+        values = await _lowest([self._scores(task, r) for r in looks])
+        talk = [float(r != s) for r, s in zip(replies, looks[-1], strict=True)]
+        return [Score((1 - self.env_weight) * v + self.env_weight * e.env_reward,
+                      {self.name: v, **({f"{self.name}/grader_talk": t} if self.second_look else {})})
+                for v, e, t in zip(values, episodes, talk, strict=True)]
+
+    async def _scores(self, task: str, replies: list[str]) -> list[float]:
         params = _request(self.constrain, "scores", self.scale, len(replies), self.max_tokens)
         answer = await self.endpoint.complete(self.prompt(task, replies), **params)
-        values = self.read(answer.text, replies)
-        return [Score((1 - self.env_weight) * v + self.env_weight * e.env_reward, {self.name: v})
-                for v, e in zip(values, episodes, strict=True)]
+        return self.read(answer.text, replies)
 
     def read(self, answer: str, replies: list[str]) -> list[float]:
         """The scores in the judge's ``answer``, scaled to [0, 1]; what the replies contain is not read."""
@@ -330,6 +386,28 @@ class RelativeJudge(GroupRubric):
         if not all(low <= v <= high for v in candidates[-1]):
             raise RubricError(f"judge {self.name!r} scored {candidates[-1]}, outside {low}..{high}")
         return [(v - low) / (high - low) for v in candidates[-1]]
+
+
+async def _lowest(looks: list[Awaitable[list[float]]]) -> list[float]:
+    """Each reply's lowest score over the looks; a look the judge gave no score for (a :class:`RubricError`, as when
+    it echoes the score the reply wrote) counts only when no look got one."""
+    results = await asyncio.gather(*looks, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException) and not isinstance(result, RubricError):
+            raise result
+    given = [result for result in results if not isinstance(result, BaseException)]
+    if not given:
+        raise results[0]
+    return [min(scores) for scores in zip(*given, strict=True)]
+
+
+def _looks(replies: list[str], second_look: bool) -> list[list[str]]:
+    """What a judge scores: the replies, then (on a second look, where one talks to its grader) the replies less
+    that talk."""
+    if not second_look:
+        return [replies]
+    redacted = [without_grader_talk(r) for r in replies]
+    return [replies] if redacted == replies else [replies, redacted]
 
 
 def _request(constrain: str, key: str, scale: tuple[int, int], n: int | None, max_tokens: int) -> dict[str, Any]:

@@ -233,8 +233,9 @@ def _skyrl_sums(out: Path) -> list[str]:
 # that): GuessTheNumber's partial credit; one-digit sums, 22% right (leg_counting, 2% right even for one animal and
 # a table of legs in the prompt, would leave most steps without an update); the few-shot '#### N' rows (25-80%); and
 # sophistry-bench-sprint's claims aggregate plus its rubric's 200-400 character band (the aggregate alone gives every
-# reply without <claim> tags 0.5). The sums and the '#### N' rows take 4 groups a step: 2 are both all-equal with
-# p ~ 0.02 (a 2-group step of '#### N' rows once scored 0 on all 16 rollouts and made no update).
+# reply without <claim> tags 0.5; the band needs a reply that ends by itself, within max_tokens). All but the game
+# take 4 groups a step: 2 are both all-equal with p ~ 0.02 (a 2-group step of '#### N' rows once scored 0 on all 16
+# rollouts and made no update; so did one of sophistry's, whose passages some make every reply run to max_tokens).
 ECOSYSTEMS = {
     "textarena": ["env.name=textarena:GuessTheNumber-v0", "+env.kwargs.max_turns=2", "generator.max_turns=4"],
     "reasoning_gym": ["env.name=reasoning_gym:basic_arithmetic", "+env.kwargs.num_train=40", "+env.kwargs.num_test=8",
@@ -254,7 +255,7 @@ def test_trains_on_each_ecosystems_env_alone(policy_url, tmp_path, ecosystem):
     overrides = list(ECOSYSTEMS[ecosystem])
     if ecosystem == "skyrl":
         overrides += _skyrl_sums(tmp_path)
-    prompts = 4 if ecosystem in ("reasoning_gym", "skyrl") else 2
+    prompts = 2 if ecosystem == "textarena" else 4
     steps = train(tmp_path / "run", policy_url, *overrides, "trainer.eval_tasks=2", prompts=prompts)
     assert all(m["stop/done"] + m.get("stop/max_turns", 0) == 8 * prompts for m in steps.values()), steps
     trajs = [json.loads(line) for line in (tmp_path / "run" / "final_trajectories.jsonl").read_text().splitlines()]
