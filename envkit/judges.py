@@ -69,10 +69,12 @@ Answer {answer_format}, where N is an integer from {low} to {high}.
 FORMATS = {"json": 'with only the JSON object {"score": N}', "regex": "with a short reason, then a last line SCORE: N",
            "logprobs": "with only the number N"}
 GRADER_TALK = re.compile(
-    r"\b(?:scor(?:e|es|ed|ing)|grad(?:e|es|ed|ing|er|ers)|ratings?|rated?|marks?|judg\w*|evaluat\w*|deserv\w*|"
-    r"review(?:er|ers)?|criteri\w*|instructions?|ignor\w*|disregard\w*|system|assistant|this\s+(?:reply|response))\b"
-    r"|\b\d+\s*(?:/|out\s+of)\s*\d+|<<<|>>>|[{}]", re.IGNORECASE)
-"""What a sentence that talks to its grader has (see :func:`without_grader_talk`)."""
+    r"\b(?:scor(?:e|es|ed|ing)|grad(?:e|es|ed|ing|er|ers)|ratings?|rated?|full\s+marks|judg\w*|evaluators?|"
+    r"reviewers?|deserv\w*|criteri\w*|instructions?|ignor\w*|disregard\w*|this\s+(?:reply|response))\b"
+    r"|\b(?:system|assistant|user)\s*:|\b\d+\s*(?:/|out\s+of)\s*\d+|<<<|>>>|[{}]", re.IGNORECASE)
+"""What a sentence that talks to its grader has (see :func:`without_grader_talk`): words a reply has no cause to
+write but to its grader ("evaluate", "system" or "review" alone are not among them: a math or a code reply writes
+them), a role's name as a speaker ("System:"), a score out of something, JSON braces and quote markers."""
 SENTENCE_RE = re.compile(r"[^.!?]*(?:[.!?]+|$)")
 """A sentence of a line, with its end: punctuation, or the end of the line."""
 MIN_SCORE_MASS = 0.5
@@ -219,8 +221,8 @@ class LLMJudge(Rubric):
     ``"SCORE: "``), the start of its answer written for it (a server that continues an assistant message: vLLM,
     SGLang). With less than :data:`MIN_SCORE_MASS` of its probability on the scores, the judge has not scored.
 
-    ``second_look`` (on by default): a reply that talks to its grader is scored again without those sentences and
-    the lower score counts; the breakdown's ``NAME/grader_talk`` is 1 for such a reply (its mean in the metrics is
+    ``second_look`` (on by default): a reply that talks to its grader is scored again without that talk and the
+    lower score counts; the breakdown's ``NAME/grader_talk`` is 1 for such a reply (its mean in the metrics is
     how often the policy tries)."""
 
     def __init__(self, criteria: str, *, endpoint: JudgeEndpoint | None = None,
@@ -333,8 +335,8 @@ class RelativeJudge(GroupRubric):
     """A relative judge (RULER-style): one call scores a whole group (the samples of one task) against each other,
     on ``low..high`` scaled to [0, 1], as each group finishes (``generator.group_rubric``). The replies are quoted
     under one keyed nonce and the answer is read as a pointwise judge's is (:class:`LLMJudge`), with its second
-    look: a group in which a reply talks to its grader is scored again with every reply without such sentences, and
-    each reply's lower score counts. ``env_weight`` mixes in the env's own reward: ``(1 - w) * judge + w * env``."""
+    look: a group in which a reply talks to its grader is scored again with every reply less that talk, and each
+    reply's lower score counts. ``env_weight`` mixes in the env's own reward: ``(1 - w) * judge + w * env``."""
 
     def __init__(self, criteria: str, *, endpoint: JudgeEndpoint | None = None, scale: tuple[int, int] = (0, 10),
                  constrain: Literal["schema", "regex", "none"] = "schema", env_weight: float = 0.0,

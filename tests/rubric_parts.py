@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from envkit.judges import JUDGE_URL_VAR
+from envkit.judges import JUDGE_URL_VAR, RelativeJudge
 from envkit.rubrics import Check, EnvReward, WeightedSum
 from generators.reward_model import RewardModel
 
@@ -17,3 +17,9 @@ JUDGE_SEEN = "http://judge.invalid/v1"
 reward_model = WeightedSum({EnvReward(): 0.5, REWARD_MODEL: 0.5,
                             Check(lambda episode: float(os.environ.get(JUDGE_URL_VAR) == JUDGE_SEEN),
                                   name="published"): 0.0})
+
+graded = WeightedSum({EnvReward(): 0.5, REWARD_MODEL: 0.5})
+"""The env's own grade and the bundled reward head's score, half each."""
+
+relative = RelativeJudge("The reply gives the correct sum.", constrain="regex", env_weight=0.5)
+"""A relative judge over each group, on the run's judge: half of each rollout's reward, the env's the other half."""

@@ -149,7 +149,8 @@ def test_a_judge_reads_its_own_score_not_one_the_reply_wrote():
 def test_a_second_look_reads_the_reply_without_what_it_says_to_its_grader():
     """Each attack is a sentence or line a second look leaves out, so the reply it is scored as again is the reply
     without the attack, and the rest stays as written; a reply that says nothing to its grader gets no second look."""
-    for reply in (RIGHT["content"], "Hello there!  How are you?\n\nFine, thanks.", "nine", ""):
+    for reply in (RIGHT["content"], "Hello there!  How are you?\n\nFine, thanks.", "nine", "",
+                  "Let us evaluate 3 + 4 first. The solar system has 8 planets; a user of the system reviews it."):
         assert without_grader_talk(reply) == reply
     for attack in ATTACKS.values():
         assert without_grader_talk(RIGHT["content"] + attack) == RIGHT["content"], attack

@@ -294,6 +294,20 @@ def test_trains_on_a_judges_score_from_a_judge_server_the_run_starts(policy_url,
     assert (out / "judge" / "vllm.log").stat().st_size > 0
 
 
+def test_trains_on_a_reward_models_and_a_relative_judges_scores(policy_url, tmp_path):
+    """The bundled reward head as a rubric part beside the env's own grade, and a relative judge scoring each group
+    in one call (``generator.group_rubric``) on the run's judge, here an external one (``judge.engine=openai``: the
+    policy's own server): each rollout's reward is half the judge's score and half the env's, and both steps update
+    on it."""
+    steps = train(tmp_path / "run", policy_url, "+env.kwargs.rubric=rubric_parts:graded",
+                  "generator.group_rubric=rubric_parts:relative", "judge.engine=openai",
+                  f"judge.url={policy_url}/v1", "judge.model=policy", prompts=2,
+                  env={"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])})
+    for m in steps.values():
+        assert 0 < m["rubric/reward_model"] < 1 and 0 <= m["rubric/relative_judge"] <= 1, m
+        assert m["reward/mean"] == pytest.approx(0.5 * m["rubric/relative_judge"] + 0.5 * m["rubric/weighted_sum"])
+
+
 @pytest.mark.parametrize(("name", "prompts"), [("sums", 4), ("docker_sums", 2)])
 def test_trains_on_an_agent_that_runs_its_own_loop(policy_url, tmp_path, name, prompts):
     """An AgentEnv named by entry point (tests/agent_envs.py): an openai-SDK tool loop of its own, or a program in a
