@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import resource
 import statistics
 import subprocess
@@ -34,9 +33,9 @@ REPO = Path(__file__).resolve().parent.parent
 def measure(args: argparse.Namespace) -> dict[str, float]:
     """Runs in the child process: build the backend, train, report (JSON on stdout)."""
     import torch
+    from synthetic import grpo_rollouts  # a sibling module in benchmarks/
 
     from generators.models import bundled_model_dir
-    from generators.trajectory import Trajectory
     from trainer.backends import make_backend
     from trainer.config import AlgorithmConfig, Config, LoraConfig, ModelConfig, RolloutConfig, TrainerConfig
     from trainer.distributed import shutdown_distributed
@@ -52,15 +51,7 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     torch.manual_seed(0)
     backend = make_backend(cfg, str(bundled_model_dir()))
     built_rss = _rss_mb()
-    rng = random.Random(0)
-    trajs = []
-    for g in range(args.rollouts // group):
-        prompt = [rng.randrange(100, 40000) for _ in range(rng.randrange(40, 80))]
-        for k in range(group):
-            response = [rng.randrange(100, 40000) for _ in range(rng.randrange(16, 48))]
-            trajs.append(Trajectory(prompt_ids=prompt, response_ids=response, loss_mask=[1] * len(response),
-                                    rollout_logprobs=[-1.0] * len(response), reward=float(k % 2),
-                                    group_id=f"g{g}", sample_index=k))
+    trajs = grpo_rollouts(args.rollouts, group)
     batch = prepare_batch(trajs, cfg)
     tokens = sum(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
     update_policy(backend, batch, cfg, pad_id=2)  # warm-up: allocations, Adam state

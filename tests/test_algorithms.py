@@ -490,3 +490,35 @@ def test_an_agent_episodes_segments_train_as_sequences_with_the_episodes_advanta
     a = batch.advantages.tolist()
     assert a[0] == a[1] > 0 > a[2] and abs(a[0] + a[2]) < 1e-6  # two episodes: +x and -x, whatever the segments
     assert batch.counts["trained"] == 2 and two.num_model_tokens == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_chunked_logprobs_and_entropy_match_the_whole_tensor_formula(dtype, temperature, entropy_grad, monkeypatch):
+    """The trainer's chunked log-softmax gather (values and gradients) against log_softmax over whole fp32 logits,
+    with chunks small enough that the rows span several, one of them partial."""
+    from trainer.backends.common import _ChunkedLogSoftmax, token_logprobs
+
+    monkeypatch.setattr(_ChunkedLogSoftmax, "ROW_BYTES", 4 * 1000 * 7)  # 7 rows a chunk: 50 rows in 8 chunks
+    torch.manual_seed(0)
+    base = (torch.randn(50, 1000, dtype=torch.float64) * 4).to(dtype)
+    targets = torch.randint(0, 1000, (50,))
+    weights_lp, weights_h = torch.randn(50), torch.randn(50)
+    ours, theirs = base.clone().requires_grad_(), base.clone().requires_grad_()
+
+    picked, entropy = token_logprobs(ours, targets, temperature, entropy_grad=entropy_grad)
+    logp = torch.log_softmax(theirs.float() / temperature, dim=-1)
+    want_picked = logp.gather(-1, targets[:, None]).squeeze(-1)
+    want_entropy = -(logp.exp() * logp).sum(-1)
+    assert picked.dtype == entropy.dtype == torch.float32 and entropy.requires_grad == entropy_grad
+    torch.testing.assert_close(picked, want_picked.detach(), rtol=0, atol=2e-5)
+    torch.testing.assert_close(entropy, want_entropy.detach(), rtol=0, atol=2e-5)
+
+    loss = (picked * weights_lp).sum() + ((entropy * weights_h).sum() if entropy_grad else 0)
+    want = (want_picked * weights_lp).sum() + ((want_entropy * weights_h).sum() if entropy_grad else 0)
+    loss.backward()
+    want.backward()
+    assert ours.grad.dtype == dtype
+    torch.testing.assert_close(ours.grad.float(), theirs.grad.float(), rtol=0, atol=2e-5 if dtype == torch.float32
+                               else 2e-3)

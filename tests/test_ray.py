@@ -282,6 +282,40 @@ def test_sandboxed_envs_run_in_env_workers_and_a_dead_worker_leaves_no_container
     assert sandboxes() <= before
 
 
+def test_a_run_on_ray_scores_every_env_workers_rollouts_with_one_reward_model_actor(cluster, tmp_path):
+    """``python -m trainer placement.backend=ray`` with the bundled reward head as half of each rollout's reward
+    (``rubric_parts:graded``): the two env workers' episodes go to one named reward actor in the run's namespace,
+    every step trains on the mixed reward, and the actor goes with the run."""
+    import ray
+
+    out = tmp_path / "run"
+    process = _start(out, cluster, "inference.engine=hf", *TINY, "placement.env_workers=2",
+                     "+env.kwargs.rubric=rubric_parts:graded")
+    namespace = f"envkit-{process.pid}"
+    deadline = time.monotonic() + 600
+    try:
+        while not (rewards := [a for a in _run_actors(namespace) if a.startswith("envkit-reward-")]):
+            assert process.poll() is None, process.communicate()[0][-4000:]
+            assert time.monotonic() < deadline, "no reward actor within 600 s"
+            time.sleep(0.2)
+        worker = ray.get_actor(rewards[0], namespace=namespace)
+        while not ray.get(worker.batches.remote(), timeout=30):
+            assert process.poll() is None, process.communicate()[0][-4000:]
+            time.sleep(0.2)
+        _finish(process)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert len(rewards) == 1
+    metrics = _metrics(out)
+    assert sorted(metrics) == [1, 2]
+    for m in metrics.values():
+        assert m["envs/workers"] == 2 and m["rollout/failed"] == 0
+        assert 0 < m["rubric/reward_model"] < 1 and m["train/grad_norm"] > 0, m
+        assert m["reward/mean"] == pytest.approx(m["rubric/weighted_sum"])
+    assert _run_actors(namespace) == []
+
+
 def _store_objects() -> int:
     """Objects in the cluster's object store now."""
     from ray._private.internal_api import memory_summary

@@ -180,7 +180,7 @@ def update_policy(backend: TrainBackend, batch: StepBatch, cfg: Config, pad_id: 
                     loss_tok = loss_tok + a.vf_coef * value_loss
                     _accumulate(weighted, "train/value_loss", algo.masked_mean(value_loss.detach(), mask), share)
                 loss = algo.aggregate(loss_tok, mask, a.aggregation, max_tokens=cfg.generator.max_total_tokens)
-                backend.backward(loss * share * backend.world_size)
+                backend.backward(loss * share * backend.world_size, last=k == passes - 1)
                 _accumulate(weighted, "train/loss", loss.detach(), share)
                 _accumulate(weighted, "train/entropy", algo.masked_mean(entropy.detach(), mask), share)
                 _accumulate(weighted, "train/clip_fraction", algo.masked_mean(diag["clipped"].float(), mask), share)

@@ -180,12 +180,13 @@ def sft_update(backend: TrainBackend, trajectories: list[Trajectory], batch: lis
     tokens = max(totals["tokens"], 1.0)
     loss_sum = 0.0
     # Every forward/backward is a collective: a rank with fewer micro-batches repeats its first with zero weight.
-    for k in range(max_over_ranks(len(micro))):
+    passes = max_over_ranks(len(micro))
+    for k in range(passes):
         mb = micro[k] if k < len(micro) else _idle(batch, trajectories, cfg, pad_id)
         weight = 1.0 if k < len(micro) else 0.0
         logprobs = backend.forward(mb).logprobs  # (B, T)
         loss = -(logprobs * mb["loss_mask"]).sum() / tokens * weight
-        backend.backward(loss * backend.world_size)  # FSDP averages gradients over ranks
+        backend.backward(loss * backend.world_size, last=k == passes - 1)  # FSDP averages gradients over ranks
         loss_sum += float(loss.detach())
     step = backend.step()
     return {"train/loss": all_reduce_values({"loss": loss_sum})["loss"], "train/grad_norm": step.grad_norm,

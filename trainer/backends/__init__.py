@@ -3,6 +3,8 @@ that picks one from the run's config."""
 
 from __future__ import annotations
 
+import ctypes
+from functools import cache
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -37,6 +39,8 @@ def make_backend(cfg: Config, model_path: str, *, sft_steps: int | None = None) 
         lora_dropout=cfg.model.lora.dropout, lora_target_modules=tuple(cfg.model.lora.target_modules),
         gradient_checkpointing=t.gradient_checkpointing, attention=attention, seed=t.seed, **objective,
     )
+    if not torch.cuda.is_available():
+        keep_freed_memory()
     if t.backend == "deepspeed":
         from trainer.backends.deepspeed import DeepSpeedBackend
 
@@ -44,6 +48,26 @@ def make_backend(cfg: Config, model_path: str, *, sft_steps: int | None = None) 
     from trainer.backends.fsdp import FSDPBackend
 
     return FSDPBackend(config)
+
+
+@cache
+def keep_freed_memory() -> None:
+    """Make glibc's malloc keep the memory a training step frees for the next step (as torch's CUDA allocator does).
+
+    By default large allocations (over 128 KB, raised as they are freed up to 32 MB) are fresh mmaps, and freed memory
+    at the top of the heap goes back to the kernel, so each update faulted its weight casts, gradients and logits in
+    again, page by page: 4 of a GRPO update's 10 s on a 2-vCPU VM (``benchmarks/train_peak.py``). The process holds
+    its peak memory until it exits instead.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: its allocator has its own policy
+        return
+    for option in (_M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD):
+        libc.mallopt(option, 2**31 - 1)
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
 
 
 def train_dtype(dtype: str) -> Literal["bf16", "fp32"]:

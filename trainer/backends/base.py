@@ -2,10 +2,10 @@
 
 One optimizer step of the loop, whatever the backend::
 
-    for mb in micro_batches:                      # gradient accumulation
+    for k, mb in enumerate(micro_batches):        # gradient accumulation
         logprobs = backend.forward(mb).logprobs   # (B, T), grad-enabled, aligned with mb["input_ids"]
         loss = policy_loss(logprobs, ...) / len(micro_batches)
-        backend.backward(loss)
+        backend.backward(loss, last=k == len(micro_batches) - 1)
     stats = backend.step()                        # clip, optimizer + scheduler step, zero grads
 
 Batches are dicts of tensors as made by ``trainer.batching.to_padded``: ``input_ids``, ``attention_mask``,
@@ -97,8 +97,9 @@ class TrainBackend(abc.ABC):
         value head, values (with grad) under the policy; (B, T) each."""
 
     @abc.abstractmethod
-    def backward(self, loss: torch.Tensor) -> None:
-        """Accumulate gradients of ``loss`` (already divided by the number of micro-batches)."""
+    def backward(self, loss: torch.Tensor, *, last: bool = True) -> None:
+        """Accumulate gradients of ``loss`` (already divided by the number of micro-batches). ``last=False``: more
+        micro-batches of this optimizer step follow, so a backend may defer its end-of-step work to the last one."""
 
     @abc.abstractmethod
     def step(self) -> StepStats:

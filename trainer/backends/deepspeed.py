@@ -146,7 +146,7 @@ class DeepSpeedBackend(TrainBackend):
         model = self.reference if reference else self.engine
         return model_logprobs(model, batch, self.engine.device, self.config.temperature).logprobs
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, *, last: bool = True) -> None:
         self.engine.backward(loss)  # divides by gradient_accumulation_steps == 1: the loss as given
 
     def step(self) -> StepStats:

@@ -75,6 +75,8 @@ class FSDPBackend(TrainBackend):
         for layer in base.model.layers:
             fully_shard(layer, mp_policy=self._mp, reshard_after_forward=reshard)
         fully_shard(base, mp_policy=self._mp, reshard_after_forward=reshard)
+        if train:
+            self._root = base
         model.train(train)
         if not train:
             model.requires_grad_(False)
@@ -100,7 +102,14 @@ class FSDPBackend(TrainBackend):
         model = self.reference if reference else self.model
         return model_logprobs(model, batch, self.device, self.config.temperature).logprobs
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, *, last: bool = True) -> None:
+        # One rank has no gradients to reduce and nothing to free: keeping each layer's gathered weights and its
+        # unreduced (fp32) gradients until the step's last micro-batch saves a cast of every weight in each
+        # micro-batch's forward and a copy of every gradient in its backward. With N ranks each micro-batch reduces
+        # and frees, which is what sharding is for.
+        if self.world_size == 1:
+            self._root.set_requires_gradient_sync(last)
+            self._root.set_reshard_after_backward(last)
         loss.backward()
 
     def step(self) -> StepStats:
