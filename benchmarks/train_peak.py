@@ -29,7 +29,6 @@ import torch
 from synthetic import grpo_rollouts  # a sibling module in benchmarks/
 
 from generators.models import bundled_model_dir
-from generators.trajectory import Trajectory
 from trainer.backends import make_backend, train_dtype
 from trainer.backends.base import TrainBackend
 from trainer.batching import micro_batches
@@ -61,26 +60,25 @@ def update_flops(backend: TrainBackend, batch: StepBatch, cfg: Config) -> tuple[
     kv = hidden * c.num_key_value_heads // c.num_attention_heads
     per_token = 2 * layers * (2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * c.intermediate_size)
     forward, read = 0.0, 0
-    for mb, rows in micro_batches(list(range(len(batch.trajectories))), batch.trajectories, pad_id=2,
+    for mb, _ in micro_batches(list(range(len(batch.trajectories))), batch.trajectories, pad_id=2,
                                   budget=cfg.trainer.micro_batch_tokens, packing=cfg.trainer.packing,
                                   share_prompt=cfg.trainer.shares_prompts):
-        if "segments" in mb:  # a shared prompt: read once, then each rollout's own tokens after it
-            shared = int((mb["segments"] == 0).sum())
-            tokens = shared + sum(len(_ids(batch.trajectories[i])) - shared for i in rows)
+        if "part_bounds" in mb:  # parts that share a prompt: read once, then each rollout's own tokens after it
+            tokens = mb["packed_input_ids"].shape[1]
+            context = 0
+            for begin, end in mb["part_bounds"].tolist():
+                segments = mb["segments"][0, begin:end]
+                shared = int((segments == 0).sum())
+                lengths = [shared + int((segments == r).sum()) for r in range(1, int(segments.max()) + 1)]
+                # causal attention: a token at position p attends to p + 1 positions, the shared ones counted once
+                context += sum(n * (n + 1) // 2 for n in lengths) - (len(lengths) - 1) * shared * (shared + 1) // 2
         else:
             tokens = int(mb["attention_mask"].sum())
-        # causal attention: a token at position p attends to p + 1 positions of its own rollout
-        context = sum(n * (n + 1) // 2 for n in (len(_ids(batch.trajectories[i])) for i in rows))
-        if "segments" in mb:  # the shared prompt's positions are read once, not once per rollout
-            context -= (len(rows) - 1) * shared * (shared + 1) // 2
+            context = sum(n * (n + 1) // 2 for n in mb["attention_mask"].sum(-1).tolist())
         predicted = int(mb["loss_mask"][:, 1:].sum())
         forward += per_token * tokens + 4 * layers * hidden * context + 2 * c.vocab_size * hidden * predicted
         read += tokens
     return 3 * forward, read
-
-
-def _ids(t: Trajectory) -> list[int]:
-    return t.prompt_ids + t.response_ids
 
 
 def timed_phases(backend: TrainBackend) -> dict[str, list[float]]:

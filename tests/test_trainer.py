@@ -152,7 +152,7 @@ def test_packing_matches_padding(tmp_path):
 
 
 def test_a_group_that_reads_its_prompt_once_updates_as_if_every_rollout_read_it(tmp_path):
-    shared = _update(tmp=tmp_path)  # 4 groups of 4: each group's prompt read once, by a micro-batch of its own
+    shared = _update(tmp=tmp_path)  # 4 groups of 4 in one micro-batch: each group's prompt read once
     whole = _update("--no-share-prompt", tmp=tmp_path)
     split = _update("--micro-batch-tokens", "100", tmp=tmp_path)  # each group over 2-3 micro-batches
     for other in (whole, split):

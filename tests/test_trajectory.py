@@ -101,6 +101,19 @@ def test_rollouts_of_one_prompt_share_micro_batches_that_count_the_prompt_once()
     alone = [_traj([1, 2, 3, 4], [8], [1])]  # a prefix of the group's prompt, but not the same prompt
     trajs = group + other + alone
     budget = 4 + 7 + 6  # the prompt less its last token, then each row's response and that token
+    tight = _shared_micro_batches(trajs, budget)
+    assert [rows for batch, rows in tight if "segments" in batch] == [[0, 4], [2, 3, 1], [5, 6]]
+    # with room, the two prompts' parts share one micro-batch, each part attending within itself
+    roomy = _shared_micro_batches(trajs, 100)
+    assert [(rows, batch["part_bounds"].tolist()) for batch, rows in roomy if "segments" in batch] == [
+        ([0, 4, 2, 3, 1, 5, 6], [[0, 29], [29, 36]])]
+    plain = micro_batches(list(range(len(trajs))), trajs, budget=budget, packing=False, pad_id=0)
+    assert not any("segments" in batch for batch, _ in plain)
+
+
+def _shared_micro_batches(trajs: list[Trajectory], budget: int) -> list[tuple[dict, list[int]]]:
+    """The shared-prompt micro-batches of ``trajs`` within ``budget``, each checked: every rollout once, each part
+    of a micro-batch its prompt once and then its rollouts' rests, where ``row_starts`` says they are."""
     batches = list(micro_batches(list(range(len(trajs))), trajs, budget=budget, packing=False, pad_id=0,
                                  share_prompt=True))
     seen = []
@@ -109,22 +122,25 @@ def test_rollouts_of_one_prompt_share_micro_batches_that_count_the_prompt_once()
         if "segments" not in batch:
             assert rows == [7] and batch["input_ids"].shape == (1, 5)
             continue
-        prompt = trajs[rows[0]].prompt_ids
-        assert all(trajs[i].prompt_ids == prompt for i in rows)
-        assert batch["packed_input_ids"].shape[1] == len(prompt) - 1 + sum(len(trajs[i].response_ids) + 1
-                                                                           for i in rows) <= budget
-        # every row's tokens are where row_starts says, in the one row the model reads
-        for r, i in enumerate(rows):
-            ids = trajs[i].prompt_ids + trajs[i].response_ids
-            at = batch["row_starts"][r] + torch.arange(len(prompt) - 1, len(ids))
-            assert batch["packed_input_ids"][0, at].tolist() == ids[len(prompt) - 1:]
-            assert batch["position_ids"][0, at].tolist() == list(range(len(prompt) - 1, len(ids)))
-            assert (batch["segments"][0, at] == r + 1).all()
-        assert batch["segments"][0, :len(prompt) - 1].tolist() == [0] * (len(prompt) - 1)
+        assert batch["packed_input_ids"].shape[1] == batch["part_bounds"][-1, 1] <= budget
+        r = 0
+        for begin, end in batch["part_bounds"].tolist():
+            segments = batch["segments"][0, begin:end]
+            prompt = trajs[rows[r]].prompt_ids
+            assert segments[:len(prompt) - 1].tolist() == [0] * (len(prompt) - 1)
+            assert batch["packed_input_ids"][0, begin:begin + len(prompt) - 1].tolist() == prompt[:-1]
+            for k in range(1, int(segments.max()) + 1):  # the part's rollouts
+                ids = trajs[rows[r]].prompt_ids + trajs[rows[r]].response_ids
+                assert trajs[rows[r]].prompt_ids == prompt
+                at = batch["row_starts"][r] + torch.arange(len(prompt) - 1, len(ids))
+                assert begin <= at.min() and at.max() < end
+                assert batch["packed_input_ids"][0, at].tolist() == ids[len(prompt) - 1:]
+                assert batch["position_ids"][0, at].tolist() == list(range(len(prompt) - 1, len(ids)))
+                assert (batch["segments"][0, at] == k).all()
+                r += 1
+        assert r == len(rows)
     assert sorted(seen) == list(range(len(trajs)))
-    assert [rows for batch, rows in batches if "segments" in batch] == [[0, 4], [2, 3, 1], [5, 6]]
-    plain = micro_batches(list(range(len(trajs))), trajs, budget=budget, packing=False, pad_id=0)
-    assert not any("segments" in batch for batch, _ in plain)
+    return batches
 
 
 def test_mini_batches_keep_the_rollouts_of_a_prompt_together_when_they_share_it():

@@ -8,7 +8,6 @@ logprob of token ``t`` comes from the logits at ``t - 1``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from itertools import accumulate
 
 import torch
 
@@ -76,15 +75,18 @@ def micro_batches(index: list[int], trajectories: list[Trajectory], *, budget: i
     """Split the rollouts ``index`` into micro-batches of at most ``budget`` tokens (longest first, greedy; a
     rollout longer than the budget goes alone); yields each collated batch and its rollouts' indices.
 
-    With ``share_prompt`` (instead of packing), rollouts with the same prompt go into micro-batches of their own
-    (:func:`shared_prompt_batch`): the model reads the prompt once for all of them, so a group of n costs
-    P + n·R tokens instead of n·(P + R), and its budget is counted that way.
+    With ``share_prompt`` (instead of packing), rollouts with the same prompt go into parts of micro-batches of their
+    own (:func:`shared_prompt_batch`): the model reads the prompt once for all of them, so a group of n costs
+    P + n·R tokens instead of n·(P + R), and its budget is counted that way. Several groups' parts share a
+    micro-batch, each attending only within itself.
     """
     if share_prompt and not packing:
         groups = _by_prompt(index, trajectories)
-        for rows in groups:
-            if len(rows) > 1:
-                yield from _shared_prompt(rows, trajectories, budget, pad_id)
+        parts = [part for rows in groups if len(rows) > 1 for part in _prompt_parts(rows, trajectories, budget)]
+        tokens = {k: _part_tokens(part, trajectories) for k, part in enumerate(parts)}
+        for chosen in _fill(list(tokens), tokens, lambda ks: sum(tokens[k] for k in ks), budget):
+            yield (shared_prompt_batch([[trajectories[i] for i in parts[k]] for k in chosen], pad_id),
+                   [i for k in chosen for i in parts[k]])
         index = [i for rows in groups if len(rows) == 1 for i in rows]
     length = {i: len(trajectories[i].prompt_ids) + len(trajectories[i].response_ids) for i in index}
     # packed: the tokens themselves; padded: rows × the longest row (the first, as they are sorted)
@@ -101,29 +103,44 @@ def _by_prompt(index: Iterable[int], trajectories: list[Trajectory]) -> list[lis
     return list(groups.values())
 
 
-def _shared_prompt(rows: list[int], trajectories: list[Trajectory], budget: int, pad_id: int
-                   ) -> Iterator[tuple[Batch, list[int]]]:
-    """Micro-batches of rollouts with one prompt, each costing the prompt once plus its rows' responses."""
+def _prompt_parts(rows: list[int], trajectories: list[Trajectory], budget: int) -> Iterator[list[int]]:
+    """Rollouts with one prompt cut into parts that each cost the prompt once plus their responses within budget."""
+    return _fill(rows, {i: len(trajectories[i].response_ids) + 1 for i in rows},
+                 lambda part: _part_tokens(part, trajectories), budget)
+
+
+def _part_tokens(part: list[int], trajectories: list[Trajectory]) -> int:
     # The prompt's last token stays in each row's own part: it predicts the row's first response token.
-    shared = len(trajectories[rows[0]].prompt_ids) - 1
-    tail = {i: len(trajectories[i].response_ids) + 1 for i in rows}
-    for part in _fill(rows, tail, lambda part: shared + sum(tail[j] for j in part), budget):
-        yield shared_prompt_batch([trajectories[j] for j in part], shared, pad_id), part
+    return len(trajectories[part[0]].prompt_ids) - 1 + sum(len(trajectories[i].response_ids) + 1 for i in part)
 
 
-def shared_prompt_batch(trajectories: list[Trajectory], shared: int, pad_id: int) -> Batch:
-    """Rollouts whose first ``shared`` tokens are the same, as one row for the model: those tokens once, then each
-    rollout's rest, with ``segments`` (0 on the shared tokens, r + 1 on rollout r's) for the attention mask that
-    lets each rollout see the shared tokens and itself only; the padded (B, T) tensors for the loss besides.
-    ``row_starts[r] + t`` is the position in that row of rollout r's token t (t >= ``shared``)."""
-    rows = [t.prompt_ids + t.response_ids for t in trajectories]
-    rests = [len(ids) - shared for ids in rows]
+def shared_prompt_batch(parts: list[list[Trajectory]], pad_id: int) -> Batch:
+    """Parts, each of rollouts with one prompt, as one row for the model: each part's prompt (less its last token)
+    once, then each of its rollouts' rest. ``part_bounds`` (P, 2) says where each part begins and ends in the row,
+    ``segments`` numbers its tokens (0 on the shared ones, r + 1 on its rollout r's) for the attention mask that
+    lets each rollout see its part's shared tokens and itself only; the padded (B, T) tensors for the loss besides.
+    ``row_starts[r] + t`` is the position in that row of rollout r's token t (t >= its prompt's length - 1)."""
+    ids: list[int] = []
+    positions: list[int] = []
+    segments: list[int] = []
+    starts, bounds = [], []
+    for trajectories in parts:
+        shared = len(trajectories[0].prompt_ids) - 1
+        begin = len(ids)
+        ids += trajectories[0].prompt_ids[:shared]
+        positions += range(shared)
+        segments += [0] * shared
+        for r, t in enumerate(trajectories):
+            rest = (t.prompt_ids + t.response_ids)[shared:]
+            starts.append(len(ids) - shared)
+            ids += rest
+            positions += range(shared, shared + len(rest))
+            segments += [r + 1] * len(rest)
+        bounds.append((begin, len(ids)))
     return {
-        **to_padded(trajectories, pad_id),
-        "packed_input_ids": torch.tensor([rows[0][:shared] + [i for ids in rows for i in ids[shared:]]]),
-        "position_ids": torch.tensor([list(range(shared)) + [p for ids in rows for p in range(shared, len(ids))]]),
-        "segments": torch.tensor([[0] * shared + [r + 1 for r, n in enumerate(rests) for _ in range(n)]]),
-        "row_starts": torch.tensor([0, *accumulate(rests)][:-1]),  # rollout r's part begins at shared + this
+        **to_padded([t for trajectories in parts for t in trajectories], pad_id),
+        "packed_input_ids": torch.tensor([ids]), "position_ids": torch.tensor([positions]),
+        "segments": torch.tensor([segments]), "row_starts": torch.tensor(starts), "part_bounds": torch.tensor(bounds),
     }
 
 

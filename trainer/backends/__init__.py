@@ -30,8 +30,8 @@ def make_backend(cfg: Config, model_path: str, *, sft_steps: int | None = None) 
         objective = {"lr": cfg.sft.lr, "total_steps": sft_steps}
     attention = t.attention
     if attention == "auto" and sft_steps is None and t.shares_prompts:
-        # One row per group under a custom mask: SDPA's CPU kernel took 38 s for the recipe's 3 groups of 8 where
-        # eager took 46 s (and eager 70-78 s with every rollout padded in full).
+        # Groups read their prompts once, as parts of one row (common.parts_sdpa: each part attends within itself
+        # under its own mask); rollouts without a group go through SDPA.
         attention = "sdpa"
     config = BackendConfig(
         model_path=model_path, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps, lr_schedule=t.lr_schedule,
