@@ -19,6 +19,7 @@ from generators.engines.base import (
     check_cpu_cores,
 )
 from generators.engines.managed import ServerBackedEngine, ServerOptions
+from generators.engines.transports.receiver import BUSY_POLL_ENV
 from generators.precision import auto_dtype
 
 if TYPE_CHECKING:
@@ -109,6 +110,8 @@ class VLLMEngine(ServerBackedEngine):
         self._wire_dtype: str | None = None
         self._set_up_for: object = object()
         env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), **_core_binding(cpu_cores)}
+        if self.cpu_build:  # the trainer shares these cores: workers stop spinning 50 ms after their last step
+            env[BUSY_POLL_ENV] = "0.05"
         super().__init__(model, options, server_name="vllm", env=env)
 
     def _command(self, port: int) -> list[str]:
