@@ -96,6 +96,7 @@ bench: install model docker-up  ## run the benchmarks (installs the peers they c
 	$(PY) benchmarks/remote_env.py
 	$(PY) benchmarks/generator_overhead.py
 	$(PY) benchmarks/grpo_vs_trl.py
+	$(PY) benchmarks/train_peak.py
 	$(PY) benchmarks/sft_vs_trl.py
 	$(PY) benchmarks/sandbox_latency.py
 	$(PY) benchmarks/ray_overhead.py

@@ -171,3 +171,31 @@ def test_the_cores_a_vllm_server_computes_on_follow_the_config_and_the_trainer_s
     with pytest.raises(ConfigError, match=r"inference\.cpu_cores must be auto, all, vllm or a list of cores such as "
                                           r"0-3 or 0,2; got 'half'"):
         trainer.compose(["inference.cpu_cores=half"])
+
+
+def test_the_worker_extension_caps_how_long_a_vllm_worker_spins_for_work(monkeypatch, tmp_path):
+    """A CPU server's workers (``ENVKIT_VLLM_BUSY_POLL_S``, set by VLLMEngine) busy-poll their queue for that long
+    after a read, not vLLM's 1 s, before they wait on its socket. Importing vLLM's queue here also fails loudly if
+    vLLM moves it, where the cap would quietly stop applying."""
+    import zmq
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    from generators.engines.transports import receiver
+
+    monkeypatch.setattr(SpinCondition, "wait", SpinCondition.wait)  # undone after the test
+    monkeypatch.setenv(receiver.BUSY_POLL_ENV, "0.05")
+    receiver._shorten_busy_polling()
+    receiver._shorten_busy_polling()  # once a process: a second call does not wrap the wrapper
+    assert SpinCondition.wait.envkit_limit == "0.05" and not hasattr(SpinCondition.wait.__wrapped__, "envkit_limit")
+    context = zmq.Context()
+    writer = SpinCondition(is_reader=False, context=context, notify_address=f"ipc://{tmp_path}/notify")
+    reader = SpinCondition(is_reader=True, context=context, notify_address=f"ipc://{tmp_path}/notify")
+    assert reader.busy_loop_s == 1  # vLLM's default
+    reader.record_read()
+    reader.wait(timeout_ms=10)
+    assert reader.busy_loop_s == 0.05
+    for condition in (reader, writer):
+        for socket in (condition.local_notify_socket, condition.read_cancel_socket, condition.write_cancel_socket):
+            if socket is not None:
+                socket.close(linger=0)
+    context.term()

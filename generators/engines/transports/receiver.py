@@ -50,6 +50,7 @@ def _shorten_busy_polling() -> None:
         wait(self, timeout_ms)
 
     capped.envkit_limit = limit  # type: ignore[attr-defined]
+    capped.__wrapped__ = wait  # type: ignore[attr-defined]
     SpinCondition.wait = capped
 
 
