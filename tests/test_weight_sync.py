@@ -91,6 +91,20 @@ async def test_the_hf_engine_serves_pushed_weights_as_it_serves_them_from_disk(b
         assert engine.weight_version == 3
 
 
+async def test_the_hf_engine_samples_anew_for_each_unseeded_request_and_alike_for_one_seed(bundled_model):
+    """A GRPO group's samples of one prompt: without a seed each request draws on (and advances) the process's
+    random stream, so they differ; with one they repeat, and leave that stream as it was."""
+    prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3510, 28, 11173, 411, 4628, 2]
+    async with HFEngine(bundled_model) as engine:
+        unseeded = [(await engine.generate(prompt, SamplingParams(temperature=1.0, max_tokens=16))).token_ids
+                    for _ in range(4)]
+        assert len({tuple(ids) for ids in unseeded}) > 1, unseeded
+        state = torch.random.get_rng_state()
+        seeded = [(await engine.generate(prompt, SamplingParams(temperature=1.0, max_tokens=16, seed=3))).token_ids
+                  for _ in range(2)]
+        assert seeded[0] == seeded[1] and torch.equal(torch.random.get_rng_state(), state)
+
+
 def test_the_weight_sync_group_names_mode_transport_and_swap_and_an_engine_refuses_what_it_cannot_take():
     import trainer
     from generators.engines.vllm import VLLMEngine

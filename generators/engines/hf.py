@@ -72,9 +72,10 @@ class HFEngine(InferenceEngine):
     @torch.no_grad()
     def _generate(self, prompt_ids: list[int], sampling: SamplingParams) -> tuple[list[int], list[float], Any]:
         assert self._model is not None
+        if sampling.seed is None:  # draws from the process's RNG stream, advancing it: the next request differs
+            return self._sample(prompt_ids, sampling)
         with torch.random.fork_rng(devices=[]):  # seed this request without touching the caller's RNG stream
-            if sampling.seed is not None:
-                torch.manual_seed(sampling.seed)
+            torch.manual_seed(sampling.seed)
             return self._sample(prompt_ids, sampling)
 
     def _sample(self, prompt_ids: list[int], sampling: SamplingParams) -> tuple[list[int], list[float], Any]:

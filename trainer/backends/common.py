@@ -29,32 +29,18 @@ PARTS_SDPA = "envkit_parts_sdpa"
 def parts_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: torch.Tensor | None, *, parts: list[tuple[int, int, torch.Tensor]] | None = None,
                **kwargs) -> tuple[torch.Tensor, None]:
-    """Attention over a (1, H, N, d) packed row whose ``parts`` (begin, end, additive mask) see nothing of each other.
+    """SDPA over a (1, H, N, d) packed row whose ``parts`` (begin, end, additive mask) see nothing of each other.
 
     A row of P equal parts costs P times less attention this way than under one (N, N) mask, which SDPA's kernels
-    compute in full; the row as a whole keeps the matmuls around attention as large as the micro-batch. On a CPU
-    each part is plain matmuls and a softmax: SDPA's CPU kernel under a mask made a GRPO update 16% slower
-    (``benchmarks/train_peak.py``: 5.19 s against 4.48 s).
+    compute in full; the row as a whole keeps the matmuls around attention as large as the micro-batch. SDPA keeps
+    memory linear in a part's length: plain matmuls and a softmax were 10% faster on the CPU for parts of ~300
+    tokens, but keep (n, n) scores of every layer for backward, and a multi-turn run's trainer grew to 14 GB.
     """
     if parts is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    attend = _masked_attention if query.device.type == "cpu" else sdpa_attention_forward
-    out = [attend(module, query[:, :, begin:end], key[:, :, begin:end], value[:, :, begin:end], mask, **kwargs)[0]
-           for begin, end, mask in parts]
+    out = [sdpa_attention_forward(module, query[:, :, begin:end], key[:, :, begin:end], value[:, :, begin:end],
+                                  mask, **kwargs)[0] for begin, end, mask in parts]
     return torch.cat(out, dim=1), None  # (1, N, H, d)
-
-
-def _masked_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      mask: torch.Tensor, *, dropout: float = 0.0, scaling: float | None = None, **_: object
-                      ) -> tuple[torch.Tensor, None]:
-    """softmax(q kᵀ · scaling + mask) v with the softmax in fp32; (1, n, H, d) like transformers' kernels."""
-    groups = query.shape[1] // key.shape[1]  # grouped-query attention: each key/value head serves this many
-    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    scores = query @ key.transpose(2, 3) * (query.shape[-1] ** -0.5 if scaling is None else scaling)
-    scores = scores + mask.to(scores.dtype)  # 0 or -inf: exact in any dtype
-    weights = torch.nn.functional.dropout(torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype),
-                                          p=dropout, training=module.training)
-    return (weights @ value).transpose(1, 2), None
 
 
 AttentionInterface.register(PARTS_SDPA, parts_sdpa)
