@@ -172,7 +172,9 @@ def model_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor], devic
             segments = batch["segments"].to(device)
             bounds = batch["part_bounds"].tolist()
             parts = {"parts": [(b, e, _shared_prompt_mask(segments[:, b:e])) for b, e in bounds]}
-            dense = _parts_mask(parts["parts"], segments.shape[1])  # for other attention kernels than parts_sdpa
+            inner = getattr(model, "module", model)  # DeepSpeed wraps the model in .module
+            if inner.config._attn_implementation != PARTS_SDPA:  # other kernels read one mask over the whole row
+                dense = _parts_mask(parts["parts"], segments.shape[1])
         logits = model(input_ids=packed, position_ids=batch["position_ids"].to(device), attention_mask=dense,
                        use_cache=False, logits_to_keep=keep.to(device), **parts).logits[0]  # (M, V)
         targets = packed[0, (keep + 1).to(device)]  # (M,)
