@@ -4,7 +4,8 @@
   in-process     guess-number and frozenlake: the env's attributes, pickled
   ws://          guess-number behind envkit serve in a child process (the local sandbox): the server's signed token
   docker         arithmetic with follow-ups in a Docker sandbox: the same token, from the server in its container,
-                 restored into another container
+                 and a tar of the files in its /work (empty; then 1 MB in one file; then 200 small files), restored
+                 into another container
   docker commit  the sandbox container's filesystem as an image: the other way to save a Docker env, timed for
                  comparison (it holds none of the env's state in memory, and no tmpfs such as the exec dir)
 
@@ -26,12 +27,16 @@ import envkit
 from envkit import Env
 
 
-async def cost(make: Any, repeats: int, first: str) -> tuple[float, float, int]:
-    """Median snapshot and restore seconds of an env ``make`` gives, one step into an episode, and the size."""
+async def cost(make: Any, repeats: int, first: str, files: str | None) -> tuple[float, float, int]:
+    """Median snapshot and restore seconds of an env ``make`` gives, one step into an episode (after ``files``, when
+    given, made files in its sandbox), and the size."""
     env, other = make(), make()
     try:
         await env.reset(seed=1)
         await env.step(envkit.assistant(first))
+        if files is not None:
+            made = await env.unwrapped.sandbox.exec(files)
+            assert made.exit_code == 0, made
         taken, restored = [], []
         for _ in range(repeats):
             began = time.perf_counter()
@@ -67,15 +72,21 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
+    def docker() -> Env:
+        return envkit.make("arithmetic", followups=3, sandbox="docker")
+
     kinds = {
-        "in-process guess-number": (lambda: envkit.make("guess-number"), "50"),
-        "in-process frozenlake": (lambda: envkit.make("frozenlake"), "Down"),
-        "ws:// guess-number": (lambda: envkit.make("guess-number", sandbox="local"), "50"),
-        "docker arithmetic": (lambda: envkit.make("arithmetic", followups=3, sandbox="docker"), "7"),
+        "in-process guess-number": (lambda: envkit.make("guess-number"), "50", None),
+        "in-process frozenlake": (lambda: envkit.make("frozenlake"), "Down", None),
+        "ws:// guess-number": (lambda: envkit.make("guess-number", sandbox="local"), "50", None),
+        "docker arithmetic": (docker, "7", None),
+        "docker, 1 MB file": (docker, "7", "open('blob', 'wb').write(bytes(range(256)) * 4096)"),
+        "docker, 200 files": (docker, "7", "import os\nfor i in range(20):\n    os.makedirs(f'd{i}')\n    for j in "
+                                           "range(10):\n        open(f'd{i}/{j}.py', 'w').write('x' * 500)"),
     }
-    for name, (make, first) in kinds.items():
-        taken, restored, size = await cost(make, args.repeats, first)
-        print(f"{name:24s} snapshot {1000 * taken:8.2f} ms   restore {1000 * restored:8.2f} ms   {size:6d} bytes")
+    for name, (make, first, files) in kinds.items():
+        taken, restored, size = await cost(make, args.repeats, first, files)
+        print(f"{name:24s} snapshot {1000 * taken:8.2f} ms   restore {1000 * restored:8.2f} ms   {size:8d} bytes")
     print(f"{'docker commit':24s} snapshot {1000 * await commit_cost(min(args.repeats, 5)):8.2f} ms   (the "
           "container's filesystem, without the env's state)")
 

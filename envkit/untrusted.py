@@ -35,6 +35,8 @@ from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from typing import IO, Any
 
+from envkit.errors import SnapshotError
+
 EXEC_USER_ENV = "ENVKIT_EXEC_USER"
 """Where ``envkit serve`` reads its default ``--exec-user`` (sandbox containers set it)."""
 SAFE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp"}
@@ -356,6 +358,65 @@ async def remove_files(uid: int, *dirs: str) -> None:
     await run(["sh", "-c", script, str(uid), *dirs], user=uid, timeout_s=30)
 
 
+ARCHIVE_LIMIT = 128 << 20
+"""The largest archive of a directory's files that :func:`pack` writes and :func:`unpack` takes."""
+_PACK = """
+import os, sys, tarfile
+with tarfile.open(fileobj=sys.stdout.buffer, mode="w|") as archive:
+    for name in sorted(os.listdir(".")):
+        archive.add(name, filter=lambda m: m if m.isfile() or m.isdir() or m.issym() else None)
+"""
+# Python 3.11.2 (Debian's, in the env images) has no tarfile extraction filters: the members are checked here. A
+# name or link that is absolute or climbs with ".." is refused, as is anything but files, directories and symlinks,
+# so whatever the archive holds lands under the directory (symlinks that never leave it cannot lead out of it). All
+# members are checked before the first is written: a refused archive writes nothing.
+_UNPACK = """
+import io, os, sys, tarfile
+dirs = []
+with tarfile.open(fileobj=io.BytesIO(sys.stdin.buffer.read()), mode="r:") as archive:
+    members = archive.getmembers()
+    for m in members:
+        names = [m.name] + ([m.linkname] if m.issym() else [])
+        if any(n.startswith("/") or ".." in n.split("/") for n in names) or not (m.isfile() or m.isdir() or m.issym()):
+            sys.exit(f"refused archive member {m.name!r}: only files, directories and symlinks inside the directory")
+    for m in members:
+        m.mode &= 0o777
+        m.uid, m.gid, m.uname, m.gname = os.getuid(), os.getgid(), "", ""
+        if m.isdir():
+            dirs.append((m.name, m.mode))
+            m.mode = 0o700
+        archive.extract(m, ".")
+for name, mode in reversed(dirs):
+    os.chmod(name, mode)
+"""
+
+
+async def pack(directory: str, *, user: int | None) -> bytes:
+    """The files, directories and symlinks under ``directory`` as an uncompressed tar, read as ``user``
+    (SnapshotError when it cannot be read whole or is over :data:`ARCHIVE_LIMIT`); empty bytes for an empty one."""
+    if not os.listdir(directory):
+        return b""
+    result = await run([python(), "-I", "-c", _PACK], user=user, cwd=directory, timeout_s=60,
+                       output_limit=ARCHIVE_LIMIT)
+    if result.exit_code or result.truncated:
+        why = f"over {ARCHIVE_LIMIT} bytes" if result.truncated else result.stderr.decode(errors="replace")[-500:]
+        raise SnapshotError(f"the files in {directory} could not be archived: {why}")
+    return result.stdout
+
+
+async def unpack(directory: str, archive: bytes, *, user: int | None) -> None:
+    """Extract an archive :func:`pack` made into ``directory`` as ``user``; SnapshotError for one that is not such
+    a tar (a member that would land outside ``directory``, a device, a link to elsewhere)."""
+    if len(archive) > ARCHIVE_LIMIT:
+        raise SnapshotError(f"an archive of {len(archive)} bytes is over the limit of {ARCHIVE_LIMIT}")
+    if not archive:
+        return
+    result = await run([python(), "-I", "-c", _UNPACK], stdin=archive, user=user, cwd=directory, timeout_s=60)
+    if result.exit_code:
+        raise SnapshotError(f"the archive was not extracted into {directory}: "
+                            f"{result.stderr.decode(errors='replace').strip()[-500:]}")
+
+
 class Workspace:
     """A uid and a directory for untrusted commands run one at a time (what ``envkit serve --exec-user`` serves):
     files persist between commands, processes never do; :meth:`scrub` empties it for the next user.
@@ -393,3 +454,16 @@ class Workspace:
         # descend from this server and are reparented to init, never to 0.
         others = [pid for pid in processes_of(None) if pid != os.getpid() and _parent(pid) not in (0, None)]
         return others, listing.stdout.decode(errors="replace").splitlines()[:20]
+
+    async def pack(self) -> bytes:
+        """The workspace's files as a tar (see :func:`pack`), read as the user."""
+        async with self._lock:
+            return await pack(self.workdir, user=self.user)
+
+    async def unpack(self, archive: bytes) -> None:
+        """Kill the user's processes, delete its files in the workspace and /tmp (:meth:`pack` saves only the
+        workspace), and write ``archive``'s files into the workspace as the user."""
+        async with self._lock:
+            kill_user(self.user)
+            await remove_files(self.user, self.workdir, "/tmp")
+            await unpack(self.workdir, archive, user=self.user)

@@ -175,6 +175,16 @@ class Sandbox(ABC):
         release with this and replaces a sandbox that is not clean)."""
 
     @abstractmethod
+    async def save_files(self) -> bytes:
+        """The files ``exec`` left in its working directory, as a tar (a snapshot's part that is not the env's
+        state); SnapshotError when they cannot be read whole."""
+
+    @abstractmethod
+    async def load_files(self, archive: bytes) -> None:
+        """Kill what ``exec`` left running and make its working directory hold ``archive``'s files (from
+        :meth:`save_files` of any sandbox); SnapshotError for an archive whose members would land elsewhere."""
+
+    @abstractmethod
     async def close(self) -> None:
         """Stop and remove everything the sandbox made (idempotent)."""
 

@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 import httpx
 
 from envkit.distribution import install_hint
+from envkit.errors import SnapshotError
 from envkit.remote import SNAPSHOT_KEY_ENV
 from envkit.untrusted import EXEC_USER_ENV, process_start_ticks
 from sandboxes.base import (
@@ -63,6 +64,9 @@ OWNER_LABEL = "org.envkit.owner"
 INTERNAL_NETWORK = "envkit-sandbox-internal"
 EXEC_KILL_GRACE_S = 5.0
 """How much longer than its timeout the host waits for an exec's answer."""
+FILES_ROUTE = "/exec/files"
+FILES_TIMEOUT_S = 90.0
+"""How long the host waits for the server to pack or unpack the exec dir's files (its own deadline is 60 s)."""
 
 _reaped = False
 _shared: dict[str, Any] = {}
@@ -300,16 +304,32 @@ class DockerSandbox(Sandbox):
             return False
         return True
 
+    async def save_files(self) -> bytes:
+        """The container's ``/work`` as a tar, read by its server as the exec user."""
+        self._require(State.RUNNING)
+        return (await self._request("GET", FILES_ROUTE, FILES_TIMEOUT_S)).content
+
+    async def load_files(self, archive: bytes) -> None:
+        """Replace the container's ``/work`` with ``archive``'s files, written by its server as the exec user."""
+        self._require(State.RUNNING)
+        await self._request("PUT", FILES_ROUTE, FILES_TIMEOUT_S, content=archive)
+
     async def _post(self, route: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        return (await self._request("POST", route, timeout_s, json=body)).json()
+
+    async def _request(self, method: str, route: str, timeout_s: float, **body: Any) -> httpx.Response:
         if self._http is None:
             self._http = httpx.AsyncClient(base_url=self.url, headers={"authorization": f"Bearer {self.token}"})
         try:
-            response = await self._http.post(route, json=body, timeout=timeout_s)
+            response = await self._http.request(method, route, timeout=timeout_s, **body)
         except httpx.HTTPError as e:
             raise SandboxError(f"{route} in {self.name} failed: {type(e).__name__}: {e}") from e
-        if response.status_code != 200:
+        if route == FILES_ROUTE and response.status_code in (422, 500):
+            raise SnapshotError(f"{method} {route} in {self.name} answered {response.status_code}: "
+                                f"{response.text[:500]}")
+        if response.status_code not in (200, 204):
             raise SandboxError(f"{route} in {self.name} answered {response.status_code}: {response.text[:500]}")
-        return response.json()
+        return response
 
     def __repr__(self) -> str:
         return f"<DockerSandbox {self.name} image={self.image} {self.state.value} url={self.url or '-'}>"

@@ -23,7 +23,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from envkit.core import Env, Snapshot, StepResult, Task
+from envkit.core import Env, Snapshot, StepResult, Task, check_kind
 from envkit.errors import ResetNeededError
 from envkit.messages import Message
 from envkit.ref import EnvRef
@@ -88,22 +88,26 @@ class SandboxedEnv(Env):
 
     @property
     def snapshot_kind(self) -> str:
-        """The served env's, as a :class:`RemoteEnv`'s: a snapshot restores into another sandbox of the env."""
-        return f"envkit-serve:{self.name}"
+        """Any sandbox of the served env: a snapshot restores into another, of either runtime."""
+        return f"envkit-sandbox:{self.name}"
 
     async def snapshot(self) -> Snapshot:
-        """The sandboxed env's state (its server's token, see :meth:`RemoteEnv.snapshot`): it restores into another
-        sandbox of this env, since every sandbox this process starts shares one snapshot key. The sandbox's files
-        are not in it."""
+        """The sandboxed env's state (its server's token, see :meth:`RemoteEnv.snapshot`) and the files ``exec`` left
+        in the sandbox (a tar of its working directory): it restores into another sandbox of this env, since every
+        sandbox this process starts shares one snapshot key. Processes still running there are not in it."""
         await self.init()
-        assert self._remote is not None
-        return await self._remote.snapshot()
+        assert self._remote is not None and self.sandbox is not None
+        state = await self._remote.snapshot()
+        return Snapshot(self.snapshot_kind, (state.state, await self.sandbox.save_files()))
 
     async def restore(self, snapshot: Snapshot) -> None:
-        """Put the sandboxed env in ``snapshot``'s state."""
+        """Put the sandboxed env in ``snapshot``'s state, and its sandbox's working directory in its files'."""
+        check_kind(self, snapshot)
         await self.init()
-        assert self._remote is not None
-        await self._remote.restore(snapshot)
+        assert self._remote is not None and self.sandbox is not None
+        state, files = snapshot.state
+        await self._remote.restore(Snapshot(self._remote.snapshot_kind, state))
+        await self.sandbox.load_files(files)
 
     def tasks(self, split: str = "train") -> Sequence[Task] | None:
         """The sandboxed env's task list (see :meth:`RemoteEnv.tasks`); the sandbox must be up: ``init`` first."""

@@ -169,5 +169,20 @@ class LocalSandbox(Sandbox):
         await asyncio.to_thread(_empty, self._workdir)
         return not os.listdir(self._workdir)
 
+    async def save_files(self) -> bytes:
+        """The sandbox's directory as a tar, read as its uid."""
+        self._require(State.RUNNING)
+        assert self._workdir is not None
+        return await untrusted.pack(self._workdir, user=self._uid)
+
+    async def load_files(self, archive: bytes) -> None:
+        """Kill what ``exec`` left and replace the sandbox's directory with ``archive``'s files, written as its uid."""
+        self._require(State.RUNNING)
+        assert self._workdir is not None
+        if self._uid is not None:
+            await asyncio.to_thread(untrusted.kill_user, self._uid)
+        await asyncio.to_thread(_empty, self._workdir)
+        await untrusted.unpack(self._workdir, archive, user=self._uid)
+
     def __repr__(self) -> str:
         return f"<LocalSandbox {self.env} {self.state.value} url={self.url or '-'}>"

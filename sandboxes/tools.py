@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 from typing import Any, ClassVar
 
-from envkit.core import StepResult, Task
+from envkit.core import Snapshot, StepResult, Task, check_kind, pickled_state
 from envkit.messages import Message, system
 from envkit.tool_env import ToolEnv
 from envkit.tools import ToolOutput, ToolStatus, tool
@@ -116,6 +117,7 @@ class CodeSandboxEnv(ToolEnv):
     """Sandboxes the shared pool keeps; episodes calling code at once beyond it wait for one (an env may set it
     per instance)."""
     code_limits: ClassVar[SandboxLimits] = TOOL_LIMITS
+    snapshot_exclude = ToolEnv.snapshot_exclude | {"_lease"}
 
     _lease: tuple[SandboxPool, Sandbox] | None = None
 
@@ -147,6 +149,23 @@ class CodeSandboxEnv(ToolEnv):
         lease, self._lease = self._lease, None
         if lease is not None:
             await asyncio.shield(lease[0].release(lease[1]))
+
+    async def snapshot(self) -> Snapshot:
+        """The env's attributes and the files its code calls left in the episode's sandbox (none leased: none)."""
+        files = await self._lease[1].save_files() if self._lease is not None else None
+        return Snapshot(self.snapshot_kind, (pickled_state(self), files))
+
+    async def restore(self, snapshot: Snapshot) -> None:
+        """The snapshot's attributes, and a sandbox (leased now, where the snapshot's episode had one) holding its
+        files; the sandbox this env held goes back to its pool."""
+        check_kind(self, snapshot)
+        state, files = snapshot.state
+        await self.release_sandbox()
+        vars(self).update(pickle.loads(state))
+        if files is not None:
+            pool = await self._code_pool()
+            self._lease = (pool, await pool.acquire())
+            await self._lease[1].load_files(files)
 
     async def reset(self, *, seed: int | None = None, task: Task | None = None) -> tuple[list[Message], dict]:
         await self.release_sandbox()

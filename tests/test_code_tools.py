@@ -74,6 +74,41 @@ async def test_an_episode_keeps_its_files_between_calls_and_the_next_gets_a_clea
     assert not _ours(docker_client)
 
 
+class Pair(Probe):
+    """Probe with room for two episodes' sandboxes at once."""
+
+    code_pool_size = 2
+
+
+async def test_a_snapshot_holds_the_episodes_files_and_a_restore_leases_a_sandbox_holding_them(docker_client):
+    """A code-tool episode snapshotted mid-episode: another env restored from it works in a sandbox of its own that
+    holds the files the code had made by then and none of its own (the one it held went back to the pool, which
+    scrubbed it, and may lend it again); the original goes on in its own; a snapshot from before any code call
+    restores with no sandbox leased."""
+    env, fork = Pair(), Pair()
+    try:
+        await asyncio.gather(env.reset(), fork.reset())
+        early = await env.snapshot()
+        await tool_output(env, "bash", command="mkdir d && echo 42 > d/n && ln -s d/n link")
+        snapshot = await env.snapshot()
+        await tool_output(env, "bash", command="rm -r d link && echo later > later")
+        await tool_output(fork, "bash", command="echo mine > mine")
+        await fork.restore(snapshot)
+        assert fork._lease[1] is not env._lease[1]
+        assert await tool_output(fork, "bash", command="ls -A; cat link") == "d\nlink\n42"
+        assert await tool_output(env, "bash", command="ls -A") == "later"
+        assert fork.turn == env.turn - 1  # the attributes came back too: one call fewer than the original
+        result = await fork.step(assistant("1"))
+        assert (result.reward, result.terminated, fork._lease) == (1.0, True, None)
+        await env.restore(early)
+        assert env._lease is None and env.turn == 0
+        assert await tool_output(env, "bash", command="ls -A /work") == "[no output]"
+    finally:
+        await asyncio.gather(env.close(), fork.close())
+        await close_code_pools()
+    assert not _ours(docker_client)
+
+
 async def test_each_call_reports_how_it_went_and_where_it_ran(docker_client) -> None:
     env = Probe()
     cases = [("python", {"code": "print(1)"}, "ok"), ("python", {"code": "1/0"}, "error"),

@@ -11,8 +11,10 @@ import uuid
 from pathlib import Path
 
 import pytest
+from archives import hostile_archives, setuid_archive
 
 import envkit
+from envkit.errors import SnapshotError
 from sandboxes.base import SandboxLimits
 from sandboxes.docker import DockerSandbox
 from sandboxes.pool import SandboxPool
@@ -177,6 +179,25 @@ for path in ["/etc/{marker}", "/usr/{marker}", "/opt/envkit/{marker}", "/{marker
         full = await victim.exec("open('/work/big', 'wb').write(b'x' * (64 << 20))", timeout=10)
         assert full.exit_code != 0 and "No space left" in full.stderr  # the tmpfs has a size limit
         await victim.exec(["sh", "-c", "rm -f /work/* /tmp/envkit-containment-*"], timeout=5)
+        await _unaffected(victim, bystander)
+
+
+async def test_a_snapshots_files_cannot_land_outside_the_workdir(victim, bystander) -> None:
+    """Files restored from a snapshot come from the policy's own sandbox, so a policy can craft them: an archive
+    that climbs out of /work, links out of it, or makes a device is refused by the server (422) before anything is
+    written; setuid bits are dropped; the server stays up."""
+    marker = f"envkit-archive-{uuid.uuid4().hex}"
+    async with asyncio.timeout(60):
+        for attack, archive in hostile_archives(marker).items():
+            with pytest.raises(SnapshotError, match=r"422.*refused archive member"):
+                await victim.load_files(archive)
+            found = await victim.exec(["find", "/tmp", "/work", "/", "-maxdepth", "1", "-name", marker, "-o",
+                                       "-name", "before"], timeout=10)
+            assert found.stdout == "", attack  # nothing of a refused archive is written, not even its harmless file
+        await victim.load_files(setuid_archive())
+        assert (await victim.exec(["stat", "-c", "%a %u", "/work/tool"], timeout=10)).stdout == "755 1000\n"
+        await victim.load_files(b"")
+        assert (await victim.exec(["ls", "-A", "/work"], timeout=10)).stdout == ""
         await _unaffected(victim, bystander)
 
 

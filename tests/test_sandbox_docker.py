@@ -303,19 +303,27 @@ async def test_pool_replaces_expired_sandboxes_and_reports_failed_starts(docker_
 async def test_a_sandboxed_envs_snapshot_restores_into_another_container(docker_client, arithmetic_image):
     """Two Docker sandboxes of arithmetic with follow-ups (two containers, two servers sharing this process's
     snapshot key): the snapshot of one's episode after its first answer restores into the other, which plays on as
-    the first did."""
+    the first did, and whose /work then holds the files the first's held at the snapshot (3 MB of them: more than a
+    request body may otherwise be), not its own nor the ones the first made later."""
     first, second = (envkit.make("arithmetic", followups=3, sandbox="docker") for _ in range(2))
     try:
-        await first.reset(seed=2)
+        await asyncio.gather(first.reset(seed=2), second.reset(seed=5))
         await first.step(envkit.assistant("7"))
+        boxes = first.unwrapped.sandbox, second.unwrapped.sandbox
+        await boxes[0].exec("import os; os.mkdir('d'); open('d/blob', 'wb').write(bytes(range(256)) * 12288)")
         snapshot = await first.snapshot()
+        await boxes[0].exec(["sh", "-c", "rm -r d; echo later > later"])
         replies = [envkit.assistant(n) for n in ("9", "12", "20")]
         original = [await first.step(reply) for reply in replies]
+        await boxes[1].exec(["sh", "-c", "echo mine > mine"])
         await second.restore(snapshot)
-        assert first.unwrapped.sandbox.url != second.unwrapped.sandbox.url
+        assert boxes[0].url != boxes[1].url and second.unwrapped.sandbox is boxes[1]
         again = [await second.step(reply) for reply in replies]
         assert [(r.observation, r.reward, r.done) for r in again] == [(r.observation, r.reward, r.done)
                                                                        for r in original]
         assert original[-1].done and not original[0].done
+        check = "import os; print(os.listdir('.'), open('d/blob', 'rb').read() == bytes(range(256)) * 12288)"
+        assert (await boxes[1].exec(check)).stdout == "['d'] True\n"
+        assert (await boxes[0].exec(["ls", "-A"])).stdout == "later\n"
     finally:
         await asyncio.gather(first.close(), second.close())

@@ -3,17 +3,22 @@ fallback to it when no engine is reachable."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import subprocess
 import sys
+import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import pytest
+from archives import hostile_archives, setuid_archive
 
 import envkit
+from envkit.errors import SnapshotError
 from envkit.remote import RemoteConfig
 from sandboxes.base import SandboxStartError, SandboxStateError
 from sandboxes.local import LocalSandbox
@@ -38,6 +43,29 @@ async def test_local_sandbox_serves_an_env_and_runs_commands() -> None:
         os.kill(pid, 0)
     with pytest.raises(SandboxStateError):
         await sandbox.exec("print(1)")
+
+
+async def test_a_local_sandboxs_files_load_into_another_and_hostile_archives_write_nothing_outside() -> None:
+    """A sandbox's files (what a snapshot of its env holds besides the env's state) replace another's, directories'
+    modes and symlinks kept; an archive that would write outside the directory, or make a device, is refused whole
+    (nothing of it is written) and the host's /tmp never sees its file; setuid bits are dropped."""
+    marker = f"envkit-archive-{uuid.uuid4().hex}"
+    async with LocalSandbox("arithmetic") as first, LocalSandbox("arithmetic") as second:
+        made = await first.exec(["sh", "-c", "mkdir d && echo 42 > d/n && ln -s d/n link && chmod 750 d"])
+        assert made.exit_code == 0, made
+        await second.exec(["sh", "-c", "echo mine > mine"])
+        await second.load_files(await first.save_files())
+        assert (await second.exec(["sh", "-c", "ls -A; cat link; stat -c %a d"])).stdout == "d\nlink\n42\n750\n"
+        for attack, archive in hostile_archives(marker).items():
+            with pytest.raises(SnapshotError, match="refused archive member"):
+                await second.load_files(archive)
+            landed = [Path(d, marker) for d in ("/tmp", tempfile.gettempdir())]
+            assert not any(await asyncio.to_thread(lambda: [p.exists() for p in landed])), attack  # noqa: B023
+            assert (await second.exec(["ls", "-A"])).stdout == "", attack  # refused whole: not even `before`
+        await second.load_files(setuid_archive())
+        assert (await second.exec(["stat", "-c", "%a", "tool"])).stdout == "755\n"
+        await second.load_files(b"")  # an empty sandbox's archive: nothing left
+        assert (await second.exec(["ls", "-A"])).stdout == "" and await first.save_files() != b""
 
 
 def _children(pid: int) -> list[int]:

@@ -179,6 +179,7 @@ def test_every_error_code_has_its_status_and_a_structured_body(server: Server, h
     expect("invalid_kwargs", http.post("/sessions", json={"kwargs": {"sandbox": "docker"}}))
     expect("invalid_kwargs", http.post("/sessions", json={"kwargs": {"checked": False}}))
     expect("payload_too_large", http.post(step, json=say("x" * 70_000)))
+    expect("payload_too_large", http.put("/exec/files", content=b"x" * 70_000))  # a sandbox's larger limit: not here
     http.post(f"/sessions/{sid}/reset", json={"seed": 1})
     expect("invalid_action", http.post(step, json=say(None)))
     expect("invalid_action", http.post(step, json={"action": {"role": "assistant", "content": None,

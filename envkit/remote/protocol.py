@@ -12,6 +12,8 @@ Sessions are explicit. Over REST::
     GET    /tasks?split=train&offset=0&limit=256                  -> TaskPage (the served env's task list)
     POST   /exec                      {"argv": [...], ...}        -> ExecResult (sandbox servers only)
     POST   /exec/scrub                                            -> ScrubResult (sandbox servers only)
+    GET    /exec/files                                            -> the exec dir as a tar (sandbox servers only)
+    PUT    /exec/files                tar                         -> 204, the exec dir now holds it (sandbox servers)
 
 Over one WebSocket per session (``/ws``), each text frame is one request ``{"op": ..., ...}`` with the same fields
 as the REST body, answered in order by one frame holding the REST response body: ``create`` (``kwargs``), ``reset``

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import envkit
 from envkit import untrusted
+from envkit.errors import SnapshotError
 from envkit.remote import wire
 from envkit.remote.protocol import (
     ERROR_STATUS,
@@ -52,8 +53,9 @@ def create_app(env: str, *, env_kwargs: dict[str, Any] | None = None, token: str
                limits: ServerLimits | None = None, slots: LocalSlots | None = None,
                workspace: untrusted.Workspace | None = None, mcp: bool = False, loopback: bool = True) -> FastAPI:
     """The FastAPI app serving ``env`` (a registered name or ``module:Class``); see the package docstring.
-    With ``workspace``, also ``/exec`` and ``/exec/scrub`` (commands next to the env, in a sandbox); with ``mcp``,
-    also ``/mcp``, the env's tools as an MCP server (:mod:`.mcp`; ``loopback``: the server binds only loopback)."""
+    With ``workspace``, also ``/exec``, ``/exec/scrub`` and ``/exec/files`` (commands next to the env, in a
+    sandbox, and their files for a snapshot); with ``mcp``, also ``/mcp``, the env's tools as an MCP server
+    (:mod:`.mcp`; ``loopback``: the server binds only loopback)."""
     server = EnvServer(env, env_kwargs=env_kwargs, limits=limits, slots=slots)
     mcp_sessions: AbstractAsyncContextManager[Any] = nullcontext()
     if mcp:
@@ -79,7 +81,7 @@ def create_app(env: str, *, env_kwargs: dict[str, Any] | None = None, token: str
         _add_exec_routes(app, server, workspace)
     if mcp:
         app.add_route(MCP_PATH, endpoint, include_in_schema=False)
-    app.add_middleware(Guard, server=server, token=token)
+    app.add_middleware(Guard, server=server, token=token, files=workspace is not None)
     return app
 
 
@@ -261,6 +263,26 @@ def _add_exec_routes(app: FastAPI, server: EnvServer, workspace: untrusted.Works
         """Kill the exec user's processes and delete its files; answers what is left (empty lists: clean)."""
         processes, files = await workspace.scrub()
         return _answer({"processes": processes, "files": files})
+
+    @app.get("/exec/files", responses={200: {"content": {"application/x-tar": {}}}, **_responses("env_error")},
+             tags=["sandbox"])
+    async def exec_files() -> Response:
+        """The exec dir's files as an uncompressed tar, read as the exec user (a sandbox's part of a snapshot)."""
+        try:
+            archive = await workspace.pack()
+        except SnapshotError as e:
+            return _error(server, ApiError("env_error", str(e)))
+        return Response(archive, media_type="application/x-tar")
+
+    @app.put("/exec/files", status_code=204, responses=_responses("invalid_snapshot"), tags=["sandbox"])
+    async def exec_replace_files(request: Request) -> Response:
+        """Kill the exec user's processes and replace the exec dir's files with the tar in the body (written as
+        the exec user; members that would land outside the dir, devices and hard links are refused)."""
+        try:
+            await workspace.unpack(await request.body())
+        except SnapshotError as e:
+            return _error(server, ApiError("invalid_snapshot", str(e)))
+        return Response(status_code=204)
 
 
 def _json_object(text: str) -> dict[str, Any]:

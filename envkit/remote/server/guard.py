@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from envkit import untrusted
 from envkit.remote import TOKEN_ENV
 from envkit.remote.protocol import ApiError
 from envkit.remote.server.openenv import PREFIX as OPENENV_PREFIX
@@ -41,6 +42,7 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 _REST_STEP = frozenset({"action"})
+FILES_PATH = "/exec/files"
 
 _DESCRIPTORS_PER_SESSION = 1
 _DESCRIPTORS_OWN = 64  # the listening socket, logs, the interpreter's own files, a worker's pipes
@@ -149,15 +151,18 @@ class Guard:
     the server's CPU per step of a fast env.
     """
 
-    def __init__(self, app: ASGIApp, *, server: EnvServer, token: str | None) -> None:
+    def __init__(self, app: ASGIApp, *, server: EnvServer, token: str | None, files: bool = False) -> None:
         self.app = app
         self.server = server
         self.ws = WsEndpoint(server)
         self.openenv_ws = WsEndpoint(server, OpenEnvSession)
         self.token = token.encode() if token else None
         self.max_bytes = server.limits.max_request_bytes
+        self.files = files
+        """Whether the app serves ``/exec/files``, whose body (a sandbox's files) may be up to ARCHIVE_LIMIT."""
         self.too_large = ApiError("payload_too_large", f"request body over {self.max_bytes} bytes "
                                                        "(ServerLimits.max_request_bytes)")
+        self.files_too_large = ApiError("payload_too_large", f"a files archive over {untrusted.ARCHIVE_LIMIT} bytes")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -195,9 +200,11 @@ class Guard:
             await send({"type": "websocket.close", "code": 1008, "reason": err.code})
 
     async def _limit_body(self, scope: Scope, receive: Receive, send: Send) -> None:
-        too_large = self.too_large
+        too_large, max_bytes = self.too_large, self.max_bytes
+        if self.files and scope["path"] == FILES_PATH:  # a sandbox's files from a snapshot: a limit of their own
+            too_large, max_bytes = self.files_too_large, untrusted.ARCHIVE_LIMIT
         for name, value in scope["headers"]:
-            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+            if name == b"content-length" and value.isdigit() and int(value) > max_bytes:
                 self.server.metrics.errors[too_large.code] += 1
                 return await _send_json(send, too_large.status, too_large.encoded())
         # Read the whole body first (bodies are small): a chunked upload cannot slip past the limit.
@@ -208,7 +215,7 @@ class Guard:
                 return  # the client went away
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_bytes:
+            if size > max_bytes:
                 self.server.metrics.errors[too_large.code] += 1
                 return await _send_json(send, too_large.status, too_large.encoded())
             chunks.append(chunk)
