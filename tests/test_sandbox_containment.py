@@ -185,7 +185,7 @@ for path in ["/etc/{marker}", "/usr/{marker}", "/opt/envkit/{marker}", "/{marker
 async def test_a_snapshots_files_cannot_land_outside_the_workdir(victim, bystander) -> None:
     """Files restored from a snapshot come from the policy's own sandbox, so a policy can craft them: an archive
     that climbs out of /work, links out of it, or makes a device is refused by the server (422) before anything is
-    written; setuid bits are dropped; the server stays up."""
+    written; setuid bits are dropped; files it cannot read fail the snapshot; the server stays up."""
     marker = f"envkit-archive-{uuid.uuid4().hex}"
     async with asyncio.timeout(60):
         for attack, archive in hostile_archives(marker).items():
@@ -196,6 +196,10 @@ async def test_a_snapshots_files_cannot_land_outside_the_workdir(victim, bystand
             assert found.stdout == "", attack  # nothing of a refused archive is written, not even its harmless file
         await victim.load_files(setuid_archive())
         assert (await victim.exec(["stat", "-c", "%a %u", "/work/tool"], timeout=10)).stdout == "755 1000\n"
+        # a file the policy made unreadable cannot be saved: the snapshot fails, saying so, and the server lives on
+        await victim.exec(["sh", "-c", "echo x > locked && chmod 000 locked"], timeout=10)
+        with pytest.raises(SnapshotError, match=r"500.*could not be archived.*locked"):
+            await victim.save_files()
         await victim.load_files(b"")
         assert (await victim.exec(["ls", "-A", "/work"], timeout=10)).stdout == ""
         await _unaffected(victim, bystander)
