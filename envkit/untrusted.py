@@ -444,8 +444,7 @@ class Workspace:
         """Kill the user's processes, delete its files in the workspace and /tmp; returns what is left: processes
         other than this one and init, and up to 20 paths the user still owns."""
         async with self._lock:
-            kill_user(self.user)  # inline for the reason given in _kill_all
-            await remove_files(self.user, self.workdir, "/tmp")
+            await self._clear()
             # What a lease can leave is what its uid owns: /tmp may hold other users' files (on a host, plenty).
             listing = await run(["find", self.workdir, "/tmp", "-mindepth", "1", "-user", str(self.user)],
                                 user=self.user, timeout_s=5)
@@ -464,6 +463,10 @@ class Workspace:
         """Kill the user's processes, delete its files in the workspace and /tmp (:meth:`pack` saves only the
         workspace), and write ``archive``'s files into the workspace as the user."""
         async with self._lock:
-            kill_user(self.user)
-            await remove_files(self.user, self.workdir, "/tmp")
+            await self._clear()
             await unpack(self.workdir, archive, user=self.user)
+
+    async def _clear(self) -> None:
+        """Kill the user's processes and delete its files in the workspace and /tmp (the lock held)."""
+        kill_user(self.user)  # inline for the reason given in _kill_all
+        await remove_files(self.user, self.workdir, "/tmp")

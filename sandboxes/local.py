@@ -177,11 +177,8 @@ class LocalSandbox(Sandbox):
 
     async def load_files(self, archive: bytes) -> None:
         """Kill what ``exec`` left and replace the sandbox's directory with ``archive``'s files, written as its uid."""
-        self._require(State.RUNNING)
+        await self.scrub()
         assert self._workdir is not None
-        if self._uid is not None:
-            await asyncio.to_thread(untrusted.kill_user, self._uid)
-        await asyncio.to_thread(_empty, self._workdir)
         await untrusted.unpack(self._workdir, archive, user=self._uid)
 
     def __repr__(self) -> str:

@@ -128,10 +128,14 @@ class CodeSandboxEnv(ToolEnv):
 
     async def run_code(self, argv: list[str]) -> ExecResult:
         """Run ``argv`` in this episode's sandbox (leased on the first call)."""
+        return await (await self._sandbox()).exec(argv, timeout=self.code_timeout_s)
+
+    async def _sandbox(self) -> Sandbox:
+        """This episode's sandbox, leased from the pool on first use."""
         if self._lease is None:
             pool = await self._code_pool()
             self._lease = (pool, await pool.acquire())
-        return await self._lease[1].exec(argv, timeout=self.code_timeout_s)
+        return self._lease[1]
 
     async def _tool_output(self, argv: list[str]) -> ToolOutput:
         """Run one code tool call: its report as the model reads it, with ``status`` error for a non-zero exit and
@@ -163,9 +167,7 @@ class CodeSandboxEnv(ToolEnv):
         await self.release_sandbox()
         vars(self).update(pickle.loads(state))
         if files is not None:
-            pool = await self._code_pool()
-            self._lease = (pool, await pool.acquire())
-            await self._lease[1].load_files(files)
+            await (await self._sandbox()).load_files(files)
 
     async def reset(self, *, seed: int | None = None, task: Task | None = None) -> tuple[list[Message], dict]:
         await self.release_sandbox()

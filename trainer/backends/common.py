@@ -159,6 +159,7 @@ def model_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor], devic
     Logits are computed only at the positions that predict a loss-mask token (``logits_to_keep``): prompts and
     environment turns never reach the vocabulary-sized head, which is most of the tokens of a typical rollout.
     """
+    inner = getattr(model, "module", model)  # DeepSpeed wraps the model in .module
     mask = batch["loss_mask"].bool().clone()  # (B, T)
     mask[:, 0] = False  # the first token is not predicted by anything
     rows, cols = mask.nonzero(as_tuple=True)  # (M,) each: the predicted tokens
@@ -172,7 +173,6 @@ def model_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor], devic
             segments = batch["segments"].to(device)
             bounds = batch["part_bounds"].tolist()
             parts = {"parts": [(b, e, _shared_prompt_mask(segments[:, b:e])) for b, e in bounds]}
-            inner = getattr(model, "module", model)  # DeepSpeed wraps the model in .module
             if inner.config._attn_implementation != PARTS_SDPA:  # other kernels read one mask over the whole row
                 dense = _parts_mask(parts["parts"], segments.shape[1])
         logits = model(input_ids=packed, position_ids=batch["position_ids"].to(device), attention_mask=dense,
@@ -190,7 +190,7 @@ def model_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor], devic
         targets = input_ids[rows.to(device), cols.to(device)]  # (M,)
         where = (rows, cols - 1)
     picked, entropy = token_logprobs(logits, targets, temperature, entropy_grad=entropy_grad)  # (M,) each
-    head = getattr(getattr(model, "module", model), "value_head", None)  # DeepSpeed wraps the model in .module
+    head = getattr(inner, "value_head", None)
     values = None
     if head is not None:
         values = _scatter(head.values[where[0].to(device), where[1].to(device)], rows, cols, mask.shape)
