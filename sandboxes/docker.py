@@ -307,28 +307,29 @@ class DockerSandbox(Sandbox):
     async def save_files(self) -> bytes:
         """The container's ``/work`` as a tar, read by its server as the exec user."""
         self._require(State.RUNNING)
-        return (await self._request("GET", FILES_ROUTE, FILES_TIMEOUT_S)).content
+        return (await self._request("GET", FILES_ROUTE, FILES_TIMEOUT_S, refused=SnapshotError)).content
 
     async def load_files(self, archive: bytes) -> None:
         """Replace the container's ``/work`` with ``archive``'s files, written by its server as the exec user."""
         self._require(State.RUNNING)
-        await self._request("PUT", FILES_ROUTE, FILES_TIMEOUT_S, content=archive)
+        await self._request("PUT", FILES_ROUTE, FILES_TIMEOUT_S, refused=SnapshotError, content=archive)
 
     async def _post(self, route: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         return (await self._request("POST", route, timeout_s, json=body)).json()
 
-    async def _request(self, method: str, route: str, timeout_s: float, **body: Any) -> httpx.Response:
+    async def _request(self, method: str, route: str, timeout_s: float, *,
+                       refused: type[Exception] = SandboxError, **body: Any) -> httpx.Response:
+        """``method route`` on the container's server; a 422 or 500 (the server refused or failed the request
+        itself) raises ``refused``, any other failure ``SandboxError``."""
         if self._http is None:
             self._http = httpx.AsyncClient(base_url=self.url, headers={"authorization": f"Bearer {self.token}"})
         try:
             response = await self._http.request(method, route, timeout=timeout_s, **body)
         except httpx.HTTPError as e:
             raise SandboxError(f"{route} in {self.name} failed: {type(e).__name__}: {e}") from e
-        if route == FILES_ROUTE and response.status_code in (422, 500):
-            raise SnapshotError(f"{method} {route} in {self.name} answered {response.status_code}: "
-                                f"{response.text[:500]}")
         if response.status_code not in (200, 204):
-            raise SandboxError(f"{route} in {self.name} answered {response.status_code}: {response.text[:500]}")
+            error = refused if response.status_code in (422, 500) else SandboxError
+            raise error(f"{method} {route} in {self.name} answered {response.status_code}: {response.text[:500]}")
         return response
 
     def __repr__(self) -> str:

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from generators.engines.base import ChatCompletion, Completion, EngineError, InferenceEngine, SamplingParams
+from generators.engines.threads import torch_in_thread
 from generators.models import resolve_model
 from generators.precision import auto_dtype
 
@@ -51,7 +52,7 @@ class HFEngine(InferenceEngine):
 
     async def start(self) -> None:
         if self._model is None:
-            self._model, self._tokenizer = await asyncio.to_thread(self._load)
+            self._model, self._tokenizer = await torch_in_thread(self._load)
 
     def _load(self) -> tuple[PreTrainedModel, Any]:
         path = resolve_model(self.model)
@@ -66,7 +67,7 @@ class HFEngine(InferenceEngine):
             raise EngineError("HFEngine is not started; use `async with engine:`")
         async with self._lock:
             version = self._version
-            ids, logprobs, finish = await asyncio.to_thread(self._generate, prompt_ids, sampling)
+            ids, logprobs, finish = await torch_in_thread(self._generate, prompt_ids, sampling)
         return Completion(ids, logprobs, finish, weight_version=version)
 
     @torch.no_grad()
@@ -111,7 +112,7 @@ class HFEngine(InferenceEngine):
         if self._model is None:
             raise EngineError("HFEngine is not started; use `async with engine:`")
         async with self._lock:
-            await asyncio.to_thread(self._load_weights, Path(path))
+            await torch_in_thread(self._load_weights, Path(path))
             self._version = version
 
     supports_weight_push = True
@@ -121,7 +122,7 @@ class HFEngine(InferenceEngine):
         if self._model is None:
             raise EngineError("HFEngine is not started; use `async with engine:`")
         async with self._lock:
-            await asyncio.to_thread(self._load_state, tensors, "pushed weights")
+            await torch_in_thread(self._load_state, tensors, "pushed weights")
             self._version = version
 
     def _load_weights(self, path: Path) -> None:

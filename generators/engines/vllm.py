@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import importlib.metadata
 import os
 import sys
@@ -19,6 +18,7 @@ from generators.engines.base import (
     check_cpu_cores,
 )
 from generators.engines.managed import ServerBackedEngine, ServerOptions
+from generators.engines.threads import torch_in_thread
 from generators.engines.transports.receiver import BUSY_POLL_ENV
 from generators.precision import auto_dtype
 
@@ -150,7 +150,7 @@ class VLLMEngine(ServerBackedEngine):
 
         buckets = plan_buckets(tensors, cast=await self._server_dtype())
         transport = await self._transport(buckets)
-        await asyncio.to_thread(transport.stage, tensors, buckets, version)
+        await torch_in_thread(transport.stage, tensors, buckets, version)
         await self._send("POST", "/pause", params={"mode": self._pause_mode})
         try:
             try:

@@ -30,8 +30,8 @@ def make_backend(cfg: Config, model_path: str, *, sft_steps: int | None = None) 
         objective = {"lr": cfg.sft.lr, "total_steps": sft_steps}
     attention = t.attention
     if attention == "auto" and sft_steps is None and t.shares_prompts:
-        # Groups read their prompts once, as parts of one row (common.parts_sdpa: each part attends within itself
-        # under its own mask); rollouts without a group go through SDPA.
+        # Groups read their prompts once, as parts of one row (part_attention: each part attends within itself
+        # alone); rollouts without a group go through SDPA.
         attention = "sdpa"
     config = BackendConfig(
         model_path=model_path, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps, lr_schedule=t.lr_schedule,

@@ -6,10 +6,10 @@ import math
 from typing import NamedTuple
 
 import torch
-from transformers import AttentionInterface, AutoModelForCausalLM, PreTrainedModel
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from trainer.backends.base import BackendConfig
+from trainer.backends.part_attention import PARTS_KERNEL, dense_mask, row_parts
 
 
 def load_model(config: BackendConfig, device: torch.device) -> PreTrainedModel:
@@ -18,32 +18,8 @@ def load_model(config: BackendConfig, device: torch.device) -> PreTrainedModel:
     if attention == "auto":
         attention = "sdpa" if device.type == "cuda" else "eager"
     if attention == "sdpa":
-        attention = PARTS_SDPA
+        attention = PARTS_KERNEL
     return AutoModelForCausalLM.from_pretrained(config.model_path, dtype=torch.float32, attn_implementation=attention)
-
-
-PARTS_SDPA = "envkit_parts_sdpa"
-"""transformers' SDPA attention, or, given ``parts``, attention over each part of a packed row on its own."""
-
-
-def parts_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               attention_mask: torch.Tensor | None, *, parts: list[tuple[int, int, torch.Tensor]] | None = None,
-               **kwargs) -> tuple[torch.Tensor, None]:
-    """SDPA over a (1, H, N, d) packed row whose ``parts`` (begin, end, additive mask) see nothing of each other.
-
-    A row of P equal parts costs P times less attention this way than under one (N, N) mask, which SDPA's kernels
-    compute in full; the row as a whole keeps the matmuls around attention as large as the micro-batch. SDPA keeps
-    memory linear in a part's length: plain matmuls and a softmax were 10% faster on the CPU for parts of ~300
-    tokens, but keep (n, n) scores of every layer for backward, and a multi-turn run's trainer grew to 14 GB.
-    """
-    if parts is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    out = [sdpa_attention_forward(module, query[:, :, begin:end], key[:, :, begin:end], value[:, :, begin:end],
-                                  mask, **kwargs)[0] for begin, end, mask in parts]
-    return torch.cat(out, dim=1), None  # (1, N, H, d)
-
-
-AttentionInterface.register(PARTS_SDPA, parts_sdpa)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, *, entropy_grad: bool = False
@@ -172,9 +148,10 @@ def model_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor], devic
         if "part_bounds" in batch:
             segments = batch["segments"].to(device)
             bounds = batch["part_bounds"].tolist()
-            parts = {"parts": [(b, e, _shared_prompt_mask(segments[:, b:e])) for b, e in bounds]}
-            if inner.config._attn_implementation != PARTS_SDPA:  # other kernels read one mask over the whole row
-                dense = _parts_mask(parts["parts"], segments.shape[1])
+            if inner.config._attn_implementation == PARTS_KERNEL:
+                parts = {"parts": row_parts(segments, bounds)}
+            else:  # other kernels read one mask over the whole row
+                dense = dense_mask(segments, bounds)
         logits = model(input_ids=packed, position_ids=batch["position_ids"].to(device), attention_mask=dense,
                        use_cache=False, logits_to_keep=keep.to(device), **parts).logits[0]  # (M, V)
         targets = packed[0, (keep + 1).to(device)]  # (M,)
@@ -196,24 +173,6 @@ def model_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor], devic
         values = _scatter(head.values[where[0].to(device), where[1].to(device)], rows, cols, mask.shape)
         head.values = None
     return TokenOutputs(_scatter(picked, rows, cols, mask.shape), _scatter(entropy, rows, cols, mask.shape), values)
-
-
-def _shared_prompt_mask(segments: torch.Tensor) -> torch.Tensor:
-    """The additive attention mask (1, 1, N, N) of one part of a shared-prompt row
-    (``trainer.batching.shared_prompt_batch``): each token sees the earlier tokens of its own segment and of the
-    shared one (segment 0)."""
-    seg = segments[0]  # (N,)
-    position = torch.arange(len(seg), device=seg.device)
-    seen = (position[None, :] <= position[:, None]) & ((seg[None, :] == 0) | (seg[None, :] == seg[:, None]))
-    return torch.zeros(seen.shape, device=seg.device).masked_fill(~seen, float("-inf"))[None, None]
-
-
-def _parts_mask(parts: list[tuple[int, int, torch.Tensor]], n: int) -> torch.Tensor:
-    """The (1, 1, N, N) additive mask of a whole row of ``parts``: each part's own mask on the diagonal."""
-    mask = torch.full((1, 1, n, n), float("-inf"), device=parts[0][2].device)
-    for begin, end, part in parts:
-        mask[..., begin:end, begin:end] = part
-    return mask
 
 
 def _scatter(values: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, shape: torch.Size) -> torch.Tensor:

@@ -40,6 +40,8 @@ class TrainerRank:
     def train(self, cfg: Config, rank: int, world_size: int, master: tuple[str, int], cwd: str) -> dict[str, Any]:
         """Run :func:`trainer.loop.train` as rank ``rank`` of ``world_size``."""
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        for client in ("httpx", "httpx2"):  # a line a request at INFO, as in trainer/conf/config.yaml's job_logging
+            logging.getLogger(client).setLevel(logging.WARNING)
         if os.path.isdir(cwd):  # relative paths in the config mean what they meant to the user
             os.chdir(cwd)
         # Ray gives each GPU actor only its own GPU (CUDA_VISIBLE_DEVICES), so it is device 0 here.

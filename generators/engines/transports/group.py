@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from generators.engines.threads import torch_in_thread
 from generators.engines.transports import Rpc, Server, WeightTransport
 from generators.engines.transports.buckets import Bucket, manifest, numel, read_manifest
 
@@ -82,11 +83,11 @@ class ProcessGroup(WeightTransport):
         world_size = 1 + len(await rpc("rank", {}))
         join = rpc("join", {"host": host, "port": str(self._store.port), "world_size": str(world_size)})
         self._group, _ = await asyncio.gather(
-            asyncio.to_thread(_group, self._store, 0, world_size, self._device), join)
+            torch_in_thread(_group, self._store, 0, world_size, self._device), join)
 
     async def deliver(self, rpc: Rpc, tensors: dict[str, torch.Tensor], buckets: list[Bucket], version: int) -> None:
         receive = rpc("receive", {"manifest": manifest(buckets, version)})
-        await asyncio.gather(receive, asyncio.to_thread(self._send, tensors, buckets, version))
+        await asyncio.gather(receive, torch_in_thread(self._send, tensors, buckets, version))
 
     def _send(self, tensors: dict[str, torch.Tensor], buckets: list[Bucket], version: int) -> None:
         """Broadcast ``tensors`` as ``buckets`` (in their dtypes) after both sides agree on the transfer."""
