@@ -81,8 +81,10 @@ TEST_WORKERS ?= 2
 
 # ENVKIT_TESTS_STRICT: what the prerequisites installed (Docker, DeepSpeed, ...) must work; a part that does not
 # fails the run, naming it, instead of skipping its tests (tests/required.py).
+# Durations, each worker's time and the budget line go to .cache/test-report/ (tests/suite_report.py), pass or fail.
 test: install model docker-up browser  ## the whole test suite (real vLLM servers, containers, training runs)
-	ENVKIT_TESTS_STRICT=1 $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25
+	ENVKIT_TESTS_STRICT=1 ENVKIT_TEST_REPORT=$(ENVKIT_CACHE_DIR)/test-report $(VENV)/bin/pytest -q \
+		-n $(TEST_WORKERS) --dist loadgroup --junitxml=$(ENVKIT_CACHE_DIR)/test-report/junit.xml
 
 test-fast: install model browser  ## the tests that need no vLLM, Docker or training run (a few minutes): the inner loop
 	$(VENV)/bin/pytest -q -m "not e2e" --durations=10

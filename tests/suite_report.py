@@ -1,0 +1,152 @@
+"""Where the suite's time goes, kept on disk and printed at the end of every run, passed or failed.
+
+`make test` sets ``ENVKIT_TEST_REPORT`` to ``$ENVKIT_CACHE_DIR/test-report/`` and the plugin writes there (other
+pytest runs, a single test say, write nothing and so never clobber a full run's record):
+- ``junit.xml``: pytest's own per-test record (``--junitxml``);
+- ``durations.jsonl``: one line per finished test (node id, worker, seconds of setup + call + teardown, start and
+  stop), appended as the run goes, so a run that is killed still says where its time went;
+- ``durations.md``: the pytest phase's wall time against :data:`BUDGET_S`, each worker's wall and busy time, the
+  slowest tests and modules, and how many tests exercise each real part (:data:`PARTS`).
+
+The budget line never fails the run: the same suite takes up to 1.5x longer on a slow machine of the same kind, and a
+slow machine must not block a landing. It is there so that growth shows up long before CI's limit does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+BUDGET_S = 20 * 60
+"""The pytest phase of `make test` on the 2-core CI machine. CI stops at 90 minutes, setup (venvs, model, Docker
+image, Chromium) takes ~8 of them on a fresh machine, and a slow machine runs 1.5x longer: 20 minutes keeps a slow
+run of a grown suite well inside the limit."""
+
+PARTS = ("vllm", "docker", "ray", "openenv", "verifiers", "agent_frameworks", "deepspeed", "trl", "chromium")
+"""The real parts the suite runs for real, one pytest marker each (pyproject.toml): the collected count per marker is
+how much of the suite exercises it."""
+
+SLOWEST = 25
+
+
+@dataclass
+class _Test:
+    worker: str = "main"
+    seconds: float = 0.0
+    start: float = float("inf")
+    stop: float = 0.0
+    outcome: str = "passed"
+
+
+@dataclass
+class _Run:
+    started: float = field(default_factory=time.time)
+    tests: dict[str, _Test] = field(default_factory=lambda: defaultdict(_Test))
+    parts: dict[str, int] = field(default_factory=dict)
+    collected: int = 0
+
+
+_run: _Run | None = None
+"""This session's record; set in the process that runs the session (xdist's controller, or pytest without xdist)."""
+
+
+REPORT_VAR = "ENVKIT_TEST_REPORT"
+
+
+def report_dir() -> Path:
+    """Where the report goes (``$ENVKIT_TEST_REPORT``: the Makefile points it into the project cache)."""
+    return Path(os.environ[REPORT_VAR])
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _run
+    if REPORT_VAR in os.environ and not hasattr(config, "workerinput"):  # the controller, or pytest without xdist
+        _run = _Run()
+        report_dir().mkdir(parents=True, exist_ok=True)
+        (report_dir() / "durations.jsonl").write_text("")
+
+
+@pytest.hookimpl(trylast=True)  # after conftest.py's hook has marked the tests
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    parts = {part: sum(1 for item in items if item.get_closest_marker(part)) for part in PARTS}
+    if hasattr(config, "workerinput"):  # each xdist worker collects the whole suite: the controller reads one
+        if REPORT_VAR in os.environ:
+            config.workeroutput["parts"], config.workeroutput["collected"] = parts, len(items)
+    elif _run is not None:
+        _run.parts, _run.collected = parts, len(items)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:  # node: xdist's WorkerController
+    output = getattr(node, "workeroutput", {})
+    if _run is not None and "parts" in output:
+        _run.parts, _run.collected = output["parts"], output["collected"]
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if _run is None:
+        return
+    test = _run.tests[report.nodeid]
+    node = getattr(report, "node", None)  # the xdist worker that ran it
+    test.worker = node.gateway.id if node is not None else "main"
+    test.seconds += report.duration
+    test.start, test.stop = min(test.start, report.start), max(test.stop, report.stop)
+    if report.failed:
+        test.outcome = "failed"
+    elif report.skipped and test.outcome == "passed":
+        test.outcome = "skipped"
+    if report.when == "teardown":
+        with (report_dir() / "durations.jsonl").open("a") as out:
+            out.write(json.dumps({"test": report.nodeid, "worker": test.worker, "seconds": round(test.seconds, 2),
+                                  "start": test.start, "stop": test.stop, "outcome": test.outcome}) + "\n")
+
+
+def _clock(seconds: float) -> str:
+    return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
+
+
+def summary(run: _Run, now: float) -> list[str]:
+    """The report's lines: budget, workers, slowest tests and modules, parts."""
+    wall = now - run.started
+    over = wall - BUDGET_S
+    verdict = (f"OVER BUDGET by {_clock(over)}: fold new checks into the wide runs (tests/suite_report.py)"
+               if over > 0 else f"within budget ({_clock(-over)} to spare)")
+    lines = ["# The suite's time\n", f"pytest phase: {_clock(wall)} wall against a budget of {_clock(BUDGET_S)}: "
+             f"{verdict}", f"tests finished: {len(run.tests)} of {run.collected} collected\n",
+             "| worker | tests | busy | first start to last stop | idle in it |", "|---|---|---|---|---|"]
+    workers: dict[str, list[_Test]] = defaultdict(list)
+    for test in run.tests.values():
+        workers[test.worker].append(test)
+    for worker, tests in sorted(workers.items()):
+        busy = sum(t.seconds for t in tests)
+        span = max(t.stop for t in tests) - min(t.start for t in tests)
+        lines.append(f"| {worker} | {len(tests)} | {_clock(busy)} | {_clock(span)} | {_clock(max(0.0, span - busy))} |")
+    lines += [f"\n## The {SLOWEST} slowest tests (setup + call + teardown)\n", "| s | worker | test |", "|---|---|---|"]
+    ranked = sorted(run.tests.items(), key=lambda kv: -kv[1].seconds)
+    lines += [f"| {t.seconds:.1f} | {t.worker} | {nodeid} |" for nodeid, t in ranked[:SLOWEST]]
+    modules: dict[str, list[float]] = defaultdict(list)
+    for nodeid, t in run.tests.items():
+        modules[nodeid.split("::", 1)[0]].append(t.seconds)
+    lines += ["\n## Modules by time\n", "| s | tests | module |", "|---|---|---|"]
+    lines += [f"| {sum(s):.0f} | {len(s)} | {module} |"
+              for module, s in sorted(modules.items(), key=lambda kv: -sum(kv[1]))]
+    if run.parts:
+        lines += ["\n## Tests per real part (collected)\n", "| part | tests |", "|---|---|"]
+        lines += [f"| {part} | {n} |" for part, n in run.parts.items()]
+    return lines
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if _run is None:
+        return
+    lines = summary(_run, time.time())
+    (report_dir() / "durations.md").write_text("\n".join(lines) + "\n")
+    terminalreporter.section("durations (also in " + str(report_dir() / "durations.md") + ")")
+    for line in lines:
+        terminalreporter.write_line(line, red="OVER BUDGET" in line, bold="OVER BUDGET" in line)
