@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tiny import on_tiny_model, tests_on_path
+from tiny import on_tiny_model, tests_on_path, tiny_model_dir
 from updates import run_update as _update
 from weights import changed_tensors
 
@@ -59,38 +59,6 @@ def test_invalid_config_fails_fast_with_a_readable_message(override, message, tm
     assert not (tmp_path / "checkpoints").exists()
 
 
-@pytest.mark.vllm
-def test_two_step_run_with_vllm_and_weight_sync(tmp_path):
-    from generators.models import bundled_model_dir
-
-    out = tmp_path / "run"
-    # 8 prompts x 8 samples: 18 of 64 groups of the bundled model are flat at 16 tokens, so a step of 8 all flat (no
-    # update) is a 4e-5 event (tests/test_train_anywhere.py)
-    result = _trainer("trainer.steps=2", f"trainer.output_dir={out}", *TINY, "generator.prompts_per_step=8",
-                      "generator.samples_per_prompt=8")
-    assert result.returncode == 0, _why(result)
-    metrics = _metrics(out)
-    assert sorted(metrics) == [1, 2]
-    for step, m in metrics.items():
-        assert m["stop/done"] == 64 and m["rollout/failed"] == 0
-        assert m["rollout/trained"] + 8 * m["rollout/zero_variance_groups"] == 64, step
-        assert "train/skipped_update" not in m and math.isfinite(m["train/loss"]) and m["train/lr"] > 0
-        assert "time/sync_s" in m
-    # step 2 sampled with the weights exported after step 1, and those weights moved
-    last = [json.loads(line) for line in (out / "final_trajectories.jsonl").read_text().splitlines()]
-    assert {t["policy_version"] for t in last if t["group_id"].startswith("arithmetic/train")} == {1}
-    assert changed_tensors(out / "weights" / "v2", bundled_model_dir()) > 0
-    results, _ = json.JSONDecoder().raw_decode(result.stdout[result.stdout.index("{"):])
-    assert "held-out accuracy on arithmetic (test split, 8 samples per task" in result.stdout
-    assert 0 <= results["accuracy_before"] <= 1 and 0 <= results["accuracy_after"] <= 1
-    assert Path(results["reward_curve"]).stat().st_size > 10_000 and "<html" in Path(results["report"]).read_text()
-    assert (out / "checkpoints" / "step-000002" / "state.json").is_file()
-    assert json.loads((out / "checkpoints" / "step-000002" / "state.json").read_text())["policy_version"] == 2
-    assert [p.name for p in (out / "weights").iterdir()] == ["v2"]  # the served version; older ones removed
-    assert any((out / "tensorboard").iterdir())
-    assert subprocess.run(["pgrep", "-f", f"vllm.entrypoints.*{out}"], capture_output=True).returncode == 1
-
-
 def _owned_by(pid: int) -> list[int]:
     """Processes started by a managed server of process ``pid`` (they carry its pid in ENVKIT_SERVER_OWNER)."""
     from generators.engines.server import OWNER_ENV
@@ -107,23 +75,60 @@ def _owned_by(pid: int) -> list[int]:
 
 
 @pytest.mark.vllm
-def test_kill_9_of_a_run_takes_its_vllm_server_and_engine_processes_along(tmp_path):
+def test_a_run_on_its_own_vllm_server_syncs_weights_dies_whole_under_kill_9_and_resumes(tmp_path):
+    """`python -m trainer` as `make train` runs it: a managed vLLM server, weights synced from memory each step. A
+    kill -9 of the run after its step-1 checkpoint takes the server's processes along; `trainer.resume=latest` starts
+    a new server, serves it the checkpoint's weights, and trains step 2 on rollouts they sampled. On the tiny model
+    (tests/tiny.py): what is checked needs no knowledge of arithmetic, and its graded reward updates every step."""
     out = tmp_path / "run"
-    process = subprocess.Popen([sys.executable, "-m", "trainer", f"trainer.output_dir={out}", "trainer.steps=50",
-                                *TINY], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run = ["trainer.steps=2", "trainer.save_every=1", f"trainer.output_dir={out}", f"model.path={tiny_model_dir()}",
+           "+env.kwargs.rubric=tiny:graded", *TINY, "trainer.eval_samples=2"]
+    with (tmp_path / "killed.log").open("w") as log:
+        process = subprocess.Popen([sys.executable, "-m", "trainer", *run], cwd=REPO, stdout=log,
+                                   stderr=subprocess.STDOUT, env=tests_on_path())
     deadline = time.monotonic() + 600
-    while not ((out / "metrics.jsonl").is_file() and _metrics(out)):  # vLLM is up and serving step-1 weights
-        assert process.poll() is None, "the run ended before its first step"
-        assert time.monotonic() < deadline, "no training step within 600 s"
-        time.sleep(0.5)
+    while not (out / "checkpoints" / "step-000001").is_dir():
+        assert process.poll() is None, f"the run ended before its step-1 checkpoint:\n{_tail(tmp_path / 'killed.log')}"
+        assert time.monotonic() < deadline, "no step-1 checkpoint within 600 s"  # a hang guard, not a speed check
+        time.sleep(0.2)
     started = _owned_by(process.pid)
     assert len(started) >= 3, started  # the watchdog, vLLM's API server and its engine core (at least)
     process.kill()
     process.wait()
+    # the watchdog polls its owner each second: 30 s is a hang guard, not a speed check
     deadline = time.monotonic() + 30
     while (left := _owned_by(process.pid)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left, [Path(f"/proc/{p}/cmdline").read_bytes() for p in left]
+    assert sorted(_metrics(out)) == [1]
+
+    result = _trainer(*run, "trainer.resume=latest")
+    assert result.returncode == 0, _why(result)
+    metrics = _metrics(out)
+    assert sorted(metrics) == [1, 2]
+    for step, m in metrics.items():
+        assert m["stop/done"] == 8 and m["rollout/failed"] == 0 and m["rollout/trained"] == 8, step
+        assert "train/skipped_update" not in m and math.isfinite(m["train/loss"]) and m["train/lr"] > 0
+        assert m["weights/from_memory"] == 1 and "time/sync_s" in m
+    # step 2 sampled with the weights the checkpoint of step 1 holds, and those weights moved
+    last = [json.loads(line) for line in (out / "final_trajectories.jsonl").read_text().splitlines()]
+    assert {t["policy_version"] for t in last if t["group_id"].startswith("arithmetic/train")} == {1}
+    assert changed_tensors(out / "weights" / "v2", tiny_model_dir()) > 0
+    results, _ = json.JSONDecoder().raw_decode(result.stdout[result.stdout.index("{"):])
+    # before -> after, "before" from the evaluation the killed process logged (a resume does not evaluate again)
+    assert "held-out accuracy on arithmetic (test split, 2 samples per task" in result.stdout
+    evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    initial = next(row for row in evals if row["step"] == 0 and "eval/accuracy" in row)
+    assert results["accuracy_before"] == initial["eval/accuracy"] and 0 <= results["accuracy_after"] <= 1
+    assert Path(results["reward_curve"]).stat().st_size > 10_000 and "<html" in Path(results["report"]).read_text()
+    assert json.loads((out / "checkpoints" / "step-000002" / "state.json").read_text())["policy_version"] == 2
+    assert [p.name for p in (out / "weights").iterdir()] == ["v2"]  # the served version; older ones removed
+    assert any((out / "tensorboard").iterdir())
+    assert subprocess.run(["pgrep", "-f", f"vllm.entrypoints.*{out}"], capture_output=True).returncode == 1
+
+
+def _tail(log: Path) -> str:
+    return log.read_text()[-3000:]
 
 
 def _close(a: dict, b: dict, keys: tuple[str, ...], rel: float) -> None:

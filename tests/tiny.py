@@ -24,9 +24,9 @@ VERSION = 3
 """Bump when the shape or the seed changes, so the cached copy is rebuilt."""
 SHAPE = {"num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2,
          "num_key_value_heads": 1, "head_dim": 64, "initializer_range": 0.3}
-"""64 per head as the bundled model's: vLLM's CPU attention takes no smaller head. At the usual 0.02 the tied embeddings give every token nearly the same logit (entropy 10.8 nats of a possible
-10.8), and an update barely moves a logprob; at 0.3 its next-token distributions are peaked as a trained model's
-are."""
+"""64 per head as the bundled model's: vLLM's CPU attention takes no smaller head. At the usual initializer range of
+0.02 the tied embeddings give every token nearly the same logit (entropy 10.8 nats of a possible 10.8), and an update
+barely moves a logprob; at 0.3 its next-token distributions are peaked as a trained model's are."""
 
 
 def tiny_model_dir() -> Path:

@@ -109,9 +109,14 @@ class SyncSource(RolloutSource):
         publish_policy(self.engine)
         super().open(backend, state, evaluate_before=evaluate_before)
         self.evaluating = self.cfg.trainer.eval_tasks > 0 and any(s.eval for s in self.envs.streams)
-        if not (self.evaluating and evaluate_before and state.step == 0):
+        if not (self.evaluating and evaluate_before):
             return {}
-        return {f"{k}_before": v for k, v in self.evaluate(step=0).items()}
+        if state.step == 0:
+            return {f"{k}_before": v for k, v in self.evaluate(step=0).items()}
+        # Resumed: the interrupted run's own evaluation of the initial policy, so the results still read before ->
+        # after (evaluating the resumed policy instead would call it "before").
+        initial = next((row for row in self.logger.evals if row["step"] == 0), {})
+        return {f"{k.removeprefix('eval/')}_before": v for k, v in initial.items() if k != "step"}
 
     def next(self, state: TrainState) -> tuple[list[Trajectory], int]:
         trajs = self.runner.run(self.envs.rollouts(self.generator, self.cfg.generator.prompts_per_step))
