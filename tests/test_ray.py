@@ -205,7 +205,11 @@ def test_kills_of_a_replica_and_a_sandboxed_env_worker_fail_only_their_rollouts(
             worker.episodes.remote(), timeout=10) > 0 and bool(sandboxes() - before_sandboxes))
         _kill_when_busy(process, namespace, "replica-0",
                         lambda replica: ray.get(replica.requests_in_flight.remote(), timeout=10) > 0)
-        rewards = [a for a in _run_actors(namespace) if a.startswith("envkit-reward-")]
+        deadline = time.monotonic() + 600  # a hang guard, not a speed check
+        while not (rewards := [a for a in _run_actors(namespace) if a.startswith("envkit-reward-")]):
+            assert process.poll() is None, process.communicate()[0][-4000:]  # made when the first episode ends
+            assert time.monotonic() < deadline, "no reward actor within 600 s"
+            time.sleep(0.2)
         output = _finish(process)
     finally:
         if process.poll() is None:
