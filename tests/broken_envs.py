@@ -1,5 +1,6 @@
 """Envs that each break one promise `envkit check` holds an env to (served as `broken_envs:NAME` with tests/ on
-PYTHONPATH). Apart from that one flaw each is a correct one-turn guessing game."""
+PYTHONPATH). Apart from that one flaw each is a correct guessing game: of one turn, or of three where the promise
+needs an episode of several (a snapshot is taken between two steps)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import random
 from typing import ClassVar
 
 import envkit
-from envkit import Env, Message, StepResult, Task
+from envkit import Env, Message, Snapshot, StepResult, Task
 
 
 class GuessEnv(Env):
@@ -86,3 +87,27 @@ class OutOfRangeEnv(GuessEnv):
 
     def reward(self, action: Message) -> float:
         return 2 * super().reward(action)
+
+
+class ForgetfulRestoreEnv(GuessEnv):
+    """Three guesses at the word; its restore puts the word back but keeps the guesses this instance had made (a
+    field its author forgot), so a restored episode does not end where the original did."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.guesses = 0
+
+    async def reset(self, *, seed: int | None = None, task: Task | None = None) -> tuple[list[Message], dict]:
+        self.guesses = 0
+        return await super().reset(seed=seed, task=task)
+
+    async def step(self, action: Message) -> StepResult:
+        self.guesses += 1
+        reward = self.reward(action)
+        done = reward == 1.0 or self.guesses == 3
+        return StepResult([] if done else [envkit.user("guess again")], reward=reward, terminated=done)
+
+    async def restore(self, snapshot: Snapshot) -> None:
+        guesses = self.guesses
+        await super().restore(snapshot)
+        self.guesses = guesses

@@ -37,9 +37,9 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0))
                                                      // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 # A test that needs one of these is end-to-end whether or not its module says so: `make test-fast` leaves it out.
-E2E_FIXTURES = {"vllm_engine", "tiny_vllm", "docker_client", "cluster"}
+E2E_FIXTURES = {"vllm_engine", "tiny_vllm", "docker_client", "ray_cluster"}
 # The real part a fixture runs (its marker, tests/suite_report.py); tests that reach a part otherwise are marked.
-PART_OF_FIXTURE = {"vllm_engine": "vllm", "tiny_vllm": "vllm", "docker_client": "docker", "cluster": "ray"}
+PART_OF_FIXTURE = {"vllm_engine": "vllm", "tiny_vllm": "vllm", "docker_client": "docker", "ray_cluster": "ray"}
 # Under `pytest -n 2 --dist loadgroup` (`make test`) the tests that use one of these session servers run on one worker,
 # as one unit of work: one server per worker otherwise, and the training runs that load new weights into it would
 # change them under each other's feet. Every other test goes to whichever worker is free.
@@ -162,22 +162,6 @@ def prune_failed_tmp_path(request: pytest.FixtureRequest) -> Iterator[None]:
         (path / "PRUNED.txt").write_text("".join(f"{f.relative_to(path)}\n" for f in pruned))
 
 
-@pytest.fixture(autouse=True)
-def machine_share(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Under xdist, a test marked ``exclusive`` (it needs most of the machine's memory) runs while the other worker
-    runs no ``e2e`` test: each e2e test holds a shared lock, an exclusive one waits for it (ahead of later tests)."""
-    exclusive = request.node.get_closest_marker("exclusive") is not None
-    if "PYTEST_XDIST_WORKER" not in os.environ or not (exclusive or request.node.get_closest_marker("e2e")):
-        yield
-        return
-    base = tmp_path_factory.getbasetemp().parent  # the run's base temp dir, which the workers share
-    with open(base / "machine.turn", "w") as turn, open(base / "machine.lock", "w") as lock:
-        fcntl.flock(turn, fcntl.LOCK_EX)  # a turnstile: an exclusive test waiting here blocks later shared ones
-        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        fcntl.flock(turn, fcntl.LOCK_UN)
-        yield
-
-
 @pytest.fixture(scope="session")
 def bundled_model() -> Path:
     """The bundled SmolLM2-135M-Instruct as an HF checkpoint dir (converted once, cached)."""
@@ -231,6 +215,23 @@ async def tiny_vllm() -> AsyncIterator:
         await engine.stop()
 
 
+@pytest.fixture
+async def policy_url(vllm_engine, bundled_model: Path) -> AsyncIterator[str]:
+    """The shared bundled vLLM server's URL for a training run, which changes its weights: the initial ones are
+    loaded back after."""
+    yield vllm_engine.base_url
+    await vllm_engine.load_weights(bundled_model, 0)
+
+
+@pytest.fixture
+async def tiny_url(tiny_vllm) -> AsyncIterator[str]:
+    """The session's tiny vLLM server's URL for a training run; its initial weights are loaded back after."""
+    from tiny import tiny_model_dir
+
+    yield tiny_vllm.base_url
+    await tiny_vllm.load_weights(tiny_model_dir(), 0)
+
+
 @pytest.fixture(scope="session")
 def docker_client():
     """The real Docker engine (brought up once, as `make docker-up` does) and, at session end, the check that no
@@ -282,12 +283,10 @@ def _run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One local Ray cluster for the whole test run, as `ray start --head` on a node: the first worker to need it
-    starts it, every worker connects to it, and the session's end stops it (:func:`pytest_sessionfinish`). 16 logical
-    CPUs: two runs' trainer ranks, replicas and env workers may be placed at once, one on each pytest worker."""
-    import ray
-
+    starts it, and the session's end stops it (:func:`pytest_sessionfinish`). 16 logical CPUs: two runs' trainer
+    ranks, replicas and env workers may be placed at once, one on each pytest worker."""
     with pytest.MonkeyPatch.context() as env:
         # Ray 2.59+ turns token auth on for clusters ray.init() starts, not (before 2.61) for `ray start` ones, so
         # clients and this cluster would disagree; a loopback test cluster needs none.
@@ -309,12 +308,20 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                                          capture_output=True, text=True)
                 assert started.returncode == 0, started.stdout + started.stderr
                 record.write_text(f"127.0.0.1:{port}")
-        address = record.read_text()
-        ray.init(address=address)
-        try:
-            yield address
-        finally:
-            ray.shutdown()  # disconnect: another worker may still use the cluster
+        yield record.read_text()
+
+
+@pytest.fixture
+def cluster(ray_cluster: str) -> Iterator[str]:
+    """The run's Ray cluster with this process connected as a driver for one test (the tests after it, in no
+    cluster, see none)."""
+    import ray
+
+    ray.init(address=ray_cluster)
+    try:
+        yield ray_cluster
+    finally:
+        ray.shutdown()  # disconnect: another worker may still use the cluster
 
 
 def _stop_cluster(config: pytest.Config) -> None:

@@ -1,6 +1,6 @@
 """The agent recipe for real: compute's demonstrations played in Docker sandboxes (train tasks only, failures dropped
-and counted), and `python -m trainer +recipe=tool_agent` end to end at tiny settings (SFT, then GRPO from its
-weights, evaluated before, after SFT and after RL, the python tool executing in Docker)."""
+and counted), and `python -m trainer +recipe=tool_agent` end to end on the tiny model (SFT, then GRPO from its
+weights, evaluated before, after SFT and after RL)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from envkit_compute.env import ComputeEnv
+from tiny import env_with_tests, tiny_model_dir
 
 import trainer
 from generators import ChatTokenizer
@@ -93,32 +94,37 @@ def test_an_env_without_demonstrations_fails_the_sft_stage_saying_so(chat_tokeni
         raise AssertionError("expected a ConfigError")
 
 
-# the kernel OOM-killed its SFT stage (8 GB resident, beside its vLLM server and 24 sandboxes) while the other
-# worker ran a TRL training step (3.5 GB)
-@pytest.mark.exclusive
+@pytest.mark.vllm  # the RL stage and the evaluations sample on a vLLM server (inference: vllm)
 def test_the_recipe_from_the_front_door(docker_client, tmp_path) -> None:
+    """`python -m trainer +recipe=tool_agent` on the tiny model (what the recipe teaches the bundled model is measured
+    in the README, not here): demonstrations played in Docker, SFT on them lowers the held-out loss, the RL stage
+    starts from the SFT weights and updates them, and the three evaluations and the report come out."""
     out = tmp_path / "agent"
-    tiny = ["sft.num_demos=16", "sft.epochs=2", "sft.batch_size=8", "trainer.steps=1", "trainer.eval_tasks=4",
-            "trainer.eval_samples=1", "generator.prompts_per_step=2", "generator.samples_per_prompt=4",
-            "env.kwargs.pool_size=4", "logging.progress=false"]
+    tiny = [f"model.path={tiny_model_dir()}", "inference.kv_cache_gib=1", "+env.kwargs.rubric=tiny:graded",
+            "sft.num_demos=8", "sft.epochs=2", "sft.batch_size=4", "sft.lr=1e-3", "trainer.steps=1", "trainer.lr=1e-3",
+            "trainer.eval_tasks=2", "trainer.eval_samples=1", "generator.prompts_per_step=2",
+            "generator.samples_per_prompt=4", "env.kwargs.pool_size=4", "logging.progress=false"]
     result = subprocess.run([sys.executable, "-m", "trainer", "+recipe=tool_agent", f"trainer.output_dir={out}",
-                             *tiny], capture_output=True, text=True, cwd=REPO, timeout=1500)
+                             *tiny], capture_output=True, text=True, cwd=REPO, timeout=1200, env=env_with_tests())
     assert result.returncode == 0, result.stderr[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     for name in ("accuracy", "tool_call_rate"):  # sampled; the recipe has no greedy evaluation
         assert {f"{name}_before", f"{name}_after_sft", f"{name}_after_rl"} <= set(summary), name
-    assert summary["tool_call_rate_before"] == 0.0  # the bundled model never calls a tool untaught
     assert summary["weights"] == str(out / "rl" / "weights" / "v1")
     assert "after sft" in result.stdout and "after rl" in result.stdout
-    # SFT trained on demonstrations that ran in Docker; the RL stage started from its weights
+    # SFT trained on demonstrations that ran in Docker, and learned from them
     demos = [json.loads(line) for line in (out / "sft" / "sft_data.jsonl").read_text().splitlines()]
-    assert len(demos) == 16 and all(d["tool_log"][0]["sandbox"] == "docker" for d in demos)
+    assert len(demos) == 8 and all(d["tool_log"][0]["sandbox"] == "docker" for d in demos)
+    sft = [json.loads(line) for line in (out / "sft" / "metrics.jsonl").read_text().splitlines()]
+    held_out = [r["eval/loss"] for r in sft if "eval/loss" in r]
+    assert len(held_out) == 2 and held_out[1] < held_out[0], held_out
+    # the RL stage started from the SFT weights, and its step updated them
     rl = json.loads((out / "rl" / "summary.json").read_text())
     assert "accuracy_before" not in rl  # its starting policy is the one the SFT stage evaluated last
     assert str(out / "sft" / "weights" / "v4") in (out / "rl" / "report.html").read_text()  # model.path
     rows = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
     step = next(r for r in rows if "reward/mean" in r)
     assert step["stop/done"] + step.get("stop/max_turns", 0) + step.get("stop/max_tokens", 0) == 8
-    assert not any(key.startswith("tools/execs/") and key != "tools/execs/docker" for r in rows for key in r)
+    assert step["train/grad_norm"] > 0
     report = (out / "report.html").read_text()
-    assert "sft-eval-0" in report and "rl-eval-1" in report and "tool calls" in report
+    assert "sft-eval-0" in report and "rl-eval-1" in report

@@ -12,7 +12,7 @@ import sys
 import pytest
 from safetensors.torch import load_file
 from test_trainer import REPO, TINY, _metrics, _why, kill_at_step_1_checkpoint
-from tiny import on_tiny_model, tests_on_path
+from tiny import env_with_tests, on_tiny_model
 
 pytestmark = pytest.mark.e2e
 
@@ -25,7 +25,7 @@ COMPARED = ("reward/mean", "rollout/model_tokens", "train/tokens", "train/loss",
 
 def _run(*overrides: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "trainer", *overrides], capture_output=True, text=True, cwd=REPO,
-                          env=tests_on_path(), timeout=timeout)
+                          env=env_with_tests(), timeout=timeout)
 
 
 def test_async_with_max_staleness_0_trains_exactly_what_sync_trains(tmp_path):

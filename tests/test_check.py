@@ -45,6 +45,7 @@ def test_every_env_here_passes_every_check(name: str, kwargs: dict, monkeypatch:
         assert "snapshot" in ran, rows
 
 
+@pytest.mark.openenv
 def test_the_openenv_adapter_passes_every_check_that_applies():
     from remote_envs import openenv_server
 
@@ -54,13 +55,19 @@ def test_the_openenv_adapter_passes_every_check_that_applies():
     assert rows["isolated sessions"].status == "pass" and rows["ws round trip"].status == "skip"
 
 
-@pytest.mark.parametrize(("env", "row", "says"), [
+BROKEN = [
     ("NondeterministicEnv", "same start", "opened differently in a fresh env"),
     ("CloseTwiceEnv", "close twice", "RuntimeError: already closed"),
     ("LeakyEnv", "isolated sessions", "instances share state"),
     ("OverlappingSplitsEnv", "disjoint splits", "0 ids and 1 tasks are in both train and test"),
     ("OutOfRangeEnv", "reward range", "rewards seen 0 .. 2, outside the declared reward_range [0, 1]"),
-])
+    ("ForgetfulRestoreEnv", "snapshot",
+     "seed 0, snapshotted after step 1: a fresh env restored from it went differently at step 3"),
+]
+"""Each env of tests/broken_envs.py, the one row it fails, and what that row says."""
+
+
+@pytest.mark.parametrize(("env", "row", "says"), BROKEN, ids=[env for env, _, _ in BROKEN])  # short node ids
 def test_a_broken_env_fails_the_row_it_breaks_and_only_that_one(env: str, row: str, says: str):
     out = subprocess.run([sys.executable, "-m", "envkit", "check", f"broken_envs:{env}", "--no-serve", "--json"],
                          capture_output=True, text=True, timeout=120, env=WITH_TESTS)
@@ -79,7 +86,8 @@ def test_state_shared_between_instances_fails_isolation_and_still_crosses_the_wi
 
 @pytest.mark.parametrize(("name", "kwargs"), [
     ("agent_envs:sums", {}),
-    ("verifiers:sophistry_bench_sprint", {"env_args": {"n_items": 5, "passage_chars": 200}})])
+    pytest.param("verifiers:sophistry_bench_sprint", {"env_args": {"n_items": 5, "passage_chars": 200}},
+                 marks=pytest.mark.verifiers)])
 def test_an_agent_env_passes_with_its_resets_checked_and_no_step_taken(name: str, kwargs: dict):
     """Its agent (an SDK loop of its own; a verifiers package's rollout loop) plays through a generator: check opens
     episodes (by seed and by task, in-process and over ws://) and steps none, where stepping would raise."""

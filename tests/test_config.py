@@ -40,7 +40,9 @@ def test_the_agent_recipe_composes_sft_then_rl_on_compute() -> None:
     assert cfg.trainer.steps == 3  # the user's overrides still win over the recipe's
 
 
-@pytest.mark.parametrize("name", sorted(path.stem for path in (CONF / "env").glob("*.yaml")))
+# compute's opening warms its code sandboxes (code_sandbox=auto): Docker containers where an engine answers
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.docker) if name == "compute" else name
+                                  for name in sorted(path.stem for path in (CONF / "env").glob("*.yaml"))])
 def test_every_shipped_env_config_opens_and_draws_starts(name: str) -> None:
     cfg = trainer.compose([f"env={name}"])
     mixture = Mixture(cfg.env, seed=0)

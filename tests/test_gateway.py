@@ -126,6 +126,7 @@ def agent_env(agent: Any, answers: list[Any] | None = None) -> Any:
     return lambda: AgentEnv(agent=agent, grader=grade, tasks=[QUESTION])
 
 
+@pytest.mark.agent_frameworks
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "streamed"])
 async def test_an_sdk_agents_calls_are_captured_as_the_engine_sampled_them(vllm_engine, chat_tokenizer, stream):
     """A 3-call tool loop: one linked sequence per episode, no re-tokenization skew, and what the agent was told is
@@ -155,6 +156,7 @@ async def test_an_sdk_agents_calls_are_captured_as_the_engine_sampled_them(vllm_
     assert sorted(t.reward for t in trajs) == sorted(1.0 if "5" in a else 0.0 for a in answers)
 
 
+@pytest.mark.agent_frameworks
 async def test_choices_not_continued_and_a_compressed_context_become_segments(vllm_engine, chat_tokenizer):
     """n=2, the agent continuing the second choice; then a call with a summarized history: three sequences (the
     continued one, the other choice, the new context), each exact, the episode's reward on all."""
@@ -186,6 +188,7 @@ async def test_choices_not_continued_and_a_compressed_context_become_segments(vl
     assert {s.reward for s in sequences} == {t.reward}
 
 
+@pytest.mark.agent_frameworks
 async def test_calls_are_refused_cleanly_and_the_gateway_stays_up(vllm_engine, chat_tokenizer):
     """Unknown key 401, a malformed body 400 with a structured error, a call after the episode ended 409, the call
     limit 429 (the episode stops on max_turns and scores 0), and good calls answered in between."""
@@ -262,6 +265,7 @@ async def test_calls_are_refused_cleanly_and_the_gateway_stays_up(vllm_engine, c
         assert late.status_code == 409 and late.json()["error"]["code"] == "episode_ended"
 
 
+@pytest.mark.agent_frameworks
 async def test_agents_that_crash_hang_or_run_concurrently_fail_alone_and_never_mix(vllm_engine, chat_tokenizer):
     """Of 8 concurrent episodes, one agent raises and one hangs past the rollout timeout: those two fail, the other
     six finish, each holding only its own question."""
@@ -292,6 +296,7 @@ async def test_agents_that_crash_hang_or_run_concurrently_fail_alone_and_never_m
     assert gen._gateway is None  # the batch over, its gateway stopped
 
 
+@pytest.mark.agent_frameworks
 async def test_an_agent_in_a_host_process_is_captured_exactly_and_a_blocked_host_is_replaced(vllm_engine,
                                                                                               chat_tokenizer):
     """agent_process=True: every episode's agent runs in one host process, not this one, and is captured as
@@ -300,7 +305,7 @@ async def test_an_agent_in_a_host_process_is_captured_exactly_and_a_blocked_host
     the next episodes get a fresh one. What an agent writes to fd 1 cannot answer for an episode."""
     engine = Recorded(vllm_engine)
     answers: list[Any] = []
-    gen = generator(engine, chat_tokenizer, samples_per_prompt=4, timeout_s=30)
+    gen = generator(engine, chat_tokenizer, samples_per_prompt=4)
 
     def env(*tasks: Task) -> Any:
         def grade(task: Task, result: dict[str, Any]) -> float:
@@ -350,6 +355,7 @@ async def test_a_hosted_agent_must_be_found_by_name_and_return_json():
         await env.run(client)
 
 
+@pytest.mark.agent_frameworks
 async def test_a_gateway_on_every_interface_is_announced_at_this_nodes_address(vllm_engine, chat_tokenizer):
     """``gateway_host=0.0.0.0`` (agents on other nodes): the agent is given this node's address on its default
     route, where its call is served and captured; loopback reaches the same gateway."""
@@ -373,6 +379,7 @@ async def test_a_gateway_on_every_interface_is_announced_at_this_nodes_address(v
     assert reached == [f"{node_address()} {vllm_engine.model_name}", f"127.0.0.1 {vllm_engine.model_name}"]
 
 
+@pytest.mark.agent_frameworks
 async def test_responses_api_calls_link_and_refuse_as_chat_calls_do(vllm_engine, chat_tokenizer):
     """Four /v1/responses calls: the second resends the first's output items, the third continues by
     previous_response_id, the fourth continues the third streamed; one exact sequence, the stream's terminal
@@ -453,6 +460,7 @@ print(reply.choices[0].message.content or "", task["id"])
 """
 
 
+@pytest.mark.agent_frameworks
 async def test_an_agents_sdk_streamed_run_is_captured_as_its_calls_were_sampled(vllm_engine, chat_tokenizer):
     """The OpenAI Agents SDK's streamed runs (``Runner.run_streamed``, over the Responses API, the SDK's default
     model) go through the gateway unmodified: the events reach the agent, and each model call is captured exactly.
@@ -485,6 +493,7 @@ async def test_an_agents_sdk_streamed_run_is_captured_as_its_calls_were_sampled(
     assert sum(events.count("response.created") for events in seen) == len(engine.calls)
 
 
+@pytest.mark.agent_frameworks
 async def test_command_agents_run_as_processes_and_fail_alone_with_their_process_tree_killed(
         vllm_engine, chat_tokenizer, tmp_path):
     """A process per episode, reaching the policy through OPENAI_BASE_URL/OPENAI_API_KEY: one answers (its stdout
@@ -525,6 +534,7 @@ async def test_command_agents_run_as_processes_and_fail_alone_with_their_process
         assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"], mode
 
 
+@pytest.mark.agent_frameworks
 async def test_anthropic_messages_calls_link_stream_and_refuse_as_chat_calls_do(vllm_engine, chat_tokenizer):
     """An Anthropic-SDK agent: a call with a tool, then a streamed call resending the reply's blocks (tool results
     for its tool_use blocks) and a new user turn, then a call with stop sequences (its reply ends before the one

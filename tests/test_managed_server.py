@@ -78,7 +78,7 @@ def test_server_and_what_it_forks_die_with_their_owner_even_on_sigkill(tmp_path)
     assert _alive(watchdog) and _alive(helper) and os.getpgid(helper) != os.getpgid(watchdog)
     process.kill()
     process.wait()
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 15  # only ends a failing run: a process that outlived its owner lives for good
     while (_alive(watchdog) or _alive(helper)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(helper), "a process the server forked outlived its SIGKILLed owner"

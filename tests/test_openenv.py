@@ -34,6 +34,7 @@ def echo_server(openenv_version: str) -> Iterator[Server]:
     srv.stop()
 
 
+@pytest.mark.openenv
 async def test_reset_and_step_map_to_the_env_contract(echo_server: Server):
     env = envkit.make(f"openenv:{echo_server.url}")
     assert isinstance(env.unwrapped, OpenEnvEnv)
@@ -54,6 +55,7 @@ async def test_reset_and_step_map_to_the_env_contract(echo_server: Server):
         assert (await env.step(envkit.assistant("again"))).reward == pytest.approx(0.5)
 
 
+@pytest.mark.openenv
 async def test_metadata_reaches_the_model_only_when_asked(echo_server: Server, openenv_version: str):
     """OpenEnv 0.10 sends an observation's metadata inside it (0.3 did not send it), where an env may keep what the
     model must not read: envkit puts it in info, and in the message only with show_metadata=True."""
@@ -67,6 +69,7 @@ async def test_metadata_reaches_the_model_only_when_asked(echo_server: Server, o
             assert "metadata" not in result.info["observation"]
 
 
+@pytest.mark.openenv
 async def test_concurrent_sessions_are_isolated(echo_server: Server):
     async def episode(i: int) -> list[str]:
         async with envkit.make(f"openenv:{echo_server.url}") as env:
@@ -77,6 +80,7 @@ async def test_concurrent_sessions_are_isolated(echo_server: Server):
     assert got == [[f"{i}-{k}" for k in range(3)] for i in range(16)]
 
 
+@pytest.mark.openenv
 async def test_custom_mapping_and_refused_actions(echo_server: Server):
     env = OpenEnvEnv(echo_server.url, to_action=lambda a: {"message": a["content"].upper()},
                      to_messages=lambda obs: [envkit.user(f"{obs['echoed_message']} ({obs['message_length']})")])
@@ -95,6 +99,7 @@ async def test_custom_mapping_and_refused_actions(echo_server: Server):
         await wrong.close()
 
 
+@pytest.mark.openenv
 def test_sync_facade(echo_server: Server):
     with envkit.SyncEnv(envkit.make(f"openenv:{echo_server.url}")) as env:
         env.reset(seed=0)
@@ -103,6 +108,7 @@ def test_sync_facade(echo_server: Server):
 
 
 @pytest.mark.e2e
+@pytest.mark.openenv
 async def test_the_generator_rolls_out_in_an_openenv_env(echo_server: Server, bundled_model: Path, chat_tokenizer):
     """The bundled model (in-process transformers engine) plays OpenEnv's echo env through the Generator."""
     from generators import Generator, GeneratorConfig, env_factory
@@ -122,6 +128,7 @@ async def test_the_generator_rolls_out_in_an_openenv_env(echo_server: Server, bu
         assert len(t.response_ids) == len(t.loss_mask)
 
 
+@pytest.mark.openenv
 async def test_an_mcp_type_env_is_a_tool_env():
     """OpenEnv 0.10's MCPEnvironment (tests/openenv_mcp_env.py), found from its schema: its tools are the env's,
     each tool call a call_tool step, and a reply without one ends the episode."""
@@ -169,6 +176,7 @@ def envkit_arithmetic() -> Iterator[Server]:
         yield server
 
 
+@pytest.mark.openenv
 def test_openenvs_own_client_plays_an_envkit_env(envkit_arithmetic: Server, openenv_version: str):
     """The other direction: `envkit serve` answers OpenEnv's protocol at /openenv, and OpenEnv's GenericEnvClient
     (from the OpenEnv venv of that version) plays arithmetic there (tests/openenv_client.py)."""
@@ -189,7 +197,7 @@ def test_openenvs_own_client_plays_an_envkit_env(envkit_arithmetic: Server, open
     assert "(code: VALIDATION_ERROR)" in seen["bad_action"]
     assert seen["state"]["step_count"] == 2 and seen["state"]["episode_id"]
     # the connection's session goes with it (the server sees the disconnect after the client has exited)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 10  # only ends a failing run: the disconnect is seen at once; a leak is for good
     while (open_sessions := httpx.get(f"{envkit_arithmetic.url}/info").json()["sessions"]) and \
             time.monotonic() < deadline:
         time.sleep(0.05)

@@ -29,7 +29,7 @@ from typing import Any
 
 import psutil
 import pytest
-from tiny import on_tiny_model, tests_on_path, tiny_model_dir
+from tiny import env_with_tests, on_tiny_model, tiny_model_dir
 from weights import model_tensors, perturbed_weights
 
 import envkit
@@ -82,7 +82,7 @@ def _run_actors(namespace: str) -> list[str]:
 def _start(out: Path, address: str, *overrides: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "trainer", "placement.backend=ray", f"placement.address={address}",
                              f"trainer.output_dir={out}", *overrides], cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=tests_on_path())
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env_with_tests())
 
 
 def _kill_when_busy(process: subprocess.Popen[str], namespace: str, name: str, busy: Callable[[Any], bool]) -> None:
@@ -138,7 +138,7 @@ def test_ranks_replicas_and_env_workers_train_as_the_local_run_does_through_a_ra
     # One torch thread, as Ray gives a 1-CPU replica actor: the same sampling logits, bit for bit, whatever the cores.
     result = subprocess.run([sys.executable, "-m", "trainer", *common, f"trainer.output_dir={local}"], cwd=REPO,
                             capture_output=True, text=True, timeout=900,
-                            env={**tests_on_path(), "OMP_NUM_THREADS": "1"})
+                            env={**env_with_tests(), "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-4000:]
 
     out = tmp_path / "ray"
@@ -226,7 +226,9 @@ def test_kills_of_a_replica_and_a_sandboxed_env_worker_fail_only_their_rollouts(
     assert "inference replica 0 died under a request" in output and "env worker env-worker-0 died" in output
     assert all(m["weights/from_memory"] == 1 for m in metrics.values())  # through the object store
     assert len(rewards) == 1  # one reward model for every worker
-    for m in metrics.values():
+    scored = [m for m in metrics.values() if m["rollout/failed"] < 16]  # a step the kills failed whole scored none
+    assert scored, metrics
+    for m in scored:
         assert 0 < m["rubric/reward_model"] < 1 and m["reward/mean"] == pytest.approx(m["rubric/weighted_sum"]), m
     assert any(m.get("train/grad_norm", 0) > 0 for m in metrics.values())  # the run trained
 
@@ -251,8 +253,8 @@ def _store_empties(within_s: float = 10.0) -> bool:
     return _store_objects() == 0
 
 
-async def test_weights_through_the_object_store_serve_what_a_reload_from_disk_serves(cluster, bundled_model,
-                                                                                     chat_tokenizer, tmp_path):
+async def test_weights_through_the_object_store_serve_what_a_reload_from_disk_serves(cluster, chat_tokenizer,
+                                                                                     tmp_path):
     """The ray transport: the server's workers join the cluster and take pushed weights from its object store,
     through a board actor holding the object's ref. The next greedy request gets the tokens and logprobs a reload of
     the same weights from disk gets. Once the workers have loaded, the store holds nothing (a ref pickled out of band
@@ -260,11 +262,12 @@ async def test_weights_through_the_object_store_serve_what_a_reload_from_disk_se
     import ray
 
     namespace = ray.get_runtime_context().namespace  # the engine's, so its board's
+    model = tiny_model_dir()  # the bundled model's tokenizer; what it generates needs no knowledge
     greedy = SamplingParams(temperature=0.0, max_tokens=12)
     prompt = chat_tokenizer.prompt_ids([envkit.user("Name a color.")])
-    perturbed, original_weights = perturbed_weights(bundled_model), model_tensors(bundled_model)
-    write_hf_checkpoint(perturbed, bundled_model, tmp_path / "perturbed")
-    engine = VLLMEngine(bundled_model, ServerOptions(served_model_name="policy", log_path=tmp_path / "vllm.log"),
+    perturbed, original_weights = perturbed_weights(model), model_tensors(model)
+    write_hf_checkpoint(perturbed, model, tmp_path / "perturbed")
+    engine = VLLMEngine(model, ServerOptions(served_model_name="policy", log_path=tmp_path / "vllm.log"),
                         kv_cache_gib=1, weight_transport="ray")
     await engine.start()
     try:

@@ -24,7 +24,11 @@ def test_readme_has_examples():
 
 def _param(code: str) -> object:
     heavy = any(word in code for word in ("sandbox", "VLLMEngine", "trainer"))  # Docker, vLLM or a training run
-    return pytest.param(code, marks=[pytest.mark.e2e] if heavy else [])
+    # the real parts a block runs: a container (sandbox="auto" or code tools, where Docker is up), vLLM, TRL
+    parts = [mark for mark, words in ((pytest.mark.docker, ('sandbox="auto"', 'sandbox="docker"', "CodeTools")),
+                                      (pytest.mark.vllm, ("VLLMEngine(",)), (pytest.mark.trl, ("from trl ",)))
+             if any(word in code for word in words)]
+    return pytest.param(code, marks=([pytest.mark.e2e] if heavy else []) + parts)
 
 
 @pytest.mark.parametrize("code", [_param(code) for code in BLOCKS], ids=[f"block{i}" for i in range(len(BLOCKS))])

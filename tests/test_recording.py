@@ -39,6 +39,23 @@ class DriftingEnv(Env):
         return StepResult([envkit.user(said)], reward=float(self.turn), terminated=self.turn == 3)
 
 
+SLOW_S = 0.05
+"""How long SlowEnv takes for a reset or a step: a sleep lasts at least that, so a measured duration is at least
+that (no upper bound: a loaded machine may take any time longer)."""
+
+
+class SlowEnv(Env):
+    """Takes :data:`SLOW_S` to open an episode and to answer each step: an env whose durations are known."""
+
+    async def reset(self, *, seed: int | None = None, task: Task | None = None) -> tuple[list[Message], dict]:
+        await asyncio.sleep(SLOW_S)
+        return [envkit.user("wait for it")], {}
+
+    async def step(self, action: Message) -> StepResult:
+        await asyncio.sleep(SLOW_S)
+        return StepResult([envkit.user("waited")], reward=1.0, terminated=False)
+
+
 def call(expression: str) -> Message:
     return {"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "calculator",
@@ -80,7 +97,7 @@ async def test_concurrent_episodes_are_recorded_whole_and_replay_the_same(tmp_pa
     assert len(by_episode) == 9
     for steps in by_episode.values():
         assert steps[0]["kind"] == "reset" and [e["step"] for e in steps[1:]] == list(range(1, len(steps)))
-        assert all(e["duration_s"] >= 0 for e in steps)
+        assert all(isinstance(e["duration_s"], float) for e in steps)  # its value: test_a_slow_step_records_...
     tool_episode = next(s for s in by_episode.values() if s[0]["env"] == "calculator")
     assert tool_episode[0]["tools"][0]["function"]["name"] == "calculator"
     assert tool_episode[1]["action"]["tool_calls"][0]["function"]["name"] == "calculator"
@@ -89,6 +106,20 @@ async def test_concurrent_episodes_are_recorded_whole_and_replay_the_same(tmp_pa
     out = envkit_cli("replay", str(path))
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("same") == 9 and "differs" not in out.stdout
+
+
+async def test_a_slow_step_records_how_long_it_took(tmp_path: Path):
+    """Each reset and step line carries the time the env took: an env that sleeps 50 ms a call is recorded at 50 ms
+    or more."""
+    path = tmp_path / "slow.jsonl"
+    env = envkit.make("test_recording:SlowEnv", record=path)
+    await env.reset(seed=0)
+    for _ in range(2):
+        await env.step(envkit.assistant("and?"))
+    await env.close()
+    events = read_events(path)
+    assert [e["kind"] for e in events] == ["reset", "step", "step"]
+    assert all(e["duration_s"] >= SLOW_S for e in events), [e["duration_s"] for e in events]
 
 
 def test_replay_names_the_step_where_an_env_stops_repeating(tmp_path: Path):

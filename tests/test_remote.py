@@ -210,7 +210,7 @@ async def test_a_cancelled_websocket_step_ends_the_session_instead_of_misreading
     # The server deletes a WebSocket session once its connection is gone and its running step has answered: by
     # then the cancelled step's answer has been sent, and would be read as the next step's.
     async with server_side(server) as http:
-        for _ in range(200):
+        for _ in range(200):  # up to 10 s, only to end a failing run: a session the server kept stays for good
             if (await http.get(f"/sessions/{env.session_id}")).status_code == 404:
                 break
             await asyncio.sleep(0.05)

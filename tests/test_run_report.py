@@ -65,6 +65,7 @@ def _visible(page: Page) -> int:
     return page.locator("#trajs details.traj:visible").count()
 
 
+@pytest.mark.chromium
 def test_filters_work_in_a_real_browser(report: Path) -> None:
     assert CHROMIUM, "chromium is not installed: `make test` installs it (apt-get install chromium)"
     with sync_playwright() as p:

@@ -98,9 +98,14 @@ async def test_memory_bomb_is_contained(victim, bystander) -> None:
 
 
 async def test_infinite_loop_is_killed_at_the_timeout(victim, bystander) -> None:
-    async with asyncio.timeout(15):
+    # Killed is events: the timeout flag, and no process left. The lower bound is an ordering (the kill came no
+    # earlier than the deadline), which load cannot break. A loop never killed leaves the exec unanswered, and the
+    # client's own deadline (timeout + EXEC_KILL_GRACE_S) raises. The 30 s guard only ends a hang: 20x the 1.5 s
+    # timeout, over 10x the exec and the checks after it.
+    async with asyncio.timeout(30):
         result = await victim.exec("while True:\n    pass", timeout=1.5)
-        assert result.timed_out and 1.5 <= result.duration_s < 5
+        assert result.timed_out and result.exit_code == -1 and result.duration_s >= 1.5, result
+        assert await leftovers(victim) == []
         await _unaffected(victim, bystander)
 
 
@@ -258,8 +263,10 @@ for top in ("/work", "/tmp"):
 
 async def test_a_daemon_in_a_new_session_dies_with_its_exec(victim, bystander) -> None:
     async with asyncio.timeout(30):
+        # An ordering, not a clock: not timed out means the exec answered when its command exited, before its 10 s
+        # deadline, rather than waiting on the daemon (which holds its pipes and never ends); none is left after.
         result = await victim.exec(ESCAPE, timeout=10)
-        assert result.exit_code == 0 and not result.timed_out and result.duration_s < 5, result
+        assert result.exit_code == 0 and not result.timed_out, result
         assert await leftovers(victim) == []
         await _unaffected(victim, bystander)
 
@@ -373,21 +380,30 @@ def gcd(a, b):
                 return dict(ast.literal_eval(node.args[3]))[(a, b)]
     return -1
 """,
-    # the grader's memory, through /proc of the parent process
+    # the grader's memory, through /proc of the parent process: its private mappings a MiB at a time, once per
+    # submission (a long-lived grader maps gigabytes, and the function is called once per test)
     "proc": """
-import os, re
-def gcd(a, b):
+import os
+SEEN = []
+def scan():
     with open(f"/proc/{os.getppid()}/maps") as maps, open(f"/proc/{os.getppid()}/mem", "rb") as mem:
         for line in maps:
-            start, end = (int(x, 16) for x in line.split()[0].split("-"))
-            try:
-                mem.seek(start)
-                region = mem.read(end - start)
-            except (OSError, OverflowError):  # an unreadable mapping: try the next
+            span, perms = line.split()[:2]
+            if not (perms.startswith("r") and perms.endswith("p")):
                 continue
-            if re.search(rb"gcd", region):
-                return {(12, 18): 6, (7, 13): 1, (0, 9): 9, (100, 75): 25}[(a, b)]
-    return -1
+            start, end = (int(x, 16) for x in span.split("-"))
+            for at in range(start, end, 1 << 20):
+                try:
+                    mem.seek(at)
+                    if b"gcd" in mem.read(min(1 << 20, end - at)):
+                        return True
+                except (OSError, OverflowError):  # an unreadable mapping: try the next
+                    break
+    return False
+def gcd(a, b):
+    if not SEEN:
+        SEEN.append(scan())
+    return {(12, 18): 6, (7, 13): 1, (0, 9): 9, (100, 75): 25}[(a, b)] if SEEN[0] else -1
 """,
 }
 

@@ -34,9 +34,12 @@ async def test_local_sandbox_serves_an_env_and_runs_commands() -> None:
         await env.close()
         result = await sandbox.exec("import os; print(os.environ['ENVKIT_SANDBOX'])", stdin="")
         assert (result.stdout, result.exit_code) == ("local\n", 0)
-        started = time.monotonic()
-        result = await sandbox.exec(["sh", "-c", "sleep 30 & sleep 30"], timeout=0.5)
-        assert result.timed_out and time.monotonic() - started < 3, (result, time.monotonic() - started)
+        # Killed at the timeout, with what it started: events, not a clock. An ignored timeout would let sh finish
+        # (timed_out False); a kill that missed the background sleep would leave its pid running.
+        result = await sandbox.exec(["sh", "-c", "sleep 600 & echo $!; sleep 600"], timeout=0.5)
+        assert result.timed_out and result.exit_code == -1, result
+        # Polled for up to 10 s only to end a failing run: a process that escaped the kill lives for 600 s.
+        assert _wait_gone([int(result.stdout)], 10) == [], result
         pid = sandbox._proc.pid
     assert sandbox.state.value == "closed"
     with pytest.raises(ProcessLookupError):

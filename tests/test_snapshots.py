@@ -6,6 +6,12 @@ kind of env are refused with a clear error."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import re
+import signal
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -129,12 +135,43 @@ def remote(server, scheme: str, name: str = "guess-number") -> Env:
     return envkit.make(f"{scheme}://127.0.0.1:{server.port}/{name}", remote=RemoteConfig(token=TOKEN))
 
 
+async def sessions_per_worker(server) -> dict[int, int]:
+    """The sessions each worker process of ``server`` holds, by pid (/metrics, from whichever worker answers, reads
+    the count every worker keeps up to date at each session opened and closed)."""
+    async with httpx.AsyncClient(base_url=server.url, headers={"Authorization": f"Bearer {TOKEN}"},
+                                 timeout=30) as client:
+        text = (await client.get("/metrics")).text
+    return {int(pid): int(n) for pid, n in re.findall(r'envkit_worker_sessions\{worker="(\d+)"\} (\d+)', text)}
+
+
+async def settled(server, *, sessions: int) -> dict[int, int]:
+    """The sessions per worker of ``server`` once both worker processes serve (/health answers as soon as one does)
+    and together hold ``sessions`` (a closed session is let go in the background)."""
+    deadline = time.monotonic() + 60
+    while len(held := await sessions_per_worker(server)) < 2 or sum(held.values()) != sessions:
+        assert time.monotonic() < deadline, f"the 2 workers hold {held} sessions, not {sessions}"
+        await asyncio.sleep(0.2)
+    return held
+
+
+@contextlib.contextmanager
+def stopped(pid: int) -> Iterator[None]:
+    """Worker ``pid`` paused (SIGSTOP): new connections go to the other worker. Kept to a few requests, well within
+    the 5 s uvicorn's supervisor waits for a worker's health-check answer before replacing it."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 @pytest.mark.parametrize(("taken", "restored"), [("ws", "ws"), ("http", "http"), ("ws", "http")])
 async def test_a_remote_session_restores_into_another_on_any_worker_or_server_with_the_key(servers, taken, restored):
     """The token a session's snapshot gives restores any session of the env on a server holding the key: the same
     server, over either transport, and another server with the key; each then plays as the original did, and as
-    the env does in-process. On a 2-worker server, 8 sessions restore a snapshot of one (whichever worker each
-    lands on)."""
+    the env does in-process. On a 2-worker server, each worker restores a snapshot of a session on one of them
+    into 4 sessions (the other paused meanwhile, so that the connections come to it): a token restores on the
+    worker that sealed it and on the other."""
     one, two, workers = servers[0], servers[1], servers[3]
     env = remote(one, taken)
     snapshot, original = await snapshot_and_go_on(env, "guess-number")
@@ -149,9 +186,21 @@ async def test_a_remote_session_restores_into_another_on_any_worker_or_server_wi
     assert {(await t.state())["episodes"] for t in targets} == {0}  # restored, never reset
     first = remote(workers, "ws")
     snapshot, original = await snapshot_and_go_on(first, "guess-number")
-    others = [remote(workers, "ws") for _ in range(8)]
+    held = await settled(workers, sessions=1)  # first's alone: those of this test's earlier runs are closed
+    sealer = next(pid for pid, n in held.items() if n == 1)
+    other = next(pid for pid in held if pid != sealer)
+    # A connection lands on whichever worker accepts it first, most often the same one (measured: 2 of 32 on the
+    # other). So each worker in turn is paused while 4 sessions restore, which the other one then takes: first the
+    # one that did not seal the token restores it, then the one that did
+    others: list[Env] = []
+    for paused in (sealer, other):
+        batch = [remote(workers, "ws") for _ in range(4)]
+        with stopped(paused):
+            for target in batch:
+                await target.restore(snapshot)
+        others += batch
+    assert await sessions_per_worker(workers) == {sealer: 1 + 4, other: 4}
     for target in others:
-        await target.restore(snapshot)
         assert await play(target, EPISODES["guess-number"][3]) == original
     await asyncio.gather(env.close(), first.close(), *(t.close() for t in targets + others))
 

@@ -38,20 +38,6 @@ SMALL = ["generator.samples_per_prompt=4", "generator.max_tokens=16", "trainer.w
          "logging.progress=false", "trainer.eval_tasks=0"]
 
 
-@pytest.fixture
-async def policy_url(vllm_engine, bundled_model: Path):
-    """The shared vLLM server's URL; the run changes its weights, so the initial ones are loaded back after."""
-    yield vllm_engine.base_url
-    await vllm_engine.load_weights(bundled_model, 0)
-
-
-@pytest.fixture
-async def tiny_url(tiny_vllm):
-    """The session's tiny vLLM server's URL; its initial weights are loaded back after the run."""
-    yield tiny_vllm.base_url
-    await tiny_vllm.load_weights(tiny_model_dir(), 0)
-
-
 def _path_with(*dirs: Path) -> dict[str, str]:
     """This environment with ``dirs`` first on PYTHONPATH (the run imports envs and rubrics from them by name)."""
     return {**os.environ, "PYTHONPATH": os.pathsep.join([*map(str, dirs), os.environ.get("PYTHONPATH", "")])}

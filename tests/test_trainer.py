@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tiny import on_tiny_model, tests_on_path, tiny_model_dir
+from tiny import env_with_tests, on_tiny_model, tiny_model_dir
 from updates import run_update as _update
 from weights import changed_tensors
 
@@ -26,7 +26,7 @@ TINY = ["generator.prompts_per_step=2", "generator.samples_per_prompt=4", "gener
 
 def _trainer(*overrides: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "trainer", *overrides], capture_output=True, text=True,
-                          cwd=REPO, timeout=timeout, env=tests_on_path())
+                          cwd=REPO, timeout=timeout, env=env_with_tests())
 
 
 def _why(result: subprocess.CompletedProcess[str]) -> str:
@@ -85,7 +85,7 @@ def test_a_run_on_its_own_vllm_server_syncs_weights_dies_whole_under_kill_9_and_
            "+env.kwargs.rubric=tiny:graded", *TINY, "trainer.eval_samples=2"]
     with (tmp_path / "killed.log").open("w") as log:
         process = subprocess.Popen([sys.executable, "-m", "trainer", *run], cwd=REPO, stdout=log,
-                                   stderr=subprocess.STDOUT, env=tests_on_path())
+                                   stderr=subprocess.STDOUT, env=env_with_tests())
     deadline = time.monotonic() + 600
     while not (out / "checkpoints" / "step-000001").is_dir():
         assert process.poll() is None, f"the run ended before its step-1 checkpoint:\n{_tail(tmp_path / 'killed.log')}"
@@ -198,7 +198,7 @@ def kill_at_step_1_checkpoint(out: Path, overrides: list[str], log: Path) -> Non
     with log.open("w") as sink:
         process = subprocess.Popen([sys.executable, "-m", "trainer", *overrides, f"trainer.output_dir={out}"],
                                    cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
-                                   env=tests_on_path())
+                                   env=env_with_tests())
     deadline = time.monotonic() + 600
     while not (out / "checkpoints" / "step-000001").is_dir():
         assert process.poll() is None, f"the run ended before its step-1 checkpoint:\n{log.read_text()[-3000:]}"

@@ -160,7 +160,8 @@ def test_bad_rows_names_and_calls_fail_clearly():
     assert "reset_counter" in dir(envkit.trl.environment_factory("trl-reset-tool")())
 
 
-@pytest.mark.e2e  # a training run (3.5 GB): not beside a test that holds the machine (`exclusive`)
+@pytest.mark.e2e  # a training run
+@pytest.mark.trl
 def test_grpo_trainer_runs_on_an_envkit_env(bundled_model, tmp_path):
     """TRL's own trainer: it probes the factory, renders the env's tool into the prompt, resets one instance per
     rollout on its row's task, and takes the rewards the envs gave."""

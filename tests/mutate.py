@@ -1,0 +1,327 @@
+"""Mutants for the tests that guard one feature each: break the feature in the product code, run the test that
+guards it, and see the test fail.
+
+Each :class:`Mutation` names a product file and a symbol in it (``"envkit/judges.py::LLMJudge.read"``), an exact
+snippet inside that symbol's source and what replaces it, and the test that must then fail. The symbol is found with
+``ast`` (by its name path: class, then method), so the mutation still applies when code around it moves; an anchor
+or a snippet that is not found (or not once) is reported, never guessed at. For each mutation::
+
+    back up the file -> apply the mutation -> .venv/bin/pytest -q -x NODEID -> restore the file
+
+and the table says ``killed`` (the test failed), ``SURVIVED`` (it passed: it does not guard what it claims),
+``anchor missing``, ``skipped`` or ``error`` (pytest could not run it: the test proves nothing either way). Usage::
+
+    .venv/bin/python tests/mutate.py                 # every mutation
+    .venv/bin/python tests/mutate.py --list          # what each one breaks, and what its test needs
+    .venv/bin/python tests/mutate.py --only NAME     # one (repeat --only for several)
+
+It edits product files in place while a test runs: do not run it beside another test run of the same tree (a
+subprocess that test starts would import the mutant). The original is restored in ``finally``, on SIGINT and
+SIGTERM too, and a backup with its content stays in .cache/mutate/ until it is; a run that was killed outright
+(SIGKILL) is undone by the next one, which restores a file still holding its mutant before it starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTEST = ROOT / ".venv" / "bin" / "pytest"
+BACKUPS = ROOT / ".cache" / "mutate"
+"""Where a mutated file's original waits (.cache is ignored by git) until the run puts it back."""
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """One bug, put into one symbol of one product file, and the test that must catch it."""
+
+    name: str
+    anchor: str
+    """``path/to/file.py::Name.path``: the function, method or class whose source holds :attr:`old`."""
+    old: str
+    """An exact snippet of that symbol's source, found there once."""
+    new: str
+    test: str
+    """The pytest node id that must fail with the mutation in."""
+    bug: str
+    """The real bug the mutation stands for."""
+    needs: str = ""
+    """What the test needs beyond the CPU (a vLLM server, the verifiers venv), for --list."""
+
+    @property
+    def path(self) -> Path:
+        return ROOT / self.anchor.split("::", 1)[0]
+
+    @property
+    def symbol(self) -> str:
+        return self.anchor.split("::", 1)[1]
+
+
+MUTATIONS = [
+    Mutation(
+        "reward-model-reads-a-pad",
+        "generators/reward_model.py::RewardModel._load",
+        "self._tokenizer = AutoTokenizer.from_pretrained(path)",
+        'self._tokenizer = AutoTokenizer.from_pretrained(path, pad_token="<|endoftext|>")',
+        "tests/test_rubrics.py::test_a_reward_model_scores_concurrent_episodes_in_shared_batches",
+        "the tokenizer pads with a token the model does not skip: a padded row is scored at a pad, not its last "
+        "token (the longest row of the batch, which has no padding, scores the same)"),
+    Mutation(
+        "second-look-not-counted",
+        "envkit/judges.py::_lowest",
+        "return [min(scores) for scores in zip(*given, strict=True)]",
+        "return [scores[0] for scores in zip(*given, strict=True)]",
+        "tests/test_rubrics.py::test_a_judge_talked_up_by_a_reply_is_held_by_its_second_look",
+        "the second look is taken but its score is dropped: the reply's own talk decides its score"),
+    Mutation(
+        "judge-reads-a-constant",
+        "envkit/judges.py::LLMJudge.read",
+        "value = candidates[-1]",
+        "value = (low + high) / 2",
+        "tests/test_rubrics.py::test_a_judge_scores_by_what_its_judge_said_so_right_replies_beat_wrong_ones",
+        "a judge whose score does not depend on what its judge answered"),
+    Mutation(
+        "judge-reads-a-constant-vllm",
+        "envkit/judges.py::LLMJudge.read",
+        "value = candidates[-1]",
+        "value = (low + high) / 2",
+        "tests/test_rubrics.py::test_the_bundled_model_judges_through_vllm_and_answers_are_cached",
+        "the same, against the bundled model judging through vLLM", needs="vLLM"),
+    Mutation(
+        "check-compares-no-restore",
+        "envkit/check.py::Checker._snapshot",
+        "for label, again in plays.items():",
+        "for label, again in list(plays.items())[:1]:",
+        "tests/test_check.py::test_a_broken_env_fails_the_row_it_breaks_and_only_that_one[ForgetfulRestoreEnv]",
+        "`envkit check` plays the restored envs but compares only the env that was snapshotted"),
+    Mutation(
+        "recording-duration-not-measured",
+        "envkit/recording.py::Recorder.step",
+        '"duration_s": time.perf_counter() - began})',
+        '"duration_s": 0.0})',
+        "tests/test_recording.py::test_a_slow_step_records_how_long_it_took",
+        "a step's recorded duration is not the time the env took"),
+    Mutation(
+        "verifiers-driver-not-kept",
+        "envkit/agent_process.py::HostProcess._start",
+        "self.process = process",
+        "pass",
+        "tests/test_verifiers.py::test_a_driver_that_dies_fails_its_rollouts_alone_and_the_next_ones_start_a_new_one",
+        "the host does not keep its driver: each episode starts one more, so more than one lives on",
+        needs="vLLM, the verifiers venv"),
+    Mutation(
+        "snapshot-key-per-worker",
+        "envkit/remote/server/run.py::serve",
+        "shared_key = config.workers > 1 and SNAPSHOT_KEY_ENV not in os.environ",
+        "shared_key = False",
+        "tests/test_snapshots.py::test_a_remote_session_restores_into_another_on_any_worker_or_server_with_the_key"
+        "[ws-ws]",
+        "each worker of `envkit serve --workers 2` draws its own snapshot key: a token restores only on the worker "
+        "that sealed it"),
+]
+
+
+class AnchorError(Exception):
+    """The mutation's symbol, or its snippet within it, is not in the file (once)."""
+
+
+def symbol_span(source: str, symbol: str) -> tuple[int, int]:
+    """The character span of ``symbol`` (``Class.method``, ``function``) in ``source``, decorators included."""
+    body: list[ast.stmt] = ast.parse(source).body
+    node: ast.stmt | None = None
+    for part in symbol.split("."):
+        found = [n for n in body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+                 and n.name == part]
+        if len(found) != 1:
+            raise AnchorError(f"{symbol}: {len(found)} definitions of {part!r} where one was expected")
+        node = found[0]
+        body = node.body
+    assert node is not None and node.end_lineno is not None
+    first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
+    starts = [0]
+    for line in source.splitlines(keepends=True):
+        starts.append(starts[-1] + len(line))
+    return starts[first - 1], starts[node.end_lineno]
+
+
+def mutated(source: str, mutation: Mutation) -> str:
+    """``source`` with ``mutation`` applied inside its symbol."""
+    start, end = symbol_span(source, mutation.symbol)
+    count = source.count(mutation.old, start, end)
+    if count != 1:
+        raise AnchorError(f"{mutation.anchor}: the snippet {mutation.old!r} is there {count} times, not once")
+    at = source.index(mutation.old, start, end)
+    return source[:at] + mutation.new + source[at + len(mutation.old):]
+
+
+def digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def backup_paths(path: Path) -> tuple[Path, Path]:
+    """The original's copy and the note saying which file it belongs to and what its mutant holds."""
+    stem = path.relative_to(ROOT).as_posix().replace("/", "__")
+    return BACKUPS / f"{stem}.orig", BACKUPS / f"{stem}.json"
+
+
+def recover() -> None:
+    """Put back the originals a killed run left mutated: only where the file still holds the mutant it wrote (a file
+    edited since is left alone, and said so)."""
+    for note in sorted(BACKUPS.glob("*.json")):
+        record = json.loads(note.read_text())
+        path, original = Path(record["path"]), note.with_suffix(".orig")
+        if path.exists() and digest(path.read_text()) == record["mutant"]:
+            shutil.copy2(original, path)
+            print(f"restored {path.relative_to(ROOT)}, which a killed run left mutated")
+        else:
+            sys.exit(f"{path} has changed since a killed run mutated it: compare it with {original}, then delete "
+                     f"{note} and {original}")
+        original.unlink()
+        note.unlink()
+
+
+STOP_GRACE_S = 30.0
+"""Seconds a test interrupted by SIGINT has to tear down (stop the servers it started) before it is killed."""
+_stopping: list[str] = []
+"""The signal that asked this run to stop, once one did."""
+_child: list[subprocess.Popen[str]] = []
+"""The pytest run in progress."""
+
+
+def stop(signum: int, frame: FrameType | None) -> None:
+    """SIGINT/SIGTERM: interrupt the test (as Ctrl-C would, so that its fixtures tear down) and stop after it. No
+    exception is raised here: one raised mid-restore would leave the mutant in place."""
+    _stopping.append(signal.Signals(signum).name)
+    for child in _child:
+        if child.poll() is None:
+            child.send_signal(signal.SIGINT)
+
+
+def run_test(test: str) -> tuple[int, str]:
+    """pytest's exit status and output for ``test``, run on this tree (its product code first on the path, for
+    subprocesses too) and writing no bytecode: a mutant's .pyc must not outlive it."""
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    # A session of its own: a Ctrl-C at the terminal reaches this process alone, which passes on one SIGINT (a second
+    # one would cut the test's teardown short)
+    child = subprocess.Popen([str(PYTEST), "-q", "-x", test], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    _child.append(child)
+    chunks: list[str] = []
+    try:
+        while True:
+            try:
+                out, _ = child.communicate(timeout=STOP_GRACE_S if _stopping else None)
+                chunks.append(out)
+                break
+            except subprocess.TimeoutExpired:  # interrupted and not done tearing down: ended
+                child.kill()
+    finally:
+        _child.remove(child)
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    return child.returncode, "".join(chunks)
+
+
+SUMMARY = re.compile(r"^=* ?(\d+ (?:failed|passed|skipped|errors?|deselected).*) in [\d.]+s\b", re.MULTILINE)
+"""pytest's last line of counts ("1 failed in 3.20s", "= 1 error in 9.1s ="): the tests it ran, by outcome."""
+
+
+def verdict(code: int, out: str) -> str:
+    """What the test run says of the mutant. Only a failed test kills it: an error (a fixture that could not set up,
+    as with no vLLM) or a skip means the test never ran against it."""
+    counts = SUMMARY.findall(out)
+    summary = counts[-1] if counts else ""
+    if code == 1 and " failed" in f" {summary}":
+        return "killed"
+    if code == 0 and "passed" in summary:
+        return "SURVIVED"
+    if code == 0:
+        return "skipped"
+    return f"error (pytest exit {code}{': ' + summary if summary else ''})"
+
+
+def first_error(out: str) -> str:
+    """The first ``E`` line of pytest's report: why the test failed, to tell a kill from an accident."""
+    return next((line[1:].strip() for line in out.splitlines() if line.startswith("E ")), "")
+
+
+def attempt(mutation: Mutation) -> tuple[str, str]:
+    """Apply ``mutation``, run its test, restore the file: the verdict and the first error line."""
+    path = mutation.path
+    source = path.read_text()
+    try:
+        mutant = mutated(source, mutation)
+    except (AnchorError, SyntaxError, OSError) as e:
+        return "anchor missing", str(e)
+    original, note = backup_paths(path)
+    BACKUPS.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(path, original)  # copy2: the restored file keeps its mtime, so its cached bytecode stays valid
+    note.write_text(json.dumps({"path": str(path), "mutant": digest(mutant)}))
+    try:
+        path.write_text(mutant)
+        code, out = run_test(mutation.test)
+    finally:
+        shutil.copy2(original, path)
+        original.unlink()
+        note.unlink()
+    return verdict(code, out), first_error(out)
+
+
+def table(rows: list[tuple[str, ...]]) -> Iterator[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for k, row in enumerate(rows):
+        yield "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        if k == 0:
+            yield "  ".join("-" * width for width in widths)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--only", action="append", metavar="NAME", help="run only this mutation (repeatable)")
+    args = parser.parse_args(argv)
+    names = [m.name for m in MUTATIONS]
+    unknown = sorted(set(args.only or []) - set(names))
+    if unknown:
+        parser.error(f"no mutation {', '.join(unknown)}; there are: {', '.join(names)}")
+    chosen = [m for m in MUTATIONS if not args.only or m.name in args.only]
+    if args.list:
+        for m in chosen:
+            needs = f" (needs {m.needs})" if m.needs else ""
+            print(f"{m.name}{needs}\n  {m.anchor}: {m.bug}\n  must fail: {m.test}")
+        return 0
+    recover()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, stop)
+    rows = [("mutation", "test", "result", "first error")]
+    for m in chosen:
+        print(f"{m.name}: {m.test} ...", flush=True)
+        result, why = attempt(m)
+        rows.append((m.name, m.test.split("::", 1)[1], result, why[:100]))
+        if _stopping:
+            rows[-1] = (*rows[-1][:2], f"stopped by {_stopping[0]}", "")
+            break
+    print("\n".join(table(rows)))
+    if _stopping:
+        print(f"stopped by {_stopping[0]}: every file is restored", file=sys.stderr)
+        return 130
+    return 0 if all(row[2] == "killed" for row in rows[1:]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
