@@ -25,7 +25,7 @@ export ENVKIT_VERIFIERS_PYTHON ?= $(CURDIR)/$(VERIFIERS_VENV)/bin/python
 # One project cache for what is expensive and deterministic: the converted model, server logs.
 export ENVKIT_CACHE_DIR ?= $(CURDIR)/.cache
 
-.PHONY: help install model docker-up browser test test-fast lint bench train train-agent clean
+.PHONY: help install model docker-up browser test test-fast mutants lint bench train train-agent clean
 
 help:  ## show the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -88,6 +88,10 @@ test: install model docker-up browser  ## the whole test suite (real vLLM server
 
 test-fast: install model browser  ## the tests that need no vLLM, Docker or training run (a few minutes): the inner loop
 	$(VENV)/bin/pytest -q -m "not e2e" --durations=10
+
+# Not part of `make test`: each mutant runs its guarding test once more (minutes for the e2e ones).
+mutants: install model docker-up  ## break each guarded feature (tests/mutate.py) and check that its test fails
+	$(PY) tests/mutate.py $(ARGS)
 
 lint: install  ## ruff
 	$(VENV)/bin/ruff check .

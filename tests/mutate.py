@@ -123,6 +123,14 @@ MUTATIONS = [
         "the host does not keep its driver: each episode starts one more, so more than one lives on",
         needs="vLLM, the verifiers venv"),
     Mutation(
+        "sft-loss-sign-flipped",
+        "trainer/sft.py::sft_update",
+        'loss = -(logprobs * mb["loss_mask"]).sum() / tokens * weight',
+        'loss = (logprobs * mb["loss_mask"]).sum() / tokens * weight',
+        "tests/test_agent_recipe.py::test_the_recipe_from_the_front_door",
+        "SFT minimises the demonstrations' likelihood instead of their negative log-likelihood: every step runs and "
+        "logs, and the recipe's stages, evaluations and report all come out", needs="vLLM, Docker"),
+    Mutation(
         "snapshot-key-per-worker",
         "envkit/remote/server/run.py::serve",
         "shared_key = config.workers > 1 and SNAPSHOT_KEY_ENV not in os.environ",

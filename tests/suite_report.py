@@ -6,7 +6,11 @@ pytest runs, a single test say, write nothing and so never clobber a full run's 
 - ``durations.jsonl``: one line per finished test (node id, worker, seconds of setup + call + teardown, start and
   stop), appended as the run goes, so a run that is killed still says where its time went;
 - ``durations.md``: the pytest phase's wall time against :data:`BUDGET_S`, each worker's wall and busy time, the
-  slowest tests and modules, and how many tests exercise each real part (:data:`PARTS`).
+  slowest tests and modules, how many tests exercise each real part (:data:`PARTS`), and the machine's lowest
+  available memory in the run with the tests that were running then.
+
+Memory is watched, not rationed: the tests that once needed most of the machine (an `exclusive` lock idled the other
+worker's end-to-end tests while they ran) now train the tiny model, and the low-water mark shows the margin left.
 
 The budget line never fails the run: the same suite takes up to 1.5x longer on a slow machine of the same kind, and a
 slow machine must not block a landing. It is there so that growth shows up long before CI's limit does.
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -50,6 +55,21 @@ class _Run:
     tests: dict[str, _Test] = field(default_factory=lambda: defaultdict(_Test))
     parts: dict[str, int] = field(default_factory=dict)
     collected: int = 0
+    lowest_memory: tuple[float, float] = (float("inf"), 0.0)
+    """The least available memory seen (bytes), and when."""
+
+    def watch_memory(self) -> None:
+        """Sample MemAvailable every second for the rest of the process (a daemon thread's loop)."""
+        while True:
+            available = _available_memory()
+            if available < self.lowest_memory[0]:
+                self.lowest_memory = (available, time.time())
+            time.sleep(1.0)
+
+
+def _available_memory() -> float:
+    with open("/proc/meminfo") as meminfo:
+        return next(float(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
 
 
 _run: _Run | None = None
@@ -68,6 +88,7 @@ def pytest_configure(config: pytest.Config) -> None:
     global _run
     if REPORT_VAR in os.environ and not hasattr(config, "workerinput"):  # the controller, or pytest without xdist
         _run = _Run()
+        threading.Thread(target=_run.watch_memory, name="memory-watch", daemon=True).start()
         report_dir().mkdir(parents=True, exist_ok=True)
         (report_dir() / "durations.jsonl").write_text("")
 
@@ -136,6 +157,11 @@ def summary(run: _Run, now: float) -> list[str]:
     lines += ["\n## Modules by time\n", "| s | tests | module |", "|---|---|---|"]
     lines += [f"| {sum(s):.0f} | {len(s)} | {module} |"
               for module, s in sorted(modules.items(), key=lambda kv: -sum(kv[1]))]
+    available, when = run.lowest_memory
+    if when:
+        running = sorted(nodeid for nodeid, t in run.tests.items() if t.start <= when <= t.stop)
+        lines += [f"\nlowest available memory: {available / 2**30:.1f} GiB at {_clock(when - run.started)}, "
+                  f"while these ran: {', '.join(running) or 'none (between tests)'}"]
     if run.parts:
         lines += ["\n## Tests per real part (collected)\n", "| part | tests |", "|---|---|"]
         lines += [f"| {part} | {n} |" for part, n in run.parts.items()]

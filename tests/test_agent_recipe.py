@@ -10,9 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from envkit_compute.env import ComputeEnv
-from tiny import env_with_tests, tiny_model_dir
+from tiny import env_with_tests, on_tiny_model
 
 import trainer
 from generators import ChatTokenizer
@@ -94,13 +93,13 @@ def test_an_env_without_demonstrations_fails_the_sft_stage_saying_so(chat_tokeni
         raise AssertionError("expected a ConfigError")
 
 
-@pytest.mark.vllm  # the RL stage and the evaluations sample on a vLLM server (inference: vllm)
 def test_the_recipe_from_the_front_door(docker_client, tmp_path) -> None:
-    """`python -m trainer +recipe=tool_agent` on the tiny model (what the recipe teaches the bundled model is measured
-    in the README, not here): demonstrations played in Docker, SFT on them lowers the held-out loss, the RL stage
-    starts from the SFT weights and updates them, and the three evaluations and the report come out."""
+    """`python -m trainer +recipe=tool_agent` on the tiny model, sampled in-process (what the recipe teaches the
+    bundled model is measured in the README; a run on its own vLLM server is test_trainer's): demonstrations played
+    in Docker, SFT on them lowers the held-out loss, the RL stage starts from the SFT weights and updates them, and
+    the three evaluations and the report come out."""
     out = tmp_path / "agent"
-    tiny = [f"model.path={tiny_model_dir()}", "inference.kv_cache_gib=1", "+env.kwargs.rubric=tiny:graded",
+    tiny = [*on_tiny_model(), "+env.kwargs.rubric=tiny:graded",
             "sft.num_demos=8", "sft.epochs=2", "sft.batch_size=4", "sft.lr=1e-3", "trainer.steps=1", "trainer.lr=1e-3",
             "trainer.eval_tasks=2", "trainer.eval_samples=1", "generator.prompts_per_step=2",
             "generator.samples_per_prompt=4", "env.kwargs.pool_size=4", "logging.progress=false"]

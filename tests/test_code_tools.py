@@ -1,6 +1,7 @@
 """The python/bash tools for agents (sandboxes.tools) and the compute env that uses them, on the real Docker engine:
 state within an episode, timeouts, output caps, a clean container for the next episode, graders out of reach,
-infrastructure failures failing the rollout, and a rollout with the bundled model on vLLM."""
+and infrastructure failures failing the rollout. (Compute's episodes in the generator's loop on vLLM are the agent
+recipe's test's, tests/test_agent_recipe.py.)"""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import asyncio
 import json
 
 import pytest
-from envkit_compute import ComputeEnv
 
 import envkit
 from envkit import assistant
@@ -206,32 +206,4 @@ def test_the_pool_is_drained_when_the_event_loop_shuts_down(docker_client) -> No
         return await tool_output(env, "bash", command="echo ok")  # the episode never ends: no release, no close
 
     assert asyncio.run(episode()) == "ok"
-    assert not _ours(docker_client)
-
-
-async def test_a_rollout_with_the_bundled_model_on_vllm(vllm_engine, chat_tokenizer, docker_client) -> None:
-    """The env and its tools in the generator's loop. The bundled 135M model does not write tool calls (0 of 16
-    rollouts, with or without a worked example in the prompt), so this checks the episode, not the sandbox; the
-    tests above drive the tools."""
-    from envkit.parsing import grade_number
-    from generators.rollout import Generator, GeneratorConfig, env_factory
-
-    config = GeneratorConfig(max_turns=3, max_tokens=96, samples_per_prompt=2, temperature=1.0, concurrency=4)
-    gen = Generator(vllm_engine, chat_tokenizer, config)
-    try:
-        tasks = ComputeEnv().tasks("test")[:2]
-        trajs = await gen.generate(env_factory("compute"), tasks=tasks, env_name="compute")
-    finally:
-        await close_code_pools()
-    assert len(trajs) == 4 and not any(t.failed for t in trajs)
-    graded = [t for t in trajs if t.stop_reason == "done"]
-    assert graded, [t.stop_reason for t in trajs]  # the reward check below needs at least one graded episode
-    for traj in trajs:
-        assert traj.messages[0]["role"] == "system" and '"name": "python"' in traj.messages[0]["content"]
-        assert traj.stop_reason in ("done", "max_turns") and 1 <= traj.num_turns <= 3
-        assert len(traj.response_ids) == len(traj.loss_mask) == len(traj.rollout_logprobs) > 0
-    answers = {t["question"]: t["answer"] for t in tasks}
-    for traj in graded:  # the last reply was graded against the task's answer, nothing else
-        answer = answers[traj.messages[1]["content"]]
-        assert traj.reward == float(grade_number(traj.messages[-1]["content"], answer)["correct"])
     assert not _ours(docker_client)

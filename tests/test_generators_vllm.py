@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from tiny import tiny_model_dir
 from weights import model_tensors, perturbed_weights
 
 import envkit
@@ -29,6 +30,13 @@ from generators.trajectory import Trajectory
 from trainer.backends.hf_export import write_hf_checkpoint
 
 pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def tiny_model() -> Path:
+    """The tiny model the tests of weight syncs and restarts serve (tests/tiny.py): what they compare (greedy tokens
+    and logprobs of two ways to the same weights) needs no knowledge, and its weights move in a fraction of the time."""
+    return tiny_model_dir()
 
 
 class ToolResultsEnv(Env):
@@ -254,26 +262,26 @@ async def _wait_until_decoding(http: httpx.AsyncClient, tokens: int, tokens_befo
 
 
 async def test_weight_reload_changes_outputs_and_bumps_the_server_reported_version(
-        vllm_engine, chat_tokenizer, bundled_model, tmp_path):
+        tiny_vllm, chat_tokenizer, tiny_model, tmp_path):
     greedy = SamplingParams(temperature=0.0, max_tokens=12)
     prompt = chat_tokenizer.prompt_ids([envkit.user("Name a color.")])
-    before = await vllm_engine.generate(prompt, greedy)
-    assert await vllm_engine.server_weight_version() == "0"
+    before = await tiny_vllm.generate(prompt, greedy)
+    assert await tiny_vllm.server_weight_version() == "0"
 
-    await vllm_engine.load_weights(_flipped_checkpoint(bundled_model, tmp_path / "flipped"), version=1)
-    after = await vllm_engine.generate(prompt, greedy)
-    assert vllm_engine.weight_version == 1 and after.weight_version == 1
-    assert await vllm_engine.server_weight_version() == "1"
+    await tiny_vllm.load_weights(_flipped_checkpoint(tiny_model, tmp_path / "flipped"), version=1)
+    after = await tiny_vllm.generate(prompt, greedy)
+    assert tiny_vllm.weight_version == 1 and after.weight_version == 1
+    assert await tiny_vllm.server_weight_version() == "1"
     assert after.token_ids != before.token_ids
 
-    gen = Generator(vllm_engine, chat_tokenizer, _config())
+    gen = Generator(tiny_vllm, chat_tokenizer, _config())
     [traj] = await gen.generate(env_factory("arithmetic"), seeds=[0])
     assert traj.policy_version == 1
 
-    await vllm_engine.load_weights(bundled_model, version=2)
-    restored = await vllm_engine.generate(prompt, greedy)
+    await tiny_vllm.load_weights(tiny_model, version=2)
+    restored = await tiny_vllm.generate(prompt, greedy)
     assert restored.token_ids == before.token_ids and restored.weight_version == 2
-    assert await vllm_engine.server_weight_version() == "2"
+    assert await tiny_vllm.server_weight_version() == "2"
 
 
 def _shared_files() -> dict[Path, int]:
@@ -283,7 +291,7 @@ def _shared_files() -> dict[Path, int]:
 
 @pytest.mark.parametrize("transport", ["shared", "group", "disk"])
 async def test_weights_sent_from_memory_serve_what_a_reload_from_disk_serves(
-        vllm_engine, chat_tokenizer, bundled_model, tmp_path, monkeypatch, transport):
+        tiny_vllm, chat_tokenizer, tiny_model, tmp_path, monkeypatch, transport):
     """The same perturbed policy, once as a checkpoint the server reloads and once from memory (through shared
     memory, broadcast over the process group, or a safetensors file): the next greedy request gets the same tokens
     and logprobs. A
@@ -291,43 +299,43 @@ async def test_weights_sent_from_memory_serve_what_a_reload_from_disk_serves(
     restart test below, which restores pushed weights."""
     if transport == "shared" and not fits(1 << 29):
         pytest.skip(f"{SHARED_DIR} has less than 512 MB free, so the shared transport cannot be used here")
-    monkeypatch.setattr(vllm_engine, "weight_transport", transport)
+    monkeypatch.setattr(tiny_vllm, "weight_transport", transport)
     unwritten = _shared_files()
     greedy = SamplingParams(temperature=0.0, max_tokens=12)
     prompt = chat_tokenizer.prompt_ids([envkit.user("Name a color.")])
-    original = await vllm_engine.generate(prompt, greedy)
-    perturbed = perturbed_weights(bundled_model)
+    original = await tiny_vllm.generate(prompt, greedy)
+    perturbed = perturbed_weights(tiny_model)
     disk = tmp_path / "perturbed"
-    write_hf_checkpoint(perturbed, bundled_model, disk)
+    write_hf_checkpoint(perturbed, tiny_model, disk)
 
-    await vllm_engine.load_weights(disk, version=11)
-    from_disk = await vllm_engine.generate(prompt, greedy)
+    await tiny_vllm.load_weights(disk, version=11)
+    from_disk = await tiny_vllm.generate(prompt, greedy)
     assert from_disk.token_ids != original.token_ids
-    await vllm_engine.load_weights(bundled_model, version=12)
-    assert (await vllm_engine.generate(prompt, greedy)).token_ids == original.token_ids
+    await tiny_vllm.load_weights(tiny_model, version=12)
+    assert (await tiny_vllm.generate(prompt, greedy)).token_ids == original.token_ids
 
-    await vllm_engine.push_weights(perturbed, version=13)
-    from_memory = await vllm_engine.generate(prompt, greedy)
-    assert from_memory.weight_version == 13 and await vllm_engine.server_weight_version() == "13"
+    await tiny_vllm.push_weights(perturbed, version=13)
+    from_memory = await tiny_vllm.generate(prompt, greedy)
+    assert from_memory.weight_version == 13 and await tiny_vllm.server_weight_version() == "13"
     assert from_memory.token_ids == from_disk.token_ids
     assert from_memory.logprobs == from_disk.logprobs
-    original_weights = model_tensors(bundled_model)
+    original_weights = model_tensors(tiny_model)
     if transport == "shared":
         # The next sync writes its file while the server still generates: what the server serves must not follow.
-        layout = plan_buckets(original_weights, cast=vllm_engine._wire_dtype)  # the layout its file has
-        vllm_engine._transports["shared"].stage(original_weights, layout, 99)
-        again = await vllm_engine.generate(prompt, greedy)
+        layout = plan_buckets(original_weights, cast=tiny_vllm._wire_dtype)  # the layout its file has
+        tiny_vllm._transports["shared"].stage(original_weights, layout, 99)
+        again = await tiny_vllm.generate(prompt, greedy)
         assert again.token_ids == from_memory.token_ids and again.logprobs == from_memory.logprobs
 
-    await vllm_engine.push_weights(original_weights, version=14)
-    restored = await vllm_engine.generate(prompt, greedy)
+    await tiny_vllm.push_weights(original_weights, version=14)
+    restored = await tiny_vllm.generate(prompt, greedy)
     assert restored.token_ids == original.token_ids and restored.logprobs == original.logprobs
     written = _shared_files()
     if transport == "shared":
         assert len(written) == 1, written  # one file, kept for the next sync
     else:
         assert written == unwritten  # the others carried both pushes: no shared file was made or written
-    assert transport in vllm_engine._transports
+    assert transport in tiny_vllm._transports
 
 
 @pytest.mark.parametrize("weight_swap", ["finish", "interrupt"])
@@ -367,17 +375,17 @@ async def test_new_weights_mid_rollout_finish_or_interrupt_requests_in_flight(
         assert all(0 < t.version_spans[1][0] < len(t.response_ids) for t in mixed), [t.version_spans for t in mixed]
 
 
-async def test_engine_restarts_after_kill_9_and_keeps_its_weights(vllm_engine, chat_tokenizer):
+async def test_engine_restarts_after_kill_9_and_keeps_its_weights(tiny_vllm, chat_tokenizer):
     greedy = SamplingParams(temperature=0.0, max_tokens=12)
     prompt = chat_tokenizer.prompt_ids([envkit.user("Name a color.")])
-    before = await vllm_engine.generate(prompt, greedy)
-    version, old_pid = vllm_engine.weight_version, vllm_engine.server.process.pid
+    before = await tiny_vllm.generate(prompt, greedy)
+    version, old_pid = tiny_vllm.weight_version, tiny_vllm.server.process.pid
     os.killpg(old_pid, signal.SIGKILL)  # the server crashes, helpers and watchdog too
 
-    after = await vllm_engine.generate(prompt, greedy)
-    assert vllm_engine.restarts == 1 and vllm_engine.server.process.pid != old_pid
+    after = await tiny_vllm.generate(prompt, greedy)
+    assert tiny_vllm.restarts == 1 and tiny_vllm.server.process.pid != old_pid
     assert after.token_ids == before.token_ids and after.weight_version == version
-    assert await vllm_engine.server_weight_version() == str(version)
+    assert await tiny_vllm.server_weight_version() == str(version)
 
 
 async def test_engine_refuses_requests_before_start(chat_tokenizer):

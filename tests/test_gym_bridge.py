@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import random
 import warnings
@@ -502,25 +503,27 @@ async def test_taxi_over_envkit_serve_gives_the_local_episode_with_info_as_json(
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("gym_id", ["FrozenLake-v1", TAXI_IDS[-1], "CliffWalking-v1"])
-async def test_the_bundled_model_plays_each_board_game_greedily(vllm_engine, chat_tokenizer, gym_id: str):
+async def test_the_bundled_model_plays_each_board_game_greedily(vllm_engine, chat_tokenizer):
+    """FrozenLake, Taxi and CliffWalking at once on the session's server (one batch): each board reaches the model
+    as the env drew it, and the env answers every turn with the next board or why the reply was invalid."""
     from generators.rollout import Generator, GeneratorConfig, env_factory
 
-    name = f"gym:{gym_id}"
-    config = GeneratorConfig(temperature=0.0, max_tokens=48, max_turns=3)
-    [traj] = await Generator(vllm_engine, chat_tokenizer, config).generate(env_factory(name), seeds=[0],
-                                                                           env_name=name)
-    assert not traj.failed, traj.error
-    assert traj.stop_reason in ("done", "max_turns") and traj.num_turns >= 1
-    traj.check()
-    async with envkit.make(name) as env:
-        opening, _ = await env.reset(seed=0)
-    assert traj.messages[:2] == opening
-    prompt = chat_tokenizer.decode(traj.prompt_ids)
-    assert all(line in prompt for line in opening[1]["content"].splitlines())  # the board, as the model saw it
-    replies = [m["content"] for m in traj.messages[2:] if m["role"] == "user"]  # the env's answer to each turn
-    assert len(replies) == traj.num_turns
-    assert all(r.startswith("Invalid reply: ") or "\nLegend: " in r for r in replies), replies
+    names = [f"gym:{gym_id}" for gym_id in ("FrozenLake-v1", TAXI_IDS[-1], "CliffWalking-v1")]
+    generator = Generator(vllm_engine, chat_tokenizer, GeneratorConfig(temperature=0.0, max_tokens=48, max_turns=3))
+    played = await asyncio.gather(*(generator.generate(env_factory(name), seeds=[0], env_name=name)
+                                    for name in names))
+    for name, [traj] in zip(names, played, strict=True):
+        assert not traj.failed, (name, traj.error)
+        assert traj.stop_reason in ("done", "max_turns") and traj.num_turns >= 1
+        traj.check()
+        async with envkit.make(name) as env:
+            opening, _ = await env.reset(seed=0)
+        assert traj.messages[:2] == opening, name
+        prompt = chat_tokenizer.decode(traj.prompt_ids)
+        assert all(line in prompt for line in opening[1]["content"].splitlines()), name  # the board the model saw
+        replies = [m["content"] for m in traj.messages[2:] if m["role"] == "user"]  # the env's answer to each turn
+        assert len(replies) == traj.num_turns
+        assert all(r.startswith("Invalid reply: ") or "\nLegend: " in r for r in replies), (name, replies)
 
 
 # ---------------------------------------------------------------------------------------------- envkit → gymnasium
