@@ -51,7 +51,7 @@ GROUPS_FILE = "xdist-groups.json"
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark every test that uses a session server, the Docker engine or the Ray cluster (directly or through a
     fixture) ``e2e`` and with its real part; group the tests of each shared server (:data:`SHARED_SERVERS`); order
-    them: the groups, then the other end-to-end tests, longest first, then the light ones (the sort is stable)."""
+    them: the groups, then the other end-to-end tests, then the light ones (the sort is stable)."""
     groups: dict[str, str] = {}
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
@@ -70,7 +70,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         tmp.write_text(json.dumps(groups))
         tmp.replace(record)  # both workers write the same content; the last rename wins whole
     # xdist hands out the two groups first (the largest units), one to each worker; then the single tests in this
-    # order as workers free up: long ones early, so that the light ones even out the end of the run.
+    # order as workers free up: the end-to-end ones early, so that the light ones even out the end of the run.
     items.sort(key=lambda item: (item.nodeid not in groups, item.get_closest_marker("e2e") is None))
 
 
@@ -83,7 +83,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    record = config._tmp_path_factory.getbasetemp() / GROUPS_FILE
+    record = _run_dir(config._tmp_path_factory) / GROUPS_FILE
 
     class SharedServerScheduling(LoadScopeScheduling):
         groups: dict[str, str] | None = None
@@ -295,7 +295,9 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         # kill this cluster's actors at 95% in use.
         env.setenv("RAY_memory_monitor_refresh_ms", "0")
         # Its workers (env workers included) import the test modules' envs, as the runs' trainer processes do.
-        env.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")])))
+        from tiny import env_with_tests
+
+        env.setenv("PYTHONPATH", env_with_tests()["PYTHONPATH"])
         record = _run_dir(tmp_path_factory) / "ray-address"
         with open(record.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
@@ -327,5 +329,5 @@ def cluster(ray_cluster: str) -> Iterator[str]:
 def _stop_cluster(config: pytest.Config) -> None:
     """Stop the run's Ray cluster if a test started one (the process that ran the session, after every worker)."""
     factory = getattr(config, "_tmp_path_factory", None)
-    if factory is not None and (factory.getbasetemp() / "ray-address").is_file():
+    if factory is not None and (_run_dir(factory) / "ray-address").is_file():
         subprocess.run([RAY, "stop", "--force"], capture_output=True)

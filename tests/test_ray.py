@@ -16,7 +16,6 @@ Env workers playing agent envs and sharing a reward model on the session's vLLM 
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import signal
@@ -29,6 +28,7 @@ from typing import Any
 
 import psutil
 import pytest
+from test_trainer import _metrics
 from tiny import env_with_tests, on_tiny_model, tiny_model_dir
 from weights import model_tensors, perturbed_weights
 
@@ -45,12 +45,6 @@ REPO = Path(__file__).resolve().parent.parent
 TINY = ["trainer.eval_tasks=0", "logging.progress=false", "generator.prompts_per_step=2",
         "generator.samples_per_prompt=4", "generator.max_tokens=16", "trainer.micro_batch_tokens=2048",
         "trainer.warmup_steps=0", "trainer.lr=1e-3"]
-
-
-def _metrics(out: Path) -> dict[int, dict]:
-    """Each step's metrics, the last row of a step counting (a resumed run logs again the steps it trains again)."""
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {row["step"]: row for row in rows if "reward/mean" in row}
 
 
 def _vllm_servers() -> set[int]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 import time
@@ -28,7 +27,8 @@ from pathlib import Path
 
 import pytest
 from remote_envs import envkit_serve, openenv_server
-from tiny import tiny_model_dir
+from test_trainer import _metrics
+from tiny import env_with_tests, tiny_model_dir
 from weights import changed_tensors, nonfinite_tensors
 
 pytestmark = pytest.mark.e2e
@@ -36,11 +36,6 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parent.parent
 SMALL = ["generator.samples_per_prompt=4", "generator.max_tokens=16", "trainer.warmup_steps=0",
          "logging.progress=false", "trainer.eval_tasks=0"]
-
-
-def _path_with(*dirs: Path) -> dict[str, str]:
-    """This environment with ``dirs`` first on PYTHONPATH (the run imports envs and rubrics from them by name)."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([*map(str, dirs), os.environ.get("PYTHONPATH", "")])}
 
 
 def train(out: Path, url: str, model: Path, *overrides: str, steps: int = 2, timeout: float = 1200,
@@ -51,7 +46,7 @@ def train(out: Path, url: str, model: Path, *overrides: str, steps: int = 2, tim
     process = subprocess.Popen([sys.executable, "-m", "trainer", f"inference.url={url}", f"model.path={model}",
                                 f"trainer.output_dir={out}", f"trainer.steps={steps}", *SMALL, *overrides],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=out.parent,
-                               env=env or _path_with(REPO / "tests"))
+                               env=env or env_with_tests())
     output, _ = process.communicate(timeout=timeout)
     assert process.returncode == 0, output[-6000:]
     metrics = _metrics(out)
@@ -64,12 +59,6 @@ def train(out: Path, url: str, model: Path, *overrides: str, steps: int = 2, tim
     last = out / "weights" / f"v{steps}"
     assert changed_tensors(last, model) > 0 and nonfinite_tensors(last) == []  # moved, and not to NaN
     return metrics, process.pid, output
-
-
-def _metrics(out: Path) -> dict[int, dict]:
-    """Each step's metrics (the last row of a step counts: a resumed run logs again what it trains again)."""
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in rows if "reward/mean" in r}
 
 
 def _rollouts(out: Path) -> list[dict]:
@@ -163,7 +152,7 @@ def test_trains_on_every_kind_of_env_at_once(tiny_url, docker_client, arithmetic
                 f"generator.prompts_per_step={len(members)}", "generator.max_turns=8",
                 "generator.max_total_tokens=2048", "judge.model=bundled", "judge.kv_cache_gib=1",
                 "trainer.eval_tasks=2", "trainer.eval_samples=1", "trainer.eval_greedy=false",
-                env=_path_with(REPO / "tests", REPO / "examples"))
+                env=env_with_tests(REPO / "examples"))
     finally:
         server.stop()
     out = tmp_path / "run"
@@ -264,7 +253,7 @@ def test_trains_agents_that_run_their_own_loop(policy_url, bundled_model, tmp_pa
                           f"generator.prompts_per_step={len(members)}", "generator.max_tokens=24",
                           "generator.group_rubric=rubric_parts:relative", "judge.engine=openai",
                           f"judge.url={policy_url}/v1", "judge.model=policy", steps=1,
-                          env=_path_with(REPO / "tests", REPO / "examples"))
+                          env=env_with_tests(REPO / "examples"))
     m = metrics[1]
     for label in members:
         assert m[f"env/{label}/rollouts"] == 4, (label, m)

@@ -36,6 +36,7 @@ def _why(result: subprocess.CompletedProcess[str]) -> str:
 
 
 def _metrics(out: Path) -> dict[int, dict]:
+    """Each step's metrics, the last row of a step counting (a resumed run logs again the steps it trains again)."""
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r for r in rows if "reward/mean" in r}
 

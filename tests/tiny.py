@@ -69,10 +69,12 @@ def on_tiny_model() -> list[str]:
     return ["inference.engine=hf", f"model.path={tiny_model_dir()}", "generator.seed=7"]
 
 
-def env_with_tests() -> dict[str, str]:
-    """This process's environment with tests/ first on PYTHONPATH: a trainer subprocess imports ``tiny:graded``."""
+def env_with_tests(*more: Path) -> dict[str, str]:
+    """This process's environment with tests/ (then ``more``) first on PYTHONPATH: a trainer subprocess imports
+    ``tiny:graded``, and envs and rubrics by name from them."""
     tests = str(Path(__file__).resolve().parent)
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tests, *map(str, more),
+                                                                      os.environ.get("PYTHONPATH")]))}
 
 
 def _vowel_share(episode: Episode) -> float:
