@@ -208,10 +208,11 @@ async def _engine(config: EvalConfig) -> tuple[InferenceEngine, ChatTokenizer | 
     # Next to the results rather than the shared cache log, which concurrent servers would interleave.
     engine = make_engine(config.engine, path, log_dir=config.out)
     name = "bundled SmolLM2-135M-Instruct" if config.model == BUNDLED else config.model
-    if isinstance(engine, ServerBackedEngine) and config.engine.url:
-        return engine, tokenizer, f"{name} on the {config.engine.engine} server at {config.engine.url}"
     if isinstance(engine, ServerBackedEngine):
-        return engine, tokenizer, f"{name} on a managed {config.engine.engine} server (log: {engine.server.log_path})"
+        kind = config.engine.engine
+        where = (f"the {kind} server at {config.engine.url}" if config.engine.url
+                 else f"a managed {kind} server (log: {engine.server.log_path})")
+        return engine, tokenizer, f"{name} on {where}"
     return engine, tokenizer, f"{name} in-process ({config.engine.engine})"
 
 
