@@ -7,7 +7,7 @@ pytest runs, a single test say, write nothing and so never clobber a full run's 
   stop), appended as the run goes, so a run that is killed still says where its time went;
 - ``durations.md``: the pytest phase's wall time against :data:`BUDGET_S`, each worker's wall and busy time, the
   slowest tests and modules, how many tests exercise each real part (:data:`PARTS`), and the machine's lowest
-  available memory in the run with the tests that were running then.
+  available memory in the run with the tests that were running then, and how busy its cores were on average.
 
 Memory is watched, not rationed: the tests that once needed most of the machine (an `exclusive` lock idled the other
 worker's end-to-end tests while they ran) now train the tiny model, and the low-water mark shows the margin left.
@@ -57,6 +57,7 @@ class _Run:
     collected: int = 0
     lowest_memory: tuple[float, float] = (float("inf"), 0.0)
     """The least available memory seen (bytes), and when."""
+    cpu_at_start: tuple[float, float] = field(default_factory=lambda: _cpu_times())
 
     def watch_memory(self) -> None:
         """Sample MemAvailable every second for the rest of the process (a daemon thread's loop)."""
@@ -65,6 +66,14 @@ class _Run:
             if available < self.lowest_memory[0]:
                 self.lowest_memory = (available, time.time())
             time.sleep(1.0)
+
+
+def _cpu_times() -> tuple[float, float]:
+    """The machine's busy and total CPU time so far (clock ticks, all cores): whether the suite waits or computes."""
+    with open("/proc/stat") as stat:
+        ticks = [float(x) for x in stat.readline().split()[1:]]
+    idle = ticks[3] + ticks[4]  # idle, iowait
+    return sum(ticks) - idle, sum(ticks)
 
 
 def _available_memory() -> float:
@@ -162,6 +171,10 @@ def summary(run: _Run, now: float) -> list[str]:
         running = sorted(nodeid for nodeid, t in run.tests.items() if t.start <= when <= t.stop)
         lines += [f"\nlowest available memory: {available / 2**30:.1f} GiB at {_clock(when - run.started)}, "
                   f"while these ran: {', '.join(running) or 'none (between tests)'}"]
+    busy, total = (end - start for end, start in zip(_cpu_times(), run.cpu_at_start, strict=True))
+    cores = os.cpu_count() or 1
+    lines += [f"CPU busy: {cores * busy / total:.2f} of {cores} cores on average over the run (all of them: the wall "
+              "time is work, not waiting)"]
     if run.parts:
         lines += ["\n## Tests per real part (collected)\n", "| part | tests |", "|---|---|"]
         lines += [f"| {part} | {n} |" for part, n in run.parts.items()]

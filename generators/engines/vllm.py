@@ -39,6 +39,13 @@ BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 """vLLM-CPU's own setting of the cores its workers run on."""
 
 
+def _parallel(args: tuple[str, ...]) -> bool:
+    """Whether server arguments ask for more than one worker, or for an executor of their own."""
+    flags = ("--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp", "--data-parallel-size", "-dp",
+             "--distributed-executor-backend")
+    return any(arg.split("=")[0] in flags for arg in args)
+
+
 def _core_binding(cores: str) -> dict[str, str]:
     """The server's environment for ``cores`` (see :class:`VLLMEngine`)."""
     check_cpu_cores(cores)
@@ -112,6 +119,13 @@ class VLLMEngine(ServerBackedEngine):
         env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), **_core_binding(cpu_cores)}
         if self.cpu_build:  # the trainer shares these cores: workers stop spinning 50 ms after their last step
             env[BUSY_POLL_ENV] = "0.05"
+        self._one_process = self.cpu_build and not _parallel(options.extra_args)
+        if self._one_process:
+            # The CPU build runs its one worker in a process of its own, whose engine core spins on the worker's
+            # replies through every step. In the engine core's process (vLLM keeps it there only with V1
+            # multiprocessing off, which the API server's own engine client ignores) a 2-vCPU server started in
+            # 41 s instead of 59-65, and generated the same tokens in 10.1 s instead of 12.7, on 20% less CPU.
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         super().__init__(model, options, server_name="vllm", env=env)
 
     def _command(self, port: int) -> list[str]:
@@ -122,7 +136,8 @@ class VLLMEngine(ServerBackedEngine):
             "--max-model-len", str(self.options.max_model_len), "--dtype", self.dtype,
             "--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log",
             "--worker-extension-cls", "generators.engines.transports.receiver.WeightReceiver",
-            *(() if self.compile else ("--enforce-eager",)), *self.options.extra_args,
+            *(() if self.compile else ("--enforce-eager",)),
+            *(("--distributed-executor-backend", "uni") if self._one_process else ()), *self.options.extra_args,
         ]
 
     async def _on_started(self) -> None:
