@@ -162,44 +162,23 @@ def test_bad_rows_names_and_calls_fail_clearly():
 
 @pytest.mark.e2e  # a training run
 @pytest.mark.trl
-def test_grpo_trainer_runs_on_an_envkit_env(bundled_model, tmp_path):
-    """TRL's own trainer: it probes the factory, renders the env's tool into the prompt, resets one instance per
-    rollout on its row's task, and takes the rewards the envs gave."""
-    from datasets import Dataset
-    from transformers import AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
-    from trl.chat_template_utils import qwen2_5_chat_template
+def test_grpo_trainer_runs_the_readmes_example_on_an_envkit_env(tmp_path, monkeypatch, capsys):
+    """TRL's own trainer, as the README runs it (its block, as written, on the bundled model): it probes the factory,
+    renders the env's tool into the prompt, resets one instance per rollout on its row's task, and takes the rewards
+    the envs gave."""
+    from test_readme import readme_block
 
-    tokenizer = AutoTokenizer.from_pretrained(bundled_model)
-    # the bundled template drops tools= (TRL refuses it); Qwen2.5's renders them, in the same ChatML tokens
-    tokenizer.chat_template = qwen2_5_chat_template
-    rows = envkit.trl.dataset("calculator", "train", n=2)
-    made: list[envkit.trl.TRLEnvironment] = []
-    calculator = envkit.trl.environment_factory("calculator")
-
-    def factory() -> envkit.trl.TRLEnvironment:
-        made.append(calculator())
-        return made[-1]
-
-    rewards: list[list[float]] = []
-
-    def env_reward(completions: list[Any], **kwargs: Any) -> list[float]:
-        rewards.append(envkit.trl.reward(completions, **kwargs))
-        return rewards[-1]
-
-    config = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, use_vllm=False, num_generations=2,
-                        per_device_train_batch_size=4, steps_per_generation=1, max_completion_length=16,
-                        max_steps=1, max_tool_calling_iterations=2, save_strategy="no", report_to="none",
-                        disable_tqdm=True, shuffle_dataset=False)
-    trainer = GRPOTrainer(model=str(bundled_model), processing_class=tokenizer, args=config,
-                          train_dataset=Dataset.from_list(rows), environment_factory=factory,
-                          reward_funcs=env_reward)
-    assert [t.__name__ for t in trainer.tools] == ["calculator"]
-    rendered = tokenizer.apply_chat_template(rows[0]["prompt"], tools=trainer.tools, tokenize=False)
-    assert '"name": "calculator"' in rendered and "numbers with + - * / // % ** and parentheses" in rendered
-    trainer.train()
+    monkeypatch.chdir(tmp_path)  # the block writes its output_dir there
+    namespace: dict[str, Any] = {}
+    exec(compile(readme_block("GRPOTrainer("), "README.md", "exec"), namespace)
+    assert capsys.readouterr().out.splitlines()[-1] == "1"  # what the README says it prints
+    trainer = namespace["trainer"]
     assert trainer.state.global_step == 1
-    used = [e for e in made if e.done]  # the probe instance TRL made first is reused as a rollout's
-    assert len(used) == 4 and len(rewards) == 1
-    assert rewards[0] == [e.episode_return for e in made[:4]]
-    assert trainer.state.log_history[0]["reward"] == pytest.approx(sum(rewards[0]) / 4)
+    assert [t.__name__ for t in trainer.tools] == ["calculator"]
+    row = envkit.trl.dataset("calculator", "train", n=1)[0]
+    rendered = trainer.processing_class.apply_chat_template(row["prompt"], tools=trainer.tools, tokenize=False)
+    assert '"name": "calculator"' in rendered and "numbers with + - * / // % ** and parentheses" in rendered
+    used = trainer.environments  # the step's rollouts' instances, each reset on its row's task and stepped to the end
+    assert len({id(e) for e in used}) == 4 and all(e.done for e in used)
+    returns = [e.episode_return for e in used]
+    assert trainer.state.log_history[0]["reward"] == pytest.approx(sum(returns) / 4)
