@@ -111,25 +111,29 @@ def _local_sandboxes_left() -> dict[int, str]:
     return left
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_sessionfinish(session: pytest.Session) -> None:
+@pytest.hookimpl(wrapper=True)
+def pytest_sessionfinish(session: pytest.Session) -> Iterator[None]:
     """No local sandbox outlives the run: each is a session of its own, which a killed owner leaves orphaned (the
     Docker check's counterpart, :func:`docker_client`). Leftovers are killed and fail the run; only the process that
-    ran the session checks, after every worker ended."""
+    ran the session checks, after every worker ended and every other plugin finished. The run's Ray cluster is
+    stopped before those plugins: when every test passed, pytest's own sessionfinish removes the base temp dir, and
+    with it the record that a cluster was started (a green run used to leave the cluster running)."""
     if "PYTEST_XDIST_WORKER" in os.environ:
-        return
+        return (yield)
     _stop_cluster(session.config)
+    result = yield
     deadline = time.monotonic() + 10  # a sandbox closed just now may still be shutting down
     while (left := _local_sandboxes_left()) and time.monotonic() < deadline:
         time.sleep(0.5)
     if not left:
-        return
+        return result
     for pid in left:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     reporter.write_line(f"local sandboxes left behind by this test session: {left}", red=True, bold=True)
+    return result
 
 
 PRUNE_FROM_BYTES = 16 << 20
