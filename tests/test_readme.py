@@ -22,7 +22,7 @@ def readme_block(containing: str) -> str:
     return code
 
 
-def _expected_prints(code: str) -> list[str]:
+def expected_prints(code: str) -> list[str]:
     """The `# comment` after each print(...) line, in order: that is what the README promises it prints."""
     return [m.group(1).strip() for m in re.finditer(r"^\s*print\(.*\)\s*#\s*(.+)$", code, re.MULTILINE)]
 
@@ -52,7 +52,7 @@ def test_the_blocks_other_tests_run_are_there_and_theirs_run_them():
 def test_readme_example_runs_and_prints_what_it_says(code: str, tmp_path: Path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert out.returncode == 0, out.stderr
-    expected = _expected_prints(code)
+    expected = expected_prints(code)
     printed = out.stdout.strip().splitlines()
     for want in expected:
         assert want in printed, f"README promises {want!r}; the example printed {printed}"

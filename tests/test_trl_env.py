@@ -166,12 +166,14 @@ def test_grpo_trainer_runs_the_readmes_example_on_an_envkit_env(tmp_path, monkey
     """TRL's own trainer, as the README runs it (its block, as written, on the bundled model): it probes the factory,
     renders the env's tool into the prompt, resets one instance per rollout on its row's task, and takes the rewards
     the envs gave."""
-    from test_readme import readme_block
+    from test_readme import expected_prints, readme_block
 
     monkeypatch.chdir(tmp_path)  # the block writes its output_dir there
     namespace: dict[str, Any] = {}
-    exec(compile(readme_block("GRPOTrainer("), "README.md", "exec"), namespace)
-    assert capsys.readouterr().out.splitlines()[-1] == "1"  # what the README says it prints
+    code = readme_block("GRPOTrainer(")
+    exec(compile(code, "README.md", "exec"), namespace)
+    printed = capsys.readouterr().out.splitlines()
+    assert expected_prints(code) == ["1"] and all(want in printed for want in expected_prints(code)), printed
     trainer = namespace["trainer"]
     assert trainer.state.global_step == 1
     assert [t.__name__ for t in trainer.tools] == ["calculator"]
