@@ -103,7 +103,7 @@ class _PartAttention(torch.autograd.Function):
             lse = top.add_(total.log())
             rest_lse = _pad(lse[:, :, s:], part)  # (KV, rollouts, g * longest, 1)
             p_shared = p_shared.div_(total).to(q.dtype)
-            p_rest = p_rest.div_(_pad(total[:, :, s:], part)).to(q.dtype)
+            p_rest = _padding_zeroed(p_rest.div_(_pad(total[:, :, s:], part)), part).to(q.dtype)
             out = (p_shared.view(kv, g * n, s) @ shared_v).view(kv, g, n, d)
             out[:, :, s:] += _unpad(p_rest @ rest_v, part)
         ctx.save_for_backward(q, shared_k, shared_v, rest_q, rest_k, rest_v, lse, rest_lse, out)
@@ -119,7 +119,7 @@ class _PartAttention(torch.autograd.Function):
             s, dtype = part.shared, q.dtype
             grad = grad.to(dtype)
             on_shared, on_rest = _scores(q, shared_k, rest_q, rest_k, part, scale)
-            p_shared, p_rest = on_shared.sub_(lse).exp_(), on_rest.sub_(rest_lse).exp_()
+            p_shared, p_rest = on_shared.sub_(lse).exp_(), _padding_zeroed(on_rest.sub_(rest_lse).exp_(), part)
             rows = grad.reshape(kv, g * n, d)
             rest_grad = _pad(grad[:, :, s:], part)
             # dV = Pᵀ dO, summed over each key head's g query heads (they are rows of the same product)
@@ -152,6 +152,17 @@ def _scores(q: torch.Tensor, shared_k: torch.Tensor, rest_q: torch.Tensor, rest_
     rollouts, longest = part.valid.shape
     on_rest.view(kv, rollouts, g, longest, longest).masked_fill_(part.hidden[:, None], float("-inf"))
     return on_shared, on_rest
+
+
+def _padding_zeroed(p: torch.Tensor, part: Part) -> torch.Tensor:
+    """``p`` (KV, rollouts, g * longest, longest) with its padding rows (past each rollout's end) set to 0, in place.
+
+    Their log-sum-exps and totals are padding too (0), so those rows hold inf or NaN. Each product row reads only
+    its own row, yet on a CPU with AMX the bf16 matmul carried a padding row's NaN into the rollout's last real row.
+    """
+    kv, rollouts, rows, longest = p.shape
+    padding = ~part.valid[:, None, :, None]  # (rollouts, 1, longest, 1)
+    return p.view(kv, rollouts, rows // longest, longest, longest).masked_fill_(padding, 0.0).view(p.shape)
 
 
 def _pad(x: torch.Tensor, part: Part) -> torch.Tensor:
