@@ -139,6 +139,22 @@ MUTATIONS = [
         "[ws-ws]",
         "each worker of `envkit serve --workers 2` draws its own snapshot key: a token restores only on the worker "
         "that sealed it"),
+    Mutation(
+        "attention-padding-left-nan",
+        "trainer/backends/part_attention.py::_padding_zeroed",
+        "return p.view(kv, rollouts, rows // longest, longest, longest).masked_fill_(padding, 0.0).view(p.shape)",
+        "return p",
+        "tests/test_part_attention.py::test_parts_attention_multiplies_no_inf_or_nan_of_its_padding[fp32]",
+        "the padding rows of the shared-prompt attention hold inf and NaN, which a CPU's bf16 matmul carried into "
+        "real rows"),
+    Mutation(
+        "nan-gradient-applied",
+        "trainer/backends/base.py::finite_grad_norm",
+        "if not math.isfinite(norm):",
+        "if False:",
+        "tests/test_deepspeed.py::test_one_rank_export_and_state_round_trip[2-fp32]",
+        "an optimizer step with a NaN gradient is applied: the policy turns NaN and reaches the inference engine",
+        needs="DeepSpeed"),
 ]
 
 

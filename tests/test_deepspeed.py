@@ -98,6 +98,10 @@ def test_one_rank_export_and_state_round_trip(zero_stage, dtype, tmp_path):
     assert r["logprobs_after_load_step_max_abs_diff"] == 0.0
     # the frozen reference still gives the initial policy's logprobs
     assert r["reference_max_abs_diff"] == 0.0
+    # A NaN gradient stops the run at that step instead of making the policy NaN: FSDP before its update (the
+    # weights stay as they were), DeepSpeed after its engine's (the run stops before they are sent or saved).
+    assert r["fsdp_nan_update"] == r["deepspeed_nan_update"] == "refused"
+    assert r["fsdp_after_nan_update_max_abs_diff"] == 0.0
 
 
 # ----------------------------------------------------------------------------- the 1-rank scenario (a subprocess)
@@ -112,7 +116,7 @@ def _round_trip(zero_stage: int, dtype: str, tmp: Path) -> dict:
     from dist_update import synthetic_trajectories
     from tiny import tiny_model_dir
 
-    from trainer.backends.base import BackendConfig
+    from trainer.backends.base import BackendConfig, NonFiniteGradientError
     from trainer.backends.common import model_logprobs
     from trainer.backends.deepspeed import DeepSpeedBackend
     from trainer.backends.fsdp import FSDPBackend
@@ -146,9 +150,21 @@ def _round_trip(zero_stage: int, dtype: str, tmp: Path) -> dict:
         r["seconds"][name] = round(now - clock[0], 1)
         clock[0] = now
 
+    def nan_update(backend) -> str:
+        """A step whose loss is NaN (as a bf16 overflow or a broken kernel gives): what the backend did with it."""
+        logprobs = backend.forward(micro_batches[0]).logprobs
+        backend.backward((logprobs * micro_batches[0]["loss_mask"]).sum() * float("nan"))
+        try:
+            backend.step()
+        except NonFiniteGradientError:
+            return "refused"
+        return "stepped"
+
     fsdp = FSDPBackend(dataclasses.replace(config, reference=False))
     r["fsdp_grad_norm"], r["fsdp_lr"] = update(fsdp)
     fsdp_after = fsdp.logprobs(batch)
+    r["fsdp_nan_update"] = nan_update(fsdp)
+    r["fsdp_after_nan_update_max_abs_diff"] = max_diff(fsdp.logprobs(batch) * mask, fsdp_after * mask)
     del fsdp
     lap("fsdp: build, 1 step")
 
@@ -193,6 +209,7 @@ def _round_trip(zero_stage: int, dtype: str, tmp: Path) -> dict:
     r["logprobs_after_load_step_max_abs_diff"] = max_diff(backend.logprobs(batch), after_save)
     r["grad_norms"], r["lrs"] = [n for n, _ in steps], [lr for _, lr in steps]
     r["reference_max_abs_diff"] = max_diff(backend.logprobs(batch, reference=True), reference)
+    r["deepspeed_nan_update"] = nan_update(backend)  # last: DeepSpeed has applied it by the time it says so
     lap("deepspeed: 1 step, checks")
     return r
 

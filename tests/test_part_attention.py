@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from trainer.backends.part_attention import dense_mask, parts_attention, row_parts
@@ -77,6 +78,34 @@ def test_parts_attention_in_bf16_is_as_close_to_the_exact_values_as_sdpa():
     for name, a, b, e in zip(("out", "dq", "dk", "dv"), ours, sdpa, exact, strict=True):
         ours_error, sdpa_error = (a - e).abs().mean(), (b - e).abs().mean()
         assert ours_error <= 1.5 * sdpa_error, (name, float(ours_error), float(sdpa_error))
+
+
+class _NonFiniteOperands(TorchDispatchMode):
+    """Records each matrix product that reads an inf or NaN operand."""
+
+    PRODUCTS = frozenset({torch.ops.aten.bmm, torch.ops.aten.mm, torch.ops.aten.matmul})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in self.PRODUCTS and any(
+                isinstance(a, torch.Tensor) and a.is_floating_point() and not torch.isfinite(a).all() for a in args):
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_parts_attention_multiplies_no_inf_or_nan_of_its_padding(dtype):
+    # Rollouts shorter than their part's longest are padded; the padding rows' probabilities must be 0, not inf or
+    # NaN. A product row reads only its own row, yet on a CPU with AMX the bf16 matmul carried a padding row's NaN
+    # into the rollout's last token: NaN losses in every bf16 run with rollouts of unequal length.
+    segments, bounds = _row(ROW)
+    inputs = _inputs(segments.shape[1], dtype)
+    with _NonFiniteOperands() as products:
+        _run("parts", segments, bounds, inputs)
+    assert not products.seen, products.seen
 
 
 def test_parts_attention_keeps_memory_linear_in_a_parts_length():

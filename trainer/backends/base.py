@@ -16,6 +16,7 @@ at ``temperature``; position 0 has no prediction and is 0.
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -77,6 +78,21 @@ class BackendConfig:
                              f"{self.warmup_steps}")
 
 
+class NonFiniteGradientError(RuntimeError):
+    """An optimizer step's gradient norm was inf or NaN: its update would make the policy's weights NaN."""
+
+
+def finite_grad_norm(norm: float) -> float:
+    """``norm``, or :class:`NonFiniteGradientError` when it is inf or NaN. The run stops at that step, before the
+    weights reach an inference engine (a NaN policy there fails every later rollout) or a checkpoint."""
+    if not math.isfinite(norm):
+        raise NonFiniteGradientError(
+            f"the gradient norm of this optimizer step is {norm}: the run stops before the weights reach the "
+            "inference engine or a checkpoint. Resume from the last checkpoint (trainer.resume=latest) once the "
+            "cause is found (trainer.dtype=fp32 tells a bf16 overflow from a bad batch or loss)")
+    return norm
+
+
 @dataclass(frozen=True)
 class StepStats:
     """What one optimizer step reports."""
@@ -103,7 +119,8 @@ class TrainBackend(abc.ABC):
 
     @abc.abstractmethod
     def step(self) -> StepStats:
-        """Clip gradients, step the optimizer and the LR schedule, zero gradients."""
+        """Clip gradients, step the optimizer and the LR schedule, zero gradients; :class:`NonFiniteGradientError`
+        when the gradient norm is inf or NaN."""
 
     @abc.abstractmethod
     def logprobs(self, batch: Batch, *, reference: bool = False) -> torch.Tensor:

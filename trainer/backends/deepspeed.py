@@ -36,7 +36,7 @@ import torch.distributed as dist
 from transformers import PreTrainedModel
 
 from generators.models import cache_dir
-from trainer.backends.base import BackendConfig, Batch, StepStats, TrainBackend
+from trainer.backends.base import BackendConfig, Batch, StepStats, TrainBackend, finite_grad_norm
 from trainer.backends.common import (
     TokenOutputs,
     add_value_head,
@@ -153,7 +153,8 @@ class DeepSpeedBackend(TrainBackend):
         lr = self.scheduler.get_last_lr()[0]  # the LR this update uses; the engine steps the schedule after it
         self.engine.step()  # reduce, clip to grad_clip, AdamW, LR schedule, zero grads
         norm = self.engine.get_global_grad_norm()  # before clipping, like clip_grad_norm_'s return value
-        return StepStats(grad_norm=float(norm), lr=float(lr))
+        # the engine has applied the update: raising now keeps it from reaching an inference engine or a checkpoint
+        return StepStats(grad_norm=finite_grad_norm(float(norm)), lr=float(lr))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 weights (the optimizer's master copy, not bf16 compute weights) plus persistent buffers, on

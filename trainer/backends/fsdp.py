@@ -24,7 +24,13 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import PreTrainedModel
 
-from trainer.backends.base import BackendConfig, Batch, StepStats, TrainBackend
+from trainer.backends.base import (
+    BackendConfig,
+    Batch,
+    StepStats,
+    TrainBackend,
+    finite_grad_norm,
+)
 from trainer.backends.common import (
     TokenOutputs,
     add_value_head,
@@ -117,6 +123,7 @@ class FSDPBackend(TrainBackend):
         # clip_grad_norm_ on sharded (DTensor) grads returns a DTensor; the full norm is its local value here.
         norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         lr = self.scheduler.get_last_lr()[0]
+        finite_grad_norm(float(norm))  # raises before the update: the policy's weights stay as they were
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
