@@ -59,8 +59,16 @@ async def test_an_episode_keeps_its_files_between_calls_and_the_next_gets_a_clea
         assert await tool_output(env, "bash", command="cat notes.txt /tmp/t") == "42x"
         # a sleeper started by one call is gone before the next: only files carry over
         await tool_output(env, "bash", command="setsid sleep 300 & disown; nohup sleep 300 >/dev/null 2>&1 &")
-        others = ("import os; print([p for p in os.listdir('/proc') if p.isdigit() and int(p) != os.getpid() "
-                  "and os.stat('/proc/' + p).st_uid == 1000])")
+        # Live ones: a killed sleeper stays a zombie until the container's init reaps it, which may be after the
+        # next call starts (seen once in a full run: "['18', '19']").
+        others = ("import os\n"
+                  "def live(p):\n"
+                  "    try:\n"
+                  "        state = open(f'/proc/{p}/stat').read().rsplit(')', 1)[1].split()[0]\n"
+                  "        return os.stat(f'/proc/{p}').st_uid == 1000 and state != 'Z'\n"
+                  "    except OSError:\n"
+                  "        return False\n"
+                  "print([p for p in os.listdir('/proc') if p.isdigit() and int(p) != os.getpid() and live(p)])")
         assert await tool_output(env, "python", code=others) == "[]"
         result = await env.step(assistant("1"))
         assert (result.reward, result.terminated) == (1.0, True)
