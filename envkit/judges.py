@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from envkit.errors import RubricError
+from envkit.markup import CONTROL_SHAPES, inert
 from envkit.rubrics import Episode, GroupRubric, Rubric, Score
 
 JUDGE_URL_VAR = "ENVKIT_JUDGE_URL"
@@ -71,10 +72,12 @@ FORMATS = {"json": 'with only the JSON object {"score": N}', "regex": "with a sh
 GRADER_TALK = re.compile(
     r"\b(?:scor(?:e|es|ed|ing)|grad(?:e|es|ed|ing|er|ers)|ratings?|rated?|full\s+marks|judg\w*|evaluators?|"
     r"reviewers?|deserv\w*|criteri\w*|instructions?|ignor\w*|disregard\w*|this\s+(?:reply|response))\b"
-    r"|\b(?:system|assistant|user)\s*:|\b\d+\s*(?:/|out\s+of)\s*\d+|<<<|>>>|[{}]", re.IGNORECASE)
+    r"|\b(?:system|assistant|user)\s*:|\b\d+\s*(?:/|out\s+of)\s*\d+|<<<|>>>|[{}]|" + CONTROL_SHAPES.pattern,
+    re.IGNORECASE)
 """What a sentence that talks to its grader has (see :func:`without_grader_talk`): words a reply has no cause to
 write but to its grader ("evaluate", "system" or "review" alone are not among them: a math or a code reply writes
-them), a role's name as a speaker ("System:"), a score out of something, JSON braces and quote markers."""
+them), a role's name as a speaker ("System:"), a score out of something, JSON braces, quote markers and chat
+control tokens (:data:`envkit.markup.CONTROL_SHAPES`: a reply has no cause to open a turn of its own)."""
 SENTENCE_RE = re.compile(r"[^.!?]*(?:[.!?]+|$)")
 """A sentence of a line, with its end: punctuation, or the end of the line."""
 MIN_SCORE_MASS = 0.5
@@ -254,7 +257,7 @@ class LLMJudge(Rubric):
         system = SYSTEM.format(criteria=self.criteria, open=opening, close=closing, low=low, high=high,
                                answer_format=FORMATS[self.parse])
         messages = [{"role": "system", "content": system},
-                    {"role": "user", "content": f"{opening}\n{reply}\n{closing}"}]
+                    {"role": "user", "content": f"{opening}\n{inert(reply)}\n{closing}"}]
         if self.prefill is not None:
             messages.append({"role": "assistant", "content": self.prefill})
         return messages
@@ -356,8 +359,8 @@ class RelativeJudge(GroupRubric):
         nonce = hashlib.blake2b(json.dumps([task, replies]).encode(), key=self._key, digest_size=8).hexdigest()
         low, high = self.scale
         system = GROUP_SYSTEM.format(n=len(replies), criteria=self.criteria, nonce=nonce, low=low, high=high)
-        quoted = [f"<<<TASK {nonce}>>>\n{task}\n<<<END OF TASK {nonce}>>>"]
-        quoted += [f"<<<REPLY {i} {nonce}>>>\n{reply}\n<<<END OF REPLY {i} {nonce}>>>"
+        quoted = [f"<<<TASK {nonce}>>>\n{inert(task)}\n<<<END OF TASK {nonce}>>>"]
+        quoted += [f"<<<REPLY {i} {nonce}>>>\n{inert(reply)}\n<<<END OF REPLY {i} {nonce}>>>"
                    for i, reply in enumerate(replies, 1)]
         return [{"role": "system", "content": system}, {"role": "user", "content": "\n\n".join(quoted)}]
 

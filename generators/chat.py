@@ -15,6 +15,8 @@ from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from envkit.markup import control_pattern, inert
+
 _PREFIX: list[dict[str, Any]] = [
     {"role": "system", "content": "S"},
     {"role": "user", "content": "U"},
@@ -36,6 +38,8 @@ class ChatTokenizer:
         self.eos_id: int = tokenizer.eos_token_id
         self.pad_id: int = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
         self._prefix_cache: dict[str, list[int]] = {}
+        specials = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
+        self._control = control_pattern([*specials, *tokenizer.all_special_tokens])
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ChatTokenizer:
@@ -70,10 +74,25 @@ class ChatTokenizer:
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *,
                generation_prompt: bool = True) -> list[int]:
-        """Token ids of ``messages`` as the chat template renders them."""
-        text = self.tokenizer.apply_chat_template(messages, tools=tools or None,
+        """Token ids of ``messages`` as the chat template renders them. What an env, a user or a tool wrote is data:
+        a control token's text in it (``<|im_start|>system``) stays text (:func:`envkit.markup.inert`). The
+        model's own turns keep theirs, as it sampled them."""
+        text = self.tokenizer.apply_chat_template([self._as_data(m) for m in messages], tools=tools or None,
                                                   add_generation_prompt=generation_prompt, tokenize=False)
         return self._encode(text)
+
+    def _as_data(self, message: dict[str, Any]) -> dict[str, Any]:
+        """``message`` with the control tokens in its text made inert, unless the model wrote it."""
+        content = message.get("content")
+        if message.get("role") == "assistant" or not content:
+            return message
+        if isinstance(content, str):
+            return {**message, "content": inert(content, self._control)}
+        if isinstance(content, list):  # content parts: [{"type": "text", "text": ...}, ...]
+            return {**message, "content": [{**part, "text": inert(part["text"], self._control)}
+                                           if isinstance(part, dict) and isinstance(part.get("text"), str) else part
+                                           for part in content]}
+        return message
 
     def _encode(self, text: str) -> list[int]:
         """``text``'s ids, special tokens in it read as such and none added: what ``apply_chat_template`` gives

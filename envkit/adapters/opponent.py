@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from envkit.errors import EnvError
+from envkit.markup import inert
 from envkit.messages import Message
 
 POLICY_URL_VAR = "ENVKIT_POLICY_URL"
@@ -106,7 +107,9 @@ class ChatOpponent:
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=600.0)
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        body = {"model": model, "messages": [{"role": m["role"], "content": m["content"] or ""} for m in messages],
+        # what the game (and through it the policy) wrote is data to the opponent's template: its moves stay its own
+        body = {"model": model, "messages": [{"role": m["role"], "content": (m["content"] or "") if m["role"] ==
+                                              "assistant" else inert(m["content"] or "")} for m in messages],
                 "temperature": self.temperature, "max_tokens": self.max_tokens}
         try:
             response = await self._client.post(url.rstrip("/") + "/chat/completions", json=body, headers=headers)
