@@ -37,7 +37,3 @@ def inert(text: str, pattern: re.Pattern[str] = CONTROL_SHAPES) -> str:
     """``text`` with a word joiner after the first character of each control token ``pattern`` finds in it."""
     return pattern.sub(lambda m: m[0][0] + WORD_JOINER + m[0][1:], text)
 
-
-def has_markup(text: str, pattern: re.Pattern[str] = CONTROL_SHAPES) -> bool:
-    """Whether ``text`` writes a control token (what a judge's breakdown counts as ``NAME/markup``)."""
-    return pattern.search(text) is not None

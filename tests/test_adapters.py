@@ -318,7 +318,7 @@ async def test_an_endpoint_opponent_gets_what_the_game_wrote_as_text_and_its_own
     from threading import Thread
 
     from envkit.adapters.opponent import ChatOpponent
-    from envkit.markup import WORD_JOINER, has_markup
+    from envkit.markup import CONTROL_SHAPES, WORD_JOINER
 
     seen: list[dict] = []
 
@@ -347,5 +347,5 @@ async def test_an_endpoint_opponent_gets_what_the_game_wrote_as_text_and_its_own
         await opponent.aclose()
         server.shutdown()
     sent = [m["content"] for m in seen[0]["messages"]]
-    assert not has_markup(sent[0]) and sent[0].replace(WORD_JOINER, "") == f"Your opponent said: {markup}"
+    assert not CONTROL_SHAPES.search(sent[0]) and sent[0].replace(WORD_JOINER, "") == f"Your opponent said: {markup}"
     assert sent[1] == "<|im_start|>"
