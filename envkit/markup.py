@@ -36,4 +36,3 @@ def control_pattern(specials: Iterable[str] = ()) -> re.Pattern[str]:
 def inert(text: str, pattern: re.Pattern[str] = CONTROL_SHAPES) -> str:
     """``text`` with a word joiner after the first character of each control token ``pattern`` finds in it."""
     return pattern.sub(lambda m: m[0][0] + WORD_JOINER + m[0][1:], text)
-

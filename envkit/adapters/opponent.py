@@ -108,8 +108,9 @@ class ChatOpponent:
             self._client = httpx.AsyncClient(timeout=600.0)
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         # what the game (and through it the policy) wrote is data to the opponent's template: its moves stay its own
-        body = {"model": model, "messages": [{"role": m["role"], "content": (m["content"] or "") if m["role"] ==
-                                              "assistant" else inert(m["content"] or "")} for m in messages],
+        sent = [{"role": m["role"], "content": m["content"] or ""} for m in messages]
+        sent = [m if m["role"] == "assistant" else {**m, "content": inert(m["content"])} for m in sent]
+        body = {"model": model, "messages": sent,
                 "temperature": self.temperature, "max_tokens": self.max_tokens}
         try:
             response = await self._client.post(url.rstrip("/") + "/chat/completions", json=body, headers=headers)
