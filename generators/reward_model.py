@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 import ray
 
+from envkit.markup import control_pattern, inert
 from envkit.rubrics import Episode, Rubric, Score
 from generators.models import _file_lock, bundled_model_dir, cache_dir
 
@@ -134,13 +135,22 @@ class RewardModel(Rubric):
         loop = asyncio.get_running_loop()
         if self._model is None:
             await asyncio.to_thread(self._load)
-        text = self._tokenizer.apply_chat_template(messages, tokenize=False)
+        text = self.render(messages)
         future: asyncio.Future[float] = loop.create_future()
         self._queues.setdefault(loop, []).append((text, future))
         worker = self._workers.get(loop)
         if worker is None or worker.done():
             self._workers[loop] = asyncio.ensure_future(self._drain(loop))
         return await future
+
+    def render(self, messages: list[Any]) -> str:
+        """The chat as the reward model reads it: every message's text, the policy's included, kept as data (its
+        control tokens stay text: a reply cannot close its own turn and write the next); loads the tokenizer."""
+        if self._model is None:
+            self._load()
+        data = [m if not isinstance(m.get("content"), str) else {**m, "content": inert(m["content"], self._control)}
+                for m in messages]
+        return self._tokenizer.apply_chat_template(data, tokenize=False)
 
     def _load(self) -> None:
         with self._lock:  # the import too: transformers' lazy imports from two threads at once can fail
@@ -150,6 +160,7 @@ class RewardModel(Rubric):
 
             path = bundled_reward_model_dir() if str(self.path) == "bundled" else self.path
             self._tokenizer = AutoTokenizer.from_pretrained(path)
+            self._control = control_pattern(self._tokenizer.all_special_tokens)
             model = AutoModelForSequenceClassification.from_pretrained(path)
             if model.config.num_labels != 1:
                 raise ValueError(f"a reward model has one output, {path} has {model.config.num_labels}")
