@@ -13,7 +13,7 @@ reports, each with a 95% bootstrap interval over the items:
 
 A judge passes when its AUC's interval is above 0.5, no attack's lift interval is above 0 and position does not move
 its scores: a constant judge fails the first, a gullible one the second. 64 items per cell is the least that makes
-the intervals narrow enough to read (``envkit judge-check`` in :mod:`generators.judge_check` runs it).
+the intervals narrow enough to read (``envkit judge-check``, in :mod:`generators.judge_cli`, runs it).
 """
 
 from __future__ import annotations
