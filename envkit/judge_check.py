@@ -237,12 +237,17 @@ def _episode(task: str, reply: str) -> Episode:
     return Episode(None, [{"role": "user", "content": task}, {"role": "assistant", "content": reply}])
 
 
-def _mean_interval(values: Sequence[float], rng: random.Random, resamples: int) -> Interval:
-    n = len(values)
-    if n == 0:
+def _bootstrap(items: Sequence[Any], statistic: Callable[[Sequence[Any]], float], rng: random.Random,
+               resamples: int) -> Interval:
+    """``statistic`` of ``items`` with its 95% percentile bootstrap interval (resampling the items)."""
+    if not items:
         return Interval(float("nan"), float("nan"), float("nan"), 0)
-    means = sorted(statistics.fmean(rng.choices(values, k=n)) for _ in range(resamples))
-    return Interval(statistics.fmean(values), means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1], n)
+    values = sorted(statistic(rng.choices(items, k=len(items))) for _ in range(resamples))
+    return Interval(statistic(items), values[int(0.025 * resamples)], values[int(0.975 * resamples) - 1], len(items))
+
+
+def _mean_interval(values: Sequence[float], rng: random.Random, resamples: int) -> Interval:
+    return _bootstrap(values, statistics.fmean, rng, resamples)
 
 
 def auc(right: Sequence[float], wrong: Sequence[float]) -> float:
@@ -260,13 +265,7 @@ def auc(right: Sequence[float], wrong: Sequence[float]) -> float:
 
 
 def _auc_interval(pairs: Sequence[tuple[float, float]], rng: random.Random, resamples: int) -> Interval:
-    def of(sample: Sequence[tuple[float, float]]) -> float:
-        return auc([r for r, _ in sample], [w for _, w in sample])
-
-    if not pairs:
-        return Interval(float("nan"), float("nan"), float("nan"), 0)
-    values = sorted(of(rng.choices(pairs, k=len(pairs))) for _ in range(resamples))
-    return Interval(of(pairs), values[int(0.025 * resamples)], values[int(0.975 * resamples) - 1], len(pairs))
+    return _bootstrap(pairs, lambda sample: auc([r for r, _ in sample], [w for _, w in sample]), rng, resamples)
 
 
 async def check_judge(judge: Rubric | GroupRubric, items: Sequence[Item], *, attacks: dict[str, Attack] = ATTACKS,

@@ -261,7 +261,7 @@ class LLMJudge(Rubric):
 
     def prompt(self, reply: str, task: str | None = None) -> list[dict[str, str]]:
         """The judge's messages for ``reply`` (the final answer, for a judge with ``answer``) to ``task``."""
-        nonce = hashlib.blake2b(json.dumps([task, reply]).encode(), key=self._key, digest_size=8).hexdigest()
+        nonce = _keyed(self._key, task, reply).hex()
         what = "REPLY" if self.answer is None else "FINAL ANSWER"
         opening, closing = f"<<<{what} {nonce}>>>", f"<<<END OF {what} {nonce}>>>"
         quoted = f"{opening}\n{inert(visible(reply))}\n{closing}"
@@ -364,7 +364,7 @@ class RelativeJudge(GroupRubric):
 
     def prompt(self, task: str, replies: list[str]) -> list[dict[str, str]]:
         """The judge's messages for a group's ``replies`` to ``task``."""
-        nonce = hashlib.blake2b(json.dumps([task, replies]).encode(), key=self._key, digest_size=8).hexdigest()
+        nonce = _keyed(self._key, task, replies).hex()
         low, high = self.scale
         system = GROUP_SYSTEM.format(n=len(replies), criteria=self.criteria, nonce=nonce, low=low, high=high,
                                      answers="" if self.answer is None else "'s final answer")
@@ -390,9 +390,8 @@ class RelativeJudge(GroupRubric):
     def order(self, task: str, replies: list[str]) -> list[int]:
         """The first order the judge sees ``replies`` in: a shuffle drawn from their keyed hash (the same group,
         the same order: the cache can hit)."""
-        seed = hashlib.blake2b(json.dumps([task, replies]).encode(), key=self._key, digest_size=8).digest()
         order = list(range(len(replies)))
-        random.Random(seed).shuffle(order)
+        random.Random(_keyed(self._key, task, replies)).shuffle(order)
         return order
 
     async def _look(self, task: str, replies: list[str]) -> tuple[list[float], float]:
@@ -442,10 +441,21 @@ def _task(episode: Episode) -> str | None:
     return next((str(m.get("content") or "") for m in episode.messages if m.get("role") == "user"), None)
 
 
+def _keyed(key: bytes, *parts: object) -> bytes:
+    """A hash of ``parts`` under a judge's key: its quotes' nonce (hex) and its groups' shuffle, which a policy that
+    does not know the key cannot predict."""
+    return hashlib.blake2b(json.dumps(parts).encode(), key=key, digest_size=8).digest()
+
+
+def _script(task: str | None) -> str | None:
+    """The script a reply to ``task`` is expected in (a sentence in another is talk)."""
+    return main_script(task) if task else None
+
+
 def _final(answer: Callable[[str], str | None], reply: str, task: str | None) -> str | None:
     """The final answer ``answer`` reads in ``reply`` less what talks to its grader (a score written after the
     answer is not the answer)."""
-    return answer(without_grader_talk(reply, main_script(task) if task else None))
+    return answer(without_grader_talk(reply, _script(task)))
 
 
 def _looks(replies: list[str], second_look: bool, task: str | None) -> list[list[str]]:
@@ -454,8 +464,7 @@ def _looks(replies: list[str], second_look: bool, task: str | None) -> list[list
     task's is talk)."""
     if not second_look:
         return [replies]
-    script = main_script(task) if task else None
-    redacted = [redact(r, script) for r in replies]
+    redacted = [redact(r, _script(task)) for r in replies]
     if all(r is None for r in redacted):
         return [replies]
     return [replies, [r if d is None else d for r, d in zip(replies, redacted, strict=True)]]
