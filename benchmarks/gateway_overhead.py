@@ -172,7 +172,9 @@ async def run(args: argparse.Namespace, engine: VLLMEngine, tokenizer: ChatToken
         tasks = [{**t, "calls": args.calls, "max_tokens": args.max_tokens} for t in tasks]
         start = time.perf_counter()
         trajs = await generator.generate(lambda: AgentEnv(agent=hosted if agent_process else play, grader=count,
-                                                          tasks=tasks, agent_process=agent_process), tasks=tasks)
+                                                          tasks=tasks, agent_process=agent_process,
+                                                          agent_fields=("id", "question", "calls", "max_tokens")),
+                                         tasks=tasks)
         wall = time.perf_counter() - start
         failed = [t.error for t in trajs if t.failed]
         if failed:

@@ -149,17 +149,21 @@ users = UserPool()
 
 
 async def run(argv: Sequence[str], *, stdin: bytes = b"", timeout_s: float = 10.0, output_limit: int = 64 * 1024,
-              user: int | None = None, cwd: str | None = None, env: Mapping[str, str] | None = None) -> RunResult:
+              user: int | None = None, cwd: str | None = None, env: Mapping[str, str] | None = None,
+              switch_user: bool = True) -> RunResult:
     """Run ``argv`` with ``stdin``; killed at ``timeout_s`` along with everything it started (see the module doc).
-    ``cwd`` is entered before the switch to ``user``, so this process must be able to enter it."""
+    ``cwd`` is entered before the switch to ``user``, so this process must be able to enter it. With
+    ``switch_user=False``, ``argv`` switches to ``user`` itself (after setting up namespaces as root); every process
+    of ``user`` is still killed at the end."""
     if not argv or not all(isinstance(a, str) for a in argv):
         raise ValueError(f"run needs a non-empty argv of str, got {argv!r}")
     started = time.monotonic()
     # subprocess.Popen, not the loop's subprocess API: CPython spawns with vfork, uvloop (the server's loop) with
     # fork, which costs milliseconds in a large process. Both pipes and the exit are then awaited on the loop.
     proc = subprocess.Popen(  # noqa: ASYNC220 (vfork and exec: well under a millisecond)
-        _as_user(user, argv), stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, cwd=cwd, env=dict(SAFE_ENV if env is None else env), start_new_session=True)
+        _as_user(user if switch_user else None, argv), stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, env=dict(SAFE_ENV if env is None else env),
+        start_new_session=True)
     assert proc.stdout is not None and proc.stderr is not None
     readers = [asyncio.ensure_future(_read_capped(p, output_limit)) for p in (proc.stdout, proc.stderr)]
     writer = asyncio.ensure_future(_feed(proc.stdin, stdin)) if proc.stdin is not None else None

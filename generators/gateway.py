@@ -28,6 +28,7 @@ ids the call counts as skewed (``Trajectory.template_mismatches``). It is measur
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import secrets
@@ -169,6 +170,11 @@ class Episode:
     responses: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     """Each ``/v1/responses`` reply's chat through it, by response id (for ``previous_response_id``)."""
     generate_s: float = 0.0
+    refused: int = 0
+    """Calls on this episode's channel that were refused: another episode's key, an unknown or an ended one."""
+    channel: asyncio.Future[asyncio.Server] | None = None
+    """Its own port's server (see :meth:`Gateway.open`)."""
+    channel_port: int = 0
     session: Session = field(default_factory=Session)
     """Sticky routing: a replicated engine sends all of this episode's calls to one replica."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -218,6 +224,9 @@ class Gateway:
         self._task: asyncio.Task[None] | None = None
         self.port = 0
         self._announced = host
+        self._channels: dict[int, Episode] = {}
+        self.refused = 0
+        """Calls refused for their key, on any port (each channel's are also its episode's)."""
 
     @property
     def url(self) -> str:
@@ -244,6 +253,8 @@ class Gateway:
 
     async def stop(self) -> None:
         """Stop serving; idempotent."""
+        for episode in list(self._channels.values()):
+            self._close_channel(episode)
         if self._server is not None and self._task is not None:
             self._server.should_exit = True
             await self._task
@@ -257,31 +268,59 @@ class Gateway:
         await self.stop()
 
     def open(self) -> Episode:
-        """A new episode with a key of its own."""
+        """A new episode with a key of its own, and a port of its own (its channel) that refuses every other key:
+        where an isolated agent process is relayed, so a key it learns of cannot be spent there."""
+        assert self._server is not None, "start the gateway first"
         episode = Episode(secrets.token_urlsafe(18))
         self.episodes[episode.key] = episode
+        sock = socket.socket()
+        sock.bind((self.host, 0))
+        sock.listen(64)  # connections wait in the backlog until the server below accepts them
+        episode.channel_port = sock.getsockname()[1]
+        self._channels[episode.channel_port] = episode
+        config, server = self._server.config, self._server
+        protocol: Any = functools.partial(config.http_protocol_class, config=config, server_state=server.server_state,
+                                          app_state=server.lifespan.state)
+        episode.channel = asyncio.ensure_future(asyncio.get_running_loop().create_server(protocol, sock=sock))
         return episode
 
     def client(self, episode: Episode) -> AgentClient:
         """What ``episode``'s agent connects with."""
         return AgentClient(base_url=f"{self.url}/v1", api_key=episode.key, model=self.engine.model_name,
-                           episode_url=f"{self.url}/e/{episode.key}/v1")
+                           episode_url=f"{self.url}/e/{episode.key}/v1",
+                           channel_url=f"http://{self._announced}:{episode.channel_port}")
 
     def end(self, episode: Episode) -> list[Segment]:
         """End ``episode``: its calls from now on get 409. Returns its segments."""
         self.episodes.pop(episode.key, None)
         self._ended.add(episode.key)
+        self._close_channel(episode)
         return episode.end()
 
-    def episode(self, key: str | None) -> Episode:
-        """The open episode with ``key``."""
-        if key in self._ended:
-            raise GatewayError(409, "episode_ended", "this episode has ended; its agent may not call the model any "
-                                                     "more")
-        episode = self.episodes.get(key or "")
-        if episode is None:
-            raise GatewayError(401, "invalid_api_key", "unknown episode key: use the api_key (or the /e/KEY/v1 "
-                                                       "base URL) the gateway gave this episode's agent")
+    def _close_channel(self, episode: Episode) -> None:
+        self._channels.pop(episode.channel_port, None)
+        if episode.channel is not None:
+            episode.channel.add_done_callback(_close_server)
+
+    def episode(self, key: str | None, port: int | None = None) -> Episode:
+        """The open episode with ``key``, called on ``port``: a channel's own episode only."""
+        channel = self._channels.get(port or 0)
+        try:
+            if channel is not None and key != channel.key:
+                raise GatewayError(403, "key_not_for_this_channel", "this port serves one episode; the key given "
+                                                                    "is not its key")
+            if key in self._ended:
+                raise GatewayError(409, "episode_ended", "this episode has ended; its agent may not call the model "
+                                                         "any more")
+            episode = self.episodes.get(key or "")
+            if episode is None:
+                raise GatewayError(401, "invalid_api_key", "unknown episode key: use the api_key (or the /e/KEY/v1 "
+                                                           "base URL) the gateway gave this episode's agent")
+        except GatewayError:
+            self.refused += 1
+            if channel is not None:
+                channel.refused += 1
+            raise
         return episode
 
     async def chat(self, episode: Episode, request: ChatRequest) -> tuple[list[_Choice], int]:
@@ -550,20 +589,26 @@ async def _stream(body: dict[str, Any], usage: bool) -> AsyncIterator[str]:
     yield "data: [DONE]\n\n"
 
 
+def _close_server(started: asyncio.Future[asyncio.Server]) -> None:
+    if not started.cancelled() and started.exception() is None:
+        started.result().close()
+
+
 def build_app(gateway: Gateway) -> FastAPI:
     """The gateway's routes: ``/v1/chat/completions``, ``/v1/responses``, Anthropic's ``/v1/messages`` and
     ``/v1/models``, also under ``/e/{key}``."""
     app = FastAPI(title="envkit capture gateway", docs_url=None, redoc_url=None, openapi_url=None)
 
-    def key_of(request: Request, key: str | None) -> str | None:
-        if key is not None:
-            return key
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        return token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key")
+    def episode_of(request: Request, key: str | None) -> Episode:
+        if key is None:
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            key = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key")
+        server = request.scope.get("server")
+        return gateway.episode(key, server[1] if server else None)
 
     async def chat(request: Request, key: str | None = None) -> Response:
         try:
-            episode = gateway.episode(key_of(request, key))
+            episode = episode_of(request, key)
             body = _parse(ChatRequest, await _json(request))
             choices, prompt_tokens = await gateway.chat(episode, body)
         except GatewayError as e:
@@ -578,7 +623,7 @@ def build_app(gateway: Gateway) -> FastAPI:
 
     async def responses(request: Request, key: str | None = None) -> Response:
         try:
-            episode = gateway.episode(key_of(request, key))
+            episode = episode_of(request, key)
             body = _parse(ResponsesRequest, await _json(request))
             earlier = episode.responses.get(body.previous_response_id or "", [])
             if body.previous_response_id and not earlier:
@@ -602,7 +647,7 @@ def build_app(gateway: Gateway) -> FastAPI:
 
     async def messages(request: Request, key: str | None = None) -> Response:
         try:
-            episode = gateway.episode(key_of(request, key))
+            episode = episode_of(request, key)
             body = _parse(MessagesRequest, await _json(request))
             try:
                 chat_body = body.chat_body()
@@ -622,7 +667,7 @@ def build_app(gateway: Gateway) -> FastAPI:
 
     async def models(request: Request, key: str | None = None) -> Response:
         try:
-            gateway.episode(key_of(request, key))
+            episode_of(request, key)
         except GatewayError as e:
             return _error(e.status, e.code, str(e))
         return JSONResponse({"object": "list", "data": [{"id": gateway.engine.model_name, "object": "model",

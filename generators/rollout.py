@@ -448,6 +448,7 @@ class Generator:
             traj.policy_version = first.version_spans[0][1] if first.version_spans else traj.policy_version
             traj.segments = [segment.sequence() for segment in segments[1:]]
         traj.num_turns, traj.tool_log, traj.template_mismatches = episode.calls, episode.tool_log, episode.skewed
+        traj.refused_calls = episode.refused
         t0 = time.perf_counter()
         if not failed:
             score = await agent.score(result)

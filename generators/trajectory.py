@@ -60,6 +60,9 @@ class Trajectory:
     seed: int | None = None
     template_mismatches: int = 0
     """Turns where re-rendering the chat would not reproduce the running token ids (counted, never fixed up)."""
+    refused_calls: int = 0
+    """An agent episode's calls that its own gateway port refused for their key (a key of another episode, or none
+    the gateway gave): an agent process reaching for what is not its own."""
     tool_log: list[dict[str, Any]] = field(default_factory=list)
     """One entry per tool call the model wrote, in order: ``turn``, ``name``, ``status`` (ok, error, timeout as the
     env reports it; unknown where it does not; unparsed for a call that could not be read, with name None) and what

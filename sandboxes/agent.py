@@ -7,7 +7,8 @@ An :class:`~envkit.agent.AgentEnv` takes it as its ``agent=``, as it takes :clas
 
 The container has no network at all (``network_mode=none``: loopback only). The one way out is a Unix socket this
 process serves for the episode, bind-mounted read-only with the task: each connection to it is joined to the
-episode's gateway, and to nothing else. Inside, :mod:`sandboxes.agent_relay` listens on ``127.0.0.1:RELAY_PORT`` and
+episode's own gateway port (which refuses every other episode's key), and to nothing else. Inside,
+:mod:`envkit.agent_relay` listens on ``127.0.0.1:RELAY_PORT`` and
 relays to that socket, then runs the agent with ``OPENAI_BASE_URL`` (and ``ANTHROPIC_BASE_URL``) pointing at it and
 the task as JSON on stdin; its stdout, stripped, is the result. It runs as an unprivileged user with every capability
 dropped, a read-only root (``/tmp`` a small tmpfs) and CPU, memory and pids limits; past ``timeout_s``, or when its
@@ -27,18 +28,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from envkit import Task
 from envkit.agent import AgentClient, program_result, task_variables
+from envkit.agent_isolation import RELAY, RELAY_PORT, forward, relayed
 from envkit.errors import AgentProcessError
 from sandboxes.base import SandboxLimits, owner_id
 from sandboxes.docker import OWNER_LABEL, SANDBOX_LABEL, connect
 from sandboxes.engine import BASE_IMAGE
 
-RELAY = Path(__file__).with_name("agent_relay.py")
-RELAY_PORT = 8000
-"""Where the agent finds the gateway inside its container: ``http://127.0.0.1:8000``."""
 MOUNT = "/envkit"
 AGENT_USER = "65534:65534"
 """nobody: the agent holds no privilege in its container."""
@@ -66,9 +64,10 @@ class DockerCommand:
         forwarder: asyncio.Server | None = None
         container = _Container(self, f"envkit-agent-{secrets.token_hex(6)}")
         try:
-            forwarder = await _forward(workdir / "gateway.sock", client.base_url)
+            forwarder = await forward(workdir / "gateway.sock", client.channel_url or client.base_url)
             _stage(workdir, document)
-            status = await container.run({**self.env, **_relayed(client), **task_variables(document)}, workdir)
+            status = await container.run({**self.env, **relayed(client.environ()), **task_variables(document)},
+                                         workdir)
             stdout, stderr = await asyncio.to_thread(container.output)
         finally:
             await asyncio.shield(container.remove())
@@ -88,13 +87,6 @@ def _stage(workdir: Path, document: str) -> None:
     for path in workdir.iterdir():
         path.chmod(0o666 if path.name == "gateway.sock" else 0o444)
     workdir.chmod(0o755)
-
-
-def _relayed(client: AgentClient) -> dict[str, str]:
-    """The client's variables with its endpoints moved to the relay (the gateway's path kept)."""
-    relay = f"http://127.0.0.1:{RELAY_PORT}"
-    return {name: relay + urlsplit(value).path if name.endswith("_BASE_URL") else value
-            for name, value in client.environ().items()}
 
 
 class _Container:
@@ -129,7 +121,7 @@ class _Container:
         self.client.containers.create(
             command.image, name=self.name, detach=True,
             command=["python3", f"{MOUNT}/{RELAY.name}", f"{MOUNT}/gateway.sock", str(RELAY_PORT),
-                     f"{MOUNT}/task.json", "--", *command.argv],
+                     "--task", f"{MOUNT}/task.json", "--", *command.argv],
             environment=environment, volumes=volumes, network_mode="none", user=AGENT_USER, working_dir="/tmp",
             labels={SANDBOX_LABEL: "agent", OWNER_LABEL: owner_id()},
             nano_cpus=int(limits.cpus * 1e9), mem_limit=f"{limits.memory_mb}m",
@@ -161,32 +153,3 @@ class _Container:
             return
         with contextlib.suppress(docker.errors.NotFound):
             await asyncio.to_thread(self.client.api.remove_container, self.name, force=True, v=True)
-
-
-async def _forward(path: Path, base_url: str) -> asyncio.Server:
-    """Serve ``path``: each connection joined to a new one to the gateway at ``base_url``'s host and port."""
-    url = urlsplit(base_url)
-    host, port = url.hostname or "127.0.0.1", url.port or 80
-
-    async def join(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            up_reader, up_writer = await asyncio.open_connection(host, port)
-        except OSError:
-            writer.close()
-            return
-        try:
-            await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
-        finally:
-            for end in (writer, up_writer):
-                end.close()
-
-    return await asyncio.start_unix_server(join, path=str(path))
-
-
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """Copy ``reader`` to ``writer`` until it ends, then end ``writer``'s writing half."""
-    with contextlib.suppress(OSError):
-        while data := await reader.read(1 << 16):
-            writer.write(data)
-            await writer.drain()
-        writer.write_eof()

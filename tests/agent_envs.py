@@ -9,62 +9,22 @@ import asyncio
 import json
 import os
 import re
-import sys
 import time
+from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-import openai
+import psutil
+from cli_agent import ADD, INSTRUCTIONS, llm, run_add, tool_loop
 
 from envkit import Task
 from envkit.agent import AgentClient, AgentEnv, Command
 from envkit.parsing import grade_number
+from envkit.untrusted import python
 
-ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.",
-                                        "parameters": {"type": "object", "required": ["a", "b"],
-                                                       "properties": {"a": {"type": "integer"},
-                                                                      "b": {"type": "integer"}}}}}
-INSTRUCTIONS = "Use the add tool, then answer."
-
-
-def llm(client: AgentClient, **kwargs: Any) -> openai.AsyncOpenAI:
-    """The SDK's client for ``client``: no retries, so a refused call reaches the agent at once."""
-    return openai.AsyncOpenAI(base_url=client.base_url, api_key=client.api_key, max_retries=0, **kwargs)
-
-
-def run_add(arguments: str) -> str:
-    """What the agent's ``add`` tool answers."""
-    try:
-        args = json.loads(arguments)
-        return str(int(args["a"]) + int(args["b"]))
-    except (ValueError, KeyError, TypeError) as e:
-        return f"error: {e}"
-
-
-async def tool_loop(task: Task, client: AgentClient, *, turns: int = 3, max_tokens: int = 48,
-                    stream: bool = False) -> str:
-    """Ask, run the tool calls the model writes, and ask again, ``turns`` times at most; the last reply's text."""
-    chat = llm(client)
-    messages: list[dict[str, Any]] = [{"role": "system", "content": INSTRUCTIONS},
-                                      {"role": "user", "content": task["question"]}]
-    text = ""
-    for _ in range(turns):
-        if stream:
-            message = await _streamed(chat, client.model, messages, max_tokens)
-        else:
-            reply = await chat.chat.completions.create(model=client.model, messages=messages, tools=[ADD],
-                                                       max_tokens=max_tokens)
-            message = reply.choices[0].message.model_dump(exclude_none=True)
-        messages.append(message)
-        text = message.get("content") or ""
-        calls = message.get("tool_calls") or []
-        if not calls:
-            messages.append({"role": "user", "content": "Check it with the tool."})
-        for call in calls:
-            messages.append({"role": "tool", "tool_call_id": call["id"],
-                             "content": run_add(call["function"]["arguments"])})
-    return text
-
+# The loop lives in cli_agent.py, which runs in a venv without envkit; the tests import it from here.
+__all__ = ["ADD", "INSTRUCTIONS", "llm", "run_add", "tool_loop"]
+T = TypeVar("T")
 
 async def hosted(task: Task, client: AgentClient) -> dict[str, Any]:
     """An agent for a host process (``agent_process=True``): by its task's id it crashes, returns what is not JSON,
@@ -87,25 +47,8 @@ async def hosted(task: Task, client: AgentClient) -> dict[str, Any]:
     return {"pid": os.getpid(), "answer": await tool_loop(task, client, turns=3)}
 
 
-async def _streamed(chat: openai.AsyncOpenAI, model: str, messages: list[dict[str, Any]], max_tokens: int
-                    ) -> dict[str, Any]:
-    """One streamed call, its chunks assembled into the assistant message."""
-    content, calls = "", {}
-    stream = await chat.chat.completions.create(model=model, messages=messages, tools=[ADD], max_tokens=max_tokens,
-                                                stream=True)
-    async for chunk in stream:
-        for choice in chunk.choices:
-            content += choice.delta.content or ""
-            for call in choice.delta.tool_calls or []:
-                entry = calls.setdefault(call.index, {"id": "", "type": "function",
-                                                      "function": {"name": "", "arguments": ""}})
-                entry["id"] += call.id or ""
-                entry["function"]["name"] += call.function.name or ""
-                entry["function"]["arguments"] += call.function.arguments or ""
-    message: dict[str, Any] = {"role": "assistant", "content": content}
-    if calls:
-        message["tool_calls"] = [calls[i] for i in sorted(calls)]
-    return message
+AGENT_PYTHON = os.environ.get("ENVKIT_AGENT_PYTHON", str(Path(__file__).parents[1] / ".venv-agent/bin/python"))
+"""The test agents' interpreter (.venv-agent, `make install`): the openai SDK, runnable by an agent's own uid."""
 
 
 def _questions(start: int, stop: int) -> list[Task]:
@@ -155,7 +98,7 @@ def langgraph_sums() -> AgentEnv:
 
 def cli_sums() -> AgentEnv:
     """:func:`sums` played by ``cli_agent.py``, a command-line agent run as a process per episode."""
-    return _env(Command([sys.executable, str(Path(__file__).with_name("cli_agent.py")), "--max-tokens", "24",
+    return _env(Command([AGENT_PYTHON, str(Path(__file__).with_name("cli_agent.py")), "--max-tokens", "24",
                          "--turns", "2"], timeout_s=120))
 
 
@@ -183,17 +126,37 @@ def where() -> AgentEnv:
 
 
 HANG = """
-import json, os, subprocess, sys, time
+import json, os, subprocess, sys
 task = json.load(sys.stdin)
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
-with open(task["pids"], "w") as f:
-    f.write(f"{os.getpid()} {child.pid}")
-time.sleep(3600)
+sleep = [sys.executable, "-c", "import time; time.sleep(3600)", "envkit-hang-" + task["id"]]
+subprocess.Popen(sleep)
+os.execv(sys.executable, sleep)
 """
 
 
 def hang() -> AgentEnv:
-    """An agent process that starts a child and hangs (writing both pids to the task's ``pids`` file): a probe of
-    what a cancelled rollout leaves behind."""
-    return AgentEnv(agent=Command([sys.executable, "-c", HANG], timeout_s=3600), grader=lambda task, text: 0.0,
+    """An agent process that starts a child and hangs, both with ``envkit-hang-TASK_ID`` on their command line
+    (:func:`marked` finds them): a probe of what a cancelled rollout leaves behind."""
+    return AgentEnv(agent=Command([python(), "-c", HANG], timeout_s=3600), grader=lambda task, text: 0.0,
                     tasks=_questions(1, 2))
+
+
+def marked(marker: str) -> list[psutil.Process]:
+    """The live processes of this host with ``marker`` on their command line."""
+    found = []
+    for process in psutil.process_iter(["cmdline", "status"]):
+        if marker in (process.info["cmdline"] or []) and process.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(process)
+    return found
+
+
+async def watching(markers: list[str], work: Awaitable[T]) -> tuple[T, dict[str, list[psutil.Process]]]:
+    """What ``work`` returns, and the processes marked with each of ``markers`` seen while it ran (an isolated
+    agent's own pids are its namespace's: these are the host's)."""
+    seen: dict[str, list[psutil.Process]] = {m: [] for m in markers}
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        for marker in markers:
+            seen[marker] += [p for p in await asyncio.to_thread(marked, marker) if p not in seen[marker]]
+        await asyncio.wait([task], timeout=0.2)
+    return task.result(), seen

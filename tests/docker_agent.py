@@ -1,6 +1,8 @@
-"""A command-line agent for DockerCommand's tests, on the standard library alone (the base image has no SDK): the
-task as JSON on stdin, two chat calls to $OPENAI_BASE_URL, the last reply on stdout. ``probe HOST:PORT...`` instead
-tries a TCP connection to each address and a DNS lookup, and prints what each gave, as JSON."""
+"""A command-line agent for DockerCommand's and Command's tests, on the standard library alone (the base image has no
+SDK): the task as JSON on stdin, two chat calls to $OPENAI_BASE_URL, the last reply on stdout. ``probe HOST:PORT...``
+instead tries a TCP connection to each address and a DNS lookup, and prints what each gave, as JSON. ``hostile`` plays
+a policy-driven process gone bad and prints what it got, as JSON: the keys of other episodes it finds in /proc, what
+its endpoint answers to a peer's key (by header and by path), and what each of the task's ``targets`` answers."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ import json
 import os
 import socket
 import sys
+import time
+import urllib.error
 import urllib.request
 
 
@@ -38,11 +42,56 @@ def probe(addresses: list[str]) -> dict[str, str]:
     return seen
 
 
+def status(url: str, key: str = "", body: dict | None = None) -> int | str:
+    """The HTTP status ``url`` answers (POST when there is a ``body``), or why nothing answered."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Authorization": f"Bearer {key}",
+                                                               "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return answer.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (OSError, urllib.error.URLError) as e:
+        return f"unreachable: {e}"
+
+
+def peers_keys(own: str) -> list[str]:
+    """The OPENAI_API_KEY of every process whose environment this one may read, but its own."""
+    found = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                variables = f.read().split(b"\0")
+        except OSError:
+            continue
+        found |= {v.split(b"=", 1)[1].decode() for v in variables if v.startswith(b"OPENAI_API_KEY=")}
+    return sorted(found - {own})
+
+
+def hostile(task: dict) -> dict:
+    own, base = os.environ["OPENAI_API_KEY"], os.environ["OPENAI_BASE_URL"]
+    root = base.removesuffix("/v1")
+    found = peers_keys(own)
+    peer = task["peer_key"]
+    return {"env": sorted(os.environ), "task": task, "found_keys": found,
+            "peer_key": {"header": status(f"{base}/models", peer), "path": status(f"{root}/e/{peer}/v1/models")},
+            "own_key": status(f"{base}/models", own),
+            "targets": {name: status(url, peer, body) for name, (url, body) in task["targets"].items()}}
+
+
 def main() -> None:
     if sys.argv[1:2] == ["probe"]:
         print(json.dumps(probe(sys.argv[2:])))
         return
     task = json.load(sys.stdin)
+    if sys.argv[1:2] == ["hostile"]:
+        print(json.dumps(hostile(task)))
+        return
+    if sys.argv[1:2] == ["hold"]:
+        chat([{"role": "user", "content": task["question"]}])
+        time.sleep(float(sys.argv[2]))
+        return
     messages = [{"role": "user", "content": task["question"]}]
     first = chat(messages)
     messages += [{"role": "assistant", "content": first}, {"role": "user", "content": "Say only the number."}]

@@ -1,6 +1,7 @@
 """A process running Command agents that is killed outright (SIGKILL, as the OOM killer or a lost Ray worker is)
-leaves nothing running: its agent process dies with it, and what that agent started is killed by the next process's
-first Command; a live process's agents are left alone."""
+leaves nothing running. Unisolated, its agent process dies with it, and what that agent started is killed by the next
+process's first Command; a live process's agents are left alone. Isolated, the agent's namespace dies with it, a
+child that made a session of its own included."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ import psutil
 OWNER = """
 import asyncio, sys
 from envkit.agent import AgentClient, Command
+from envkit.untrusted import python
 client = AgentClient(base_url="http://127.0.0.1:9/v1", api_key="k", model="m", episode_url="")
-print(asyncio.run(Command([sys.executable, "-c", sys.argv[1]], timeout_s=600)({"id": "t"}, client)))
+command = Command([python(), "-c", sys.argv[1]], timeout_s=600, isolate=sys.argv[2] == "isolated")
+print(asyncio.run(command({"id": "t"}, client)))
 """
 AGENT = """
 import os, subprocess, sys, time
@@ -44,9 +47,9 @@ def wait_for(condition, timeout_s: float = 10.0) -> bool:
     return condition()
 
 
-def owner(agent: str) -> subprocess.Popen[str]:
+def owner(agent: str, mode: str = "unisolated") -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), *sys.path])}
-    return subprocess.Popen([sys.executable, "-c", OWNER, agent], env=env, stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-c", OWNER, agent, mode], env=env, stdout=subprocess.PIPE, text=True)
 
 
 def started(path: Path) -> tuple[int, int]:
@@ -79,3 +82,28 @@ def test_an_owner_killed_outright_leaves_no_agent_process_behind(tmp_path):
             for pid in (int(p) for p in (path.read_text().split() if path.exists() else [])):
                 if alive(pid):
                     os.kill(pid, signal.SIGKILL)
+
+
+MARKED = """
+import os, subprocess, sys
+sleep = [sys.executable, "-c", "import time; time.sleep(600)", {marker!r}]
+subprocess.Popen(sleep, start_new_session=True)
+os.execv(sys.executable, sleep)
+"""
+
+
+def test_an_isolated_agents_processes_die_with_an_owner_killed_outright():
+    from agent_envs import marked
+
+    marker = f"envkit-orphan-{os.getpid()}"
+    doomed = owner(MARKED.format(marker=marker), "isolated")
+    try:
+        assert wait_for(lambda: len(marked(marker)) == 2, 30), "the agent did not start"
+        os.kill(doomed.pid, signal.SIGKILL)
+        doomed.wait()
+        assert wait_for(lambda: not marked(marker)), "an isolated agent's process outlived its owner"
+    finally:
+        doomed.kill()
+        doomed.wait()
+        for process in marked(marker):
+            process.kill()

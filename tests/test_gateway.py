@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import socket
-import sys
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -439,7 +438,7 @@ async def test_responses_api_calls_link_and_refuse_as_chat_calls_do(vllm_engine,
 
 
 AGENT_PROCESS = """
-import json, os, subprocess, sys, time
+import json, os, subprocess, sys
 task = json.load(sys.stdin)
 mode = task["mode"]
 if mode == "big":  # past the limit of one environment string: on stdin only
@@ -452,10 +451,9 @@ if mode == "flood":
     sys.stdout.write("x" * (2 << 20))
     sys.exit(0)
 if mode in ("hang", "outlive"):
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
-    with open(task["pids"], "w") as f:
-        f.write(f"{os.getpid()} {child.pid}")
-    time.sleep(3600)
+    sleep = [sys.executable, "-c", "import time; time.sleep(3600)", task["marker"]]
+    subprocess.Popen(sleep)
+    os.execv(sys.executable, sleep)
 import openai  # here, not first: importing it takes seconds on a loaded machine, past the hang's 3 s deadline
 chat = openai.OpenAI(max_retries=0)  # OPENAI_BASE_URL and OPENAI_API_KEY: the episode's
 reply = chat.chat.completions.create(model=os.environ["OPENAI_MODEL"], max_tokens=8,
@@ -500,15 +498,17 @@ async def test_an_agents_sdk_streamed_run_is_captured_as_its_calls_were_sampled(
 
 @pytest.mark.agent_frameworks
 async def test_command_agents_run_as_processes_and_fail_alone_with_their_process_tree_killed(
-        vllm_engine, chat_tokenizer, tmp_path):
+        vllm_engine, chat_tokenizer):
     """A process per episode, reaching the policy through OPENAI_BASE_URL/OPENAI_API_KEY: one answers (its stdout
     graded), one answers a task too big for the environment (on stdin only), one exits non-zero, one floods stdout
     past the output limit (failed, not graded cut), one hangs past its deadline and one past the rollout's, each
     with a child process: the failures fail alone, and no process of the hung agents is left."""
 
+    from agent_envs import AGENT_PYTHON, watching
+
     from envkit.agent import Command
 
-    tasks = [{"id": m, "mode": m, "question": "What is 2 + 3?", "pids": str(tmp_path / f"{m}.pids")}
+    tasks = [{"id": m, "mode": m, "question": "What is 2 + 3?", "marker": f"envkit-agent-{m}-{os.getpid()}"}
              for m in ("answer", "big", "crash", "flood", "hang", "outlive")]
     tasks[1]["padding"] = "x" * 200_000
     answers: dict[str, str] = {}
@@ -520,14 +520,16 @@ async def test_command_agents_run_as_processes_and_fail_alone_with_their_process
     def make() -> AgentEnv:
         def agent(task: Task, client: AgentClient) -> Any:
             deadline = {"hang": 3, "outlive": 3600}.get(task["mode"], 60)
-            return Command([sys.executable, "-c", AGENT_PROCESS], timeout_s=deadline)(task, client)
+            return Command([AGENT_PYTHON, "-c", AGENT_PROCESS], timeout_s=deadline)(task, client)
 
-        return AgentEnv(agent=agent, grader=grade, tasks=tasks)
+        return AgentEnv(agent=agent, grader=grade, tasks=tasks, agent_fields=("id", "mode", "question", "marker",
+                                                                              "padding"))
 
     # Only "outlive" runs under a short rollout deadline (its own ends it): a loaded machine cannot time the others out.
-    finished, cut = await asyncio.gather(
+    markers = [tasks[4]["marker"], tasks[5]["marker"]]
+    (finished, cut), seen = await watching(markers, asyncio.gather(
         generator(vllm_engine, chat_tokenizer).generate(make, tasks=tasks[:-1]),
-        generator(vllm_engine, chat_tokenizer, timeout_s=30).generate(make, tasks=tasks[-1:]))
+        generator(vllm_engine, chat_tokenizer, timeout_s=30).generate(make, tasks=tasks[-1:])))
     by_id = {t.task_id: t for t in finished + cut}
     assert by_id["answer"].stop_reason == "done" and by_id["answer"].num_turns == 1, by_id["answer"].error
     assert answers["answer"].startswith("noise on stdout") and answers["answer"].endswith("answer")
@@ -537,9 +539,76 @@ async def test_command_agents_run_as_processes_and_fail_alone_with_their_process
     assert by_id["flood"].stop_reason == "error" and "bytes or more to stdout" in by_id["flood"].error
     assert by_id["hang"].stop_reason == "error" and "ran past 3 s" in by_id["hang"].error
     assert by_id["outlive"].stop_reason == "timeout"
-    for mode in ("hang", "outlive"):
-        pids = [int(p) for p in (tmp_path / f"{mode}.pids").read_text().split()]
-        assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"], mode
+    for marker in markers:
+        assert len(seen[marker]) == 2, seen  # the agent and its child ran, and are gone
+        assert not [p for p in seen[marker] if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], marker
+
+
+HOSTILE_FIELDS = ("id", "question", "peer_key", "targets")
+DOCUMENTED_ENV = {"PATH", "LANG", "HOME", "OPENAI_BASE_URL", "OPENAI_API_KEY", "OPENAI_MODEL", "ANTHROPIC_BASE_URL",
+                  "ANTHROPIC_API_KEY", "ENVKIT_TASK"}
+
+
+async def test_a_command_agent_reaches_its_own_episode_and_nothing_else(vllm_engine, chat_tokenizer, monkeypatch):
+    """A hostile agent process beside a live peer's: it looks for other keys in /proc, spends the peer's key (which
+    it is handed, as if leaked) by header and by path, and calls the raw vLLM server's chat and admin routes and the
+    gateway's shared port. Isolated (the default) it finds no key, every peer-key call is refused (403) and counted
+    in its trajectory, nothing but its own port answers; its environment holds the documented variables only and
+    its task no answer. The control, the same agent with isolate=False and inherit_env=True, wins every attack (but
+    the PYTHONPATH and VIRTUAL_ENV that would undo its venv, never passed)."""
+    from envkit.agent import Command
+    from envkit.untrusted import python
+
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    monkeypatch.setenv("VIRTUAL_ENV", "/elsewhere")
+    vllm = vllm_engine.base_url.removesuffix("/v1")
+    chat = {"model": vllm_engine.model_name, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    run: dict[str, Any] = {}
+
+    async def play(task: Task, client: AgentClient) -> str:
+        if task["id"] == "victim":
+            run["victim"] = client.api_key
+            run["opened"].set()
+            return await Command([python(), str(DOCKER_AGENT), "hold", "6"], **run["options"])(task, client)
+        await run["opened"].wait()
+        await asyncio.sleep(1.5)  # the victim's process is up, its key in its environment
+        targets = {"engine_chat": (f"{vllm}/v1/chat/completions", chat),
+                   "engine_admin": (f"{vllm}/reset_prefix_cache", {}), "gateway": (f"{client.base_url}/models", None)}
+        thief = {**task, "peer_key": run["victim"], "targets": targets}
+        return await Command([python(), str(DOCKER_AGENT), "hostile"], **run["options"])(thief, client)
+
+    def grade(task: Task, result: str) -> float:
+        if task["id"] == "thief":
+            run["seen"] = json.loads(result)
+        return 0.0
+
+    tasks = [{"id": "victim", "question": "What is 2 + 3?", "answer": 5},
+             {"id": "thief", "question": "What is 2 + 3?", "answer": 5}]
+    outcome = {}
+    for isolate in (True, False):
+        run.clear()
+        run["options"] = {"timeout_s": 60, "isolate": isolate, "inherit_env": not isolate}
+        run["opened"] = asyncio.Event()
+        trajs = await generator(vllm_engine, chat_tokenizer, max_turns=1, max_tokens=4).generate(
+            lambda: AgentEnv(agent=play, grader=grade, tasks=tasks, agent_fields=HOSTILE_FIELDS), tasks=tasks)
+        assert [t.stop_reason for t in trajs] == ["done", "done"], [t.error for t in trajs]
+        outcome[isolate] = (run["seen"], next(t for t in trajs if t.task_id == "thief").refused_calls)
+
+    seen, refused = outcome[True]
+    assert seen["found_keys"] == []
+    assert seen["peer_key"] == {"header": 403, "path": 403} and seen["own_key"] == 200
+    assert refused == 2  # the peer-key calls, counted against the episode that made them
+    assert all(str(answer).startswith("unreachable") for answer in seen["targets"].values()), seen["targets"]
+    assert set(seen["env"]) == DOCUMENTED_ENV
+    assert set(seen["task"]) == set(HOSTILE_FIELDS) and "answer" not in json.dumps(seen["task"])
+
+    seen, refused = outcome[False]  # the control: every attack wins
+    assert run["victim"] in seen["found_keys"]
+    assert seen["peer_key"] == {"header": 200, "path": 200} and refused == 0
+    assert seen["targets"] == {"engine_chat": 200, "engine_admin": 200, "gateway": 200}
+    assert set(seen["env"]) > DOCUMENTED_ENV and not {"PYTHONPATH", "VIRTUAL_ENV"} & set(seen["env"])
+    with pytest.raises(ValueError, match="answer"):
+        AgentEnv(agent=play, grader=grade, tasks=tasks, agent_fields=("question", "answer"))
 
 
 @pytest.mark.agent_frameworks

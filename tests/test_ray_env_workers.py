@@ -5,7 +5,6 @@ process dies with its cancelled rollout."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 
 import psutil
@@ -64,27 +63,26 @@ async def test_env_workers_share_one_reward_model_actor_and_see_the_runs_judge(c
         await pool.close()
 
 
-async def test_an_agent_process_in_an_env_worker_dies_with_its_cancelled_rollout(cluster, vllm_engine, chat_tokenizer,
-                                                                                tmp_path):
+async def test_an_agent_process_in_an_env_worker_dies_with_its_cancelled_rollout(cluster, vllm_engine, chat_tokenizer):
     """A Command agent that hangs, in an env worker: the rollout times out, and the cancellation reaches the worker,
-    which kills the agent's process group (the agent and the child it started)."""
+    which kills the agent's processes (the agent and the child it started)."""
+    from agent_envs import watching
+
     from envkit.ref import EnvRef
     from generators.rollout import Generator, GeneratorConfig
     from trainer.placement.env_workers import EnvWorkerPool, WorkerEnv
 
-    pids_file = tmp_path / "pids"
+    task_id = f"h{os.getpid()}"
+    marker = f"envkit-hang-{task_id}"
     pool = EnvWorkerPool(1, {"CPU": 1}, sandbox_pool_size=0)
     try:
         generator = Generator(vllm_engine, chat_tokenizer, GeneratorConfig(timeout_s=10))
-        [t] = await generator.generate(lambda: WorkerEnv(pool, EnvRef("agent_envs:hang")),
-                                       tasks=[{"id": "h", "question": "hang", "pids": str(pids_file)}])
+        [t], seen = await watching([marker], generator.generate(lambda: WorkerEnv(pool, EnvRef("agent_envs:hang")),
+                                                                tasks=[{"id": task_id, "question": "hang"}]))
         assert t.stop_reason == "timeout", t.error
-        processes = []
-        for pid in map(int, pids_file.read_text().split()):
-            with contextlib.suppress(psutil.NoSuchProcess):
-                processes.append(psutil.Process(pid))
+        assert len(seen[marker]) == 2, seen  # the agent and its child ran
         # the cancellation crosses to the worker asynchronously: give it a moment
-        _, alive = await asyncio.to_thread(psutil.wait_procs, processes, timeout=30)
+        _, alive = await asyncio.to_thread(psutil.wait_procs, seen[marker], timeout=30)
         assert alive == []
     finally:
         await pool.close()

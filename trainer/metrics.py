@@ -235,6 +235,8 @@ def rollout_metrics(trajs: list[Trajectory], batch: StepBatch, version: int) -> 
     if shared:
         metrics["rollout/branch_turn"] = _mean(shared)
     metrics["reward/group_std"] = _mean(_group_stds(trajs))
+    if refused := sum(t.refused_calls for t in trajs):
+        metrics["agent/refused_calls"] = refused  # an agent process spending a key not its own
     labels = sorted({t.env_name for t in trajs})
     if len(labels) > 1:
         trained = {t.group_id for t in batch.trajectories}  # groups left after the failed and flat ones
