@@ -255,6 +255,9 @@ class Gateway:
         """Stop serving; idempotent."""
         for episode in list(self._channels.values()):
             self._close_channel(episode)
+        if self.refused:
+            log.warning("the capture gateway refused %d calls for their key (another episode's, an ended or an "
+                        "unknown one): an agent reaching for what is not its own", self.refused)
         if self._server is not None and self._task is not None:
             self._server.should_exit = True
             await self._task
@@ -278,6 +281,9 @@ class Gateway:
         sock.listen(64)  # connections wait in the backlog until the server below accepts them
         episode.channel_port = sock.getsockname()[1]
         self._channels[episode.channel_port] = episode
+        # uvicorn takes its sockets once, at start: each channel is one more listening socket speaking the same
+        # server's protocol, so its connections are that server's (closed at its shutdown) and each request's
+        # scope["server"] names the port it came in on.
         config, server = self._server.config, self._server
         protocol: Any = functools.partial(config.http_protocol_class, config=config, server_state=server.server_state,
                                           app_state=server.lifespan.state)

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 OWNER = """
 import asyncio, sys
@@ -107,3 +108,19 @@ def test_an_isolated_agents_processes_die_with_an_owner_killed_outright():
         doomed.wait()
         for process in marked(marker):
             process.kill()
+
+
+def test_a_machine_that_cannot_isolate_agents_is_said_loudly(monkeypatch):
+    """Where neither a uid switch nor a user namespace works, a Command still runs, unisolated, and says so once."""
+    import asyncio
+
+    import envkit.agent
+    from envkit.agent import AgentClient, Command
+    from envkit.agent_isolation import warn_unisolated
+    from envkit.untrusted import python
+
+    monkeypatch.setattr(envkit.agent, "isolation", lambda: None)  # what `unshare --user` failing gives
+    warn_unisolated.cache_clear()
+    client = AgentClient(base_url="http://127.0.0.1:9/v1", api_key="k", model="m", episode_url="")
+    with pytest.warns(RuntimeWarning, match="unisolated on this machine"):
+        assert asyncio.run(Command([python(), "-c", "import os; print(os.getuid())"])({"id": "t"}, client)) == "0"

@@ -362,17 +362,21 @@ async def test_a_hosted_agent_must_be_found_by_name_and_return_json():
 @pytest.mark.agent_frameworks
 async def test_a_gateway_on_every_interface_is_announced_at_this_nodes_address(vllm_engine, chat_tokenizer):
     """``gateway_host=0.0.0.0`` (agents on other nodes): the agent is given this node's address on its default
-    route, where its call is served and captured; loopback reaches the same gateway."""
+    route, where its call is served and captured, and its episode's own port there; loopback reaches the same
+    gateway."""
     from generators.gateway import node_address
 
     reached: list[str] = []
 
     async def agent(task: Task, client: AgentClient) -> str:
         url = urlsplit(client.base_url)
+        assert client.channel_url is not None and urlsplit(client.channel_url).hostname == url.hostname
         for host in (url.hostname, "127.0.0.1"):
             base = client.base_url.replace(f"//{url.hostname}:", f"//{host}:")
             models = await openai.AsyncOpenAI(base_url=base, api_key=client.api_key, max_retries=0).models.list()
             reached.append(f"{host} {models.data[0].id}")
+        channel = openai.AsyncOpenAI(base_url=f"{client.channel_url}/v1", api_key=client.api_key, max_retries=0)
+        reached.append(f"channel {(await channel.models.list()).data[0].id}")
         reply = await llm(client).chat.completions.create(
             model=client.model, max_tokens=8, messages=[{"role": "user", "content": task["question"]}])
         return reply.choices[0].message.content or ""
@@ -380,7 +384,8 @@ async def test_a_gateway_on_every_interface_is_announced_at_this_nodes_address(v
     [t] = await generator(vllm_engine, chat_tokenizer, gateway_host="0.0.0.0").generate(agent_env(agent),
                                                                                         tasks=[QUESTION])
     assert t.stop_reason == "done" and t.num_turns == 1, t.error
-    assert reached == [f"{node_address()} {vllm_engine.model_name}", f"127.0.0.1 {vllm_engine.model_name}"]
+    assert reached == [f"{node_address()} {vllm_engine.model_name}", f"127.0.0.1 {vllm_engine.model_name}",
+                       f"channel {vllm_engine.model_name}"]
 
 
 @pytest.mark.agent_frameworks
