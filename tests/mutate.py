@@ -109,7 +109,7 @@ MUTATIONS = [
         "the final answer is read with the reply's talk in it: a score written after the answer is taken for it"),
     Mutation(
         "channel-takes-any-key",
-        "generators/gateway.py::Gateway.episode",
+        "generators/gateway/server.py::Gateway.episode",
         "if channel is not None and key != channel.key:",
         "if False:",
         "tests/test_gateway.py::test_a_command_agent_reaches_its_own_episode_and_nothing_else",

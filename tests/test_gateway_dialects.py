@@ -7,10 +7,11 @@ import json
 
 import pytest
 
-from generators.anthropic_api import MessagesRequest, message_body, stream
-from generators.gateway import ChatRequest, _same
-from generators.responses_api import ResponsesRequest, UnsupportedInput, response_body
-from generators.responses_api import stream as responses_stream
+from generators.gateway import ChatRequest, UnsupportedInput
+from generators.gateway.anthropic import MessagesRequest, message_body, stream
+from generators.gateway.responses import ResponsesRequest, response_body
+from generators.gateway.responses import stream as responses_stream
+from generators.gateway.server import _same
 
 ADD = {"type": "function", "name": "add", "description": "Add two integers.", "strict": True,
        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}
@@ -59,7 +60,7 @@ def test_a_chained_call_continues_the_chat_under_its_own_instructions_and_the_un
     alone, as the Agents SDK resends them), then the new input."""
     first = ResponsesRequest(input="hi", instructions="Be brief.")
     body = first.chat_body([])
-    earlier = first.history(body, {"role": "assistant", "content": "hello"})
+    earlier = first.history(body["messages"], {"role": "assistant", "content": "hello"})
     assert earlier == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     second = ResponsesRequest(input=[{"role": "user", "content": [{"type": "input_text", "text": "more"}]}],
                               instructions="Be brief.").chat_body(earlier)

@@ -122,7 +122,7 @@ def prepare_batch(trajs: list[Trajectory], cfg: Config) -> StepBatch:
     else:  # GAE needs the critic's values: update_policy computes it per token
         advantages = torch.zeros_like(rewards)
     counts["trained"] = len(kept)
-    # an agent's episode may hold several token sequences (generators/gateway.py): each trains with its advantage
+    # an agent's episode may hold several token sequences (generators/gateway/): each trains with its advantage
     rows = [(sequence, i) for i, t in enumerate(kept) for sequence in t.sequences()]
     return StepBatch([sequence for sequence, _ in rows], advantages[[i for _, i in rows]], dict(counts))
 

@@ -1,29 +1,5 @@
-"""The capture gateway: an OpenAI-compatible server in front of the run's engine, recording exactly what the policy
-sampled for agents that run their own loop (:class:`envkit.agent.AgentEnv`).
-
-Each episode gets its own API key (also usable in the path: ``/e/KEY/v1``). A ``/v1/chat/completions`` call is
-rendered by the model's chat template, with the tools written into the system message where the template drops them
-(as the rollout loop does), sampled token-in/token-out on the engine, and recorded: prompt ids, sampled ids and their
-logprobs, finish reason, tool calls, weight version. Sampling uses the run's settings, not the request's temperature
-or seed: a training run must sample from the policy it trains. ``max_tokens`` (capped by the run's) and ``stop``
-are honoured; as in OpenAI's API, a reply leaves out the stop string that ended it (its tokens stay in the
-sequence: they were sampled).
-
-``/v1/responses`` (:mod:`generators.responses_api`) and Anthropic's ``/v1/messages``
-(:mod:`generators.anthropic_api`) are read as the chat completions call they describe, and answered in their own
-shape.
-
-**Segments.** A call whose messages are an earlier call's messages, then the reply the gateway gave, then new
-messages continues that call's segment: the reply's sampled ids go in with loss mask 1, and the new messages as
-observation tokens with loss mask 0, exactly as the rollout loop appends an env's turn, so nothing the model sampled
-is ever re-tokenized. Any other call (a compressed context, a sub-agent, an edited history) starts a new segment of
-the episode, and so does each choice of an ``n > 1`` call that the agent did not continue. Every segment trains as
-a sequence of its own with the episode's reward and advantage (advantages are computed over a group's episodes; an
-episode's segments share its advantage).
-
-**Skew.** After each linked call, the whole chat is also rendered from scratch; where that differs from the linked
-ids the call counts as skewed (``Trajectory.template_mismatches``). It is measured, never fixed up.
-"""
+"""The capture gateway's core: episodes, their token sequences (segments) and how a call is sampled and linked
+(:class:`Gateway`); the package docstring says what it records and why."""
 
 from __future__ import annotations
 
@@ -34,23 +10,16 @@ import logging
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, TypeVar
-
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from typing import TYPE_CHECKING, Any
 
 from envkit import Message
 from envkit.agent import AgentClient
-from generators.anthropic_api import MessagesRequest, message_body
-from generators.anthropic_api import stream as anthropic_stream
-from generators.engines.base import EngineError, InferenceEngine, SamplingParams, generate_turn, request_seed
+from generators.engines.base import InferenceEngine, SamplingParams, generate_turn, request_seed
 from generators.engines.replicas import Session, rollout_session
+from generators.gateway.app import build_app
+from generators.gateway.dialect import GatewayError
 from generators.parsers import OutputParser
-from generators.responses_api import ResponsesRequest, UnsupportedInput, response_body
-from generators.responses_api import stream as responses_stream
 from generators.tool_prompt import ToolPrompt, ToolSchemas
 from generators.trajectory import StopReason, mark_version
 
@@ -58,11 +27,10 @@ if TYPE_CHECKING:
     import uvicorn
 
     from generators.chat import ChatTokenizer
+    from generators.gateway.chat import ChatRequest
 
 log = logging.getLogger(__name__)
 
-_ROLES = ("system", "developer", "user", "assistant", "tool")
-_Body = TypeVar("_Body", bound=BaseModel)
 KEEP_ALIVE_S = 120
 """How long the gateway keeps an agent's idle connection open: longer than the clients' own expiry (httpx, and so
 the openai SDK, drop theirs after 5 s), so no client sends a call on a connection the gateway is closing at that
@@ -83,16 +51,8 @@ class Limits:
     """Render each linked call's chat from scratch and count a difference as skew (``generator.check_template``)."""
 
 
-class GatewayError(Exception):
-    """A request the gateway refuses: answered with ``status`` and an OpenAI-style error body."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.code = status, code
-
-
 @dataclass
-class _Choice:
+class Choice:
     """One sampled reply, until the agent continues it (or the episode ends)."""
 
     ids: list[int]
@@ -120,7 +80,7 @@ class Segment:
     version_spans: list[list[int]] = field(default_factory=list)
     written: dict[int, str] = field(default_factory=dict)
     """What the model wrote, by the index of its reply in ``messages``."""
-    pending: list[_Choice] = field(default_factory=list)
+    pending: list[Choice] = field(default_factory=list)
     """The last call's choices, not yet in the sequence."""
 
     @property
@@ -128,7 +88,7 @@ class Segment:
         """The running context: prompt plus response."""
         return self.prompt_ids + self.response_ids
 
-    def take(self, choice: _Choice) -> None:
+    def take(self, choice: Choice) -> None:
         """Append ``choice``'s sampled tokens (loss mask 1) and record what it wrote."""
         for offset, version in choice.spans:
             mark_version(self.version_spans, len(self.response_ids) + offset, version)
@@ -138,7 +98,7 @@ class Segment:
         self.written[len(self.messages)] = choice.text
         self.messages = [*self.messages, choice.message]
 
-    def branch(self, choice: _Choice) -> Segment:
+    def branch(self, choice: Choice) -> Segment:
         """A copy of this segment (before its pending choices) continued by ``choice``."""
         copy = Segment(list(self.messages), self.template_tools, self.tools, list(self.prompt_ids),
                        list(self.response_ids), list(self.loss_mask), list(self.rollout_logprobs),
@@ -191,8 +151,6 @@ class Episode:
         return [s for s in self.segments + branches if any(s.loss_mask)]
 
 
-MAX_STOPS = 4
-"""Stop strings a call may ask for: OpenAI's limit, and vLLM's (past it the engine would answer 400, a 502 here)."""
 ANY_HOST = ("0.0.0.0", "")
 """Hosts that mean every interface."""
 
@@ -329,7 +287,7 @@ class Gateway:
             raise
         return episode
 
-    async def chat(self, episode: Episode, request: ChatRequest) -> tuple[list[_Choice], int]:
+    async def chat(self, episode: Episode, request: ChatRequest) -> tuple[list[Choice], int]:
         """Sample ``request``'s choices in ``episode``; returns them and the prompt's length in tokens."""
         async with episode.lock:  # one call of an episode at a time: segments grow in call order
             if episode.calls >= self.limits.max_calls:
@@ -397,7 +355,7 @@ class Gateway:
         return [{"role": "assistant", "content": segment.written[i]} if i in segment.written
                 else self.tool_prompt.as_written(m) for i, m in enumerate(segment.messages)]
 
-    async def _sample(self, episode: Episode, segment: Segment, sampling: SamplingParams, k: int) -> _Choice:
+    async def _sample(self, episode: Episode, segment: Segment, sampling: SamplingParams, k: int) -> Choice:
         ids: list[int] = []
         logprobs: list[float] = []
         spans: list[list[int]] = []
@@ -419,78 +377,7 @@ class Gateway:
         message = self.parser.parse(shown, segment.tools)
         for i, call in enumerate(message.get("tool_calls") or []):  # unique within the episode: agents key on ids
             call["id"] = f"call_{episode.calls}_{k}_{i}"
-        return _Choice(ids, logprobs, spans, text, message, part.finish_reason, part.stop_string)
-
-
-# ------------------------------------------------------------------------------------------------ the HTTP API
-
-
-class ChatRequest(BaseModel):
-    """The part of an OpenAI chat completions request the gateway reads (other fields are accepted and ignored)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
-    n: int = Field(1, ge=1, le=16)
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    stop: str | list[str] | None = None
-
-    @field_validator("stop")
-    @classmethod
-    def _few_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(stop, list) and len(stop) > MAX_STOPS:
-            raise ValueError(f"at most {MAX_STOPS} stop strings, got {len(stop)}")
-        return stop
-
-    def chat(self) -> list[Message]:
-        """The messages in the envkit form: roles checked, text parts joined, developer read as system."""
-        out: list[Message] = []
-        for i, m in enumerate(self.messages):
-            role = m.get("role")
-            if role not in _ROLES:
-                raise GatewayError(400, "invalid_message", f"messages[{i}].role must be one of {', '.join(_ROLES)}, "
-                                                           f"got {role!r}")
-            message: Message = {"role": "system" if role == "developer" else role,
-                                "content": _text(m.get("content"), f"messages[{i}].content")}
-            if role == "assistant" and m.get("tool_calls"):
-                message["tool_calls"] = _tool_calls(m["tool_calls"], i)
-            if role == "tool":
-                message["tool_call_id"] = str(m.get("tool_call_id") or "")
-            out.append(message)
-        return out
-
-    def token_limit(self, sampling: SamplingParams) -> int:
-        """The completion's token limit: the request's, at most the run's."""
-        asked = self.max_completion_tokens or self.max_tokens
-        return min(asked, sampling.max_tokens) if asked else sampling.max_tokens
-
-    def stops(self) -> tuple[str, ...]:
-        """The stop strings asked for."""
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-
-
-def _text(content: Any, where: str) -> str | None:
-    if content is None or isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in ("text", "input_text",
-                                                                                   "output_text") for p in content):
-        return "".join(str(p.get("text", "")) for p in content)
-    raise GatewayError(400, "invalid_message", f"{where} must be a string or a list of text parts; the policy reads "
-                                               "text only")
-
-
-def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
-    try:
-        return [{"id": str(c.get("id", "")), "type": "function",
-                 "function": {"name": str(c["function"]["name"]), "arguments": str(c["function"].get("arguments")
-                                                                                   or "{}")}} for c in calls]
-    except (KeyError, TypeError, AttributeError):
-        raise GatewayError(400, "invalid_message", f"messages[{i}].tool_calls must be a list of "
-                                                   '{"function": {"name", "arguments"}} objects') from None
+        return Choice(ids, logprobs, spans, text, message, part.finish_reason, part.stop_string)
 
 
 def _arguments(call: dict[str, Any]) -> Any:
@@ -516,173 +403,6 @@ def _same_chat(sent: list[Message], ours: list[Message]) -> bool:
                                           for a, b in zip(sent, ours, strict=True))
 
 
-async def _json(request: Request) -> Any:
-    try:
-        return await request.json()
-    except ValueError:
-        raise GatewayError(400, "invalid_request", "the body is not JSON") from None
-
-
-def _parse(model: type[_Body], data: Any) -> _Body:
-    """``data`` as a ``model`` request, or a 400 naming the first field that is wrong."""
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        detail = e.errors()[0]
-        where = ".".join(str(p) for p in detail.get("loc", ()))
-        raise GatewayError(400, "invalid_request", f"{where}: {detail['msg']}" if where else detail["msg"]) from None
-
-
-def _no_retry(status: int) -> dict[str, str]:
-    """The header that keeps the OpenAI and Anthropic SDKs from retrying a refusal (by default they retry 409 and
-    429, with back-off: a finished episode's agent would wait seconds to be refused again)."""
-    return {"x-should-retry": "false"} if status < 500 else {}
-
-
-def _error(status: int, code: str, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error" if status < 500
-                                   else "server_error", "code": code}}, status_code=status, headers=_no_retry(status))
-
-
-_ANTHROPIC_ERRORS = {400: "invalid_request_error", 401: "authentication_error", 409: "invalid_request_error",
-                     429: "rate_limit_error"}
-
-
-def _anthropic_error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"type": "error", "error": {"type": _ANTHROPIC_ERRORS.get(status, "api_error"),
-                                                    "message": message}}, status_code=status,
-                        headers=_no_retry(status))
-
-
-def _response(choices: list[_Choice], prompt_tokens: int, model: str) -> dict[str, Any]:
-    return {
-        "id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": i, "message": _openai_message(c.message), "logprobs": None,
-                     "finish_reason": _finish(c)} for i, c in enumerate(choices)],
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": sum(len(c.ids) for c in choices),
-                  "total_tokens": prompt_tokens + sum(len(c.ids) for c in choices)},
-    }
-
-
-def _openai_message(message: Message) -> dict[str, Any]:
-    out: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
-    if message.get("tool_calls"):
-        out["tool_calls"] = message["tool_calls"]
-        out["content"] = out["content"] or None
-    return out
-
-
-def _finish(choice: _Choice) -> str:
-    if choice.message.get("tool_calls"):
-        return "tool_calls"
-    return "length" if choice.finish == "length" else "stop"
-
-
-async def _stream(body: dict[str, Any], usage: bool) -> AsyncIterator[str]:
-    """The response as server-sent chunks: each choice's whole message in one delta (the gateway samples a call at
-    once), then its finish reason, then the usage when asked for."""
-    head = {"id": body["id"], "object": "chat.completion.chunk", "created": body["created"], "model": body["model"]}
-    for choice in body["choices"]:
-        delta: dict[str, Any] = {"role": "assistant", "content": choice["message"]["content"]}
-        if "tool_calls" in choice["message"]:
-            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(choice["message"]["tool_calls"])]
-        yield f"data: {json.dumps({**head, 'choices': [{'index': choice['index'], 'delta': delta}]})}\n\n"
-        done = {"index": choice["index"], "delta": {}, "finish_reason": choice["finish_reason"]}
-        yield f"data: {json.dumps({**head, 'choices': [done]})}\n\n"
-    if usage:
-        yield f"data: {json.dumps({**head, 'choices': [], 'usage': body['usage']})}\n\n"
-    yield "data: [DONE]\n\n"
-
-
 def _close_server(started: asyncio.Future[asyncio.Server]) -> None:
     if not started.cancelled() and started.exception() is None:
         started.result().close()
-
-
-def build_app(gateway: Gateway) -> FastAPI:
-    """The gateway's routes: ``/v1/chat/completions``, ``/v1/responses``, Anthropic's ``/v1/messages`` and
-    ``/v1/models``, also under ``/e/{key}``."""
-    app = FastAPI(title="envkit capture gateway", docs_url=None, redoc_url=None, openapi_url=None)
-
-    def episode_of(request: Request, key: str | None) -> Episode:
-        if key is None:
-            scheme, _, token = request.headers.get("authorization", "").partition(" ")
-            key = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key")
-        server = request.scope.get("server")
-        return gateway.episode(key, server[1] if server else None)
-
-    async def chat(request: Request, key: str | None = None) -> Response:
-        try:
-            episode = episode_of(request, key)
-            body = _parse(ChatRequest, await _json(request))
-            choices, prompt_tokens = await gateway.chat(episode, body)
-        except GatewayError as e:
-            return _error(e.status, e.code, str(e))
-        except EngineError as e:
-            return _error(502, "engine_error", f"the inference engine failed: {e}")
-        out = _response(choices, prompt_tokens, gateway.engine.model_name)
-        if body.stream:
-            usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(_stream(out, usage), media_type="text/event-stream")
-        return JSONResponse(out)
-
-    async def responses(request: Request, key: str | None = None) -> Response:
-        try:
-            episode = episode_of(request, key)
-            body = _parse(ResponsesRequest, await _json(request))
-            earlier = episode.responses.get(body.previous_response_id or "", [])
-            if body.previous_response_id and not earlier:
-                raise GatewayError(400, "previous_response_not_found", f"no response {body.previous_response_id!r} "
-                                   "in this episode")
-            try:
-                chat_body = body.chat_body(earlier)
-            except UnsupportedInput as e:
-                raise GatewayError(400, "unsupported", str(e)) from None
-            (choice,), prompt_tokens = await gateway.chat(episode, _parse(ChatRequest, chat_body))
-        except GatewayError as e:
-            return _error(e.status, e.code, str(e))
-        except EngineError as e:
-            return _error(502, "engine_error", f"the inference engine failed: {e}")
-        out = response_body(choice.message, truncated=choice.finish == "length", prompt_tokens=prompt_tokens,
-                            completion_tokens=len(choice.ids), model=gateway.engine.model_name, request=body)
-        episode.responses[out["id"]] = body.history(chat_body, _openai_message(choice.message))
-        if body.stream:
-            return StreamingResponse(responses_stream(out), media_type="text/event-stream")
-        return JSONResponse(out)
-
-    async def messages(request: Request, key: str | None = None) -> Response:
-        try:
-            episode = episode_of(request, key)
-            body = _parse(MessagesRequest, await _json(request))
-            try:
-                chat_body = body.chat_body()
-            except UnsupportedInput as e:
-                raise GatewayError(400, "unsupported", str(e)) from None
-            (choice,), prompt_tokens = await gateway.chat(episode, _parse(ChatRequest, chat_body))
-        except GatewayError as e:
-            return _anthropic_error(e.status, str(e))
-        except EngineError as e:
-            return _anthropic_error(502, f"the inference engine failed: {e}")
-        out = message_body(choice.message, finish=choice.finish, stop_sequence=choice.stop_string,
-                           prompt_tokens=prompt_tokens, completion_tokens=len(choice.ids),
-                           model=gateway.engine.model_name)
-        if body.stream:
-            return StreamingResponse(anthropic_stream(out), media_type="text/event-stream")
-        return JSONResponse(out)
-
-    async def models(request: Request, key: str | None = None) -> Response:
-        try:
-            episode_of(request, key)
-        except GatewayError as e:
-            return _error(e.status, e.code, str(e))
-        return JSONResponse({"object": "list", "data": [{"id": gateway.engine.model_name, "object": "model",
-                                                         "created": 0, "owned_by": "envkit"}]})
-
-    for prefix in ("", "/e/{key}"):
-        app.add_api_route(prefix + "/v1/chat/completions", chat, methods=["POST"])
-        app.add_api_route(prefix + "/v1/responses", responses, methods=["POST"])
-        app.add_api_route(prefix + "/v1/messages", messages, methods=["POST"])
-        app.add_api_route(prefix + "/v1/models", models, methods=["GET"])
-    return app
-

@@ -14,12 +14,20 @@ from __future__ import annotations
 import json
 import secrets
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from envkit import Message
-from generators.responses_api import UnsupportedInput
+from generators.gateway.chat import ChatRequest
+from generators.gateway.dialect import Call, UnsupportedInput, event, function_tool, no_retry, parse
+
+if TYPE_CHECKING:
+    from generators.gateway.server import Choice, Episode
+
+_ERRORS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+           409: "invalid_request_error", 429: "rate_limit_error"}
 
 
 class MessagesRequest(BaseModel):
@@ -95,10 +103,7 @@ def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
     if not tool.get("name") or tool.get("type") not in (None, "custom"):
         raise UnsupportedInput(f"tools[{i}]: only client tools (name, input_schema) reach the policy, got "
                                f"{tool.get('type') or tool.get('name')!r}")
-    function = {"name": tool["name"], "parameters": tool.get("input_schema") or {"type": "object", "properties": {}}}
-    if tool.get("description"):
-        function["description"] = tool["description"]
-    return {"type": "function", "function": function}
+    return function_tool(tool["name"], tool.get("description"), tool.get("input_schema"))
 
 
 def message_body(message: Message, *, finish: str, prompt_tokens: int, completion_tokens: int, model: str,
@@ -120,10 +125,6 @@ def message_body(message: Message, *, finish: str, prompt_tokens: int, completio
 
 async def stream(body: dict[str, Any]) -> AsyncIterator[str]:
     """The Message as server-sent events: each block whole in one delta (the gateway samples a call at once)."""
-
-    def event(kind: str, data: dict[str, Any]) -> str:
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
-
     usage = body["usage"]
     yield event("message_start", {"message": {**body, "content": [], "stop_reason": None,
                                               "usage": {**usage, "output_tokens": 0}}})
@@ -140,3 +141,27 @@ async def stream(body: dict[str, Any]) -> AsyncIterator[str]:
                                             "stop_sequence": body["stop_sequence"]},
                                   "usage": {"output_tokens": usage["output_tokens"]}})
     yield event("message_stop", {})
+
+
+class Messages:
+    """Anthropic's Messages dialect: ``system``, content blocks, ``stop_sequences``; the key in ``x-api-key``."""
+
+    route = "/v1/messages"
+
+    def read(self, body: Any, episode: Episode) -> Call:
+        request = parse(MessagesRequest, body)
+        return Call(parse(ChatRequest, request.chat_body()), request.stream, request)
+
+    def answer(self, call: Call, choices: list[Choice], prompt_tokens: int, model: str,
+               episode: Episode) -> dict[str, Any]:
+        (choice,) = choices
+        return message_body(choice.message, finish=choice.finish, stop_sequence=choice.stop_string,
+                            prompt_tokens=prompt_tokens, completion_tokens=len(choice.ids), model=model)
+
+    def events(self, call: Call, body: dict[str, Any]) -> AsyncIterator[str]:
+        return stream(body)
+
+    def error(self, status: int, code: str, message: str) -> JSONResponse:
+        return JSONResponse({"type": "error", "error": {"type": _ERRORS.get(status, "api_error"),
+                                                        "message": message}}, status_code=status,
+                            headers=no_retry(status))

@@ -13,19 +13,21 @@ samples a call at once, then parses its tool calls).
 
 from __future__ import annotations
 
-import json
 import secrets
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from envkit import Message
+from generators.gateway.chat import ChatRequest, openai_error, openai_message
+from generators.gateway.dialect import Call, GatewayError, UnsupportedInput, function_tool, parse
+from generators.gateway.dialect import event as named_event
 
-
-class UnsupportedInput(ValueError):
-    """A request the gateway cannot serve through the policy (answered 400)."""
+if TYPE_CHECKING:
+    from generators.gateway.server import Choice, Episode
 
 
 class ResponsesRequest(BaseModel):
@@ -50,10 +52,10 @@ class ResponsesRequest(BaseModel):
             body["max_tokens"] = self.max_output_tokens
         return body
 
-    def history(self, body: dict[str, Any], reply: dict[str, Any]) -> list[dict[str, Any]]:
-        """What a later call continues by ``previous_response_id``: ``body``'s chat without this call's
+    def history(self, messages: list[dict[str, Any]], reply: dict[str, Any]) -> list[dict[str, Any]]:
+        """What a later call continues by ``previous_response_id``: this call's chat ``messages`` without its
         instructions, then ``reply``."""
-        return [*body["messages"][len(self._instructions()):], reply]
+        return [*messages[len(self._instructions()):], reply]
 
     def _instructions(self) -> list[dict[str, Any]]:
         return [{"role": "system", "content": self.instructions}] if self.instructions else []
@@ -89,10 +91,7 @@ def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
     if tool.get("type") != "function" or not tool.get("name"):
         raise UnsupportedInput(f"tools[{i}]: only function tools reach the policy (it runs no hosted tools), got "
                                f"type {tool.get('type')!r}")
-    function = {"name": tool["name"], "parameters": tool.get("parameters") or {"type": "object", "properties": {}}}
-    if tool.get("description"):
-        function["description"] = tool["description"]
-    return {"type": "function", "function": function}
+    return function_tool(tool["name"], tool.get("description"), tool.get("parameters"))
 
 
 def response_body(message: Message, *, truncated: bool, prompt_tokens: int, completion_tokens: int, model: str,
@@ -127,7 +126,7 @@ async def stream(body: dict[str, Any]) -> AsyncIterator[str]:
     def event(kind: str, **data: Any) -> str:
         nonlocal sequence
         sequence += 1
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': sequence - 1, **data})}\n\n"
+        return named_event(kind, {"sequence_number": sequence - 1, **data})
 
     started = {**body, "status": "in_progress", "incomplete_details": None, "output": []}
     yield event("response.created", response=started)
@@ -153,3 +152,31 @@ async def stream(body: dict[str, Any]) -> AsyncIterator[str]:
                         arguments=item["arguments"])
         yield event("response.output_item.done", output_index=index, item=item)
     yield event("response.incomplete" if body["status"] == "incomplete" else "response.completed", response=body)
+
+
+class Responses:
+    """The Responses dialect: ``previous_response_id`` within an episode, one choice per call."""
+
+    route = "/v1/responses"
+
+    def read(self, body: Any, episode: Episode) -> Call:
+        request = parse(ResponsesRequest, body)
+        earlier = episode.responses.get(request.previous_response_id or "", [])
+        if request.previous_response_id and not earlier:
+            raise GatewayError(400, "previous_response_not_found", f"no response {request.previous_response_id!r} "
+                                                                   "in this episode")
+        return Call(parse(ChatRequest, request.chat_body(earlier)), request.stream, request)
+
+    def answer(self, call: Call, choices: list[Choice], prompt_tokens: int, model: str,
+               episode: Episode) -> dict[str, Any]:
+        (choice,) = choices
+        out = response_body(choice.message, truncated=choice.finish == "length", prompt_tokens=prompt_tokens,
+                            completion_tokens=len(choice.ids), model=model, request=call.request)
+        episode.responses[out["id"]] = call.request.history(call.chat.messages, openai_message(choice.message))
+        return out
+
+    def events(self, call: Call, body: dict[str, Any]) -> AsyncIterator[str]:
+        return stream(body)
+
+    def error(self, status: int, code: str, message: str) -> JSONResponse:
+        return openai_error(status, code, message)
