@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from envkit.agent_isolation import blocked_for_others, forward, isolated_argv, isolation, relayed, warn_unisolated
+from envkit.agent_isolation import announce, blocked_for_others, forward, isolated_argv, isolation, relayed
 from envkit.agent_process import HostedAgent, agent_ref
 from envkit.core import Env, StepResult, Task
 from envkit.errors import AgentProcessError, ResetNeededError
@@ -128,8 +128,8 @@ class Command:
     async def __call__(self, task: Task, client: AgentClient) -> str:
         """Run the process for ``task``; raises :class:`~envkit.errors.AgentProcessError` if it fails or hangs."""
         mode = await asyncio.to_thread(isolation) if self.isolate else None
-        if self.isolate and mode is None:
-            warn_unisolated()
+        if self.isolate:
+            announce(mode)
         document = json.dumps(task)
         async with AsyncExitStack() as stack:
             if mode is None:

@@ -60,11 +60,21 @@ def isolation() -> str | None:
     return "namespace" if probe.returncode == 0 else None
 
 
+AS_THIS_USER = ("Command agents run in user namespaces as this user (envkit is not root): they reach no port of this "
+                "host and see no other agent's processes, but can read and write this user's files and open the Unix "
+                "sockets this user may (a Docker socket among them). Run untrusted agents in "
+                "sandboxes.agent.DockerCommand, or run envkit as root to give each agent a uid of its own.")
+
+
 @functools.cache
-def warn_unisolated() -> None:
-    """Say, once per process and loudly, that agents run unisolated here."""
-    log.warning(NOT_ISOLATED)
-    warnings.warn(NOT_ISOLATED, RuntimeWarning, stacklevel=3)
+def announce(mode: str | None) -> None:
+    """Say, once per process, what an isolated ``Command`` cannot keep from other agents here: everything where
+    nothing isolates it (a ``RuntimeWarning`` too), this user's files in a user namespace."""
+    if mode is None:
+        log.warning(NOT_ISOLATED)
+        warnings.warn(NOT_ISOLATED, RuntimeWarning, stacklevel=3)
+    elif mode == "namespace":
+        log.warning(AS_THIS_USER)
 
 
 def blocked_for_others(program: str, search_path: str) -> str | None:

@@ -116,11 +116,11 @@ def test_a_machine_that_cannot_isolate_agents_is_said_loudly(monkeypatch):
 
     import envkit.agent
     from envkit.agent import AgentClient, Command
-    from envkit.agent_isolation import warn_unisolated
+    from envkit.agent_isolation import announce
     from envkit.untrusted import python
 
     monkeypatch.setattr(envkit.agent, "isolation", lambda: None)  # what `unshare --user` failing gives
-    warn_unisolated.cache_clear()
+    announce.cache_clear()
     client = AgentClient(base_url="http://127.0.0.1:9/v1", api_key="k", model="m", episode_url="")
     with pytest.warns(RuntimeWarning, match="unisolated on this machine"):
         assert asyncio.run(Command([python(), "-c", "import os; print(os.getuid())"])({"id": "t"}, client)) == "0"

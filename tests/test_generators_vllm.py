@@ -24,6 +24,7 @@ from generators.engines.openai_chat import OpenAIEndpoint
 from generators.engines.transports.buckets import plan_buckets
 from generators.engines.transports.shared import SHARED_DIR, SHARED_PREFIX, fits
 from generators.engines.vllm import VLLMEngine
+from generators.engines.weight_sync import WeightSyncConfig
 from generators.precision import cpu_has_bf16
 from generators.rollout import Generator, GeneratorConfig, env_factory
 from generators.trajectory import Trajectory
@@ -345,7 +346,8 @@ async def test_new_weights_mid_rollout_finish_or_interrupt_requests_in_flight(
     requests in flight stop and go on from where they stopped on the new weights, so a model turn holds tokens of
     both versions, and version_spans says where the new one begins."""
     flipped = await asyncio.to_thread(_flipped_checkpoint, bundled_model, tmp_path / "flipped")  # before, not during
-    engine = VLLMEngine(options=ServerOptions(url=vllm_engine.base_url), weight_swap=weight_swap)  # a 2nd client
+    engine = VLLMEngine(options=ServerOptions(url=vllm_engine.base_url),  # a 2nd client
+                        weight_sync=WeightSyncConfig(swap=weight_swap))
     await engine.start()
     try:
         async with httpx.AsyncClient(base_url=vllm_engine.base_url) as http:

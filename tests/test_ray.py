@@ -37,6 +37,7 @@ from generators.engines.base import SamplingParams
 from generators.engines.managed import ServerOptions
 from generators.engines.transports.buckets import plan_buckets
 from generators.engines.vllm import VLLMEngine
+from generators.engines.weight_sync import WeightSyncConfig
 from trainer.backends.hf_export import write_hf_checkpoint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
@@ -262,7 +263,7 @@ async def test_weights_through_the_object_store_serve_what_a_reload_from_disk_se
     perturbed, original_weights = perturbed_weights(model), model_tensors(model)
     write_hf_checkpoint(perturbed, model, tmp_path / "perturbed")
     engine = VLLMEngine(model, ServerOptions(served_model_name="policy", log_path=tmp_path / "vllm.log"),
-                        kv_cache_gib=1, weight_transport="ray")
+                        kv_cache_gib=1, weight_sync=WeightSyncConfig(transport="ray"))
     await engine.start()
     try:
         original = await engine.generate(prompt, greedy)

@@ -107,7 +107,7 @@ async def test_the_hf_engine_samples_anew_for_each_unseeded_request_and_alike_fo
 
 def test_the_weight_sync_group_names_mode_transport_and_swap_and_an_engine_refuses_what_it_cannot_take():
     import trainer
-    from generators.engines.vllm import VLLMEngine
+    from generators.engines.weight_sync import WeightSyncConfig
     from trainer.config import ConfigError
 
     cfg = trainer.compose(["weight_sync.transport=group", "weight_sync.swap=interrupt", "weight_sync.mode=memory"])
@@ -115,14 +115,16 @@ def test_the_weight_sync_group_names_mode_transport_and_swap_and_an_engine_refus
     with pytest.raises(ConfigError, match=r"weight_sync\.transport must be one of auto, shared, group, disk, ray, "
                                           r"got 'nfs'"):
         trainer.compose(["weight_sync.transport=nfs"])
-    with pytest.raises(ValueError, match="weight_transport must be one of auto, shared, group, disk, ray, got 'nfs'"):
-        VLLMEngine(weight_transport="nfs")
+    with pytest.raises(ValueError, match="transport must be one of auto, shared, group, disk, ray, got 'nfs'"):
+        WeightSyncConfig(transport="nfs")
     for engine in ("hf", "sglang"):  # they take no transport: refused when the config is checked, not ignored
         with pytest.raises(ConfigError, match=rf"weight_sync\.transport=shared picks how weights reach a vLLM "
                                               rf"server's workers; engine={engine} takes no transport"):
             trainer.compose(["weight_sync.transport=shared", f"inference.engine={engine}"])
     with pytest.raises(ConfigError, match=r"weight_sync\.swap=interrupt needs engine=vllm"):
         trainer.compose(["weight_sync.swap=interrupt", "inference.engine=hf"])
+    with pytest.raises(ConfigError, match=r"weight_sync\.transport=ray moves weights through a Ray cluster"):
+        trainer.compose(["weight_sync.transport=ray"])
     with pytest.raises(ConfigError, match=r"weight_sync\.transport=ray moves weights through a Ray cluster's object "
                                           r"store, which only placement\.backend=ray joins"):
         trainer.compose(["weight_sync.transport=ray"])

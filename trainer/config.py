@@ -16,7 +16,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 
 from envkit.ref import EnvRef
-from generators.engines.factory import EngineConfig, WeightSyncConfig
+from generators.engines.factory import EngineConfig
+from generators.engines.weight_sync import WeightSyncConfig
 from generators.rollout import GeneratorConfig
 from generators.trajectory import STOP_REASONS
 
@@ -351,7 +352,8 @@ class JudgeSection(EngineConfig):
 
 @dataclass
 class WeightSyncSection(WeightSyncConfig):
-    """How new weights reach the inference engine: mode, transport and swap (see ``generators/engines/factory.py``)."""
+    """How new weights reach the inference engine: mode, transport and swap (see
+    ``generators/engines/weight_sync.py``)."""
 
     def __post_init__(self) -> None:
         _checked("weight_sync", super().__post_init__)
@@ -542,9 +544,7 @@ class Config:
             raise ConfigError(f"model.lora.r={self.model.lora.r} needs trainer.backend=fsdp: LoRA is FSDP-only for "
                               "now (set model.lora.r=0 to fine-tune every weight with DeepSpeed)")
         _checked("weight_sync", lambda: self.weight_sync.check_engine(self.inference.engine))
-        if self.weight_sync.transport == "ray" and self.placement.backend != "ray":
-            raise ConfigError("weight_sync.transport=ray moves weights through a Ray cluster's object store, which "
-                              "only placement.backend=ray joins: add it, or pick another transport")
+        _checked("weight_sync", lambda: self.weight_sync.check_placement(self.placement.backend))
         if self.algorithm.aggregation == "seq-mean-token-sum-norm" and self.generator.max_total_tokens < 1:
             raise ConfigError("seq-mean-token-sum-norm normalizes by generator.max_total_tokens, which must be >= 1")
 

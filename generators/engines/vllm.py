@@ -9,8 +9,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from generators.engines.base import (
-    WEIGHT_SWAPS,
-    WEIGHT_TRANSPORTS,
     Completion,
     EngineError,
     FinishReason,
@@ -20,6 +18,7 @@ from generators.engines.base import (
 from generators.engines.managed import ServerBackedEngine, ServerOptions
 from generators.engines.threads import torch_in_thread
 from generators.engines.transports.receiver import BUSY_POLL_ENV
+from generators.engines.weight_sync import WeightSyncConfig
 from generators.precision import auto_dtype
 
 if TYPE_CHECKING:
@@ -65,19 +64,19 @@ def _core_binding(cores: str) -> dict[str, str]:
 class VLLMEngine(ServerBackedEngine):
     """Starts ``vllm.entrypoints.openai.api_server`` as a subprocess we own.
 
-    Generation is token-in/token-out over ``/v1/completions`` (prompt as token ids, ``return_token_ids``), with
-    logprobs after temperature (``--logprobs-mode processed_logprobs``), so they are the sampler's. Weights
-    reload in place from an HF safetensors dir (dev-mode ``/collective_rpc``) while generation is paused, and
-    the server itself reports the weight version (``/weight_info``); or, with ``push_weights``, they go from this
-    process's memory to the server's workers through a :mod:`weight transport <generators.engines.transports>`
-    (the server side of each is a worker extension every server here is started with): ``weight_transport="auto"``
-    writes them to shared memory for a CPU server this engine started (``"shared"``) and broadcasts them over a
-    process group otherwise (``"group"``: gloo on CPU, NCCL on a GPU). If the server dies, the next request
-    restarts it and restores the latest weights. How the server is started (its port, context length, dtype, log,
-    timeouts) is in ``options`` (:class:`ServerOptions`, shared with SGLang). ``compile=None`` compiles the
-    model (torch.compile, CUDA graphs) on a GPU and runs it eagerly on the CPU build, where compiling costs more
-    start-up time than it gives back in all but long jobs. With ``options.url`` it attaches to a vLLM server that is
-    already running (started with ``VLLM_SERVER_DEV_MODE=1``, serving ``served_model_name``) instead of starting one.
+    Generation is token-in/token-out over ``/v1/completions`` (prompt as token ids, ``return_token_ids``), with logprobs
+    after temperature (``--logprobs-mode processed_logprobs``), so they are the sampler's. Weights reload in place from
+    an HF safetensors dir (dev-mode ``/collective_rpc``) while generation is paused, and the server itself reports the
+    weight version (``/weight_info``); or, with ``push_weights``, they go from this process's memory to the server's
+    workers through a :mod:`weight transport <generators.engines.transports>` (the server side of each is a worker
+    extension every server here is started with, picked by ``weight_sync.transport``): ``auto`` writes them to shared
+    memory for a CPU server this engine started (``"shared"``) and broadcasts them over a process group otherwise
+    (``"group"``: gloo on CPU, NCCL on a GPU). If the server dies, the next request restarts it and restores the latest
+    weights. How the server is started (its port, context length, dtype, log, timeouts) is in ``options``
+    (:class:`ServerOptions`, shared with SGLang). ``compile=None`` compiles the model (torch.compile, CUDA graphs) on a
+    GPU and runs it eagerly on the CPU build, where compiling costs more start-up time than it gives back in all but
+    long jobs. With ``options.url`` it attaches to a vLLM server that is already running (started with
+    ``VLLM_SERVER_DEV_MODE=1``, serving ``served_model_name``) instead of starting one.
     ``cpu_cores`` (CPU build): the cores the server computes on: all those this process may use, vllm for vLLM's
     own choice (on 2 vCPUs: one, the other left to its scheduler), a list such as ``0-3``, or auto: all, unless
     ``VLLM_CPU_OMP_THREADS_BIND`` is set in the environment. All cores generated 1.6x the tokens/s of vLLM's choice
@@ -93,19 +92,14 @@ class VLLMEngine(ServerBackedEngine):
         *,
         kv_cache_gib: int = 2,
         compile: bool | None = None,
-        weight_swap: str = "finish",
-        weight_transport: str = "auto",
+        weight_sync: WeightSyncConfig = WeightSyncConfig(),  # noqa: B008 - read only, so one shared default is safe
         cpu_cores: str = "auto",
     ) -> None:
-        if weight_swap not in WEIGHT_SWAPS:
-            raise ValueError(f"weight_swap must be one of {', '.join(WEIGHT_SWAPS)}, got {weight_swap!r}")
-        if weight_transport not in WEIGHT_TRANSPORTS:
-            raise ValueError(f"weight_transport must be one of {', '.join(WEIGHT_TRANSPORTS)}, "
-                             f"got {weight_transport!r}")
-        self.weight_transport = weight_transport
+        weight_sync.check_engine("vllm")
+        self.weight_transport = weight_sync.transport
         # finish: requests in flight when new weights arrive complete on the old ones. interrupt: they stop (finish
         # reason abort, with the tokens so far) and the generator continues them on the new weights.
-        self._pause_mode = "abort" if weight_swap == "interrupt" else "wait"
+        self._pause_mode = "abort" if weight_sync.swap == "interrupt" else "wait"
         self.cpu_build = _is_cpu_build()
         self.dtype = auto_dtype(on_gpu=not self.cpu_build) if options.dtype == "auto" else options.dtype
         # On a 2-vCPU CPU, vLLM's torch.compile warm-up made a start take 157 s instead of 50 s and sped generation

@@ -18,9 +18,10 @@ import torch
 from ray.exceptions import RayActorError
 
 from generators.engines.base import ChatCompletion, Completion, InferenceEngine, SamplingParams
-from generators.engines.factory import EngineConfig, WeightSyncConfig, make_engine
+from generators.engines.factory import EngineConfig, make_engine
 from generators.engines.replicas import ReplicaDied
 from generators.engines.transports.ray_store import store_view
+from generators.engines.weight_sync import WeightSyncConfig
 
 
 @ray.remote
