@@ -13,11 +13,15 @@ from __future__ import annotations
 import abc
 import inspect
 import json
+import random
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from envkit.core import Env, StepResult, Task
-from envkit.errors import EnvkitError, ToolCallError, ToolTimeoutError
-from envkit.messages import Message, ToolCall, tool_result, user
+from envkit.errors import EnvkitError, ResetNeededError, ToolCallError, ToolTimeoutError
+from envkit.messages import Message, ToolCall, system, tool_result, user
+from envkit.parsing import grade_number
+from envkit.tasks import check_task, pick_task
 from envkit.tools import Tool, ToolOutput, tool_calls_of
 
 
@@ -127,3 +131,33 @@ class ToolEnv(Env):
         except Exception as e:  # the tool's failure is the model's feedback, not the env's crash
             raise ToolCallError(f"{type(e).__name__}: {e}") from e
         return out if isinstance(out, str | ToolOutput) else json.dumps(out)
+
+
+class NumberQuestions:
+    """Episodes of a :class:`ToolEnv` whose tasks ask a ``question`` with a number for ``answer``: the episode opens
+    with the env's ``system_prompt`` and the question (a task of :meth:`tasks`' train split, by seed, where none is
+    given), and the final answer is graded as a number (:func:`~envkit.parsing.grade_number`). Mix in before
+    ``ToolEnv``; set ``answer_types`` to the numbers a given task's answer may be."""
+
+    answer_types: ClassVar[type | tuple[type, ...]] = (int, float)
+    system_prompt: str
+    tasks: Callable[[str], Sequence[Task] | None]
+    _rng: random.Random
+    _task: Task | None
+
+    async def start_episode(self, *, seed: int | None, task: Task | None) -> tuple[list[Message], dict]:
+        """Open the episode on ``task``, else on a train task picked by ``seed``."""
+        if task is not None:
+            check_task(task, question=str, answer=self.answer_types)
+        else:
+            task = pick_task(self.tasks("train") or [], seed, self._rng)
+        self._task = task
+        return [system(self.system_prompt), user(task["question"])], {"task": task}
+
+    async def grade(self, answer: str) -> tuple[float, dict[str, Any]]:
+        """1.0 when ``answer``'s final number is the task's, with what was read."""
+        if self._task is None:
+            raise ResetNeededError("step() needs an active episode; call reset() first.")
+        info = grade_number(answer, self._task["answer"])
+        info.pop("explicit")
+        return float(info["correct"]), info

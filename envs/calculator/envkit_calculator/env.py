@@ -10,10 +10,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from envkit import Message, Task, ToolEnv, system, tool, user
-from envkit.errors import ResetNeededError
-from envkit.parsing import grade_number
-from envkit.tasks import Splits, check_task, pick_task, split_problems
+from envkit import Task, ToolEnv, tool
+from envkit.tasks import Splits, split_problems
+from envkit.tool_env import NumberQuestions
 
 DEFAULT_SYSTEM_PROMPT = """\
 You can use a calculator. To call it, write exactly:
@@ -145,7 +144,7 @@ def _problems(split: str) -> Iterator[Task]:
     return split_problems("calculator", split, _draw, _TEST_SHARE)
 
 
-class CalculatorEnv(ToolEnv):
+class CalculatorEnv(NumberQuestions, ToolEnv):
     """Multi-step arithmetic word problems with a calculator tool; reward 1.0 for the right final number.
 
     Each turn the model either calls ``calculator`` (native ``tool_calls`` or ``<tool_call>`` text) and gets
@@ -189,21 +188,6 @@ class CalculatorEnv(ToolEnv):
     def tasks(self, split: str = "train") -> Sequence[Task]:
         """The tasks of ``split`` ("train" or "test") as a lazily generated sequence of task dicts."""
         return self._splits(split)
-
-    async def start_episode(self, *, seed: int | None, task: Task | None) -> tuple[list[Message], dict]:
-        if task is not None:
-            check_task(task, question=str, answer=(int, float))
-        else:
-            task = pick_task(self.tasks("train"), seed, self._rng)
-        self._task = task
-        return [system(self.system_prompt), user(task["question"])], {"task": task}
-
-    async def grade(self, answer: str) -> tuple[float, dict[str, Any]]:
-        if self._task is None:
-            raise ResetNeededError("step() needs an active episode; call reset() first.")
-        info = grade_number(answer, self._task["answer"])
-        info.pop("explicit")
-        return float(info["correct"]), info
 
     def spaces(self) -> dict[str, Any]:
         return {

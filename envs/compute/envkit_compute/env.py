@@ -9,10 +9,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from envkit import Message, Task, assistant, system, user
+from envkit import Message, Task, assistant
 from envkit.errors import InvalidTaskError, ResetNeededError
-from envkit.parsing import grade_number
-from envkit.tasks import Splits, check_task, pick_task, split_problems
+from envkit.tasks import Splits, split_problems
+from envkit.tool_env import NumberQuestions
 from sandboxes.tools import CodeTools
 
 DEFAULT_SYSTEM_PROMPT = """\
@@ -105,7 +105,7 @@ def _problems(split: str) -> Iterator[Task]:
     return split_problems("compute", split, _draw, _TEST_SHARE)
 
 
-class ComputeEnv(CodeTools):
+class ComputeEnv(NumberQuestions, CodeTools):
     """Number questions a short program answers (sums of primes, divisor counts, Fibonacci residues, ...);
     reward 1.0 for the right final number.
 
@@ -116,6 +116,8 @@ class ComputeEnv(CodeTools):
     It demonstrates its own tasks (:meth:`demonstrate`): a ``python`` call with a short program for the question,
     then "The answer is N." with N what the program printed in the sandbox.
     """
+
+    answer_types = int
 
     reward_range = (0.0, 1.0)
 
@@ -148,21 +150,6 @@ class ComputeEnv(CodeTools):
     def tasks(self, split: str = "train") -> Sequence[Task]:
         """The tasks of ``split`` ("train" or "test") as a lazily generated sequence of task dicts."""
         return self._splits(split)
-
-    async def start_episode(self, *, seed: int | None, task: Task | None) -> tuple[list[Message], dict]:
-        if task is not None:
-            check_task(task, question=str, answer=int)
-        else:
-            task = pick_task(self.tasks("train"), seed, self._rng)
-        self._task = task
-        return [system(self.system_prompt), user(task["question"])], {"task": task}
-
-    async def grade(self, answer: str) -> tuple[float, dict[str, Any]]:
-        if self._task is None:
-            raise ResetNeededError("step() needs an active episode; call reset() first.")
-        info = grade_number(answer, self._task["answer"])
-        info.pop("explicit")
-        return float(info["correct"]), info
 
     async def demonstrate(self, messages: list[Message]) -> Message:
         """Run the task's program with the ``python`` tool; once it printed, answer with what it printed."""
