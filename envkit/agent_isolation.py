@@ -3,13 +3,15 @@ policy-driven process reaches its episode's gateway and nothing else.
 
 Three ways, by what this machine allows (:func:`isolation`):
 
-- ``"user"`` (envkit runs as root): the agent runs as a uid leased for it alone (:data:`envkit.untrusted.users`)
-  with no capabilities, in new network, PID and mount namespaces. It cannot read another agent's ``/proc/PID/environ``
-  (where its key is), nor root's files, nor the Docker socket; it reaches no port of this host.
-- ``"namespace"`` (a plain user where unprivileged user namespaces are enabled): the same namespaces, inside a user
-  namespace, as this user with no capabilities. Other agents' processes, and so their keys, are out of sight, and no
-  port of this host is reachable; but the agent can read and write what this user can, Unix sockets on the
-  filesystem included (a Docker socket this user may use: use :class:`~sandboxes.agent.DockerCommand` there).
+- ``"user"`` (envkit runs as root, and may make namespaces): the agent runs as a uid leased for it alone
+  (:data:`envkit.untrusted.users`) with no capabilities, in new network, PID and mount namespaces. It cannot read
+  another agent's ``/proc/PID/environ`` (where its key is), nor root's files, nor the Docker socket; it reaches no port
+  of this host.
+- ``"namespace"`` (a plain user where unprivileged user namespaces are enabled, or root without CAP_SYS_ADMIN): the same
+  namespaces, inside a user namespace, as this user with no capabilities. Other agents' processes, and so their keys,
+  are out of sight, and no port of this host is reachable; but the agent can read and write what this user can, Unix
+  sockets on the filesystem included (a Docker socket this user may use: use :class:`~sandboxes.agent.DockerCommand`
+  there).
 - ``None``: neither works. Agents run as this user, on this host's network, and a warning says so once.
 
 In the first two the network namespace has only a loopback. :mod:`envkit.agent_relay` listens there on
@@ -24,6 +26,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import shutil
 import stat
 import subprocess
@@ -53,17 +56,20 @@ def isolation() -> str | None:
     unshare = shutil.which("unshare")
     if unshare is None or setpriv_path() is None:
         return None
-    if can_switch_user():
+    # Root may lack CAP_SYS_ADMIN (a container run without it): then only a user namespace may work, if any.
+    if can_switch_user() and _works([unshare, *_NAMESPACES, "true"]):
         return "user"
-    probe = subprocess.run([unshare, "--user", "--map-root-user", *_NAMESPACES, "true"], capture_output=True,
-                           timeout=30, check=False)
-    return "namespace" if probe.returncode == 0 else None
+    return "namespace" if _works([unshare, "--user", "--map-root-user", *_NAMESPACES, "true"]) else None
 
 
-AS_THIS_USER = ("Command agents run in user namespaces as this user (envkit is not root): they reach no port of this "
-                "host and see no other agent's processes, but can read and write this user's files and open the Unix "
-                "sockets this user may (a Docker socket among them). Run untrusted agents in "
-                "sandboxes.agent.DockerCommand, or run envkit as root to give each agent a uid of its own.")
+def _works(argv: list[str]) -> bool:
+    return subprocess.run(argv, capture_output=True, timeout=30, check=False).returncode == 0
+
+
+AS_THIS_USER = ("Command agents run in user namespaces as this process's user, uid {uid} (a uid of their own needs "
+                "root with CAP_SYS_ADMIN): they reach no port of this host and see no other agent's processes, but "
+                "can read and write this user's files and open the Unix sockets this user may (a Docker socket among "
+                "them). Run untrusted agents in sandboxes.agent.DockerCommand.")
 
 
 @functools.cache
@@ -74,7 +80,7 @@ def announce(mode: str | None) -> None:
         log.warning(NOT_ISOLATED)
         warnings.warn(NOT_ISOLATED, RuntimeWarning, stacklevel=3)
     elif mode == "namespace":
-        log.warning(AS_THIS_USER)
+        log.warning(AS_THIS_USER.format(uid=os.geteuid()))
 
 
 def blocked_for_others(program: str, search_path: str) -> str | None:
