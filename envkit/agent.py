@@ -131,11 +131,10 @@ class Command:
         if self.isolate:
             announce(mode)
         document = json.dumps(task)
-        async with AsyncExitStack() as stack:
-            if mode is None:
-                result = await self._unisolated(document, client)
-            else:
-                result = await self._isolated(mode, document, client, stack)
+        if mode is None:
+            result = await self._unisolated(document, client)
+        else:
+            result = await self._isolated(mode, document, client)
         if result.timed_out:
             raise AgentProcessError(f"agent command {self.argv[0]!r} ran past {self.timeout_s:g} s and was killed "
                                     "with its processes")
@@ -158,22 +157,24 @@ class Command:
         return await run(argv, stdin=document.encode(), timeout_s=self.timeout_s, output_limit=self.output_limit,
                          cwd=self.cwd, env=env)
 
-    async def _isolated(self, mode: str, document: str, client: AgentClient, stack: AsyncExitStack) -> Any:
-        # The socket's directory is this process's alone: only the relay, which starts as this user, opens it.
-        workdir = Path(tempfile.mkdtemp(prefix="envkit-agent-"))
-        stack.callback(shutil.rmtree, workdir, ignore_errors=True)
-        server = await forward(workdir / "gateway.sock", client.channel_url or client.base_url)
-        stack.callback(server.close)
-        uid = await stack.enter_async_context(users.lease()) if mode == "user" else None
-        home = _agent_home(workdir, uid)
-        env = self._environ(relayed(client.environ()), document, home)
-        if uid is not None and (why := blocked_for_others(self.argv[0], env["PATH"])):
-            raise AgentProcessError(f"agent command {self.argv[0]!r} cannot run as its own user (uid {uid}): {why}. "
-                                    "Install it where other users can run it (a venv outside /root), or pass "
-                                    "isolate=False for trusted code")
-        argv = isolated_argv(mode, workdir / "gateway.sock", list(self.argv), uid)
-        return await run(argv, stdin=document.encode(), timeout_s=self.timeout_s, output_limit=self.output_limit,
-                         cwd=self.cwd or home, env=env, user=uid, switch_user=False)
+    async def _isolated(self, mode: str, document: str, client: AgentClient) -> Any:
+        async with AsyncExitStack() as stack:
+            # The socket's directory is this process's alone: only the relay, which starts as this user, opens it.
+            workdir = Path(tempfile.mkdtemp(prefix="envkit-agent-"))
+            stack.callback(shutil.rmtree, workdir, ignore_errors=True)
+            server = await forward(workdir / "gateway.sock", client.channel_url or client.base_url)
+            stack.callback(server.close)
+            uid = await stack.enter_async_context(users.lease()) if mode == "user" else None
+            home = _agent_home(workdir, uid)
+            env = self._environ(relayed(client.environ()), document, home)
+            if uid is not None and (why := blocked_for_others(self.argv[0], env["PATH"])):
+                raise AgentProcessError(f"agent command {self.argv[0]!r} cannot run as its own user (uid {uid}): "
+                                        f"{why}. Install it where other users can run it (a venv outside /root), "
+                                        "or pass isolate=False for trusted code")
+            argv = isolated_argv(mode, workdir / "gateway.sock", list(self.argv), uid)
+            return await run(argv, stdin=document.encode(), timeout_s=self.timeout_s,
+                             output_limit=self.output_limit, cwd=self.cwd or home, env=env, user=uid,
+                             switch_user=False)
 
 
 def _agent_home(workdir: Path, uid: int | None) -> str:

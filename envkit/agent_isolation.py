@@ -35,7 +35,7 @@ import warnings
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from envkit.untrusted import can_switch_user, setpriv_path
+from envkit.untrusted import SAFE_ENV, can_switch_user, setpriv_path
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +53,18 @@ NOT_ISOLATED = ("Command agents run unisolated on this machine (envkit is not ro
 def isolation() -> str | None:
     """``"user"``, ``"namespace"`` or None: how :class:`~envkit.agent.Command` agents are isolated here (see the
     module doc). Probed once (a few milliseconds)."""
-    unshare = shutil.which("unshare")
+    unshare = _unshare()
     if unshare is None or setpriv_path() is None:
         return None
     # Root may lack CAP_SYS_ADMIN (a container run without it): then only a user namespace may work, if any.
     if can_switch_user() and _works([unshare, *_NAMESPACES, "true"]):
         return "user"
     return "namespace" if _works([unshare, "--user", "--map-root-user", *_NAMESPACES, "true"]) else None
+
+
+@functools.cache
+def _unshare() -> str | None:
+    return shutil.which("unshare", path=SAFE_ENV["PATH"])
 
 
 def _works(argv: list[str]) -> bool:
@@ -101,7 +106,7 @@ def blocked_for_others(program: str, search_path: str) -> str | None:
 def isolated_argv(mode: str, socket_path: Path, argv: list[str], uid: int | None) -> list[str]:
     """``argv`` run in the namespaces of ``mode``, behind the relay to ``socket_path`` (as ``uid`` in ``"user"``
     mode). The relay starts with namespace-root's rights (to bring the loopback up); the agent holds none."""
-    setpriv, unshare = setpriv_path(), shutil.which("unshare")
+    setpriv, unshare = setpriv_path(), _unshare()
     assert setpriv is not None and unshare is not None
     if mode == "user":
         outer = [unshare, *_NAMESPACES]

@@ -10,6 +10,7 @@ import logging
 import secrets
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -179,6 +180,7 @@ class Gateway:
         self.episodes: dict[str, Episode] = {}
         self._ended: set[str] = set()
         self._server: uvicorn.Server | None = None
+        self._protocol: Callable[[], asyncio.Protocol] | None = None
         self._task: asyncio.Task[None] | None = None
         self.port = 0
         self._announced = host
@@ -208,6 +210,12 @@ class Gateway:
                 await self._task
                 raise RuntimeError("the capture gateway stopped while starting")
             await asyncio.sleep(0.01)
+        # uvicorn takes its sockets once, at start: each episode's channel is one more listening socket speaking
+        # this server's protocol, so its connections are this server's (closed at its shutdown) and each request's
+        # scope["server"] names the port it came in on.
+        self._protocol = functools.partial(config.http_protocol_class, config=config,
+                                           server_state=self._server.server_state,
+                                           app_state=self._server.lifespan.state)
 
     async def stop(self) -> None:
         """Stop serving; idempotent."""
@@ -231,7 +239,7 @@ class Gateway:
     def open(self) -> Episode:
         """A new episode with a key of its own, and a port of its own (its channel) that refuses every other key:
         where an isolated agent process is relayed, so a key it learns of cannot be spent there."""
-        assert self._server is not None, "start the gateway first"
+        assert self._protocol is not None, "start the gateway first"
         episode = Episode(secrets.token_urlsafe(18))
         self.episodes[episode.key] = episode
         sock = socket.socket()
@@ -239,13 +247,7 @@ class Gateway:
         sock.listen(64)  # connections wait in the backlog until the server below accepts them
         episode.channel_port = sock.getsockname()[1]
         self._channels[episode.channel_port] = episode
-        # uvicorn takes its sockets once, at start: each channel is one more listening socket speaking the same
-        # server's protocol, so its connections are that server's (closed at its shutdown) and each request's
-        # scope["server"] names the port it came in on.
-        config, server = self._server.config, self._server
-        protocol: Any = functools.partial(config.http_protocol_class, config=config, server_state=server.server_state,
-                                          app_state=server.lifespan.state)
-        episode.channel = asyncio.ensure_future(asyncio.get_running_loop().create_server(protocol, sock=sock))
+        episode.channel = asyncio.ensure_future(asyncio.get_running_loop().create_server(self._protocol, sock=sock))
         return episode
 
     def client(self, episode: Episode) -> AgentClient:
