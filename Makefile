@@ -69,6 +69,8 @@ $(OPENENV_STAMP) $(OPENENV10_STAMP) $(VERIFIERS_STAMP): Makefile
 
 $(AGENT_STAMP): Makefile
 	@echo ">> creating $(AGENT_VENV) (the test agents' venv) from $(AGENT_PYTHON)"
+	@$(AGENT_PYTHON) -c 'import ensurepip' 2>/dev/null || { echo ">> installing python3-venv with apt-get (once)"; \
+		apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q python3-venv >/dev/null; }
 	$(AGENT_PYTHON) -m venv $(AGENT_VENV)
 	$(AGENT_VENV)/bin/python -m pip --disable-pip-version-check install -q 'openai>=1.40'
 	@touch $@
