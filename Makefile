@@ -17,7 +17,7 @@ OPENENV10_VENV := .venv-openenv10
 OPENENV10_SPEC := openenv==0.10.0 uvloop==0.23.0 httptools==0.9.0
 OPENENV10_STAMP := $(OPENENV10_VENV)/.installed
 # verifiers (the verifiers:ENV_ID scheme) pins openai<3 and mcp<2, which .venv cannot take: its envs run in a venv of
-# their own, with the env package the tests train on (envkit/adapters/verifiers.py).
+# their own, with the env package the tests train on (envkit/integrations/verifiers.py).
 # Agent processes (envkit.Command) run as uids of their own where envkit is root: the tests' CLI agents get a venv
 # that other users can run, from the system's python3 (pyenv's lives under root's 0700 home), with the openai SDK.
 AGENT_VENV := .venv-agent

@@ -24,9 +24,9 @@ import time
 from typing import Any
 
 from envkit import Task
-from envkit.agent import AgentEnv, Command
-from envkit.agent_isolation import isolation
-from envkit.untrusted import python
+from envkit.agents.agent import AgentEnv, Command
+from envkit.agents.isolation import isolation
+from envkit.agents.untrusted import python
 from generators.chat import ChatTokenizer
 from generators.engines.hf import HFEngine
 from generators.models import resolve_model

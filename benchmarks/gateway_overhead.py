@@ -45,7 +45,7 @@ import openai
 import psutil
 
 from envkit import Task
-from envkit.agent import AgentClient, AgentEnv
+from envkit.agents.agent import AgentClient, AgentEnv
 from generators.chat import ChatTokenizer
 from generators.engines.vllm import VLLMEngine
 from generators.models import resolve_model
@@ -204,7 +204,7 @@ async def run(args: argparse.Namespace, engine: VLLMEngine, tokenizer: ChatToken
     await raw(questions(10_000_000, 8))  # warm-up: the server's first batch compiles
     await envkit_gateway(questions(20_000_000, 8))
     await envkit_hosted(questions(30_000_000, 8))  # and the agents' host process starts
-    host = next(p for p in psutil.Process().children() if "envkit.agent_process" in p.cmdline())
+    host = next(p for p in psutil.Process().children() if "envkit.agents.host" in p.cmdline())
     rates: dict[str, list[float]] = {name: [] for name in variants}
     tokens_of: dict[str, list[int]] = {name: [] for name in variants}
     cpu_of: dict[str, list[float]] = {name: [] for name in variants}

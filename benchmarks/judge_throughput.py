@@ -22,8 +22,8 @@ import random
 import statistics
 import time
 
-from envkit.judges import JudgeEndpoint, LLMJudge
-from envkit.rubrics import Episode
+from envkit.rewards.judges import JudgeEndpoint, LLMJudge
+from envkit.rewards.rubrics import Episode
 from generators.engines.vllm import VLLMEngine
 from generators.models import resolve_model
 

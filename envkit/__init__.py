@@ -7,12 +7,20 @@ registry that finds pip-installed env packages by name::
     env = envkit.SyncEnv(envkit.make("arithmetic"))
     messages, info = env.reset(seed=0)
     result = env.step("The answer is 7")
+
+The protocol's modules are here at the top (core, messages, tools, tool_env, tasks, registry, ref, errors, parsing,
+sync, markup, distribution, recording, imports); the rest lives in rooms: :mod:`envkit.rewards` (rubrics and LLM
+judges), :mod:`envkit.agents` (agents with their own loop, their host processes, untrusted code),
+:mod:`envkit.integrations` (other ecosystems' envs and trainers), :mod:`envkit.cli` (the ``envkit`` command) and
+:mod:`envkit.remote` (envs in other processes). The modules' old paths (``envkit.judges``, ``envkit.agent``, ...)
+still import, with a DeprecationWarning (:mod:`envkit.moved`).
 """
 
 from envkit import errors
-from envkit.agent import AgentClient, AgentEnv, Command
+from envkit.agents.agent import AgentClient, AgentEnv, Command
 from envkit.core import ContractChecker, Env, Snapshot, StepResult, Task, Wrapper
 from envkit.messages import Message, ToolCall, assistant, system, tool_result, user
+from envkit.moved import install_finder
 from envkit.parsing import Answer, extract_answer, parse_number
 from envkit.ref import EnvRef
 from envkit.registry import (
@@ -31,6 +39,8 @@ from envkit.tool_env import ToolEnv
 from envkit.tools import Tool, ToolOutput, parse_tool_calls, tool, tool_calls_of
 
 __version__ = "0.1.0"
+
+install_finder()  # envkit.judges, envkit.agent, ...: the old paths of moved modules
 
 __all__ = [
     "AgentClient",

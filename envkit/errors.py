@@ -24,8 +24,8 @@ fault inside one environment (record it on that rollout, keep the batch), a regi
     ├── EnvError                 the environment itself misbehaved
     │   ├── InvalidStepResultError  step()/reset() returned the wrong shape
     │   ├── MCPServerError       an MCP server behind an env could not be started or reached, or dropped the
-    │   │                        connection (envkit.mcp_env)
-    │   └── AgentProcessError    an agent env's command exited non-zero or ran past its deadline (envkit.agent)
+    │   │                        connection (envkit.integrations.mcp_env)
+    │   └── AgentProcessError    an agent env's command exited non-zero or ran past its deadline (envkit.agents.agent)
     └── RemoteEnvError           an env server (envkit serve, OpenEnv) refused a request or could not be reached;
         │                        ``.code`` is the server's error code, ``.status`` the HTTP status (None: no answer)
         ├── RemoteConnectionError       no connection after the retries (nothing was sent)
@@ -144,7 +144,7 @@ class RubricError(EnvError):
 
 
 class AgentProcessError(EnvError):
-    """An agent env's command (:class:`envkit.agent.Command`) exited non-zero or ran past its deadline; it and
+    """An agent env's command (:class:`envkit.agents.agent.Command`) exited non-zero or ran past its deadline; it and
     every process it started were killed, and that rollout fails."""
 
 

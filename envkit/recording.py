@@ -21,7 +21,7 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -254,13 +254,12 @@ class Replayed:
     """The first thing that went otherwise (``"step 3: reward was 0.0, replayed 1.0"``); None: none did."""
 
 
-async def replay(path: str | os.PathLike[str], *, env: str | None = None, kwargs: dict[str, Any] | None = None,
-                 only: Iterable[str] = (), ignore_info: Iterable[str] = ()) -> list[Replayed]:
-    """Play each recorded episode (or those ``only`` names) again in a fresh env, made as recorded (or as ``env``
-    with ``kwargs``), with the recorded seed or task and actions; each answer is compared with the recorded one
-    (``ignore_info``: info keys that may differ, such as timings)."""
-    from envkit.registry import make
-
+async def replay(path: str | os.PathLike[str], *, make: Callable[..., Env], env: str | None = None,
+                 kwargs: dict[str, Any] | None = None, only: Iterable[str] = (), ignore_info: Iterable[str] = ()
+                 ) -> list[Replayed]:
+    """Play each recorded episode (or those ``only`` names) again in a fresh env, made by ``make`` (``envkit.make``:
+    ``make(name, **kwargs)``) as recorded (or as ``env`` with ``kwargs``), with the recorded seed or task and actions;
+    each answer is compared with the recorded one (``ignore_info``: info keys that may differ, such as timings)."""
     by_id = episodes(read_events(path))
     wanted = set(only)
     out = []

@@ -10,7 +10,7 @@ letter or digit (``arithmetic``, ``guess-number``, ``acme/sokoban-v2``). ``make`
   module imports none of the env kinds behind them:
 
   - ``gym:<gymnasium id>`` (e.g. ``gym:Blackjack-v1``): any installed gymnasium env through the text bridge
-    (:mod:`envkit.gym_bridge`, the ``gym`` extra);
+    (:mod:`envkit.integrations.gym_bridge`, the ``gym`` extra);
   - ``http://host:port/NAME`` or ``ws://host:port/NAME`` (and ``https``, ``wss``): env NAME served by ``envkit
     serve`` on that host, as a :class:`envkit.remote.RemoteEnv` over REST or WebSocket (``remote=RemoteConfig(...)``
     sets the token and timeouts; the other kwargs go to the server's env; the ``server`` extra);
@@ -18,7 +18,7 @@ letter or digit (``arithmetic``, ``guess-number``, ``acme/sokoban-v2``). ``make`
     :class:`envkit.remote.openenv.OpenEnvEnv` (the ``server`` extra);
   - ``mcp+stdio:COMMAND LINE`` (e.g. ``mcp+stdio:python my_server.py``) and ``mcp+http://host:port/mcp`` (and
     ``mcp+https``): the tools of an MCP server, run as a stdio child process or reached over streamable HTTP, as
-    an :class:`envkit.mcp_env.MCPToolEnv`; tasks and a grader come as kwargs (the ``mcp`` extra).
+    an :class:`envkit.integrations.mcp_env.MCPToolEnv`; tasks and a grader come as kwargs (the ``mcp`` extra).
 
 ``make(NAME, sandbox="docker" | "local" | "auto")`` runs the env inside a sandbox of its own (a container from its
 image, or an ``envkit serve`` child process), a RemoteEnv underneath; ``pool=`` lends it one from a warm pool and
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import difflib
 import functools
-import importlib
 import inspect
 import re
 import sys
@@ -51,21 +50,12 @@ from typing import TYPE_CHECKING, Any
 from envkit.core import ContractChecker, Env
 from envkit.distribution import install_hint
 from envkit.errors import DuplicateEnvError, EnvLoadError, EnvNotFoundError, InvalidEnvNameError
+from envkit.imports import import_ref
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from envkit.rubrics import Rubric
-
-def import_ref(ref: str) -> Any:
-    """What ``"module:attr.attr"`` names (the module itself, without ``:attr``); raises what the import or the
-    lookup raises."""
-    module_name, _, attr = ref.partition(":")
-    found: Any = importlib.import_module(module_name)
-    for part in attr.split(".") if attr else []:
-        found = getattr(found, part)
-    return found
-
+    from envkit.rewards.rubrics import Rubric
 
 ENTRY_POINT_GROUP = "envkit.envs"
 SANDBOX_GROUP = "envkit.sandboxes"
@@ -203,7 +193,7 @@ class Registry:
         The result is wrapped in :class:`ContractChecker` unless ``checked=False``. ``sandbox="docker"`` (or another
         ``envkit.sandboxes`` provider) runs the env in a sandbox of its own instead of in this process, borrowed from
         the warm ``pool`` if one is given (``sandboxes.open_pool``); a name with a scheme (``ws://...``, ``gym:...``)
-        is made by that scheme's ``envkit.schemes`` provider. ``rubric`` (:mod:`envkit.rubrics`: a Rubric or
+        is made by that scheme's ``envkit.schemes`` provider. ``rubric`` (:mod:`envkit.rewards.rubrics`: a Rubric or
         ``"module:attr"``) scores each episode as it ends. ``record`` appends every reset and step to that JSONL
         file (:mod:`envkit.recording`).
         """
@@ -229,7 +219,9 @@ class Registry:
                 raise EnvLoadError(f"Env {name!r}: {spec.entry_point} returned {type(env).__name__}, not an Env")
             env.spec = replace(spec, kwargs=merged, description=spec.description or first_doc_line(factory))
         if rubric is not None:
-            env = _with_rubric(env, rubric)
+            from envkit.rewards.rubrics import with_rubric
+
+            env = with_rubric(env, rubric)
         if record is not None:
             from envkit.recording import Recorder
 
@@ -356,17 +348,6 @@ registry = Registry()
 def register(name: str, entry_point: str | EnvFactory, *, description: str | None = None, **kwargs: Any) -> EnvSpec:
     """Register an env class (or ``"module:Class"`` string) under ``name`` in the default registry."""
     return registry.register(name, entry_point, description=description, **kwargs)
-
-
-def _with_rubric(env: Env, rubric: Rubric | str) -> Env:
-    """``env`` scored by ``rubric``: an agent env scores its episodes itself, any other is wrapped."""
-    from envkit.agent import AgentEnv
-    from envkit.rubrics import RubricEnv, load_rubric
-
-    if isinstance(env.unwrapped, AgentEnv):
-        env.unwrapped.rubric = load_rubric(rubric)
-        return env
-    return RubricEnv(env, rubric)
 
 
 def make(name: str, /, *, checked: bool = True, sandbox: str | None = None, pool: Any = None,

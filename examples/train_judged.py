@@ -16,8 +16,8 @@ import json
 import sys
 
 import trainer
-from envkit.judges import LLMJudge
-from envkit.rubrics import EnvReward, WeightedSum
+from envkit.rewards.judges import LLMJudge
+from envkit.rewards.rubrics import EnvReward, WeightedSum
 
 polite = LLMJudge("The reply is polite and friendly.", parse="logprobs", scale=(0, 9), prefill="SCORE: ",
                   name="polite")

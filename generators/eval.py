@@ -47,6 +47,8 @@ if TYPE_CHECKING:
     from generators.engines.base import InferenceEngine
 
 _KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_LIBRARY = GeneratorConfig()
+"""The generator's defaults, which ``envkit eval``'s options start from."""
 
 
 class EvalInputError(ValueError):
@@ -359,13 +361,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-n", "--num-tasks", type=int, default=64, metavar="N", help="tasks to evaluate (default: 64)")
     p.add_argument("--split", default="test", help="task split (default: test)")
     p.add_argument("--samples", type=int, default=1, help="rollouts per task (default: 1)")
-    p.add_argument("--concurrency", type=int, default=64, help="rollouts in flight (default: 64)")
+    p.add_argument("--concurrency", type=int, default=_LIBRARY.concurrency,
+                   help=f"rollouts in flight (default: {_LIBRARY.concurrency})")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature (default: 0, greedy, so a checkpoint's score is reproducible)")
-    p.add_argument("--max-tokens", type=int, default=256, help="max tokens per model turn (default: 256)")
-    p.add_argument("--max-turns", type=int, default=8, help="max model turns per rollout (default: 8)")
-    p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
-                   help="wall-clock limit per rollout (default: 300)")
+    p.add_argument("--max-tokens", type=int, default=_LIBRARY.max_tokens,
+                   help=f"max tokens per model turn (default: {_LIBRARY.max_tokens})")
+    p.add_argument("--max-turns", type=int, default=_LIBRARY.max_turns,
+                   help=f"max model turns per rollout (default: {_LIBRARY.max_turns})")
+    p.add_argument("--timeout", type=float, default=_LIBRARY.timeout_s, metavar="SECONDS",
+                   help=f"wall-clock limit per rollout (default: {_LIBRARY.timeout_s:g})")
     p.add_argument("--pass-threshold", type=float, default=1.0, metavar="REWARD",
                    help="a rollout passes with reward >= this (default: 1.0)")
     p.add_argument("--env-arg", type=_env_arg, action="append", default=[], metavar="KEY=VALUE",

@@ -1,5 +1,6 @@
 """``envkit judge-check``: measure a judge on a labelled set and an attack corpus before training on it
-(:mod:`envkit.judge_check`), with the judge model served for the check (a managed vLLM server) or at an endpoint."""
+(:mod:`envkit.rewards.judge_check`), with the judge model served for the check (a managed vLLM server) or at an
+endpoint."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from rich.progress import Progress
 from rich.table import Table
 
 from envkit.errors import EnvkitError
-from envkit.judge_check import (
+from envkit.imports import import_ref
+from envkit.rewards.judge_check import (
     ATTACKS,
     CRITERIA,
     MIN_ITEMS,
@@ -26,9 +28,8 @@ from envkit.judge_check import (
     check_judge,
     scorings,
 )
-from envkit.judges import JudgeEndpoint, LLMJudge, RelativeJudge, final_number
-from envkit.registry import import_ref
-from envkit.rubrics import GroupRubric, Rubric
+from envkit.rewards.judges import JudgeEndpoint, LLMJudge, RelativeJudge, final_number
+from envkit.rewards.rubrics import GroupRubric, Rubric
 from generators.engines.base import publish_judge, withdraw_judge
 from generators.engines.factory import EngineConfig, make_judge
 
@@ -174,7 +175,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--judge-model", default="bundled",
                    help="the judge model: bundled or a checkpoint dir on a managed vLLM server; scripted, a rule "
                         "that grades the shipped sets and believes what a reply tells it (the positive control: "
-                        "envkit.judge_check.ScriptedJudge); with --judge-url, the endpoint's model name "
+                        "envkit.rewards.judge_check.ScriptedJudge); with --judge-url, the endpoint's model name "
                         "(default: bundled)")
     p.add_argument("--judge-url", metavar="URL", help="an OpenAI-compatible judge endpoint (needs --judge-model)")
     p.add_argument("--judge-api-key", help="API key for --judge-url")

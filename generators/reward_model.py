@@ -1,6 +1,6 @@
 """Reward models: an HF sequence-classification model scoring episodes as a rubric part, in batches.
 
-``RewardModel(path)`` is an :class:`envkit.rubrics.Rubric`: each episode's chat, rendered by the model's chat
+``RewardModel(path)`` is an :class:`envkit.rewards.rubrics.Rubric`: each episode's chat, rendered by the model's chat
 template, is one row of a batch; concurrent episodes (a step's rollouts finish together) share forward passes of up
 to ``batch_size`` rows, gathered for at most ``max_wait_s``. The score is the model's single logit, squashed to
 [0, 1] by a sigmoid unless ``raw=True``::
@@ -31,7 +31,7 @@ from typing import Any, Literal
 import ray
 
 from envkit.markup import control_pattern, inert
-from envkit.rubrics import Episode, Rubric, Score
+from envkit.rewards.rubrics import Episode, Rubric, Score
 from generators.models import _file_lock, bundled_model_dir, cache_dir
 
 HEAD_SEED = 0

@@ -1,17 +1,10 @@
-"""The rollout loop: (env, model) → Trajectory, token-in/token-out, one failed rollout never failing the batch.
+"""The rollout scheduler: (env, model) → Trajectory, one failed rollout never failing the batch.
 
-    messages = env.reset(task)            → prompt_ids (chat template)
-    while not done:
-        completion = engine.generate(ids) → model tokens  (loss_mask 1, sampler logprobs)
-        result = env.step(assistant msg)  → reward, observation
-        ids += close_turn + observation   → env tokens    (loss_mask 0)
-
-Stops: the env ends the episode (``done``), ``max_turns`` model turns, ``max_tokens`` of context, the per-rollout
-wall-clock ``timeout``, or an ``error`` raised by the env or the engine (recorded on the trajectory).
-
-The opening messages carry the env's tools as the chat template wants them, or written into the system message
-where the template drops them (:mod:`generators.tool_prompt`). :meth:`Generator.demonstrate` plays the same loop with
-the env's own demonstrations in the model's place (supervised data whose tool outputs are real).
+:class:`Generator` runs ``samples_per_prompt`` rollouts per task or seed, ``concurrency`` at a time, each within its
+wall-clock ``timeout`` and its env's lifetime; an ``error`` raised by the env or the engine ends that rollout only
+(recorded on the trajectory). How an episode is played is its runner's (generators/episodes/): a chat episode the
+generator steps turn by turn, an agent env's episode through the capture gateway, or a demonstration
+(:meth:`Generator.demonstrate`) with the env's own turns in the model's place.
 
 With ``branch_at=k`` a group's rollouts share their first k turns: the first plays them and snapshots its env
 (``Env.snapshot``), and the others continue from there in envs restored from the snapshot, so that they differ only
@@ -21,28 +14,29 @@ in what they do after turn k (see :class:`_Branch`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import envkit
-from envkit import Env, Message, Snapshot, Task
-from envkit.agent import AgentEnv
+from envkit import Env, Snapshot, Task
 from envkit.errors import RubricError
-from envkit.rubrics import Episode, GroupRubric, load_group_rubric
-from generators.engines.base import Completion, InferenceEngine, SamplingParams, generate_turn, request_seed
+from envkit.rewards.rubrics import Episode, GroupRubric, load_group_rubric
+from generators.engines.base import InferenceEngine, SamplingParams
 from generators.engines.replicas import Session, rollout_session
+from generators.episodes.agent import AgentEpisodes
+from generators.episodes.base import AtTurn, EpisodeRunner, Rollout
+from generators.episodes.chat import ChatEpisodes, ModelTurns
+from generators.episodes.demonstration import DemoTurns
 from generators.parsers import REASONING_PARSER_CHOICES, TOOL_PARSER_CHOICES, OutputParser
-from generators.tool_prompt import TOOL_PROMPT_CHOICES, ToolPrompt, written_text
-from generators.trajectory import StopReason, Trajectory, mark_version
+from generators.tool_prompt import TOOL_PROMPT_CHOICES, ToolPrompt
+from generators.trajectory import StopReason, Trajectory
 
 if TYPE_CHECKING:
     from generators.chat import ChatTokenizer  # transformers: `envkit eval --help` must not pay for it
-    from generators.gateway import Gateway  # fastapi, uvicorn: only agent envs need it
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +83,7 @@ class GeneratorConfig:
     there): then an address of this node they reach, or 0.0.0.0 (every interface, announced to agents as this
     node's address on its default route). Each episode's key is its credential."""
     group_rubric: str | None = None
-    """``module:attr`` naming an :class:`envkit.rubrics.GroupRubric` (a relative judge) that scores each group's
+    """``module:attr`` naming an :class:`envkit.rewards.rubrics.GroupRubric` (a relative judge) that scores each group's
     finished rollouts together as the group finishes: its score is their reward (see :class:`Generator`)."""
     branch_at: int = 0
     """k >= 1: a group's rollouts share their first k turns, played once and snapshotted (``Env.snapshot``), and
@@ -119,30 +113,11 @@ class GeneratorConfig:
 
 
 @dataclass
-class _Rollout:
-    """The state of one rollout in progress."""
-
-    traj: Trajectory
-    tools: list[dict[str, Any]] | None = None
-    """The env's tools as OpenAI schemas (what the parser types calls by)."""
-    template_tools: list[dict[str, Any]] | None = None
-    """The tools the chat template is given (None where they are written into the system message)."""
-    ids: list[int] = field(default_factory=list)
-    """The running context: prompt plus response so far."""
-    written: dict[int, str] = field(default_factory=dict)
-    """What the model wrote, by the index of its message in ``traj.messages`` (which holds it parsed)."""
-    pending: list[int] = field(default_factory=list)
-    """Env tokens, added to the context only once another model turn follows them."""
-    generate_s: float = 0.0
-    env_s: float = 0.0
-
-
-@dataclass
 class _BranchPoint:
     """Where a group's rollouts part: the first rollout's env snapshot and its rollout state at that turn."""
 
     snapshot: Snapshot
-    state: _Rollout
+    state: Rollout
 
 
 class _Branch:
@@ -155,7 +130,7 @@ class _Branch:
         self.point: asyncio.Future[_BranchPoint] = asyncio.get_running_loop().create_future()
         self._latest: _BranchPoint | None = None
 
-    async def at_turn(self, env: Env, state: _Rollout) -> None:
+    async def at_turn(self, env: Env, state: Rollout) -> None:
         """The trunk's hook before each model turn."""
         if self.point.done() or state.traj.num_turns > self.at:
             return
@@ -182,8 +157,14 @@ def env_factory(name: str, **kwargs: Any) -> EnvFactory:
     return lambda: envkit.make(name, **kwargs)
 
 
-Turn = Callable[[Env, "_Rollout", int], Awaitable[tuple[Message, Completion, str]]]
-"""Who writes an assistant turn: ``(env, rollout, max_tokens) -> (message, completion, text written)``."""
+@dataclass(frozen=True)
+class _Play:
+    """What a set of rollouts is: who plays their episodes, how many per start, and whether the policy samples them
+    (stamped with the engine's weight version, scored by the group rubric) or the env demonstrates them."""
+
+    runners: tuple[EpisodeRunner, ...]
+    samples: int
+    sampled: bool
 
 
 class Generator:
@@ -207,9 +188,13 @@ class Generator:
             tool_parser=self.config.tool_parser, reasoning_parser=self.config.reasoning_parser)
         self.tool_prompt = ToolPrompt.resolve(self.config.tool_prompt, self.parser.tool_parser,
                                               tokenizer.tokenizer if tokenizer else None)
-        self._gateway: Gateway | None = None
-        self._gateway_lock = asyncio.Lock()
-        self._users = 0
+        self._agents = AgentEpisodes(engine, tokenizer, self.config, self.parser, self.tool_prompt)
+        sampled = () if engine is None else (self._agents, ChatEpisodes(
+            tokenizer, self.config, self.tool_prompt, ModelTurns(engine, tokenizer, self.config, self.parser)))
+        demonstrated = () if tokenizer is None else (ChatEpisodes(
+            tokenizer, self.config, self.tool_prompt, DemoTurns(tokenizer, self.parser)),)
+        self._sampled = _Play(sampled, self.config.samples_per_prompt, sampled=True)
+        self._demonstrated = _Play(demonstrated, 1, sampled=False)
         log.info("tool calls read as %s, reasoning %s, tools %s", self.parser.tool_parser,
                  "split off" if self.parser.think else "left in the content",
                  "written into the system message" if self.tool_prompt.inject
@@ -234,8 +219,8 @@ class Generator:
         """
         if self.engine is None:
             raise ValueError("this generator has no engine: it can only play demonstrations (demonstrate())")
-        return await self._run(make_env, self._model_turn, self.config.samples_per_prompt, tasks=tasks, seeds=seeds,
-                               env_name=env_name, on_done=on_done, on_group=on_group)
+        return await self._run(make_env, self._sampled, tasks=tasks, seeds=seeds, env_name=env_name,
+                               on_done=on_done, on_group=on_group)
 
     async def demonstrate(self, make_env: EnvFactory, *, tasks: Sequence[Task] | None = None,
                           seeds: Sequence[int] | None = None, env_name: str = "",
@@ -249,10 +234,12 @@ class Generator:
         env for real, so tool outputs and rewards are genuine. ``policy_version`` is -1: no policy sampled it. An env
         without demonstrations fails every rollout with a NotImplementedError in ``error``.
         """
-        return await self._run(make_env, self._demo_turn, 1, tasks=tasks, seeds=seeds, env_name=env_name,
+        if not self._demonstrated.runners:
+            raise ValueError("demonstrations are token ids: this generator has no tokenizer")
+        return await self._run(make_env, self._demonstrated, tasks=tasks, seeds=seeds, env_name=env_name,
                                on_done=on_done, on_group=on_group)
 
-    async def _run(self, make_env: EnvFactory, turn: Turn, samples: int, *, tasks: Sequence[Task] | None,
+    async def _run(self, make_env: EnvFactory, play: _Play, *, tasks: Sequence[Task] | None,
                    seeds: Sequence[int] | None, env_name: str, on_done: Callable[[Trajectory], None] | None = None,
                    on_group: Callable[[int, list[Trajectory]], None] | None = None) -> list[Trajectory]:
         if (tasks is None) == (seeds is None):
@@ -270,7 +257,7 @@ class Generator:
                 except RuntimeError as e:
                     return self._failed(group, k, seed, task, env_name, str(e))
             async with limit:
-                traj = await self._rollout(make_env, turn, task=task, seed=seed, group_id=group, sample_index=k,
+                traj = await self._rollout(make_env, play, task=task, seed=seed, group_id=group, sample_index=k,
                                            env_name=env_name, at_turn=branch.at_turn if branch and k == 0 else None,
                                            resume=point)
             if branch is not None and k == 0:
@@ -280,16 +267,16 @@ class Generator:
             return traj
 
         async def group(i: int, task: Task | None, seed: int | None) -> list[Trajectory]:
-            branch = _Branch(self.config.branch_at) if self.config.branch_at and samples > 1 else None
+            branch = _Branch(self.config.branch_at) if self.config.branch_at and play.samples > 1 else None
             rollouts = await asyncio.gather(*(one(task, seed, _group_id(task, seed, i), k, branch)
-                                              for k in range(samples)))
-            if self.group_rubric is not None and turn != self._demo_turn:
+                                              for k in range(play.samples)))
+            if self.group_rubric is not None and play.sampled:
                 await self._score_group(self.group_rubric, task, rollouts)
             if on_group is not None:
                 on_group(i, rollouts)
             return rollouts
 
-        async with self._serving():
+        async with self._agents.serving():
             groups = await asyncio.gather(*(group(i, task, seed) for i, (task, seed) in enumerate(starts)))
         return [t for samples in groups for t in samples]
 
@@ -309,8 +296,8 @@ class Generator:
     async def rollout(self, make_env: EnvFactory, *, task: Task | None = None, seed: int | None = None,
                       group_id: str = "", sample_index: int = 0, env_name: str = "") -> Trajectory:
         """One episode. Never raises for env or engine faults: they end up in ``stop_reason``/``error``."""
-        async with self._serving():
-            return await self._rollout(make_env, self._model_turn, task=task, seed=seed, group_id=group_id,
+        async with self._agents.serving():
+            return await self._rollout(make_env, self._sampled, task=task, seed=seed, group_id=group_id,
                                        sample_index=sample_index, env_name=env_name)
 
     def _failed(self, group_id: str, sample_index: int, seed: int | None, task: Task | None, env_name: str,
@@ -319,16 +306,15 @@ class Generator:
                           task_id=(task or {}).get("id"), stop_reason="error", error=error,
                           tokenizer=self.tokenizer.fingerprint if self.tokenizer else "")
 
-    async def _rollout(self, make_env: EnvFactory, turn: Turn, *, task: Task | None, seed: int | None,
-                       group_id: str, sample_index: int, env_name: str,
-                       at_turn: Callable[[Env, _Rollout], Awaitable[None]] | None = None,
+    async def _rollout(self, make_env: EnvFactory, play: _Play, *, task: Task | None, seed: int | None,
+                       group_id: str, sample_index: int, env_name: str, at_turn: AtTurn | None = None,
                        resume: _BranchPoint | None = None) -> Trajectory:
         if resume is None:
-            version = -1 if turn == self._demo_turn else self.engine.weight_version if self.engine else 0
+            version = (self.engine.weight_version if self.engine else 0) if play.sampled else -1
             traj = Trajectory(group_id=group_id, sample_index=sample_index, seed=seed, env_name=env_name,
                               task_id=(task or {}).get("id"), policy_version=version,
                               tokenizer=self.tokenizer.fingerprint if self.tokenizer else "")
-            state = _Rollout(traj)
+            state = Rollout(traj)
         else:  # a branch: the trunk's rollout up to the branch point, none of it this rollout's to train on
             state = copy.deepcopy(resume.state)
             state.generate_s = state.env_s = 0.0
@@ -344,7 +330,7 @@ class Generator:
                 if resume is not None:
                     await env.init()
                     await env.restore(resume.snapshot)
-                traj.stop_reason = await self._episode(env, state, task, seed, turn, at_turn=at_turn,
+                traj.stop_reason = await self._episode(env, state, task, seed, play, at_turn=at_turn,
                                                        resumed=resume is not None)
         except TimeoutError:
             traj.stop_reason, traj.error = "timeout", f"rollout exceeded {self.config.timeout_s:g} s"
@@ -358,192 +344,17 @@ class Generator:
             traj.timings = {"generate": state.generate_s, "env": state.env_s, "total": time.perf_counter() - start}
         return traj
 
-    async def _episode(self, env: Env, state: _Rollout, task: Task | None, seed: int | None, turn: Turn, *,
-                       at_turn: Callable[[Env, _Rollout], Awaitable[None]] | None = None, resumed: bool = False
-                       ) -> StopReason:
-        """Play the episode from its reset, or from where ``state`` stands (``resumed``: a branch, its env
-        restored); ``at_turn`` is awaited before each model turn."""
+    async def _episode(self, env: Env, state: Rollout, task: Task | None, seed: int | None, play: _Play, *,
+                       at_turn: AtTurn | None = None, resumed: bool = False) -> StopReason:
+        """Play the episode with the first of ``play``'s runners that takes this env."""
         t0 = time.perf_counter()
         await env.init()  # first: an env in an env worker knows only then whether it is an agent env
         state.env_s += time.perf_counter() - t0
-        if isinstance(env.unwrapped, AgentEnv):
-            if turn == self._demo_turn:
-                raise NotImplementedError(f"{type(env.unwrapped).__name__} is played by its agent: it has no "
-                                          "demonstrations")
-            if at_turn is not None or resumed:
-                raise ValueError(f"generator.branch_at needs an env the generator steps; "
-                                 f"{type(env.unwrapped).__name__}'s agent runs its own loop")
-            return await self._agent_episode(env, state, task, seed)
-        traj, cfg = state.traj, self.config
-        if not resumed:
-            t0 = time.perf_counter()
-            messages, _ = await env.reset(seed=seed, task=task)
-            state.env_s += time.perf_counter() - t0
-            state.tools = [t.to_openai() for t in env.tools] or None
-            traj.messages, state.template_tools = self.tool_prompt.apply(list(messages), state.tools)
-            if self.tokenizer is not None:
-                traj.prompt_ids = self.tokenizer.prompt_ids(traj.messages, state.template_tools)
-                state.ids = list(traj.prompt_ids)
-        while True:
-            if at_turn is not None:
-                await at_turn(env, state)
-            if traj.num_turns >= cfg.max_turns:
-                return "max_turns"
-            budget = cfg.max_total_tokens - len(state.ids) - len(state.pending)
-            if budget <= 0:
-                return "max_tokens"
-            self._append(state, state.pending, None)
-            state.pending = []
-            action, completion, text = await turn(env, state, min(cfg.sampling.max_tokens, budget))
-            state.written[len(traj.messages)] = text
-            traj.messages.append(action)
-            traj.num_turns += 1
-
-            t0 = time.perf_counter()
-            result = await env.step(action)
-            state.env_s += time.perf_counter() - t0
-            traj.step_rewards.append(result.reward)
-            traj.reward += result.reward
-            traj.messages.extend(result.observation)
-            traj.tool_log.extend(_tool_log(traj.num_turns, action, result.info))
-            if result.done:
-                traj.truncated = result.truncated and not result.terminated
-                traj.scores = dict(result.info.get("rubric") or {})
-                return "done"
-            if self.tokenizer is not None:
-                state.pending = self.tokenizer.close_turn(completion.token_ids)
-                state.pending += self.tokenizer.observation_ids(list(result.observation), state.template_tools)
-                if cfg.check_template and self.tokenizer.render(_as_written(traj.messages, state.written),
-                                                                state.template_tools) != state.ids + state.pending:
-                    traj.template_mismatches += 1
-
-    async def _agent_episode(self, env: Env, state: _Rollout, task: Task | None, seed: int | None) -> StopReason:
-        """An :class:`~envkit.agent.AgentEnv` episode: its agent plays the task through the capture gateway, whose
-        recorded calls become the trajectory's token sequences, and the env grades what the agent returned. An agent
-        that fails after a budget refused its call (max_turns, max_tokens) or right after the token limit cut its
-        last reply (an SDK may raise on a truncated response) scores 0; one that fails otherwise fails the rollout."""
-        traj, agent = state.traj, env.unwrapped
-        assert isinstance(agent, AgentEnv)
-        t0 = time.perf_counter()
-        traj.messages, _ = await env.reset(seed=seed, task=task)
-        state.env_s += time.perf_counter() - t0
-        gateway = await self._agent_gateway()
-        episode = gateway.open()
-        failed = False
-        try:
-            result = await agent.run(gateway.client(episode))
-        except Exception:
-            if episode.stop is None and not episode.last_cut:
-                raise
-            failed = True
-            episode.stop = episode.stop or "max_tokens"
-        finally:
-            segments = gateway.end(episode)
-        state.generate_s += episode.generate_s
-        if segments:
-            first = segments[0]
-            traj.prompt_ids, traj.response_ids = first.prompt_ids, first.response_ids
-            traj.loss_mask, traj.rollout_logprobs = first.loss_mask, first.rollout_logprobs
-            traj.version_spans, traj.messages = first.version_spans, first.messages
-            traj.policy_version = first.version_spans[0][1] if first.version_spans else traj.policy_version
-            traj.segments = [segment.sequence() for segment in segments[1:]]
-        traj.num_turns, traj.tool_log, traj.template_mismatches = episode.calls, episode.tool_log, episode.skewed
-        traj.refused_calls = episode.refused
-        t0 = time.perf_counter()
-        if not failed:
-            score = await agent.score(result)
-            traj.reward, traj.scores = score.value, score.breakdown
-        state.env_s += time.perf_counter() - t0
-        traj.step_rewards = [traj.reward]
-        return episode.stop or "done"
-
-    async def _agent_gateway(self) -> Gateway:
-        """The capture gateway agent envs' episodes share, started on first use (:meth:`_serving` stops it)."""
-        from generators.gateway import Gateway, Limits
-
-        async with self._gateway_lock:
-            if self._gateway is None:
-                if self.engine is None or self.tokenizer is None:
-                    raise ValueError("agent envs need a token-in/token-out engine and its tokenizer: the capture "
-                                     "gateway records token ids")
-                cfg = self.config
-                gateway = Gateway(self.engine, self.tokenizer, self.parser, self.tool_prompt,
-                                  Limits(cfg.sampling, cfg.max_turns, cfg.max_total_tokens, cfg.check_template),
-                                  host=cfg.gateway_host)
-                await gateway.start()
-                self._gateway = gateway
-            return self._gateway
-
-    @contextlib.asynccontextmanager
-    async def _serving(self) -> AsyncIterator[None]:
-        """Rollouts in progress: the capture gateway, if one started, stops once the last of them ends."""
-        self._users += 1
-        try:
-            yield
-        finally:
-            self._users -= 1
-            if self._users == 0 and self._gateway is not None:
-                gateway, self._gateway = self._gateway, None
-                await gateway.stop()
-
-    async def _demo_turn(self, env: Env, state: _Rollout, max_tokens: int) -> tuple[Message, Completion, str]:
-        """The env's demonstration as a model turn: written in the taught format, tokenized, loss_mask 1. One longer
-        than ``max_tokens`` is cut there like a model turn, and the env gets what the cut tokens say."""
-        assert self.tokenizer is not None  # __init__ requires one without an engine
-        text = written_text(await env.demonstrate(list(state.traj.messages)), self.parser.tool_parser)
-        ids, finish = [*self.tokenizer.tokenizer.encode(text, add_special_tokens=False), self.tokenizer.eos_id], "stop"
-        if len(ids) > max_tokens:
-            ids, finish = ids[:max_tokens], "length"
-            text = self.tokenizer.decode(ids)
-        self._append(state, ids, [0.0] * len(ids))
-        return self.parser.parse(text, state.tools), Completion(ids, [], finish, -1), text
-
-    async def _model_turn(self, env: Env, state: _Rollout, max_tokens: int) -> tuple[Message, Completion, str]:
-        """One model turn: the assistant message the env sees, the completion, and the text the model wrote."""
-        assert self.engine is not None  # generate() refuses to run without one
-        sampling = replace(self.config.sampling, max_tokens=max_tokens)
-        t0 = time.perf_counter()
-        if self.tokenizer is None:  # chat mode: no token ids; the endpoint's tool calls, else ones in the text
-            chat = await self.engine.chat(state.traj.messages, self._seeded(sampling, state, 0),
-                                          state.template_tools)
-            self._mark_version(state.traj, chat.weight_version)
-            state.generate_s += time.perf_counter() - t0
-            text = chat.content or ""
-            action = self.parser.parse(text, state.tools, native_calls=chat.tool_calls, reasoning=chat.reasoning)
-            return action, Completion([], [], chat.finish_reason, chat.weight_version), text
-        ids: list[int] = []
-        async for part in generate_turn(self.engine, state.ids, sampling,
-                                        lambda params, k: self._seeded(params, state, k)):
-            if part.token_ids or part.finish_reason != "abort":  # stopped before its first token: no token has it
-                self._mark_version(state.traj, part.weight_version)
-            self._append(state, part.token_ids, part.logprobs)
-            ids += part.token_ids
-        state.generate_s += time.perf_counter() - t0
-        text = self.tokenizer.decode(ids)
-        completion = Completion(ids, [], part.finish_reason, part.weight_version)
-        return self.parser.parse(text, state.tools), completion, text
-
-    def _seeded(self, sampling: SamplingParams, state: _Rollout, continuation: int) -> SamplingParams:
-        if sampling.seed is None:
-            return sampling
-        # one seed per request, so samples of a group differ yet reproduce
-        return replace(sampling, seed=_request_seed(sampling.seed, state.traj, self.engine.weight_version,
-                                                    continuation))
-
-    @staticmethod
-    def _mark_version(traj: Trajectory, version: int) -> None:
-        """Record that model tokens from here on are sampled by ``version``."""
-        if not traj.version_spans:
-            traj.policy_version = version
-        mark_version(traj.version_spans, len(traj.response_ids), version)
-
-    @staticmethod
-    def _append(state: _Rollout, ids: list[int], logprobs: list[float] | None) -> None:
-        traj = state.traj
-        state.ids.extend(ids)
-        traj.response_ids.extend(ids)
-        traj.loss_mask.extend([1 if logprobs is not None else 0] * len(ids))
-        traj.rollout_logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+        runner = next((r for r in play.runners if r.accepts(env)), None)
+        if runner is None:
+            how = "sampled" if play.sampled else "demonstrated (an agent env's agent plays it: no demonstrations)"
+            raise NotImplementedError(f"{type(env.unwrapped).__name__}'s episodes cannot be {how}")
+        return await runner.play(env, state, task, seed, at_turn=at_turn, resumed=resumed)
 
     async def _close(self, env: Env, traj: Trajectory) -> None:
         try:
@@ -560,30 +371,6 @@ def _describe(error: BaseException) -> str:
     text = f"{type(error).__name__}: {error}"
     cause = error.__cause__
     return f"{text} (from {type(cause).__name__}: {cause})" if cause is not None and str(cause) not in text else text
-
-
-def _tool_log(turn: int, action: Message, info: dict[str, Any]) -> list[dict[str, Any]]:
-    """The entries of :attr:`Trajectory.tool_log` for one step: each call the model wrote, with how it went as the
-    env reports it (``info["tool_results"]``, :class:`envkit.ToolEnv`'s), else status unknown; and each call it
-    wrote that could not be read."""
-    calls = action.get("tool_calls") or []
-    results = info.get("tool_results") if isinstance(info, dict) else None
-    if not (isinstance(results, list) and len(results) == len(calls) and all(isinstance(r, dict) for r in results)):
-        results = [{"name": c["function"]["name"], "status": "unknown"} for c in calls]
-    unread = [{"turn": turn, "name": None, "status": "unparsed"} for _ in action.get("tool_call_errors") or []]
-    return [{"turn": turn, **r} for r in results] + unread
-
-
-def _request_seed(base: int, traj: Trajectory, version: int, continuation: int = 0) -> int:
-    """The request's seed from the rollout's identity, its turn, the weight version and, for a turn continued after
-    a weight update, which continuation."""
-    return request_seed(base, traj.group_id, traj.sample_index, traj.num_turns, version,
-                        *([continuation] if continuation else []))
-
-
-def _as_written(messages: list[Message], written: dict[int, str]) -> list[Message]:
-    """The chat with the model's turns as the plain text it wrote (parsed reasoning and tool calls are ours)."""
-    return [{"role": "assistant", "content": written[i]} if i in written else m for i, m in enumerate(messages)]
 
 
 def _group_id(task: Task | None, seed: int | None, index: int) -> str:

@@ -71,7 +71,7 @@ class Trajectory:
     """``NAME@HASH`` of the tokenizer whose ids these are (:attr:`ChatTokenizer.fingerprint`): ids mean nothing to a
     model with another vocabulary."""
     scores: dict[str, float] = field(default_factory=dict)
-    """The reward's breakdown by rubric part, where a rubric scored the episode (:mod:`envkit.rubrics`)."""
+    """The reward's breakdown by rubric part, where a rubric scored the episode (:mod:`envkit.rewards.rubrics`)."""
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds spent: ``generate`` (model), ``env`` (reset+step), ``total``."""
     segments: list[dict[str, Any]] = field(default_factory=list)

@@ -1,14 +1,15 @@
 """DockerCommand: an agent process (a coding CLI, a script on any SDK) in a container that reaches nothing but its
 episode's gateway endpoint.
 
-An :class:`~envkit.agent.AgentEnv` takes it as its ``agent=``, as it takes :class:`envkit.Command`; the episode runs::
+An :class:`~envkit.agents.agent.AgentEnv` takes it as its ``agent=``, as it takes :class:`envkit.Command`; the
+episode runs::
 
     env = AgentEnv(agent=DockerCommand(["my-agent", "--quiet"], image="my-agent:1"), grader=...)
 
 The container has no network at all (``network_mode=none``: loopback only). The one way out is a Unix socket this
 process serves for the episode, bind-mounted read-only with the task: each connection to it is joined to the
 episode's own gateway port (which refuses every other episode's key), and to nothing else. Inside,
-:mod:`envkit.agent_relay` listens on ``127.0.0.1:RELAY_PORT`` and
+:mod:`envkit.agents.relay` listens on ``127.0.0.1:RELAY_PORT`` and
 relays to that socket, then runs the agent with ``OPENAI_BASE_URL`` (and ``ANTHROPIC_BASE_URL``) pointing at it and
 the task as JSON on stdin; its stdout, stripped, is the result. It runs as an unprivileged user with every capability
 dropped, a read-only root (``/tmp`` a small tmpfs) and CPU, memory and pids limits; past ``timeout_s``, or when its
@@ -30,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from envkit import Task
-from envkit.agent import AgentClient, program_result, task_variables
-from envkit.agent_isolation import RELAY, RELAY_PORT, forward, relayed
+from envkit.agents.agent import AgentClient, program_result, task_variables
+from envkit.agents.isolation import RELAY, RELAY_PORT, forward, relayed
 from envkit.errors import AgentProcessError
 from sandboxes.base import SandboxLimits, owner_id
 from sandboxes.docker import OWNER_LABEL, SANDBOX_LABEL, connect

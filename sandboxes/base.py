@@ -28,10 +28,10 @@ from typing import Any
 
 import httpx
 
+from envkit.agents.untrusted import process_start_ticks
 from envkit.errors import EnvkitError
 from envkit.remote import SNAPSHOT_KEY_ENV
 from envkit.remote.protocol import ExecResult
-from envkit.untrusted import process_start_ticks
 
 SANDBOX_ENV = "ENVKIT_SANDBOX"
 """Set inside every sandbox to its kind (``docker`` or ``local``); envs that run model code check it."""

@@ -32,10 +32,10 @@ from typing import Any, TypeVar
 
 import httpx
 
+from envkit.agents.untrusted import EXEC_USER_ENV, process_start_ticks
 from envkit.distribution import install_hint
 from envkit.errors import SnapshotError
 from envkit.remote import SNAPSHOT_KEY_ENV
-from envkit.untrusted import EXEC_USER_ENV, process_start_ticks
 from sandboxes.base import (
     EXEC_DIR,
     EXEC_UID,

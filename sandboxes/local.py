@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 from typing import IO
 
-from envkit import untrusted
+from envkit.agents import untrusted
 from envkit.remote import PARENT_ENV, SNAPSHOT_KEY_ENV
 from sandboxes.base import (
     SANDBOX_ENV,

@@ -18,9 +18,9 @@ import psutil
 from cli_agent import ADD, INSTRUCTIONS, llm, run_add, tool_loop
 
 from envkit import Task
-from envkit.agent import AgentClient, AgentEnv, Command
+from envkit.agents.agent import AgentClient, AgentEnv, Command
+from envkit.agents.untrusted import python
 from envkit.parsing import grade_number
-from envkit.untrusted import python
 
 # The loop lives in cli_agent.py, which runs in a venv without envkit; the tests import it from here.
 __all__ = ["ADD", "INSTRUCTIONS", "llm", "run_add", "tool_loop"]

@@ -22,7 +22,7 @@ pytest_plugins = ("suite_report",)
 
 REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("ENVKIT_CACHE_DIR", str(REPO / ".cache"))
-# verifiers:ENV_ID runs its envs in the venv `make install` builds for them (envkit/adapters/verifiers.py)
+# verifiers:ENV_ID runs its envs in the venv `make install` builds for them (envkit/integrations/verifiers.py)
 os.environ.setdefault("ENVKIT_VERIFIERS_PYTHON", str(REPO / ".venv-verifiers" / "bin" / "python"))
 # Every process this run starts inherits it (xdist's workers too): the session-end check finds the run's own leftovers.
 RUN_MARK = "ENVKIT_TEST_RUN"

@@ -1,7 +1,7 @@
 """Mutants for the tests that guard one feature each: break the feature in the product code, run the test that
 guards it, and see the test fail.
 
-Each :class:`Mutation` names a product file and a symbol in it (``"envkit/judges.py::LLMJudge.read"``), an exact
+Each :class:`Mutation` names a product file and a symbol in it (``"envkit/rewards/judges.py::LLMJudge.read"``), an exact
 snippet inside that symbol's source and what replaces it, and the test that must then fail. The symbol is found with
 ``ast`` (by its name path: class, then method), so the mutation still applies when code around it moves; an anchor
 or a snippet that is not found (or not once) is reported, never guessed at. For each mutation::
@@ -81,29 +81,29 @@ MUTATIONS = [
         "token (the longest row of the batch, which has no padding, scores the same)"),
     Mutation(
         "second-look-not-counted",
-        "envkit/judges.py::LLMJudge.evaluate",
+        "envkit/rewards/judges.py::LLMJudge.evaluate",
         "[value] = [min(scores) for scores",
         "[value] = [scores[0] for scores",
         "tests/test_rubrics.py::test_a_judge_talked_up_by_a_reply_is_held_by_its_second_look",
         "the second look is taken but its score is dropped: the reply's own talk decides its score"),
     Mutation(
         "talk-read-before-normalising",
-        "envkit/grader_talk.py::normalise",
+        "envkit/rewards/grader_talk.py::normalise",
         'text = visible(unicodedata.normalize("NFKC", text))',
         "return text",
         "tests/test_judge_check.py::test_every_attack_talks_a_gullible_judge_up_without_the_defences_and_none_with_them",
         "talk spelt with look-alike or invisible characters is read as written: the word list misses it"),
     Mutation(
         "whole-reply-for-a-correctness-task",
-        "envkit/judges.py::LLMJudge.evaluate",
+        "envkit/rewards/judges.py::LLMJudge.evaluate",
         "final = _final(self.answer, episode.reply, task)",
         "final = episode.reply",
         "tests/test_judge_check.py::test_every_attack_talks_a_gullible_judge_up_without_the_defences_and_none_with_them",
         "a judge with answer= reads the whole reply, so what the policy wrote beside its answer reaches it"),
     Mutation(
         "final-answer-read-with-the-talk",
-        "envkit/judges.py::_final",
-        "return answer(without_grader_talk(reply, main_script(task) if task else None))",
+        "envkit/rewards/judges.py::_final",
+        "return answer(without_grader_talk(reply, _script(task)))",
         "return answer(reply)",
         "tests/test_judge_check.py::test_a_correctness_judge_sees_the_final_answer_and_nothing_an_attack_adds_to_it",
         "the final answer is read with the reply's talk in it: a score written after the answer is taken for it"),
@@ -116,49 +116,49 @@ MUTATIONS = [
         "an episode's own port takes another episode's key: a key an agent learns of is spent as its owner's"),
     Mutation(
         "command-unisolated",
-        "envkit/agent.py::Command.__call__",
+        "envkit/agents/agent.py::Command.__call__",
         "mode = await asyncio.to_thread(isolation) if self.isolate else None",
         "mode = None",
         "tests/test_gateway.py::test_a_command_agent_reaches_its_own_episode_and_nothing_else",
         "agent processes run as this user on this host's network: they read peers' keys and reach the engine"),
     Mutation(
         "agent-told-the-answer",
-        "envkit/agent.py::AgentEnv.agent_task",
+        "envkit/agents/agent.py::AgentEnv.agent_task",
         "if k in self.agent_fields}",
         "if True}",
         "tests/test_gateway.py::test_a_command_agent_reaches_its_own_episode_and_nothing_else",
         "the agent is given the whole task, its answer included"),
     Mutation(
         "pythonpath-inherited",
-        "envkit/agent.py::Command._environ",
+        "envkit/agents/agent.py::Command._environ",
         "if k not in NEVER_INHERITED",
         "if k",
         "tests/test_gateway.py::test_a_command_agent_reaches_its_own_episode_and_nothing_else",
         "an inherited PYTHONPATH undoes the venv an agent runs in"),
     Mutation(
         "relative-judge-one-order",
-        "envkit/judges.py::RelativeJudge._look",
+        "envkit/rewards/judges.py::RelativeJudge._look",
         "orders = [first, first[::-1]][:self.orders]",
         "orders = [first]",
         "tests/test_judge_check.py::test_every_attack_talks_a_gullible_judge_up_without_the_defences_and_none_with_them",
         "a relative judge asks in one order: a reply's place in its group moves its score"),
     Mutation(
         "judge-reads-a-constant",
-        "envkit/judges.py::LLMJudge.read",
+        "envkit/rewards/judges.py::LLMJudge.read",
         "value = candidates[-1]",
         "value = (low + high) / 2",
         "tests/test_rubrics.py::test_a_judge_scores_by_what_its_judge_said_so_right_replies_beat_wrong_ones",
         "a judge whose score does not depend on what its judge answered"),
     Mutation(
         "judge-reads-a-constant-vllm",
-        "envkit/judges.py::LLMJudge.read",
+        "envkit/rewards/judges.py::LLMJudge.read",
         "value = candidates[-1]",
         "value = (low + high) / 2",
         "tests/test_rubrics.py::test_the_bundled_model_judges_through_vllm_and_answers_are_cached",
         "the same, against the bundled model judging through vLLM", needs="vLLM"),
     Mutation(
         "check-compares-no-restore",
-        "envkit/check.py::Checker._snapshot",
+        "envkit/cli/check.py::Checker._snapshot",
         "for label, again in plays.items():",
         "for label, again in list(plays.items())[:1]:",
         "tests/test_check.py::test_a_broken_env_fails_the_row_it_breaks_and_only_that_one[ForgetfulRestoreEnv]",
@@ -172,7 +172,7 @@ MUTATIONS = [
         "a step's recorded duration is not the time the env took"),
     Mutation(
         "verifiers-driver-not-kept",
-        "envkit/agent_process.py::HostProcess._start",
+        "envkit/agents/process.py::HostProcess._start",
         "self.process = process",
         "pass",
         "tests/test_verifiers.py::test_a_driver_that_dies_fails_its_rollouts_alone_and_the_next_ones_start_a_new_one",

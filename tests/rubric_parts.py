@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from envkit.judges import JUDGE_URL_VAR, RelativeJudge
-from envkit.rubrics import Check, EnvReward, WeightedSum
+from envkit.rewards.judges import JUDGE_URL_VAR, RelativeJudge
+from envkit.rewards.rubrics import Check, EnvReward, WeightedSum
 from generators.reward_model import RewardModel
 
 REWARD_MODEL = RewardModel("bundled", batch_size=16, max_wait_s=0.5)

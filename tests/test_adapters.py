@@ -1,4 +1,4 @@
-"""Other ecosystems' envs by name (envkit/adapters): reasoning-gym datasets, skyrl-gym envs and textarena games,
+"""Other ecosystems' envs by name (envkit/integrations): reasoning-gym datasets, skyrl-gym envs and textarena games,
 with the real packages `make install` installs, and the traps a naive wrapper falls into."""
 
 from __future__ import annotations
@@ -297,7 +297,7 @@ async def test_a_sandboxed_games_opponent_starts_its_server(monkeypatch):
 
 
 def test_textarena_policy_opponent_without_a_published_endpoint_fails_the_episode(monkeypatch):
-    from envkit.adapters.opponent import POLICY_MODEL_VAR, POLICY_URL_VAR, OpponentError
+    from envkit.integrations.opponent import POLICY_MODEL_VAR, POLICY_URL_VAR, OpponentError
 
     monkeypatch.delenv(POLICY_URL_VAR, raising=False)
     monkeypatch.delenv(POLICY_MODEL_VAR, raising=False)
@@ -317,7 +317,7 @@ async def test_an_endpoint_opponent_gets_what_the_game_wrote_as_text_and_its_own
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     from threading import Thread
 
-    from envkit.adapters.opponent import ChatOpponent
+    from envkit.integrations.opponent import ChatOpponent
     from envkit.markup import CONTROL_SHAPES, WORD_JOINER
 
     seen: list[dict] = []

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from envkit.check import CHECKS, check, failed
+from envkit.cli.check import CHECKS, check, failed
 
 TESTS = Path(__file__).resolve().parent
 WITH_TESTS = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}

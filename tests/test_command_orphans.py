@@ -17,8 +17,8 @@ import pytest
 
 OWNER = """
 import asyncio, sys
-from envkit.agent import AgentClient, Command
-from envkit.untrusted import python
+from envkit.agents.agent import AgentClient, Command
+from envkit.agents.untrusted import python
 client = AgentClient(base_url="http://127.0.0.1:9/v1", api_key="k", model="m", episode_url="")
 command = Command([python(), "-c", sys.argv[1]], timeout_s=600, isolate=sys.argv[2] == "isolated")
 print(asyncio.run(command({"id": "t"}, client)))
@@ -114,12 +114,12 @@ def test_a_machine_that_cannot_isolate_agents_is_said_loudly(monkeypatch):
     """Where neither a uid switch nor a user namespace works, a Command still runs, unisolated, and says so once."""
     import asyncio
 
-    import envkit.agent
-    from envkit.agent import AgentClient, Command
-    from envkit.agent_isolation import announce
-    from envkit.untrusted import python
+    import envkit.agents.agent
+    from envkit.agents.agent import AgentClient, Command
+    from envkit.agents.isolation import announce
+    from envkit.agents.untrusted import python
 
-    monkeypatch.setattr(envkit.agent, "isolation", lambda: None)  # what `unshare --user` failing gives
+    monkeypatch.setattr(envkit.agents.agent, "isolation", lambda: None)  # what `unshare --user` failing gives
     announce.cache_clear()
     client = AgentClient(base_url="http://127.0.0.1:9/v1", api_key="k", model="m", episode_url="")
     with pytest.warns(RuntimeWarning, match="unisolated on this machine"):

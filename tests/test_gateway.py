@@ -18,8 +18,8 @@ import pytest
 from agent_envs import ADD, INSTRUCTIONS, add, hosted, llm, run_add, tool_loop
 
 from envkit import Task
-from envkit.agent import AgentClient, AgentEnv
-from envkit.agent_process import CANCEL_ACK_S
+from envkit.agents.agent import AgentClient, AgentEnv
+from envkit.agents.process import CANCEL_ACK_S
 from envkit.errors import AgentProcessError
 from generators.engines.base import ChatCompletion, Completion, InferenceEngine, SamplingParams
 from generators.rollout import Generator, GeneratorConfig
@@ -254,7 +254,7 @@ async def test_calls_are_refused_cleanly_and_the_gateway_stays_up(vllm_engine, c
                                                           messages=[{"role": "user", "content": "hi"}])
         return reply.choices[0].message.content or ""
 
-    async with gen._serving():  # the gateway held open past the rollout, as a training step's batch holds it
+    async with gen._agents.serving():  # the gateway held open past the rollout, as a training step's batch holds it
         await gen.rollout(agent_env(leaves_a_call_behind), task=QUESTION)
         client = ended["client"]
         async with httpx.AsyncClient() as http:
@@ -297,7 +297,7 @@ async def test_agents_that_crash_hang_or_run_concurrently_fail_alone_and_never_m
         text = chat_tokenizer.decode(t.prompt_ids)
         assert f"Question {i[1:]}." in text
         assert sum(f"Question {j}." in text for j in range(8)) == 1
-    assert gen._gateway is None  # the batch over, its gateway stopped
+    assert gen._agents._gateway is None  # the batch over, its gateway stopped
 
 
 @pytest.mark.agent_frameworks
@@ -511,7 +511,7 @@ async def test_command_agents_run_as_processes_and_fail_alone_with_their_process
 
     from agent_envs import AGENT_PYTHON, watching
 
-    from envkit.agent import Command
+    from envkit.agents.agent import Command
 
     tasks = [{"id": m, "mode": m, "question": "What is 2 + 3?", "marker": f"envkit-agent-{m}-{os.getpid()}"}
              for m in ("answer", "big", "crash", "flood", "hang", "outlive")]
@@ -561,8 +561,8 @@ async def test_a_command_agent_reaches_its_own_episode_and_nothing_else(vllm_eng
     in its trajectory, nothing but its own port answers; its environment holds the documented variables only and
     its task no answer. The control, the same agent with isolate=False and inherit_env=True, wins every attack (but
     the PYTHONPATH and VIRTUAL_ENV that would undo its venv, never passed)."""
-    from envkit.agent import Command
-    from envkit.untrusted import python
+    from envkit.agents.agent import Command
+    from envkit.agents.untrusted import python
 
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
     monkeypatch.setenv("VIRTUAL_ENV", "/elsewhere")

@@ -17,14 +17,14 @@ from remote_envs import envkit_serve
 import envkit
 from envkit import Env, StepResult
 from envkit.errors import EnvNotFoundError
-from envkit.gym_bridge import (
+from envkit.integrations.gym_bridge import (
     REPLACEMENT_CHAR,
     GymnasiumEnv,
     GymTextEnv,
     as_gymnasium,
     parse_action,
 )
-from envkit.gym_games import RENDERERS, Renderer
+from envkit.integrations.gym_games import RENDERERS, Renderer
 
 FIRM_ICE = {"is_slippery": False}
 # The 4x4 map: SFFF / FHFH / FFFH / HFFG.

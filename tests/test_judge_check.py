@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from envkit.grader_talk import main_script, normalise, redact, visible
-from envkit.judge_check import ATTACKS, SETS, ScriptedJudge, auc, check_judge
-from envkit.judges import Answer, JudgeEndpoint
-from envkit.rubrics import Episode
+from envkit.rewards.grader_talk import main_script, normalise, redact, visible
+from envkit.rewards.judge_check import ATTACKS, SETS, ScriptedJudge, auc, check_judge
+from envkit.rewards.judges import Answer, JudgeEndpoint
+from envkit.rewards.rubrics import Episode
 from generators.judge_cli import preset
 
 ITEMS = 16

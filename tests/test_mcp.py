@@ -23,7 +23,7 @@ from remote_envs import Server, envkit_serve, error_code, free_port
 import envkit
 from envkit import Task, ToolCall, assistant
 from envkit.errors import InvalidTaskError, MCPServerError
-from envkit.mcp_env import DEFAULT_SYSTEM_PROMPT, MCPTimeouts, MCPToolEnv
+from envkit.integrations.mcp_env import DEFAULT_SYSTEM_PROMPT, MCPTimeouts, MCPToolEnv
 from generators.engines.base import ChatCompletion, InferenceEngine, SamplingParams
 from generators.rollout import Generator, GeneratorConfig
 
@@ -184,7 +184,7 @@ async def test_tasks_graders_and_allowed_tools():
         assert (await env.step(assistant("42"))).info == {"turn": 2, "graded_by": "exact"}
     finally:
         await env.close()
-    by_path = MCPToolEnv(SERVER_ARGV, grader="envkit.mcp_env:match_answer")
+    by_path = MCPToolEnv(SERVER_ARGV, grader="envkit.integrations.mcp_env:match_answer")
     assert by_path.grader is not None and by_path.grader("The answer is 42.", QUESTION)[0] == 1.0
     with pytest.raises(ValueError, match="grader 'no_such_module:f' could not be loaded: ModuleNotFoundError"):
         MCPToolEnv(SERVER_ARGV, grader="no_such_module:f")

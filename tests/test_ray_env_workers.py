@@ -42,8 +42,8 @@ async def test_env_workers_share_one_reward_model_actor_and_see_the_runs_judge(c
     import ray
     from rubric_parts import JUDGE_SEEN, REWARD_MODEL
 
-    from envkit.judges import JUDGE_URL_VAR
     from envkit.ref import EnvRef
+    from envkit.rewards.judges import JUDGE_URL_VAR
     from generators.rollout import Generator, GeneratorConfig
     from trainer.placement.env_workers import EnvWorkerPool, WorkerEnv
 

@@ -182,6 +182,6 @@ async def test_a_failed_step_and_a_restored_snapshot_replay_too(tmp_path: Path):
     await asyncio.gather(first.close(), second.close())
     restore = next(e for e in read_events(path) if e["kind"] == "restore")
     assert restore["after_step"] == 1
-    results = {r.episode: r for r in await replay(path)}
+    results = {r.episode: r for r in await replay(path, make=envkit.make)}
     assert all(r.difference is None for r in results.values()), results
     assert results[restore["episode"]].steps == 3 and results[restore["parent"]].steps == 2

@@ -156,9 +156,12 @@ SCHEMES = {
     "wss://127.0.0.1:1/echo": ("wss", "envkit.remote.client:make_remote", "envkit.remote.client:RemoteEnv"),
     "openenv:http://127.0.0.1:1": ("openenv", "envkit.remote.openenv:make_openenv",
                                    "envkit.remote.openenv:OpenEnvEnv"),
-    "gym:FrozenLake-v1": ("gym", "envkit.gym_bridge:make_gym", "envkit.gym_bridge:GymTextEnv"),
-    "mcp+stdio:python my_server.py": ("mcp", "envkit.mcp_env:make_mcp", "envkit.mcp_env:MCPToolEnv"),
-    "mcp+http://127.0.0.1:1/mcp": ("mcp", "envkit.mcp_env:make_mcp", "envkit.mcp_env:MCPToolEnv"),
+    "gym:FrozenLake-v1": ("gym", "envkit.integrations.gym_bridge:make_gym",
+                          "envkit.integrations.gym_bridge:GymTextEnv"),
+    "mcp+stdio:python my_server.py": ("mcp", "envkit.integrations.mcp_env:make_mcp",
+                                      "envkit.integrations.mcp_env:MCPToolEnv"),
+    "mcp+http://127.0.0.1:1/mcp": ("mcp", "envkit.integrations.mcp_env:make_mcp",
+                                   "envkit.integrations.mcp_env:MCPToolEnv"),
 }
 
 
@@ -176,7 +179,8 @@ def test_the_registry_imports_no_env_kind_to_resolve_names():
                 if isinstance(node, ast.Import | ast.ImportFrom)]
     assert not [i for i in imported if "remote" in i or "gym" in i or "openenv" in i or "sync" in i], imported
     out = _run("import sys, envkit.registry as r; r.make('envkit_arithmetic:ArithmeticEnv'); "
-               "print(sorted(m for m in sys.modules if m.startswith(('envkit.remote', 'envkit.gym_bridge'))))")
+               "print(sorted(m for m in sys.modules "
+               "if m.startswith(('envkit.remote', 'envkit.integrations.gym_bridge'))))")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
 

@@ -18,8 +18,9 @@ import torch
 
 import envkit
 from envkit.errors import RubricError
-from envkit.grader_talk import without_grader_talk
-from envkit.judges import (
+from envkit.markup import WORD_JOINER, inert
+from envkit.rewards.grader_talk import without_grader_talk
+from envkit.rewards.judges import (
     JUDGE_MODEL_VAR,
     JUDGE_URL_VAR,
     Answer,
@@ -27,8 +28,7 @@ from envkit.judges import (
     LLMJudge,
     RelativeJudge,
 )
-from envkit.markup import WORD_JOINER, inert
-from envkit.rubrics import (
+from envkit.rewards.rubrics import (
     AllOf,
     AnyOf,
     Check,
@@ -157,9 +157,9 @@ async def test_any_env_takes_a_rubric_by_object_or_by_name():
     await tools.reset(task={"id": "c", "question": "What is 4 + 5?", "answer": 9})
     assert (await tools.step(RIGHT)).info["rubric"]["used_tool"] == 0.0
 
-    named = envkit.make("arithmetic", rubric="envkit.rubrics:EnvReward")
+    named = envkit.make("arithmetic", rubric="envkit.rewards.rubrics:EnvReward")
     assert isinstance(named.env, RubricEnv) and isinstance(named.env.rubric, EnvReward)
-    with pytest.raises(ValueError, match=r"not an envkit\.rubrics\.Rubric"):
+    with pytest.raises(ValueError, match=r"not an envkit\.rewards\.rubrics\.Rubric"):
         load_rubric("json:dumps")
 
 
@@ -436,7 +436,7 @@ async def test_a_relative_judge_scores_each_group_in_one_call_per_order(vllm_eng
         async def score_group(self, episodes: list[Episode]) -> list[Score]:
             raise TimeoutError("the judge server is gone")
 
-    named = GeneratorConfig(max_tokens=8, samples_per_prompt=2, group_rubric="envkit.rubrics:GroupRubric")
+    named = GeneratorConfig(max_tokens=8, samples_per_prompt=2, group_rubric="envkit.rewards.rubrics:GroupRubric")
     with pytest.raises(ValueError, match="nor makes one without arguments: Can't instantiate abstract class"):
         Generator(vllm_engine, chat_tokenizer, named)
     trajs = await Generator(vllm_engine, chat_tokenizer, config, group_rubric=Broken()).generate(

@@ -462,8 +462,8 @@ def test_each_grader_hack_wins_against_an_unisolated_grader(monkeypatch, hack: s
     import envkit_code
 
     monkeypatch.setenv("ENVKIT_CODE_UNSAFE", "1")
-    monkeypatch.setattr("envkit.untrusted.python", lambda: __import__("sys").executable)
-    monkeypatch.setattr("envkit.untrusted.can_switch_user", lambda: False)
+    monkeypatch.setattr("envkit.agents.untrusted.python", lambda: __import__("sys").executable)
+    monkeypatch.setattr("envkit.agents.untrusted.can_switch_user", lambda: False)
     site_packages = str(Path(envkit_code.__file__).parents[1])  # the directory envkit_code/env.py is found under
 
     async def play() -> float:

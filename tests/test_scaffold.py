@@ -27,10 +27,10 @@ from tiny import tiny_model_dir
 from weights import changed_tensors
 
 import envkit
-import envkit.scaffold
+import envkit.cli.scaffold
 from envkit.cli import main
+from envkit.cli.scaffold import KINDS, envkit_distribution, new_env, package_names, render
 from envkit.errors import ScaffoldError
-from envkit.scaffold import KINDS, envkit_distribution, new_env, package_names, render
 
 REPO = Path(__file__).resolve().parent.parent
 # One name per kind, so '-' and '_' in names are covered too.
@@ -127,7 +127,7 @@ def test_the_dependency_names_whichever_distribution_provides_envkit() -> None:
 ])
 def test_no_or_several_envkit_distributions_are_refused(provided: dict, error: str, monkeypatch,
                                                          tmp_path: Path) -> None:
-    monkeypatch.setattr(envkit.scaffold, "packages_distributions", lambda: provided)
+    monkeypatch.setattr(envkit.cli.scaffold, "packages_distributions", lambda: provided)
     with pytest.raises(ScaffoldError, match=error):
         new_env("demo", parent=tmp_path)
     assert not any(tmp_path.iterdir())
@@ -168,7 +168,7 @@ def test_it_never_overwrites(tmp_path: Path, capsys) -> None:
 
 def test_a_write_that_fails_halfway_leaves_nothing(tmp_path: Path, monkeypatch) -> None:
     # The second file needs a directory where the first one is a file.
-    monkeypatch.setattr(envkit.scaffold, "render", lambda *_: {"demo/env.py": "x", "demo/env.py/oops": "y"})
+    monkeypatch.setattr(envkit.cli.scaffold, "render", lambda *_: {"demo/env.py": "x", "demo/env.py/oops": "y"})
     with pytest.raises(OSError):
         new_env("demo", parent=tmp_path)
     assert not any(tmp_path.iterdir())
@@ -193,8 +193,9 @@ def test_help_shows_the_command_and_its_kinds(capsys) -> None:
 def test_the_templates_ship_in_the_wheel_and_in_env_images() -> None:
     from sandboxes.images import _SOURCE_SUFFIXES
 
-    globs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["envkit"]
-    templates = [p.relative_to(REPO / "envkit") for p in (REPO / "envkit" / "templates").rglob("*") if p.is_file()]
+    globs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["envkit.cli"]
+    cli = REPO / "envkit" / "cli"
+    templates = [p.relative_to(cli) for p in (cli / "templates").rglob("*") if p.is_file()]
     assert len(templates) == 9
     for path in templates:
         assert any(fnmatch(str(path), g) for g in globs), f"{path} is not package data: add it to pyproject.toml"

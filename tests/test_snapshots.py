@@ -20,10 +20,10 @@ from remote_envs import Held, HeldButSaid, envkit_serve, error_code
 
 import envkit
 from envkit import Env, Snapshot
-from envkit.check import as_json
+from envkit.cli.check import as_json
 from envkit.errors import EpisodeDoneError, RemoteSnapshotError, SnapshotError
 from envkit.remote import SNAPSHOT_KEY_ENV, RemoteConfig
-from envkit.rubrics import Check, EnvReward, WeightedSum
+from envkit.rewards.rubrics import Check, EnvReward, WeightedSum
 
 TOKEN = "snapshot-token"
 

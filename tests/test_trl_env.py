@@ -1,5 +1,5 @@
-"""envkit envs in TRL's GRPOTrainer (envkit.trl): the dataset, the environment_factory's instances as TRL reads and
-calls them, the reward the env gives, and a real GRPOTrainer step on the bundled model."""
+"""envkit envs in TRL's GRPOTrainer (envkit.integrations.trl): the dataset, the environment_factory's instances as
+TRL reads and calls them, the reward the env gives, and a real GRPOTrainer step on the bundled model."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from required import require_module
 from transformers.utils import get_json_schema
 
 import envkit
-import envkit.trl
+import envkit.integrations.trl as envkit_trl
 from envkit import Message, Task, ToolEnv, system, tool, user
 
 require_module("trl", "`make install` installs it (the trl extra: pip install 'trl==1.16.0')")
@@ -69,7 +69,7 @@ envkit.register("trl-reserved-name", ReservedNameEnv)
 
 
 def test_dataset_rows_are_the_envs_openings_and_their_tasks():
-    rows = envkit.trl.dataset("calculator", "test", n=4)
+    rows = envkit_trl.dataset("calculator", "test", n=4)
     env = envkit.SyncEnv(envkit.make("calculator"))
     tasks = list(env.tasks("test"))[:4]
     assert [json.loads(r["envkit_task"]) for r in rows] == tasks
@@ -79,11 +79,11 @@ def test_dataset_rows_are_the_envs_openings_and_their_tasks():
         assert row["prompt"][-1]["content"] == task["question"]
     env.close()
     with pytest.raises(ValueError, match="does not list its tasks"):
-        envkit.trl.dataset("guess-number")
+        envkit_trl.dataset("guess-number")
 
 
 def test_trl_reads_each_tool_back_as_the_envs_own_schema():
-    instance = envkit.trl.environment_factory("trl-typed-tools")()
+    instance = envkit_trl.environment_factory("trl-typed-tools")()
     # what GRPOTrainer does: every public function of the class but reset/get_reward is a tool
     public = {n for n, _ in inspect.getmembers(type(instance), predicate=inspect.isfunction) if not n.startswith("_")}
     assert public == {"reset", "lookup"}
@@ -99,7 +99,7 @@ def test_trl_reads_each_tool_back_as_the_envs_own_schema():
     for name, prop in theirs["parameters"]["properties"].items():
         assert prop["description"] == ours["parameters"]["properties"][name]["description"]
     # the call TRL makes: the parsed arguments as keywords; what the env's tool returned comes back
-    instance.reset(**envkit.trl.dataset("trl-typed-tools", n=1)[0])
+    instance.reset(**envkit_trl.dataset("trl-typed-tools", n=1)[0])
     out = json.loads(instance.lookup(key="k", count=2, scale=0.5, exact=True, tags=["a"], options={"x": 1}))
     assert out == {"key": "k", "count": 2, "scale": 0.5, "exact": True, "tags": ["a"], "options": {"x": 1},
                    "unit": "m", "limit": None}
@@ -109,8 +109,8 @@ def test_trl_reads_each_tool_back_as_the_envs_own_schema():
 
 
 def test_a_rollout_is_stepped_and_scored_by_the_env():
-    factory = envkit.trl.environment_factory("calculator")
-    rows = envkit.trl.dataset("calculator", "test", n=2)
+    factory = envkit_trl.environment_factory("calculator")
+    rows = envkit_trl.dataset("calculator", "test", n=2)
     first, second = factory(), factory()
     assert type(first) is type(second)  # one class per tool set: TRL lists the tools of the class
     task = json.loads(rows[0]["envkit_task"])
@@ -120,10 +120,10 @@ def test_a_rollout_is_stepped_and_scored_by_the_env():
     assert not first.done
     second.reset(**rows[0])
     right, wrong = [[{"role": "assistant", "content": f"The answer is {n}."}] for n in (task["answer"], -1)]
-    assert envkit.trl.reward([right, wrong], environments=[first, second]) == [1.0, 0.0]
+    assert envkit_trl.reward([right, wrong], environments=[first, second]) == [1.0, 0.0]
     assert first.done and second.done
     # scored once: a second reward function reading the same rollouts gets the same returns
-    assert envkit.trl.reward([wrong, right], environments=[first, second]) == [1.0, 0.0]
+    assert envkit_trl.reward([wrong, right], environments=[first, second]) == [1.0, 0.0]
     # the instance is reused (TRL pools them): reset starts a new episode
     assert first.reset(**rows[1]) is None and not first.done and first.episode_return == 0.0
     # a row without a prompt: the opening's text goes to TRL to append to its own prompt
@@ -132,32 +132,32 @@ def test_a_rollout_is_stepped_and_scored_by_the_env():
 
 
 def test_turns_run_out_and_the_episode_earns_nothing_more():
-    instance = envkit.trl.environment_factory("calculator", max_turns=2)()
-    row = envkit.trl.dataset("calculator", "test", n=1)[0]
+    instance = envkit_trl.environment_factory("calculator", max_turns=2)()
+    row = envkit_trl.dataset("calculator", "test", n=1)[0]
     instance.reset(**row)
     assert instance.calculator(expression="1+1") == "2"
     assert instance.calculator(expression="2+2") == "4\n(The episode is over.)"
     assert instance.done
     assert instance.calculator(expression="3+3") == "Error: the episode is over; no more tool calls."
     answer = json.loads(row["envkit_task"])["answer"]
-    assert envkit.trl.reward([[{"role": "assistant", "content": f"The answer is {answer}."}]], [instance]) == [0.0]
+    assert envkit_trl.reward([[{"role": "assistant", "content": f"The answer is {answer}."}]], [instance]) == [0.0]
 
 
 def test_bad_rows_names_and_calls_fail_clearly():
-    instance = envkit.trl.environment_factory("calculator")()
-    row = envkit.trl.dataset("calculator", "test", n=1)[0]
+    instance = envkit_trl.environment_factory("calculator")()
+    row = envkit_trl.dataset("calculator", "test", n=1)[0]
     drifted = {**row, "prompt": [*row["prompt"][:-1], {"role": "user", "content": "another question"}]}
     with pytest.raises(ValueError, match="not the row's prompt"):
         instance.reset(**drifted)
     with pytest.raises(ValueError, match="needs its 'envkit_task' column"):
         instance.reset(prompt=row["prompt"])
     with pytest.raises(ValueError, match="environment_factory"):
-        envkit.trl.reward(["The answer is 1."])
-    with pytest.raises(TypeError, match=r"envkit\.trl environments"):
-        envkit.trl.reward(["The answer is 1."], environments=[object()])
+        envkit_trl.reward(["The answer is 1."])
+    with pytest.raises(TypeError, match=r"envkit\.integrations\.trl environments"):
+        envkit_trl.reward(["The answer is 1."], environments=[object()])
     with pytest.raises(ValueError, match="'get_reward' cannot be a TRL environment method"):
-        envkit.trl.environment_factory("trl-reserved-name")()
-    assert "reset_counter" in dir(envkit.trl.environment_factory("trl-reset-tool")())
+        envkit_trl.environment_factory("trl-reserved-name")()
+    assert "reset_counter" in dir(envkit_trl.environment_factory("trl-reset-tool")())
 
 
 @pytest.mark.e2e  # a training run
@@ -177,7 +177,7 @@ def test_grpo_trainer_runs_the_readmes_example_on_an_envkit_env(tmp_path, monkey
     trainer = namespace["trainer"]
     assert trainer.state.global_step == 1
     assert [t.__name__ for t in trainer.tools] == ["calculator"]
-    row = envkit.trl.dataset("calculator", "train", n=1)[0]
+    row = envkit_trl.dataset("calculator", "train", n=1)[0]
     rendered = trainer.processing_class.apply_chat_template(row["prompt"], tools=trainer.tools, tokenize=False)
     assert '"name": "calculator"' in rendered and "numbers with + - * / // % ** and parentheses" in rendered
     used = trainer.environments  # the step's rollouts' instances, each reset on its row's task and stepped to the end

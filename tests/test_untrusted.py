@@ -1,4 +1,4 @@
-"""envkit.untrusted on this host: runs as another uid die whole, output is capped, and the helper refuses misuse.
+"""envkit.agents.untrusted on this host: runs as another uid die whole, output is capped, and the helper refuses misuse.
 The container-side attacks (fork bombs, graders) are in test_sandbox_containment.py."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import httpx
 import pytest
 from remote_envs import envkit_serve, free_port
 
-from envkit import untrusted
+from envkit.agents import untrusted
 
 ESCAPE = """
 import os
@@ -51,7 +51,7 @@ async def test_a_run_as_another_uid_cannot_read_this_process() -> None:
 
 HOLDER = """
 import asyncio, subprocess
-from envkit import untrusted
+from envkit.agents import untrusted
 
 async def main():
     async with untrusted.users.lease() as uid:

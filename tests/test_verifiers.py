@@ -17,8 +17,8 @@ import psutil
 import pytest
 
 import envkit
-from envkit.adapters.verifiers import DRIVER
 from envkit.errors import EnvLoadError
+from envkit.integrations.verifiers import DRIVER
 from generators.rollout import Generator, GeneratorConfig
 
 pytestmark = pytest.mark.verifiers

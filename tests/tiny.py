@@ -17,7 +17,7 @@ import os
 import shutil
 from pathlib import Path
 
-from envkit.rubrics import Check, EnvReward, Episode, WeightedSum
+from envkit.rewards.rubrics import Check, EnvReward, Episode, WeightedSum
 from generators.models import bundled_model_dir, cache_dir
 
 VERSION = 3

@@ -232,12 +232,13 @@ class AlgorithmConfig:
 @dataclass
 class RolloutConfig(GeneratorConfig):
     """How each step samples training data: the generator's settings (shared with ``envkit eval``) with the
-    trainer's defaults, plus the prompts per step."""
+    trainer's defaults, plus the prompts per step. The defaults are sized for ``make train`` on 2 CPU cores: 64
+    rollouts per step, short answers."""
 
-    prompts_per_step: int = 16
+    prompts_per_step: int = 8
     samples_per_prompt: int = 8
     """The GRPO group size."""
-    max_tokens: int = 64
+    max_tokens: int = 48
     max_turns: int = 4
     max_total_tokens: int = 1024
     timeout_s: float = 120.0
@@ -331,7 +332,7 @@ class InferenceConfig(EngineConfig):
 class JudgeSection(EngineConfig):
     """A judge server for the run's LLM judges: started and stopped with the run, its weights frozen, and published
     in ``ENVKIT_JUDGE_URL`` and ``ENVKIT_JUDGE_MODEL``, where a judge made with no endpoint calls it (an env's
-    ``rubric=LLMJudge(...)``; see envkit/judges.py). Takes the engine options of ``inference``."""
+    ``rubric=LLMJudge(...)``; see envkit/rewards/judges.py). Takes the engine options of ``inference``."""
 
     model: str | None = None
     """bundled, a checkpoint dir, policy (a frozen copy of the weights this stage starts from), or the served

@@ -25,26 +25,26 @@ env worker).
 
 from __future__ import annotations
 
-import random
+import asyncio
 import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from generators import ChatTokenizer, Trajectory
-from generators.models import resolve_model
-from trainer import algorithms as algo
+import trainer.algorithms as algo
+from generators import Trajectory
+from trainer.async_rollouts import LoopThread
 from trainer.backends import make_backend
 from trainer.backends.base import Batch, TrainBackend
 from trainer.batching import micro_batches, mini_batch_order, stack_rows, to_padded
-from trainer.checkpoint import CheckpointManager, TrainState
 from trainer.config import Config
-from trainer.distributed import all_reduce_values, broadcast_from_rank0, max_over_ranks, shutdown_distributed
+from trainer.distributed import all_reduce_values, broadcast_from_rank0, max_over_ranks
+from trainer.placement import make_placement
 from trainer.rollout_source import rollout_source
+from trainer.run import open_run
 
 
 @dataclass
@@ -60,17 +60,14 @@ def train(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]:
     """Run ``cfg.trainer.steps`` training steps; returns the final metrics (held-out accuracy before/after) and the
     final weights' dir. ``evaluate_before=False`` skips the evaluation of the initial policy (a later stage's, which
     the stage before it evaluated last)."""
-    out = Path(cfg.trainer.output_dir)
-    random.seed(cfg.trainer.seed)
-    torch.manual_seed(cfg.trainer.seed)
-    model_path = resolve_model(cfg.model.path)
-    backend = make_backend(cfg, model_path)
-    tokenizer = ChatTokenizer.from_pretrained(model_path)
-    checkpoints = CheckpointManager(out / "checkpoints", keep_last=cfg.trainer.keep_last)
-    state = checkpoints.load(checkpoints.resolve(cfg.trainer.resume), backend) if cfg.trainer.resume else TrainState()
-    source = rollout_source(cfg, backend.rank, out, model_path, tokenizer, state)
+    run = open_run(cfg, placement=make_placement, runner=LoopThread if cfg.trainer.mode == "async" else asyncio.Runner)
+    source = rollout_source(run)
     try:
-        results = source.open(backend, state, evaluate_before=evaluate_before)
+        backend = make_backend(cfg, run.model_path)
+        run.start()
+        state = run.resume(backend, total_steps=cfg.trainer.steps, stage="rl")
+        results = run.results_before(state, evaluate_before=evaluate_before)
+        source.start(state)
         while state.step < cfg.trainer.steps:
             t_step = t0 = time.perf_counter()
             trajs, stale = source.next(state)
@@ -78,7 +75,7 @@ def train(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]:
             t1 = time.perf_counter()
             batch = prepare_batch(trajs, cfg)
             batch.counts["stale_dropped"] = stale
-            train_metrics = update_policy(backend, batch, cfg, tokenizer.pad_id)
+            train_metrics = update_policy(backend, batch, cfg, run.tokenizer.pad_id)
             t2 = time.perf_counter()
             state.step = state.policy_version = state.step + 1
             from_memory = source.serve(backend, state.policy_version)
@@ -89,15 +86,14 @@ def train(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]:
             source.log_step(state, trajs, batch, {
                 **train_metrics, "time/generate_s": t1 - t0, "time/train_s": t2 - t1, "time/sync_s": t3 - t2,
                 "weights/from_memory": float(from_memory), "time/step_s": time.perf_counter() - t_step})
-            if state.step % cfg.trainer.save_every == 0 or state.step == cfg.trainer.steps:
+            if run.due(state, last=state.step == cfg.trainer.steps):
                 source.snapshot(state)
-                checkpoints.save(backend, state)
-            source.evaluate_every(state)
-        results.update(source.finish(backend, state))
+                run.save(backend, state)
+            run.evaluate_every(state, total_steps=cfg.trainer.steps)
+        return run.finish(backend, state, results)
     finally:
         source.close()
-        shutdown_distributed()
-    return results
+        run.close()
 
 
 # ------------------------------------------------------------------------------------------------- the update

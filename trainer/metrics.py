@@ -111,7 +111,7 @@ class RunLogger:
 
     def log_eval(self, step: int, name: str, values: dict[str, float], trajectories: list[Trajectory]) -> None:
         """Record one held-out evaluation: ``name`` (accuracy or greedy_accuracy) with the mean reward and, for a
-        mixture, both per env (``values`` keys as in :func:`trainer.rollout_source.evaluate`); or the supervised stage's
+        mixture, both per env (``values`` keys as in :func:`trainer.run.evaluate`); or the supervised stage's
         held-out ``loss``. An accuracy evaluation's rollouts go to ``evals/step-N.jsonl``."""
         metrics = {f"eval/{key}": value for key, value in values.items()}
         self._add_eval(step, metrics)
@@ -208,6 +208,10 @@ class RunLogger:
         plt.close(fig)
         return path, svg.getvalue()[svg.getvalue().index("<svg"):]
 
+    def note(self, text: str) -> None:
+        """A line for the person watching the run."""
+        self.console.print(text)
+
     def close(self) -> None:
         """Flush and close every sink."""
         self.progress.stop()
@@ -216,6 +220,31 @@ class RunLogger:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+class NullLogger:
+    """The logger of a rank that reports nothing (ranks above 0): every call does nothing."""
+
+    @property
+    def evals(self) -> list[dict[str, float]]:
+        """None logged."""
+        return []
+
+    def log_step(self, step: int, metrics: dict[str, float], trajectories: list[Trajectory]) -> None:
+        """Nothing."""
+
+    def log_eval(self, step: int, name: str, values: dict[str, float], trajectories: list[Trajectory]) -> None:
+        """Nothing."""
+
+    def note(self, text: str) -> None:
+        """Nothing."""
+
+    def finish(self, results: dict[str, Any]) -> dict[str, Any]:
+        """No files: no paths."""
+        return {}
+
+    def close(self) -> None:
+        """Nothing to close."""
 
 
 def rollout_metrics(trajs: list[Trajectory], batch: StepBatch, version: int) -> dict[str, float]:

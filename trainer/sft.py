@@ -17,154 +17,88 @@ next stage (``stages=[sft, rl]``) or ``envkit eval --model`` finds them.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import logging
 import math
 import random
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from generators import ChatTokenizer, Generator, Trajectory, read_jsonl
-from generators.engines.base import InferenceEngine, publish_policy
-from generators.models import resolve_model
+from generators import Trajectory, read_jsonl
 from trainer.backends import make_backend
 from trainer.backends.base import Batch, TrainBackend
 from trainer.batching import micro_batches
-from trainer.checkpoint import CheckpointManager, TrainState
 from trainer.config import Config
-from trainer.distributed import (
-    all_reduce_values,
-    broadcast_from_rank0,
-    init_distributed,
-    max_over_ranks,
-    shutdown_distributed,
-)
-from trainer.metrics import RunLogger
-from trainer.placement import Placement
-from trainer.rollout_source import evaluate, sync_weights
+from trainer.distributed import all_reduce_values, max_over_ranks
+from trainer.placement import make_placement
+from trainer.run import MainRun, Run, open_run
 from trainer.sft_data import SFTData, load_sft_data, write_sft_data
-from trainer.sources import Mixture
-
-log = logging.getLogger(__name__)
 
 
 def train_sft(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]:
     """Run the supervised stage; returns its results (held-out loss and accuracy before/after, the weights' dir)."""
-    out = Path(cfg.trainer.output_dir)
-    random.seed(cfg.trainer.seed)
-    torch.manual_seed(cfg.trainer.seed)
-    rank, _, _ = init_distributed()
-    model_path = resolve_model(cfg.model.path)
-    tokenizer = ChatTokenizer.from_pretrained(model_path)
-    checkpoints = CheckpointManager(out / "checkpoints", keep_last=cfg.trainer.keep_last)
-    runner = asyncio.Runner()
-    envs = Mixture(cfg.env, seed=cfg.trainer.seed) if rank == 0 else None
-    engine = Placement(cfg).engine(model_path, out) if rank == 0 and cfg.trainer.eval_tasks > 0 else None
-    logger: RunLogger | None = None
-    results: dict[str, Any] = {}
+    run = open_run(cfg, placement=make_placement, engine=cfg.trainer.eval_tasks > 0)
     try:
-        data = None
-        if envs is not None:
-            runner.run(envs.open(pool_size=0))
-            data = runner.run(_prepare(cfg, tokenizer, envs, out, engine))
-        data = broadcast_from_rank0(data)
+        data = run.start(lambda main: _data(cfg, main))
         assert data is not None
         per_epoch = math.ceil(len(data.train) / cfg.sft.batch_size)
         total = per_epoch * cfg.sft.epochs
-        backend = make_backend(cfg, model_path, sft_steps=total)
-        state = checkpoints.load(checkpoints.resolve(cfg.trainer.resume), backend) if cfg.trainer.resume \
-            else TrainState()
-        generator = Generator(engine, tokenizer, cfg.generator) if engine is not None else None
-        # every rank takes part in sending the weights (they are gathered from all of them)
-        evaluating = broadcast_from_rank0(generator is not None and envs is not None
-                                          and any(s.eval for s in envs.streams))
-        if rank == 0:
-            logger = RunLogger(out, cfg, total_steps=total, start_step=state.step, stage="sft")
-            logger.console.print(f"sft: {len(data.train)} sequences to train on, {len(data.held_out)} held out, "
-                                 f"{total} steps ({_counts_line(data.counts)})")
-        if state.step == 0:
-            loss = held_out_loss(backend, data.held_out, cfg, tokenizer.pad_id)
-            results["eval_loss_before"] = loss
-            if logger is not None and loss is not None:
-                logger.log_eval(0, "loss", {"loss": loss}, [])
-            if evaluating and evaluate_before and logger is not None:
-                before = evaluate(generator, envs, runner, cfg, logger, step=0)  # type: ignore[arg-type]
-                results.update({f"{k}_before": v for k, v in before.items()})
-
+        backend = make_backend(cfg, run.model_path, sft_steps=total)
+        state = run.resume(backend, total_steps=total, stage="sft")
+        run.logger.note(f"sft: {len(data.train)} sequences to train on, {len(data.held_out)} held out, {total} steps "
+                        f"({_counts_line(data.counts)})")
+        results = {"eval_loss_before": _held_out(run, backend, data, step=0)} if state.step == 0 else {}
+        results.update(run.results_before(state, evaluate_before=evaluate_before))
         while state.step < total:
             t0 = time.perf_counter()
-            epoch, position = divmod(state.step, per_epoch)
-            order = list(range(len(data.train)))
-            random.Random(cfg.trainer.seed * 1_000_003 + epoch).shuffle(order)
-            batch = order[position * cfg.sft.batch_size:(position + 1) * cfg.sft.batch_size]
-            metrics = sft_update(backend, data.train, batch, cfg, tokenizer.pad_id)
+            metrics = sft_update(backend, data.train, _batch(cfg, state.step, per_epoch, len(data.train)), cfg,
+                                 run.tokenizer.pad_id)
             state.step += 1
             metrics["time/step_s"] = time.perf_counter() - t0
             metrics["train/tokens_per_s"] = metrics["train/tokens"] / metrics["time/step_s"]
-            last = state.step == total
-            if state.step % cfg.trainer.save_every == 0 or last:
-                checkpoints.save(backend, state)
+            run.logger.log_step(state.step, metrics, [])
+            if run.due(state, last=state.step == total):
+                run.save(backend, state)
             every = cfg.sft.eval_every
-            loss = held_out_loss(backend, data.held_out, cfg, tokenizer.pad_id) \
-                if last or (every and state.step % every == 0) else None
-            if logger is not None:
-                logger.log_step(state.step, metrics, [])
-                if loss is not None:
-                    logger.log_eval(state.step, "loss", {"loss": loss}, [])
-            if last:
-                results["eval_loss_after"] = loss
-
+            if state.step == total or (every and state.step % every == 0):
+                results["eval_loss_after"] = _held_out(run, backend, data, step=state.step)
         state.policy_version = state.step
-        weights = out / "weights" / f"v{state.policy_version}"
-        if evaluating:
-            sync_weights(backend, engine, runner, out, state.policy_version, cfg.weight_sync.mode)
-        if broadcast_from_rank0(not weights.exists()):  # sent from memory, or no engine: write them (collective)
-            backend.export_weights(weights)
-        results["weights"] = str(weights)
-        if evaluating and logger is not None:  # rank 0
-            after = evaluate(generator, envs, runner, cfg, logger, step=state.step)  # type: ignore[arg-type]
-            results.update({f"{k}_after": v for k, v in after.items()})
-        if logger is not None:
-            results.update({f"sft/{k}": v for k, v in data.counts.items()})
-            results.update(logger.finish(results))
+        if run.evaluating:  # the engine serves the trained weights for the evaluation after
+            run.serve(backend, state.policy_version)
+        return run.finish(backend, state, {**results, **{f"sft/{k}": v for k, v in data.counts.items()}})
     finally:
-        if engine is not None:
-            runner.run(engine.stop())
-        if envs is not None:
-            runner.run(envs.close())
-        runner.close()
-        if logger is not None:
-            logger.close()
-        shutdown_distributed()
-    return results
+        run.close()
 
 
-async def _prepare(cfg: Config, tokenizer: ChatTokenizer, envs: Mixture, out: Path,
-                   engine: InferenceEngine | None) -> SFTData:
-    """The run's data, while the inference server (if any) starts: a minute the demonstrations need not wait."""
-    jobs = [_data(cfg, tokenizer, envs, out), *([engine.start()] if engine is not None else [])]
-    data = (await asyncio.gather(*jobs))[0]
-    if engine is not None:
-        publish_policy(engine)
-    return data
-
-
-async def _data(cfg: Config, tokenizer: ChatTokenizer, envs: Mixture, out: Path) -> SFTData:
+async def _data(cfg: Config, run: MainRun) -> SFTData:
     """The run's data: read back from ``out/sft_data.jsonl`` when resuming, else loaded and written there."""
-    saved = out / "sft_data.jsonl"
+    saved = run.out / "sft_data.jsonl"
     if cfg.trainer.resume and saved.is_file():
         sequences = list(read_jsonl(saved))
-        counts = json.loads((out / "sft_data_counts.json").read_text())
+        counts = json.loads((run.out / "sft_data_counts.json").read_text())
         held = counts["held_out"]
         return SFTData(sequences[:len(sequences) - held], sequences[len(sequences) - held:], counts)
-    data = await load_sft_data(cfg, tokenizer, envs if cfg.sft.data == "demos" else None)
+    data = await load_sft_data(cfg, run.tokenizer, run.envs if cfg.sft.data == "demos" else None)
     data.counts["held_out"] = len(data.held_out)
-    write_sft_data(data, out)
+    write_sft_data(data, run.out)
     return data
+
+
+def _batch(cfg: Config, step: int, per_epoch: int, n: int) -> list[int]:
+    """The sequences step ``step`` trains on: its slice of its epoch's order, shuffled by seed and epoch."""
+    epoch, position = divmod(step, per_epoch)
+    order = list(range(n))
+    random.Random(cfg.trainer.seed * 1_000_003 + epoch).shuffle(order)
+    return order[position * cfg.sft.batch_size:(position + 1) * cfg.sft.batch_size]
+
+
+def _held_out(run: Run, backend: TrainBackend, data: SFTData, *, step: int) -> float | None:
+    """The held-out loss at ``step``, logged."""
+    loss = held_out_loss(backend, data.held_out, run.cfg, run.tokenizer.pad_id)
+    if loss is not None:
+        run.logger.log_eval(step, "loss", {"loss": loss}, [])
+    return loss
 
 
 def _counts_line(counts: dict[str, int]) -> str:

@@ -19,6 +19,7 @@ import ctypes
 import gc
 import io
 import json
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,14 @@ from typing import Any
 from generators import read_jsonl
 from trainer.checkpoint import CheckpointManager
 from trainer.config import Config
+from trainer.loop import train
 from trainer.metrics import EVAL_GROUPS, is_eval_row, sample_groups
 from trainer.report import Phase, RunRecord, write_run_report
+from trainer.sft import train_sft
+
+RUNS: dict[str, Callable[..., dict[str, Any]]] = {"sft": train_sft, "rl": train}
+"""What runs each stage (``config.STAGES`` names them): ``run(cfg, evaluate_before=...) -> results``, built on
+trainer/run.py. A new stage is a module with such a function, and a line here and in ``config.STAGES``."""
 
 HEADLINES = ("accuracy", "greedy_accuracy", "tool_call_rate", "greedy_tool_call_rate", "reward", "greedy_reward")
 """Held-out results reported before the first stage and after each one."""
@@ -36,9 +43,6 @@ HEADLINES = ("accuracy", "greedy_accuracy", "tool_call_rate", "greedy_tool_call_
 def run_stages(cfg: Config) -> dict[str, Any]:
     """Run ``cfg.stages`` in order; returns the held-out results before and after each stage and where the
     outputs are."""
-    from trainer.loop import train
-    from trainer.sft import train_sft
-
     out = Path(cfg.trainer.output_dir)
     model = cfg.model.path
     by_stage: dict[str, dict[str, Any]] = {}
@@ -53,8 +57,7 @@ def run_stages(cfg: Config) -> dict[str, Any]:
                 resume = None  # this stage had not saved a checkpoint yet: it starts
             stage_cfg = replace(cfg, stages=[stage], model=replace(cfg.model, path=model),
                                 trainer=replace(cfg.trainer, output_dir=str(stage_out), resume=resume))
-            run = train_sft if stage == "sft" else train
-            by_stage[stage] = run(stage_cfg, evaluate_before=i == 0)
+            by_stage[stage] = RUNS[stage](stage_cfg, evaluate_before=i == 0)
             _release_memory()
         model = by_stage[stage].get("weights", model)
     if len(cfg.stages) == 1:

@@ -186,12 +186,31 @@ async def ws_exchange(ws: WsConnection, frame: dict[str, Any], timeout_s: float)
     return wire.loads(raw)
 
 
+class WsSession:
+    """A session that is one WebSocket connection (``envkit serve``'s ``/ws``, OpenEnv's): once a request times out
+    or the connection drops, the session is gone with it."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.ws: WsConnection | None = None
+
+    async def exchange(self, frame: dict[str, Any], timeout_s: float) -> Any:
+        """``frame``'s decoded answer (see :func:`ws_exchange`)."""
+        if self.ws is None:
+            raise RemoteEnvError(f"the {self.what} session is closed", code="connection_lost")
+        try:
+            return await ws_exchange(self.ws, frame, timeout_s)
+        except RemoteEnvError:
+            self.ws = None  # timed out (closed) or gone: so is the session
+            raise
+
+
 class _WebSocket:
     """WebSocket transport: one connection per session, one frame per request, answers in order."""
 
     def __init__(self, base: str, config: RemoteConfig, headers: dict[str, str]) -> None:
         self.url, self.config, self.headers = f"{base}/ws", config, headers
-        self.ws: WsConnection | None = None
+        self.session = WsSession("WebSocket")
 
     async def _connect(self) -> WsConnection:
         # No compression (frames are small JSON; deflate costs more CPU than it saves on a LAN) and no keepalive
@@ -206,26 +225,20 @@ class _WebSocket:
             raise error_from_body(body, e.response.status_code) from e
 
     async def _exchange(self, frame: dict[str, Any]) -> dict[str, Any]:
-        if self.ws is None:
-            raise RemoteEnvError("the WebSocket session is closed", code="connection_lost")
-        try:
-            answer = await ws_exchange(self.ws, frame, self.config.timeout_s)
-        except RemoteEnvError:
-            self.ws = None  # timed out (closed) or gone: so is the session
-            raise
+        answer = await self.session.exchange(frame, self.config.timeout_s)
         if "error" in answer:
             raise error_from_body(answer, None)
         return answer
 
     async def open(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        self.ws = await retry_connect(self._connect, self.config, self.url)
+        self.session.ws = await retry_connect(self._connect, self.config, self.url)
         return await self._exchange({"op": "create", "kwargs": kwargs})
 
     async def call(self, op: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self._exchange({"op": op, **body})
 
     async def close(self) -> None:
-        if self.ws is None:
+        if self.session.ws is None:
             return
         try:
             await self._exchange({"op": "delete"})
@@ -233,9 +246,9 @@ class _WebSocket:
             if e.code not in ("session_not_found", "connection_lost"):
                 raise
         finally:
-            if self.ws is not None:
-                await self.ws.close()
-                self.ws = None
+            ws, self.session.ws = self.session.ws, None
+            if ws is not None:
+                await ws.close()
 
 
 class RemoteTaskList(LazyTasks):

@@ -45,7 +45,7 @@ from envkit.core import Env, StepResult, Task
 from envkit.errors import InvalidActionError, RemoteEnvCrashError, RemoteEnvError, RemoteInvalidActionError
 from envkit.messages import Message, tool_result, user
 from envkit.registry import EnvSpec
-from envkit.remote.client import RemoteConfig, retry_connect, ws_exchange
+from envkit.remote.client import RemoteConfig, WsSession, retry_connect
 from envkit.remote.wsclient import WsConnection
 from envkit.tasks import LazyTasks
 from envkit.tools import Tool, tool_calls_of
@@ -85,7 +85,7 @@ class OpenEnvEnv(Env):
         self.mcp = mcp
         self.tools: list[Tool] = []  # type: ignore[misc]  # an MCP-type env's, read at init
         self.config = remote or RemoteConfig()
-        self._ws: WsConnection | None = None
+        self._session = WsSession("OpenEnv")
         self.spec = EnvSpec(name=f"openenv:{url}", entry_point="envkit.remote.openenv:OpenEnvEnv",
                             kwargs={"action_key": action_key, "observation_key": observation_key,
                                     "show_metadata": show_metadata, "mcp": mcp},
@@ -94,12 +94,12 @@ class OpenEnvEnv(Env):
     async def init(self) -> None:
         """Read the server's schemas (whether it is an MCP-type env, which fields carry text) where not given,
         open the WebSocket session, and list an MCP-type env's tools."""
-        if self._ws is not None:
+        if self._session.ws is not None:
             return
         if self.mcp is None or (self.action_key is None and self._to_action is None) or (
                 self.observation_key is None and self._to_messages is None):
             await self._infer_keys()
-        self._ws = await retry_connect(
+        self._session.ws = await retry_connect(
             lambda: WsConnection.connect(self.ws_url, timeout_s=self.config.connect_timeout_s), self.config,
             self.ws_url)
         if self.mcp:
@@ -134,13 +134,7 @@ class OpenEnvEnv(Env):
             self.observation_key = fields[0] if fields else None  # None: the observation is sent as JSON
 
     async def _exchange(self, frame: dict[str, Any]) -> dict[str, Any]:
-        if self._ws is None:
-            raise RemoteEnvError("the OpenEnv session is closed", code="connection_lost")
-        try:
-            answer = await ws_exchange(self._ws, frame, self.config.timeout_s)
-        except RemoteEnvError:
-            self._ws = None  # timed out (closed) or gone: so is the session
-            raise
+        answer = await self._session.exchange(frame, self.config.timeout_s)
         if answer.get("type") == "error":
             data = answer.get("data", {})
             code, message = str(data.get("code", "UNKNOWN")).lower(), str(data.get("message", ""))
@@ -243,7 +237,7 @@ class OpenEnvEnv(Env):
 
     async def close(self) -> None:
         """End the OpenEnv session (idempotent)."""
-        ws, self._ws = self._ws, None
+        ws, self._session.ws = self._session.ws, None
         if ws is None:
             return
         if not ws.closed:

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from envkit.adapters.opponent import POLICY_MODEL_VAR, POLICY_URL_VAR
-from envkit.judges import JUDGE_KEY_VAR, JUDGE_MODEL_VAR, JUDGE_URL_VAR
+from envkit.integrations.opponent import POLICY_MODEL_VAR, POLICY_URL_VAR
+from envkit.rewards.judges import JUDGE_KEY_VAR, JUDGE_MODEL_VAR, JUDGE_URL_VAR
 from generators.engines.transports import TRANSPORTS
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -181,7 +181,7 @@ def publish_policy(engine: InferenceEngine) -> None:
 
 def publish_judge(engine: InferenceEngine, api_key: str | None = None) -> None:
     """Tell this process's envs (and the processes they start) where the run's judge answers: an LLM judge made with
-    no endpoint calls it (see envkit/judges.py)."""
+    no endpoint calls it (see envkit/rewards/judges.py)."""
     if engine.chat_url is None:
         raise ValueError(f"{type(engine).__name__} runs in-process: no env can call it as a judge")
     os.environ[JUDGE_URL_VAR] = engine.chat_url

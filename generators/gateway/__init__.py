@@ -1,5 +1,5 @@
 """The capture gateway: an OpenAI-compatible server in front of the run's engine, recording exactly what the policy
-sampled for agents that run their own loop (:class:`envkit.agent.AgentEnv`).
+sampled for agents that run their own loop (:class:`envkit.agents.agent.AgentEnv`).
 
 Each episode gets its own API key (also usable in the path: ``/e/KEY/v1``). A ``/v1/chat/completions`` call is
 rendered by the model's chat template, with the tools written into the system message where the template drops them

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from envkit import Message
-from envkit.agent import AgentClient
+from envkit.agents.agent import AgentClient
 from generators.engines.base import InferenceEngine, SamplingParams, generate_turn, request_seed
 from generators.engines.replicas import Session, rollout_session
 from generators.gateway.app import build_app

@@ -22,7 +22,7 @@ from ray.util.placement_group import remove_placement_group
 from envkit import AgentClient, AgentEnv, Env, Message, Snapshot, StepResult, Task, Tool
 from envkit.ref import EnvRef
 from envkit.remote import SNAPSHOT_KEY_ENV
-from envkit.rubrics import Score
+from envkit.rewards.rubrics import Score
 from generators.engines.base import published
 from sandboxes.base import snapshot_key
 from trainer.placement.groups import SHUTDOWN_TIMEOUT_S, actor_options, ready_group

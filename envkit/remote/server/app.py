@@ -16,7 +16,7 @@ from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import envkit
-from envkit import untrusted
+import envkit.agents.untrusted as untrusted
 from envkit.errors import SnapshotError
 from envkit.remote import wire
 from envkit.remote.protocol import (

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from envkit import untrusted
+import envkit.agents.untrusted as untrusted
 from envkit.remote import TOKEN_ENV
 from envkit.remote.protocol import ApiError
 from envkit.remote.server.openenv import PREFIX as OPENENV_PREFIX

@@ -19,7 +19,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from envkit import untrusted
+import envkit.agents.untrusted as untrusted
 from envkit.remote import KEEP_ALIVE_S, PARENT_ENV, SNAPSHOT_KEY_ENV, TOKEN_ENV
 from envkit.remote.server.app import create_app
 from envkit.remote.server.config import ServeConfig, ServerLimits

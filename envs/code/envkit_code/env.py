@@ -4,7 +4,7 @@ Model-written code is untrusted, so this env runs it only inside a sandbox: it i
 ``envkit serve code`` in a container (``envkit.make("code", sandbox="docker")``), where ``ENVKIT_SANDBOX=docker``
 is set. Anywhere else constructing it raises, unless ``ENVKIT_CODE_UNSAFE=1`` says the caller accepts the risk.
 
-The submission runs through :mod:`envkit.untrusted` in a child process that only returns the function's outputs;
+The submission runs through :mod:`envkit.agents.untrusted` in a child process that only returns the function's outputs;
 the expected values stay in this process, so printing a fake verdict earns nothing. In the env image the child
 runs as a uid of its own: it cannot read this package (the image keeps it readable by root only), and every
 process it starts is killed when the run ends.
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import envkit
-from envkit import untrusted
+from envkit.agents import untrusted
 from envkit.tasks import check_task
 
 UNSAFE_ENV = "ENVKIT_CODE_UNSAFE"

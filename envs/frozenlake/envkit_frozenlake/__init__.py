@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from envkit.gym_bridge import GymTextEnv
+from envkit.integrations.gym_bridge import GymTextEnv
 
 __all__ = ["FrozenLakeEnv"]
 
