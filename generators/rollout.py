@@ -50,7 +50,9 @@ class GeneratorConfig:
     samples_per_prompt: int = 1
     """Rollouts per task or seed: a GRPO group in training, samples per task in an evaluation."""
     temperature: float = 1.0
+    """Sampling temperature; the rollout logprobs are taken after it, as the trainer computes its own."""
     top_p: float = 1.0
+    """Nucleus sampling: 1.0 samples from the whole distribution, as RL should."""
     max_tokens: int = 256
     """Tokens per model turn."""
     max_turns: int = 8

@@ -72,6 +72,22 @@ class Mutation:
 
 MUTATIONS = [
     Mutation(
+        "docs-show-sphinx-roles",
+        "docs/gen/griffe_roles.py::SphinxRoles.on_instance",
+        "obj.docstring.value = to_markdown(obj.docstring.value)",
+        "obj.docstring.value = obj.docstring.value",
+        "tests/test_docs_site.py::test_no_sphinx_role_reaches_a_page",
+        "the API pages render docstrings as written: every :class:`...` shows raw (mkdocs --strict passes)",
+    ),
+    Mutation(
+        "config-reference-drops-inherited-docs",
+        "docs/gen/reference.py::config_keys",
+        "rows += config_keys(hints[f.name], value, key + \".\")",
+        "rows += config_keys(hints[f.name], value, key + \".\")[:-1]",
+        "tests/test_docs_site.py::test_the_config_reference_lists_every_key_the_trainer_composes",
+        "the configuration reference leaves a key of each section out, so a setting has no documentation",
+    ),
+    Mutation(
         "reward-model-reads-a-pad",
         "generators/reward_model.py::RewardModel._load",
         "self._tokenizer = AutoTokenizer.from_pretrained(path)",

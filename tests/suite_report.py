@@ -119,7 +119,13 @@ def pytest_testnodedown(node, error) -> None:  # node: xdist's WorkerController
         _run.parts, _run.collected = output["parts"], output["collected"]
 
 
+_kept: list[str] = []
+"""What passing tests left on disk for people to look at (their ``record_property("kept", ...)``), printed at the
+end: pytest deletes a passing test's tmp_path."""
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _kept.extend(value for name, value in report.user_properties if name == "kept" and report.when == "call")
     if _run is None:
         return
     test = _run.tests[report.nodeid]
@@ -182,6 +188,10 @@ def summary(run: _Run, now: float) -> list[str]:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if _kept:
+        terminalreporter.section("kept by the tests")
+        for line in _kept:
+            terminalreporter.write_line(line)
     if _run is None:
         return
     lines = summary(_run, time.time())

@@ -163,15 +163,15 @@ def test_bad_rows_names_and_calls_fail_clearly():
 @pytest.mark.e2e  # a training run
 @pytest.mark.trl
 def test_grpo_trainer_runs_the_readmes_example_on_an_envkit_env(tmp_path, monkeypatch, capsys):
-    """TRL's own trainer, as the README runs it (its block, as written, on the bundled model): it probes the factory,
+    """TRL's own trainer, as its guide runs it (its block, as written, on the bundled model): it probes the factory,
     renders the env's tool into the prompt, resets one instance per rollout on its row's task, and takes the rewards
     the envs gave."""
-    from test_readme import expected_prints, readme_block
+    from test_docs import expected_prints, readme_block
 
     monkeypatch.chdir(tmp_path)  # the block writes its output_dir there
     namespace: dict[str, Any] = {}
     code = readme_block("GRPOTrainer(")
-    exec(compile(code, "README.md", "exec"), namespace)
+    exec(compile(code, "docs/guides/trl.md", "exec"), namespace)
     printed = capsys.readouterr().out.splitlines()
     assert expected_prints(code) == ["1"] and all(want in printed for want in expected_prints(code)), printed
     trainer = namespace["trainer"]

