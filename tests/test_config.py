@@ -4,6 +4,8 @@ and yields training and held-out episode starts. (The runs themselves: test_trai
 from __future__ import annotations
 
 import asyncio
+import importlib
+import pkgutil
 from pathlib import Path
 
 import pytest
@@ -66,3 +68,11 @@ def test_kwargs_of_a_shipped_env_config_reach_the_env() -> None:
     assert cfg.env.kwargs == {"high": 8, "max_turns": 5}
     with pytest.raises(ConfigError, match=r"env\.tasks\.train_seeds"):
         trainer.compose(["env.tasks.train_seeds=[5,5]"])
+
+
+def test_trainer_run_stays_the_function_once_every_trainer_module_is_imported() -> None:
+    """``trainer.run(overrides)`` is the documented way to train from Python; a submodule named ``trainer/run.py``
+    would replace the package's ``run`` with itself as soon as a run imported it, so a second call would fail."""
+    for module in pkgutil.walk_packages(trainer.__path__, "trainer."):
+        importlib.import_module(module.name)
+    assert callable(trainer.run) and trainer.run.__module__ == "trainer"

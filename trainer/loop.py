@@ -44,7 +44,7 @@ from trainer.config import Config
 from trainer.distributed import all_reduce_values, broadcast_from_rank0, max_over_ranks
 from trainer.placement import make_placement
 from trainer.rollout_source import rollout_source
-from trainer.run import open_run
+from trainer.runs import open_run
 
 
 @dataclass

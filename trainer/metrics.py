@@ -111,7 +111,7 @@ class RunLogger:
 
     def log_eval(self, step: int, name: str, values: dict[str, float], trajectories: list[Trajectory]) -> None:
         """Record one held-out evaluation: ``name`` (accuracy or greedy_accuracy) with the mean reward and, for a
-        mixture, both per env (``values`` keys as in :func:`trainer.run.evaluate`); or the supervised stage's
+        mixture, both per env (``values`` keys as in :func:`trainer.runs.evaluate`); or the supervised stage's
         held-out ``loss``. An accuracy evaluation's rollouts go to ``evals/step-N.jsonl``."""
         metrics = {f"eval/{key}": value for key, value in values.items()}
         self._add_eval(step, metrics)

@@ -6,7 +6,7 @@ every mode:
     AsyncSource     rank 0, ``trainer.mode=async``: the next steps' rollouts generate while a step trains, at most
                     ``trainer.max_staleness`` weight versions behind (trainer/async_rollouts.py)
 
-The envs, the engine and its generator are the run's (trainer/run.py): a source draws on them.
+The envs, the engine and its generator are the run's (trainer/runs.py): a source draws on them.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from trainer.async_rollouts import AsyncRollouts, LoopThread
 from trainer.backends.base import TrainBackend
 from trainer.checkpoint import TrainState
 from trainer.metrics import rollout_metrics
-from trainer.run import MainRun, Run
+from trainer.runs import MainRun, Run
 from trainer.sources import Mixture
 
 if TYPE_CHECKING:

@@ -32,7 +32,7 @@ from trainer.batching import micro_batches
 from trainer.config import Config
 from trainer.distributed import all_reduce_values, max_over_ranks
 from trainer.placement import make_placement
-from trainer.run import MainRun, Run, open_run
+from trainer.runs import MainRun, Run, open_run
 from trainer.sft_data import SFTData, load_sft_data, write_sft_data
 
 

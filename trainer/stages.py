@@ -34,7 +34,7 @@ from trainer.sft import train_sft
 
 RUNS: dict[str, Callable[..., dict[str, Any]]] = {"sft": train_sft, "rl": train}
 """What runs each stage (``config.STAGES`` names them): ``run(cfg, evaluate_before=...) -> results``, built on
-trainer/run.py. A new stage is a module with such a function, and a line here and in ``config.STAGES``."""
+trainer/runs.py. A new stage is a module with such a function, and a line here and in ``config.STAGES``."""
 
 HEADLINES = ("accuracy", "greedy_accuracy", "tool_call_rate", "greedy_tool_call_rate", "reward", "greedy_reward")
 """Held-out results reported before the first stage and after each one."""
