@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 __all__ = ["CONF_DIR", "compose", "run"]
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
+"""The Hydra configs: ``config.yaml`` (the defaults) and one directory per config group."""
 
 
 def compose(overrides: list[str] | tuple[str, ...] = ()) -> Config:

@@ -24,9 +24,9 @@ ROOT = Path(__file__).resolve().parents[2]
 CONF_DIR = ROOT / "trainer" / "conf"
 
 API: dict[str, list[str]] = {
-    "envkit": ["envkit", "envkit.errors", "envkit.tasks", "envkit.rewards.rubrics", "envkit.rewards.judges",
-               "envkit.remote.client", "envkit.integrations.gym_bridge", "envkit.integrations.mcp_env",
-               "envkit.integrations.trl"],
+    "envkit": ["envkit", "envkit.errors", "envkit.registry", "envkit.tasks", "envkit.rewards.rubrics",
+               "envkit.rewards.judges", "envkit.remote.client", "envkit.integrations.gym_bridge",
+               "envkit.integrations.mcp_env", "envkit.integrations.trl"],
     "generators": ["generators", "generators.parsers", "generators.reward_model"],
     "trainer": ["trainer", "trainer.algorithms"],
     "sandboxes": ["sandboxes", "sandboxes.docker", "sandboxes.pool", "sandboxes.tools", "sandboxes.agent"],
