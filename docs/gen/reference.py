@@ -1,7 +1,5 @@
 """The site's generated reference pages (a mkdocs-gen-files script): the Python API, the ``envkit`` CLI and the
 ``python -m trainer`` configuration, each written from the code at build time so that it cannot drift from it.
-
-Run directly (``python docs/gen/reference.py PAGE``) it prints one page, which is how the tests read them.
 """
 
 from __future__ import annotations
@@ -14,14 +12,16 @@ import os
 import sys
 import textwrap
 import typing
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
+import mkdocs_gen_files
+
+from trainer import CONF_DIR
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from griffe_roles import to_markdown
-
-ROOT = Path(__file__).resolve().parents[2]
-CONF_DIR = ROOT / "trainer" / "conf"
 
 API: dict[str, list[str]] = {
     "envkit": ["envkit", "envkit.errors", "envkit.registry", "envkit.tasks", "envkit.rewards.rubrics",
@@ -75,8 +75,6 @@ def cli_page() -> str:
     parser = build_parser()
     parser.prog = "envkit"
     subcommands = _subcommands(parser)
-    from importlib.metadata import entry_points
-
     missing = [ep.name for ep in entry_points(group=COMMAND_GROUP) if ep.name not in subcommands]
     if missing:  # a plugin that failed to import would leave its command off the page
         raise SystemExit(f"envkit commands that did not load, so cannot be documented: {missing}")
@@ -190,17 +188,7 @@ PAGES = {"reference/cli.md": cli_page, "reference/config.md": config_page,
          **{f"reference/api/{package}.md": (lambda package=package: api_page(package)) for package in API}}
 
 
-def write_pages() -> None:
-    """Write every page into the site being built (mkdocs-gen-files runs this file)."""
-    import mkdocs_gen_files
-
-    for path, page in PAGES.items():
-        with mkdocs_gen_files.open(path, "w") as out:
-            out.write(page())
-        mkdocs_gen_files.set_edit_path(path, "../gen/reference.py")
-
-
-if __name__ == "__main__":
-    print(PAGES[sys.argv[1]]())
-else:
-    write_pages()
+# mkdocs-gen-files runs this file for each build: every page goes into the site being built
+for path, page in PAGES.items():
+    with mkdocs_gen_files.open(path, "w") as out:
+        out.write(page())
