@@ -48,23 +48,19 @@ TINY = ["trainer.eval_tasks=0", "logging.progress=false", "generator.prompts_per
         "trainer.warmup_steps=0", "trainer.lr=1e-3"]
 
 
-def _vllm_servers() -> set[int]:
-    """vLLM servers started by a Ray actor, or by a process that is gone: not those of another test's live run."""
-    from generators.engines.server import OWNER_ENV
+def _run_servers(namespace: str, within_s: float = 30.0) -> list[int]:
+    """The run's vLLM servers still up ``within_s`` after it ended (a server's watchdog ends it a moment after the
+    actor that started it died); another test's live run has its own name."""
+    from trainer.placement.cluster import RUN_ENV
 
-    found = set()
-    for process in psutil.process_iter(["cmdline", "environ"]):
-        if "vllm.entrypoints.openai.api_server" not in " ".join(process.info["cmdline"] or ()):
-            continue
-        owner = (process.info["environ"] or {}).get(OWNER_ENV)
-        if owner is None:  # not a managed server
-            continue
-        try:
-            mine = " ".join(psutil.Process(int(owner)).cmdline()).startswith("ray::")
-        except psutil.NoSuchProcess:
-            mine = True
-        if mine:
-            found.add(process.pid)
+    def left() -> list[int]:
+        return [p.pid for p in psutil.process_iter(["cmdline", "environ"])
+                if "vllm.entrypoints.openai.api_server" in " ".join(p.info["cmdline"] or ())
+                and (p.info["environ"] or {}).get(RUN_ENV) == namespace]
+
+    deadline = time.monotonic() + within_s  # a hang guard, not a speed check
+    while (found := left()) and time.monotonic() < deadline:
+        time.sleep(0.5)
     return found
 
 
@@ -153,7 +149,6 @@ def test_ranks_replicas_and_env_workers_train_as_the_local_run_does_through_a_ra
     killed_at = max(_metrics(out))
     assert 2 <= killed_at < 5, killed_at
 
-    before = _vllm_servers()
     resumed = _start(out, cluster, *placed, "trainer.resume=latest")
     _finish(resumed)
     expected, got = _metrics(local), _metrics(out)
@@ -170,7 +165,6 @@ def test_ranks_replicas_and_env_workers_train_as_the_local_run_does_through_a_ra
     # both replicas served: new rollouts go to the least-loaded one
     assert got[1]["inference/replica0/requests"] > 0 and got[1]["inference/replica1/requests"] > 0
     assert _run_actors(f"envkit-{resumed.pid}") == []
-    assert _vllm_servers() <= before
 
 
 def test_kills_of_a_replica_and_a_sandboxed_env_worker_fail_only_their_rollouts(cluster, docker_client,
@@ -188,7 +182,7 @@ def test_kills_of_a_replica_and_a_sandboxed_env_worker_fail_only_their_rollouts(
     def sandboxes() -> set[str]:
         return {c.id for c in docker_client.containers.list(all=True, sparse=True, filters={"label": SANDBOX_LABEL})}
 
-    before_servers, before_sandboxes = _vllm_servers(), sandboxes()
+    before_sandboxes = sandboxes()
     out = tmp_path / "run"
     process = _start(out, cluster, f"model.path={tiny_model_dir()}", "inference.engine=vllm",
                      "inference.kv_cache_gib=1", "trainer.steps=2", *TINY, "generator.samples_per_prompt=8",
@@ -200,6 +194,7 @@ def test_kills_of_a_replica_and_a_sandboxed_env_worker_fail_only_their_rollouts(
             worker.episodes.remote(), timeout=10) > 0 and bool(sandboxes() - before_sandboxes))
         _kill_when_busy(process, namespace, "replica-0",
                         lambda replica: ray.get(replica.requests_in_flight.remote(), timeout=10) > 0)
+        assert _run_servers(namespace, within_s=0), "the run's live servers are not found: the check below is blind"
         deadline = time.monotonic() + 600  # a hang guard, not a speed check
         while not (rewards := [a for a in _run_actors(namespace) if a.startswith("envkit-reward-")]):
             assert process.poll() is None, process.communicate()[0][-4000:]  # made when the first episode ends
@@ -228,7 +223,7 @@ def test_kills_of_a_replica_and_a_sandboxed_env_worker_fail_only_their_rollouts(
     assert any(m.get("train/grad_norm", 0) > 0 for m in metrics.values())  # the run trained
 
     assert _run_actors(namespace) == []
-    assert _vllm_servers() <= before_servers
+    assert _run_servers(namespace) == []
     assert _orphaned_sandboxes(docker_client) == []
 
 

@@ -25,6 +25,9 @@ from trainer.config import Config
 from trainer.placement.base import RunFailed
 from trainer.placement.groups import actor_options, ready_group
 
+RUN_ENV = "ENVKIT_RUN"
+"""The run's name (its Ray namespace) in the environment of its actors and of the processes they start."""
+
 
 @ray.remote
 class TrainerRank:
@@ -61,8 +64,11 @@ def launch_on_ray(cfg: Config) -> dict[str, Any]:
     cfg = replace(cfg, trainer=replace(cfg.trainer, output_dir=str(Path(cfg.trainer.output_dir).resolve())))
     started_here = not ray.is_initialized()
     if started_here:
+        run = f"envkit-{os.getpid()}"
+        # Every actor of the run, and every process one starts (a vLLM server, an agent), carries the run's name.
         ray.init(address=p.address, num_cpus=None if p.address else p.cluster_cpus or _cpus_needed(cfg),
-                 namespace=f"envkit-{os.getpid()}", include_dashboard=False, log_to_driver=True)
+                 namespace=run, runtime_env={"env_vars": {RUN_ENV: run}}, include_dashboard=False,
+                 log_to_driver=True)
     group, ranks = None, []
     try:
         group = ready_group(p.trainer_resources, p.trainer_ranks, "trainer ranks")
