@@ -33,6 +33,7 @@ import ray
 from envkit.markup import control_pattern, inert
 from envkit.rewards.rubrics import Episode, Rubric, Score
 from generators.models import _file_lock, bundled_model_dir, cache_dir
+from generators.nodes import node_name
 
 HEAD_SEED = 0
 """The seed of the bundled reward head's initial weights: every machine makes the same one."""
@@ -81,7 +82,8 @@ class RewardModel(Rubric):
         self.placement = placement
         """auto: the cluster's :class:`RewardWorker` where this process is connected to Ray, else this process."""
         self.resources = resources or {}
-        """What the Ray actor reserves (``CPU``, ``GPU``); none by default, so that it never waits for a slot."""
+        """What the Ray actor reserves (``CPU``, ``GPU``, a node's custom resource to pin it there); none by default,
+        so that it never waits for a slot."""
         self._model: Any = None
         self._tokenizer: Any = None
         self._handle: Any = None  # the RewardWorker actor, once found
@@ -126,7 +128,9 @@ class RewardModel(Rubric):
             if self._handle is None:
                 options = RewardWorker.options(name=self.actor_name, get_if_exists=True,
                                                num_cpus=self.resources.get("CPU", 0),
-                                               num_gpus=self.resources.get("GPU", 0))
+                                               num_gpus=self.resources.get("GPU", 0),
+                                               resources={k: v for k, v in self.resources.items()
+                                                          if k not in ("CPU", "GPU")})
                 self._handle = options.remote(str(self.path), self.batch_size, self.max_wait_s, self.max_length,
                                               self.raw)
 
@@ -206,6 +210,10 @@ class RewardWorker:
     async def score_messages(self, messages: list[Any]) -> float:
         """One chat's score, batched with the other calls in flight."""
         return await self.model.score_messages(messages)
+
+    def node(self) -> str:
+        """The node this actor runs on."""
+        return node_name()
 
     def batches(self) -> list[int]:
         """The size of every forward pass so far."""

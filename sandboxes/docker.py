@@ -62,6 +62,9 @@ SANDBOX_LABEL = "org.envkit.sandbox"
 OWNER_LABEL = "org.envkit.owner"
 """``host:pid:start`` of the process that started the container; the reaper removes those whose owner died."""
 INTERNAL_NETWORK = "envkit-sandbox-internal"
+SANDBOX_NETWORK_ENV = "ENVKIT_SANDBOX_NETWORK"
+"""Names the internal network no-network sandboxes join instead of :data:`INTERNAL_NETWORK`: a node of a container
+cluster (trainer/cluster.py) is attached to its cluster's, so its env workers reach their sandboxes."""
 EXEC_KILL_GRACE_S = 5.0
 """How much longer than its timeout the host waits for an exec's answer."""
 FILES_ROUTE = "/exec/files"
@@ -122,18 +125,24 @@ def reap_orphans(client: Any) -> list[str]:
     return removed
 
 
-def _internal_network(client: Any) -> str:
-    """The bridge no-network sandboxes join (created once per engine), with forwarding off on this host."""
+def sandbox_network() -> str:
+    """The name of the internal network this process's no-network sandboxes join."""
+    return os.environ.get(SANDBOX_NETWORK_ENV) or INTERNAL_NETWORK
+
+
+def internal_network(client: Any, name: str, labels: dict[str, str] | None = None) -> str:
+    """The internal bridge ``name`` (created once per engine, with ``labels``), with forwarding off on this host and
+    what its containers initiate towards this host dropped; its id."""
     import docker.errors
 
     # Docker accepts two networks of one name, and then refuses the name as ambiguous: processes starting their
     # first sandbox at once take turns (a host-wide lock), and duplicates an older version made are removed.
     with host_lock("sandbox-network"):
-        same = sorted((n for n in client.networks.list(names=[INTERNAL_NETWORK]) if n.name == INTERNAL_NETWORK),
+        same = sorted((n for n in client.networks.list(names=[name]) if n.name == name),
                       key=lambda n: n.attrs.get("Created", ""))
         if not same:
-            same = [client.networks.create(INTERNAL_NETWORK, driver="bridge", internal=True,
-                                           labels={SANDBOX_LABEL: "network"})]
+            same = [client.networks.create(name, driver="bridge", internal=True,
+                                           labels=labels or {SANDBOX_LABEL: "network"})]
         network = same[0]
         for extra in same[1:]:
             with contextlib.suppress(docker.errors.APIError):  # still has containers: left, and never used by name
@@ -216,7 +225,7 @@ class DockerSandbox(Sandbox):
             network = {"ports": {f"{SERVER_PORT}/tcp": ("127.0.0.1", None)}}
         else:
             # Names resolve nowhere: without this the engine's DNS forwards queries out, a channel to the world.
-            network = {"network": _internal_network(client), "dns": ["127.0.0.1"]}
+            network = {"network": internal_network(client, sandbox_network()), "dns": ["127.0.0.1"]}
         tmpfs = f"rw,nosuid,nodev,size={limits.tmpfs_mb}m,nr_inodes={limits.tmpfs_inodes}"
         self._container = client.containers.create(
             self.image, command=self.command, name=self.name, detach=True,
@@ -240,7 +249,7 @@ class DockerSandbox(Sandbox):
             host_port = settings["Ports"][f"{SERVER_PORT}/tcp"][0]["HostPort"]
             self.url = f"http://127.0.0.1:{host_port}"
         else:
-            self.url = f"http://{settings['Networks'][INTERNAL_NETWORK]['IPAddress']}:{SERVER_PORT}"
+            self.url = f"http://{settings['Networks'][sandbox_network()]['IPAddress']}:{SERVER_PORT}"
 
     async def _exit_reason(self) -> str | None:
         """Why the container can never serve (it exited), with the tail of its log; None while it runs."""

@@ -143,12 +143,13 @@ def image_exists(client: Any, tag: str) -> bool:
         return False
 
 
-def ensure_base_image(client: Any | None = None) -> str:
-    """Build the base image (debootstrap minbase + python3, then ``docker import``) unless its tag exists."""
+def ensure_base_image(client: Any | None = None, tag: str = BASE_IMAGE,
+                      packages: tuple[str, ...] = BASE_PACKAGES) -> str:
+    """Build the base image ``tag`` (debootstrap minbase + ``packages``, then ``docker import``) unless it exists."""
     client = client or docker_client()
-    if image_exists(client, BASE_IMAGE):
-        _say(f"base image {BASE_IMAGE} present")
-        return BASE_IMAGE
+    if image_exists(client, tag):
+        _say(f"base image {tag} present")
+        return tag
     if shutil.which("debootstrap") is None:
         if os.geteuid() != 0 or shutil.which("apt-get") is None:
             raise SystemExit("building the base image needs debootstrap (apt-get install debootstrap) as root")
@@ -157,23 +158,23 @@ def ensure_base_image(client: Any | None = None) -> str:
     work = cache_dir() / "docker"
     work.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=work, prefix="rootfs-") as rootfs:
-        _say(f"debootstrap {SUITE} minbase + {', '.join(BASE_PACKAGES)} from {mirror} (about a minute, once)")
-        _run(["debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}", SUITE, rootfs, mirror],
+        _say(f"debootstrap {SUITE} minbase + {', '.join(packages)} from {mirror} (about a minute, once)")
+        _run(["debootstrap", "--variant=minbase", f"--include={','.join(packages)}", SUITE, rootfs, mirror],
              stdout=subprocess.DEVNULL)
         # apt lists and caches are dead weight in an image that never runs apt.
         for junk in ("var/cache/apt/archives", "var/lib/apt/lists"):
             shutil.rmtree(Path(rootfs) / junk, ignore_errors=True)
-        _say(f"docker import -> {BASE_IMAGE}")
+        _say(f"docker import -> {tag}")
         tar = subprocess.Popen(["tar", "-C", rootfs, "-c", "."], stdout=subprocess.PIPE)
         try:
-            _run(["docker", "import", "--change", "ENV PATH=/usr/local/bin:/usr/bin:/bin", "-", BASE_IMAGE],
+            _run(["docker", "import", "--change", "ENV PATH=/usr/local/bin:/usr/bin:/bin", "-", tag],
                  stdin=tar.stdout, stdout=subprocess.DEVNULL)
         finally:
             assert tar.stdout is not None
             tar.stdout.close()
             tar.wait()
-    _say(f"base image {BASE_IMAGE} built")
-    return BASE_IMAGE
+    _say(f"base image {tag} built")
+    return tag
 
 
 def up() -> str:

@@ -277,6 +277,28 @@ def code_image(docker_client) -> str:
     return build("code", client=docker_client).tag
 
 
+@pytest.fixture(autouse=True)
+def _machine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """``hold_machine`` tests run alone (a container cluster's nodes, vLLM and a trainer fill 2 cores and 24 GB):
+    one takes the run's machine lock exclusively once the other worker's test in progress ends, and the other worker
+    starts nothing new while one waits or runs. Every other test holds the lock shared."""
+    lock_path = _run_dir(tmp_path_factory) / "machine.lock"
+    wanted = lock_path.with_suffix(".wanted")
+    with open(lock_path, "a") as lock:
+        if request.node.get_closest_marker("hold_machine"):
+            wanted.touch()
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                yield
+            finally:
+                wanted.unlink(missing_ok=True)
+            return
+        while wanted.exists():
+            time.sleep(0.5)
+        fcntl.flock(lock, fcntl.LOCK_SH)
+        yield
+
+
 RAY = Path(sys.executable).with_name("ray")
 
 

@@ -23,3 +23,7 @@ graded = WeightedSum({EnvReward(): 0.5, REWARD_MODEL: 0.5})
 
 relative = RelativeJudge("The reply gives the correct sum.", constrain="regex", env_weight=0.5)
 """A relative judge over each group, on the run's judge: half of each rollout's reward, the env's the other half."""
+
+on_worker1 = WeightedSum({EnvReward(): 0.5, RewardModel("bundled", batch_size=16, max_wait_s=0.5,
+                                                        resources={"worker1": 1}): 0.5})
+""":data:`graded` with the reward head's actor on a container cluster's node ``worker1`` (trainer/cluster.py)."""

@@ -51,7 +51,7 @@ TINY = ["trainer.eval_tasks=0", "logging.progress=false", "generator.prompts_per
 def _run_servers(namespace: str, within_s: float = 30.0) -> list[int]:
     """The run's vLLM servers still up ``within_s`` after it ended (a server's watchdog ends it a moment after the
     actor that started it died); another test's live run has its own name."""
-    from trainer.placement.cluster import RUN_ENV
+    from trainer.placement.groups import RUN_ENV
 
     def left() -> list[int]:
         return [p.pid for p in psutil.process_iter(["cmdline", "environ"])

@@ -174,6 +174,10 @@ class MainRun(Run):
         assert self.generator is not None and isinstance(self.logger, RunLogger)  # evaluating: both exist
         return evaluate(self.generator, self.envs, self.runner, self.cfg, self.logger, step=step)
 
+    def finish(self, backend: TrainBackend, state: TrainState, results: dict[str, Any]) -> dict[str, Any]:
+        nodes = self.placement.nodes()
+        return super().finish(backend, state, {**results, **({"nodes": nodes} if nodes else {})})
+
     def close(self) -> None:
         # the engine before the placement, which may hold the actors it runs on
         stops = [*([self.engine.stop] if self.engine is not None else []), self.envs.close, self.placement.close,

@@ -47,5 +47,9 @@ class Placement:
         """Health of the placed processes, logged with every step."""
         return {}
 
+    def nodes(self) -> dict[str, str]:
+        """Where each of the run's named processes runs (none apart from this one here)."""
+        return {}
+
     async def close(self) -> None:
         """Release what the placement started; idempotent."""

@@ -21,17 +21,21 @@ from typing import Any
 import ray
 from ray.util.placement_group import remove_placement_group
 
+from generators.nodes import node_name
 from trainer.config import Config
 from trainer.placement.base import RunFailed
-from trainer.placement.groups import actor_options, ready_group
+from trainer.placement.groups import RUN_ENV, TRAINER_RANK, actor_options, ready_group
 
-RUN_ENV = "ENVKIT_RUN"
-"""The run's name (its Ray namespace) in the environment of its actors and of the processes they start."""
+log = logging.getLogger(__name__)
 
 
 @ray.remote
 class TrainerRank:
     """One FSDP/DeepSpeed rank: the whole loop, as torchrun would run it."""
+
+    def node(self) -> str:
+        """The node this rank runs on."""
+        return node_name()
 
     def rendezvous(self) -> tuple[str, int]:
         """This node's address and a free port for the process group's store (rank 0 hosts it)."""
@@ -62,18 +66,22 @@ def launch_on_ray(cfg: Config) -> dict[str, Any]:
     """Run ``cfg`` on the cluster; returns rank 0's results. Raises :class:`RunFailed` if a rank fails."""
     p = cfg.placement
     cfg = replace(cfg, trainer=replace(cfg.trainer, output_dir=str(Path(cfg.trainer.output_dir).resolve())))
+    _build_images(cfg)
     started_here = not ray.is_initialized()
     if started_here:
-        run = f"envkit-{os.getpid()}"
-        # Every actor of the run, and every process one starts (a vLLM server, an agent), carries the run's name.
-        ray.init(address=p.address, num_cpus=None if p.address else p.cluster_cpus or _cpus_needed(cfg),
-                 namespace=run, runtime_env={"env_vars": {RUN_ENV: run}}, include_dashboard=False,
-                 log_to_driver=True)
+        os.environ[RUN_ENV] = f"envkit-{os.getpid()}"
+        if p.address:  # a cluster's own settings stand; through Ray Client (ray://) there is no other kind
+            ray.init(address=p.address, namespace=os.environ[RUN_ENV], log_to_driver=True)
+        else:
+            ray.init(num_cpus=p.cluster_cpus or _cpus_needed(cfg), namespace=os.environ[RUN_ENV],
+                     include_dashboard=False, log_to_driver=True)
     group, ranks = None, []
     try:
         group = ready_group(p.trainer_resources, p.trainer_ranks, "trainer ranks")
-        ranks = [TrainerRank.options(name=f"trainer-rank-{i}", **actor_options(p.trainer_resources, group)).remote()  # type: ignore[attr-defined]
+        ranks = [TrainerRank.options(name=f"{TRAINER_RANK}{i}", **actor_options(p.trainer_resources, group)).remote()  # type: ignore[attr-defined]
                  for i in range(p.trainer_ranks)]
+        for i, node in enumerate(ray.get([r.node.remote() for r in ranks])):
+            log.info("%s%d on %s", TRAINER_RANK, i, node)
         master = ray.get(ranks[0].rendezvous.remote())
         runs = [r.train.remote(cfg, i, p.trainer_ranks, master, os.getcwd()) for i, r in enumerate(ranks)]
         pending = list(runs)
@@ -94,6 +102,21 @@ def launch_on_ray(cfg: Config) -> dict[str, Any]:
             remove_placement_group(group)
         if started_here:
             ray.shutdown()
+
+
+def _build_images(cfg: Config) -> None:
+    """Build the run's Docker env images here first, where this driver reaches a Docker engine: the nodes of a
+    container cluster (trainer/cluster.py) share it, and have no package index to build from. Elsewhere each node
+    builds its own when its first env worker needs it."""
+    sandboxed = [env.name for env in cfg.env.members if env.sandbox in ("docker", "auto")]
+    if not sandboxed:
+        return
+    from sandboxes.engine import engine_reachable
+    from sandboxes.images import build
+
+    if engine_reachable():
+        for name in sandboxed:
+            build(name)
 
 
 def _cpus_needed(cfg: Config) -> int:

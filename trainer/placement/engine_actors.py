@@ -22,6 +22,7 @@ from generators.engines.factory import EngineConfig, make_engine
 from generators.engines.replicas import ReplicaDied
 from generators.engines.transports.ray_store import store_view
 from generators.engines.weight_sync import WeightSyncConfig
+from generators.nodes import node_name
 
 
 @ray.remote
@@ -60,6 +61,10 @@ class EngineActor:
 
     async def stop(self) -> None:
         await self.engine.stop()
+
+    def node(self) -> str:
+        """The node this replica runs on."""
+        return node_name()
 
     def requests_in_flight(self) -> int:
         """Requests being served now (what a test waits for before it kills a replica mid-step)."""

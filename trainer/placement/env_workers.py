@@ -24,6 +24,7 @@ from envkit.ref import EnvRef
 from envkit.remote import SNAPSHOT_KEY_ENV
 from envkit.rewards.rubrics import Score
 from generators.engines.base import published
+from generators.nodes import node_name
 from sandboxes.base import snapshot_key
 from trainer.placement.groups import SHUTDOWN_TIMEOUT_S, actor_options, ready_group
 
@@ -91,6 +92,10 @@ class EnvWorker:
         env = self.envs.pop(key, None)
         if env is not None:
             await env.close()
+
+    def node(self) -> str:
+        """The node this worker runs on."""
+        return node_name()
 
     def episodes(self) -> int:
         """Envs open now (what a test waits for before it kills a worker mid-step)."""

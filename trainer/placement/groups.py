@@ -3,12 +3,18 @@ and env workers."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+RUN_ENV = "ENVKIT_RUN"
+"""The run's name (its Ray namespace), in the environment of the driver, of the run's actors and of the processes
+they start (a vLLM server, an agent)."""
+TRAINER_RANK = "trainer-rank-"
+"""A trainer rank actor's name, before its rank."""
 READY_TIMEOUT_S = 600.0
 SHUTDOWN_TIMEOUT_S = 60.0
 
@@ -17,6 +23,8 @@ def actor_options(resources: dict[str, float], group: PlacementGroup | None = No
     """Ray ``.options()`` for an actor needing ``resources`` (``CPU``, ``GPU``, custom), in ``group`` if given."""
     options: dict[str, Any] = {"num_cpus": resources.get("CPU", 0), "num_gpus": resources.get("GPU", 0),
                                "resources": {k: v for k, v in resources.items() if k not in ("CPU", "GPU")}}
+    if RUN_ENV in os.environ:  # the actor passes it on to those it makes
+        options["runtime_env"] = {"env_vars": {RUN_ENV: os.environ[RUN_ENV]}}
     if group is not None:
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group)
     return options

@@ -10,17 +10,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from envkit import Env
 from envkit.ref import EnvRef
 from generators.engines.base import InferenceEngine
 from generators.engines.replicas import ReplicaSet
+from generators.nodes import node_name
 from trainer.config import Config
 from trainer.placement.base import Placement
 from trainer.placement.engine_actors import ActorEngine, EngineActor, WeightStage
 from trainer.placement.env_workers import EnvWorkerPool, WorkerEnv
-from trainer.placement.groups import actor_options, ready_group
+from trainer.placement.groups import TRAINER_RANK, actor_options, ready_group
 
 
 class RayPlacement(Placement):
@@ -67,6 +69,19 @@ class RayPlacement(Placement):
         if self.workers is not None:
             values.update({"envs/workers": len(self.workers.load), "envs/worker_restarts": self.workers.restarts})
         return values
+
+    def nodes(self) -> dict[str, str]:
+        """The node of rank 0 (this actor) and of every actor it placed: replicas, env workers, reward models. (The
+        other ranks, busy training, cannot answer: the driver logs theirs when it starts them.)"""
+        where = {ray.get_runtime_context().get_actor_name() or "trainer-rank-0": node_name()}
+        for name in sorted(ray.util.list_named_actors()):  # this run's namespace
+            if name.startswith(TRAINER_RANK):
+                continue
+            try:
+                where[name] = ray.get(ray.get_actor(name).node.remote(), timeout=60)
+            except (ValueError, ray.exceptions.RayError) as e:  # it died since it was listed
+                where[name] = f"gone ({type(e).__name__})"
+        return where
 
     async def close(self) -> None:
         if self.workers is not None:

@@ -1,0 +1,12 @@
+"""Where a process of a Ray run lives, as the run's summary names it (``python -m trainer``'s ``nodes``)."""
+
+from __future__ import annotations
+
+import socket
+
+
+def node_name() -> str:
+    """This node's host name and address as the cluster knows it, e.g. ``worker1 (172.18.0.3)``."""
+    import ray
+
+    return f"{socket.gethostname()} ({ray.util.get_node_ip_address()})"
