@@ -31,7 +31,7 @@ export ENVKIT_VERIFIERS_PYTHON ?= $(CURDIR)/$(VERIFIERS_VENV)/bin/python
 # One project cache for what is expensive and deterministic: the converted model, server logs.
 export ENVKIT_CACHE_DIR ?= $(CURDIR)/.cache
 
-.PHONY: help install model docker-up browser docs docs-serve test test-fast mutants lint bench train train-agent clean
+.PHONY: help install model docker-up cluster-up cluster-down browser docs docs-serve test test-fast mutants lint bench train train-agent clean
 
 help:  ## show the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -83,6 +83,12 @@ model: install  ## convert the bundled SmolLM2-135M-Instruct into an HF checkpoi
 
 docker-up: install  ## Docker for sandboxes: install docker.io, start dockerd, build the base image (idempotent)
 	$(PY) -m sandboxes.engine up
+
+cluster-up: install docker-up  ## a multi-node Ray cluster of Docker containers on this machine (head + 2 workers; docs/training/multi-node.md)
+	$(PY) -m trainer.cluster up
+
+cluster-down:  ## remove the container cluster: its nodes, their sandboxes, its networks
+	$(PY) -m trainer.cluster down
 
 browser:  ## headless Chromium for the report tests (Debian's chromium through apt-get, once; needs root)
 	@command -v chromium >/dev/null || { echo ">> installing chromium with apt-get (once)"; \
