@@ -1,21 +1,27 @@
 """A multi-node Ray cluster of Docker containers on this machine (trainer/cluster.py): `python -m trainer.cluster up`,
-two training steps placed across its nodes from this host's driver, and `down` leaving nothing of it (and everything
-that is not its own).
+one training run placed across its nodes from this host's driver, two kills in its first step, and `down` leaving
+nothing of the cluster (and everything that is not its own).
 
-The run: the trainer rank (and the capture gateway, in rank 0) on the head; the vLLM replica on worker1 with the
-reward model's actor; two env workers on worker2 holding a Docker-sandboxed arithmetic env (its containers siblings
-on the cluster's sandbox network) and an agent env whose openai-SDK agent calls the gateway on the head. Tiny model:
-what is checked is where each part ran and that every rollout crossed the nodes it had to, not what it learned.
+The run: the trainer rank (and the capture gateway, in rank 0) on the head; two vLLM replicas on worker1 with the
+reward model's actor; two env workers on worker2 playing a Docker-sandboxed arithmetic env (each worker a warm pool
+of its own, the containers the nodes' siblings on the cluster's sandbox network) and an agent env whose openai-SDK
+agent calls the gateway on the head. A worker holding containers and a replica serving requests are killed in step 1:
+the step completes, the worker's open rollouts are counted failed (and said so, with their errors), the replica's
+requests go to the other one, and both are replaced on their nodes. Tiny model: what is checked is where each part
+ran and what crossed the nodes, not what it learned.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+import psutil
 import pytest
 from tiny import env_with_tests, tiny_model_dir
 
@@ -32,9 +38,32 @@ def _cluster(*argv: str, env: dict[str, str]) -> str:
     return done.stdout
 
 
+def _run_servers(namespace: str, within_s: float = 30.0) -> list[int]:
+    """The run's vLLM servers (on any node: this host sees the nodes' processes) still up ``within_s`` after it
+    ended (a server's watchdog ends it a moment after the actor that started it died)."""
+    from trainer.placement.groups import RUN_ENV
+
+    def left() -> list[int]:
+        return [p.pid for p in psutil.process_iter(["cmdline", "environ"])
+                if "vllm.entrypoints.openai.api_server" in " ".join(p.info["cmdline"] or ())
+                and (p.info["environ"] or {}).get(RUN_ENV) == namespace]
+
+    deadline = time.monotonic() + within_s  # a hang guard, not a speed check
+    while (found := left()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return found
+
+
+def _probe(client: Any, *argv: str) -> Any:
+    """What tests/cluster_probe.py prints, run inside the cluster's head node."""
+    head = client.containers.get(f"{NAME}-head")
+    done = head.exec_run([sys.executable, str(Path(__file__).with_name("cluster_probe.py")), *argv])
+    assert done.exit_code == 0, done.output.decode(errors="replace")[-3000:]
+    return json.loads(done.output.decode().strip().splitlines()[-1])
+
+
 @pytest.mark.hold_machine
-def test_two_steps_on_three_container_nodes_place_each_role_where_it_was_pinned(docker_client, tmp_path):
-    from sandboxes.docker import SANDBOX_LABEL
+def test_a_run_across_three_container_nodes_places_each_role_and_survives_two_kills(docker_client, tmp_path):
     from sandboxes.engine import BASE_IMAGE
     from trainer.cluster import CLUSTER_LABEL
 
@@ -50,53 +79,69 @@ def test_two_steps_on_three_container_nodes_place_each_role_where_it_was_pinned(
         out = tmp_path / "run"
         mixture = ('env.mixture=[{name: arithmetic, sandbox: docker, kwargs: {rubric: "rubric_parts:on_worker1"}},'
                    ' {name: "agent_envs:sums"}]')
+        log = (tmp_path / "driver.log").open("w")  # a pipe nobody reads while the test polls would fill up
         process = subprocess.Popen(
             [sys.executable, "-m", "trainer", "placement.backend=ray", f"placement.address={driver['ENVKIT_CLUSTER']}",
              f"trainer.output_dir={out}", f"model.path={tiny_model_dir()}", "inference.engine=vllm",
              "inference.kv_cache_gib=1", "trainer.steps=2", "trainer.save_every=1", "trainer.eval_tasks=0",
-             "logging.progress=false", "generator.prompts_per_step=2", "generator.samples_per_prompt=4",
+             "logging.progress=false", "generator.prompts_per_step=2", "generator.samples_per_prompt=8",
              "generator.max_tokens=16", "trainer.micro_batch_tokens=2048", "trainer.warmup_steps=0",
-             "placement.env_workers=2", mixture, "generator.gateway_host=0.0.0.0",
+             "placement.inference_replicas=2", "placement.env_workers=2", mixture, "generator.gateway_host=0.0.0.0",
              "+placement.trainer_resources.head=1", "+placement.replica_resources.worker1=1",
              "+placement.env_worker_resources.worker2=1"],
-            cwd=REPO, env={**env, **driver}, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        sandboxes: set[str] = set()  # seen on the cluster's sandbox network while the run goes
-        deadline = time.monotonic() + 900  # a hang guard, not a speed check
-        while process.poll() is None and time.monotonic() < deadline:
-            sandboxes |= {c.name for c in docker_client.containers.list(ignore_removed=True, filters={
-                "label": SANDBOX_LABEL, "network": f"{NAME}-sandboxes"})}
-            time.sleep(0.5)
-        if process.poll() is None:
-            process.kill()
-        output = process.communicate()[0]
+            cwd=REPO, env={**env, **driver}, text=True, stdout=log, stderr=subprocess.STDOUT)
+        namespace = f"envkit-{process.pid}"
+        try:
+            sandboxes = set(_probe(docker_client, "kill", namespace, f"{NAME}-sandboxes"))  # seen while the run went
+            assert _run_servers(namespace, within_s=0), "the run's live servers are not found: the check is blind"
+            process.wait(timeout=900)  # a hang guard, not a speed check
+        finally:
+            if process.poll() is None:
+                process.kill()
+        output = (tmp_path / "driver.log").read_text()
         assert process.returncode == 0, output[-4000:]
+        run_actors = _probe(docker_client, "actors", namespace)
+        after_run = {c.name for c in docker_client.containers.list(all=True, ignore_removed=True)}
 
         summary = json.loads((out / "summary.json").read_text())
         hosts = {name: where.split()[0] for name, where in summary["nodes"].items()}
-        reward = [name for name in hosts if name.startswith("envkit-reward-")]
-        assert hosts == {"trainer-rank-0": "head", "replica-0": "worker1", "env-worker-0": "worker2",
-                         "env-worker-1": "worker2", reward[0]: "worker1"}, summary["nodes"]
-        metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        assert [m["step"] for m in metrics] == [1, 2]
-        for m in metrics:
-            assert m["rollout/failed"] == 0 and m["env/arithmetic/stop/done"] == 4 and m["env/sums/stop/done"] == 4
-            assert 0 < m["rubric/reward_model"] < 1  # scored by the actor on worker1
+        assert {(re.sub(r"-\d+$|-[0-9a-f]{16}$", "", name), host) for name, host in hosts.items()} == {
+            ("trainer-rank", "head"), ("replica", "worker1"), ("env-worker", "worker2"), ("envkit-reward", "worker1")
+        }, summary["nodes"]
+        assert {"replica-1", "replica-2", "env-worker-1", "env-worker-2"} <= set(hosts)  # the replacements
+
+        metrics = {m["step"]: m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+        assert sorted(metrics) == [1, 2], output[-4000:]
+        failed = {step: int(m["rollout/failed"]) for step, m in metrics.items() if m["rollout/failed"]}
+        assert failed, metrics
+        warned = dict(re.findall(r"step (\d+): (\d+) of \d+ rollouts failed and were not trained on; first errors: "
+                                 r"\S", output))
+        assert {int(s): int(n) for s, n in warned.items()} == failed, output[-4000:]
+        assert "inference replica 0 died under a request" in output and "env worker env-worker-0 died" in output
+        assert metrics[2]["envs/worker_restarts"] == 1 and metrics[2]["envs/workers"] == 2
+        assert metrics[2]["inference/replicas_lost"] == 1
+        for m in metrics.values():
             assert m["weights/from_memory"] == 1  # the new weights crossed to worker1 through the object store
+        scored = [m for m in metrics.values() if m["env/arithmetic/trained"]]
+        assert scored and all(0 < m["rubric/reward_model"] < 1 for m in scored)  # by the actor on worker1
+        assert any(m.get("train/grad_norm", 0) > 0 for m in metrics.values())  # the run trained
         assert sandboxes, "no sandbox container on the cluster's sandbox network"
-        agents = [json.loads(line) for line in (out / "final_trajectories.jsonl").read_text().splitlines()]
-        agents = [t for t in agents if t["env_name"] == "sums"]
+        trajs = [json.loads(line) for line in (out / "final_trajectories.jsonl").read_text().splitlines()]
+        agents = [t for t in trajs if t["env_name"] == "sums" and not t["error"]]
         # each episode's two calls were captured by the gateway on the head, from an agent on worker2
         assert agents and all(t["num_turns"] == 2 and sum(t["loss_mask"]) > 0 for t in agents), agents[:1]
-        assert sorted(p.name for p in (out / "checkpoints").iterdir()) >= ["step-000001", "step-000002"]
+        assert {"step-000001", "step-000002"} <= {p.name for p in (out / "checkpoints").iterdir()}
+        assert run_actors == [] and _run_servers(namespace) == []
+        # the dead worker's containers too: its pool could not drain them, the run's end removed them
+        assert not sandboxes & after_run, sorted(sandboxes & after_run)
     finally:
         removed = _cluster("down", env=env)
         left = docker_client.containers.list(all=True, ignore_removed=True,
                                              filters={"label": f"{CLUSTER_LABEL}={NAME}"})
         networks = [n.name for n in docker_client.networks.list(filters={"label": f"{CLUSTER_LABEL}={NAME}"})]
-        still = f"{NAME}-worker9" in {c.name for c in docker_client.containers.list(all=True, ignore_removed=True)}
+        names = {c.name for c in docker_client.containers.list(all=True, ignore_removed=True)}
         decoy_kept = bool(docker_client.networks.list(names=[f"{NAME}-other"]))
         decoy.remove(force=True)
         decoy_net.remove()
     assert f"removed {NAME}-head" in removed and f"removed network {NAME}-sandboxes" in removed, removed
-    assert left == [] and networks == [] and still and decoy_kept
-    assert not sandboxes & {c.name for c in docker_client.containers.list(all=True, ignore_removed=True)}
+    assert left == [] and networks == [] and f"{NAME}-worker9" in names and decoy_kept

@@ -5,13 +5,10 @@ replicas and env workers as actors, in two runs of `python -m trainer placement.
 - 2 trainer ranks + 2 seeded HF replicas + 2 env workers train as the local one-process run does, step for step;
   trainer rank 1 killed after step 2 ends the run cleanly, and `trainer.resume=latest` trains the rest of it as the
   local run did;
-- 2 vLLM replicas + 2 env workers whose envs run in Docker sandboxes, scored by one reward-model actor: a worker
-  holding containers and a replica serving requests are killed in step 1; the step completes, the worker's rollouts
-  are counted failed, the replica's requests go to the other one, both are replaced, and no container, vLLM server
-  or actor of the run is left;
 - ``weight_sync.transport=ray``: a vLLM server's workers take pushed weights from the cluster's object store.
 
 Env workers playing agent envs and sharing a reward model on the session's vLLM server: tests/test_ray_env_workers.py.
+Kills of a replica and of a sandboxed env worker, on a multi-node cluster of containers: tests/test_cluster.py.
 """
 
 from __future__ import annotations
@@ -22,11 +19,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-import psutil
 import pytest
 from test_trainer import _metrics
 from tiny import env_with_tests, on_tiny_model, tiny_model_dir
@@ -48,22 +42,6 @@ TINY = ["trainer.eval_tasks=0", "logging.progress=false", "generator.prompts_per
         "trainer.warmup_steps=0", "trainer.lr=1e-3"]
 
 
-def _run_servers(namespace: str, within_s: float = 30.0) -> list[int]:
-    """The run's vLLM servers still up ``within_s`` after it ended (a server's watchdog ends it a moment after the
-    actor that started it died); another test's live run has its own name."""
-    from trainer.placement.groups import RUN_ENV
-
-    def left() -> list[int]:
-        return [p.pid for p in psutil.process_iter(["cmdline", "environ"])
-                if "vllm.entrypoints.openai.api_server" in " ".join(p.info["cmdline"] or ())
-                and (p.info["environ"] or {}).get(RUN_ENV) == namespace]
-
-    deadline = time.monotonic() + within_s  # a hang guard, not a speed check
-    while (found := left()) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return found
-
-
 def _run_actors(namespace: str) -> list[str]:
     import ray
 
@@ -76,24 +54,6 @@ def _start(out: Path, address: str, *overrides: str) -> subprocess.Popen[str]:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env_with_tests())
 
 
-def _kill_when_busy(process: subprocess.Popen[str], namespace: str, name: str, busy: Callable[[Any], bool]) -> None:
-    """Kill the run's actor ``name`` as soon as ``busy(actor)`` says it has work (the run must still be going)."""
-    import ray
-
-    deadline = time.monotonic() + 600  # a hang guard, not a speed check
-    while True:
-        assert process.poll() is None, process.communicate()[0][-4000:]
-        assert time.monotonic() < deadline, f"{name} never got work"
-        try:
-            actor = ray.get_actor(name, namespace=namespace)
-            if busy(actor):
-                break
-        except (ValueError, ray.exceptions.RayError):
-            pass  # not created yet, or still starting
-        time.sleep(0.2)
-    ray.kill(actor)
-
-
 def _finish(process: subprocess.Popen[str], timeout: float = 900) -> str:
     try:
         output, _ = process.communicate(timeout=timeout)
@@ -103,15 +63,6 @@ def _finish(process: subprocess.Popen[str], timeout: float = 900) -> str:
         pytest.fail(f"the run did not end within {timeout:.0f} s:\n{output[-4000:]}")
     assert process.returncode == 0, output[-4000:]
     return output
-
-
-def _orphaned_sandboxes(client: Any) -> list[str]:
-    """Sandbox containers whose owner process is gone: what a dead env worker leaves if nobody removes it (those of
-    live owners, another test's included, are theirs)."""
-    from sandboxes.docker import OWNER_LABEL, SANDBOX_LABEL, _owner_alive
-
-    return [c.name for c in client.containers.list(all=True, ignore_removed=True, filters={"label": SANDBOX_LABEL})
-            if not _owner_alive(c.labels.get(OWNER_LABEL, ""))]
 
 
 def test_ranks_replicas_and_env_workers_train_as_the_local_run_does_through_a_rank_kill_and_a_resume(cluster,
@@ -165,66 +116,6 @@ def test_ranks_replicas_and_env_workers_train_as_the_local_run_does_through_a_ra
     # both replicas served: new rollouts go to the least-loaded one
     assert got[1]["inference/replica0/requests"] > 0 and got[1]["inference/replica1/requests"] > 0
     assert _run_actors(f"envkit-{resumed.pid}") == []
-
-
-def test_kills_of_a_replica_and_a_sandboxed_env_worker_fail_only_their_rollouts(cluster, docker_client,
-                                                                                 arithmetic_image, tmp_path):
-    """vLLM replicas, env workers each borrowing Docker containers from a warm pool of its own, and the bundled reward
-    head as half of each rollout's reward (``rubric_parts:graded``): one named reward actor in the run's namespace
-    scores every worker's episodes. A worker holding containers and a replica serving requests are killed while
-    they serve step 1: the step completes, the worker's open rollouts are counted failed (and said so, with their
-    errors), the replica's requests go to the other one, and both are replaced. The containers the dead worker's
-    pool held are removed (it cannot: it was SIGKILLed), and so are the others' at the end."""
-    import ray
-
-    from sandboxes.docker import SANDBOX_LABEL
-
-    def sandboxes() -> set[str]:
-        return {c.id for c in docker_client.containers.list(all=True, sparse=True, filters={"label": SANDBOX_LABEL})}
-
-    before_sandboxes = sandboxes()
-    out = tmp_path / "run"
-    process = _start(out, cluster, f"model.path={tiny_model_dir()}", "inference.engine=vllm",
-                     "inference.kv_cache_gib=1", "trainer.steps=2", *TINY, "generator.samples_per_prompt=8",
-                     "placement.inference_replicas=2", "placement.env_workers=2", "env.sandbox=docker",
-                     "+env.kwargs.rubric=rubric_parts:graded")
-    namespace = f"envkit-{process.pid}"
-    try:
-        _kill_when_busy(process, namespace, "env-worker-0", lambda worker: ray.get(
-            worker.episodes.remote(), timeout=10) > 0 and bool(sandboxes() - before_sandboxes))
-        _kill_when_busy(process, namespace, "replica-0",
-                        lambda replica: ray.get(replica.requests_in_flight.remote(), timeout=10) > 0)
-        assert _run_servers(namespace, within_s=0), "the run's live servers are not found: the check below is blind"
-        deadline = time.monotonic() + 600  # a hang guard, not a speed check
-        while not (rewards := [a for a in _run_actors(namespace) if a.startswith("envkit-reward-")]):
-            assert process.poll() is None, process.communicate()[0][-4000:]  # made when the first episode ends
-            assert time.monotonic() < deadline, "no reward actor within 600 s"
-            time.sleep(0.2)
-        output = _finish(process)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    metrics = _metrics(out)
-    assert sorted(metrics) == [1, 2], output[-4000:]
-    failed = {step: int(m["rollout/failed"]) for step, m in metrics.items() if m["rollout/failed"]}
-    assert failed, metrics
-    warned = dict(re.findall(r"step (\d+): (\d+) of \d+ rollouts failed and were not trained on; first errors: \S",
-                             output))
-    assert {int(s): int(n) for s, n in warned.items()} == failed, output[-4000:]
-    assert metrics[2]["envs/worker_restarts"] == 1 and metrics[2]["envs/workers"] == 2
-    assert metrics[2]["inference/replicas_lost"] == 1
-    assert "inference replica 0 died under a request" in output and "env worker env-worker-0 died" in output
-    assert all(m["weights/from_memory"] == 1 for m in metrics.values())  # through the object store
-    assert len(rewards) == 1  # one reward model for every worker
-    scored = [m for m in metrics.values() if m["rollout/failed"] < 16]  # a step the kills failed whole scored none
-    assert scored, metrics
-    for m in scored:
-        assert 0 < m["rubric/reward_model"] < 1 and m["reward/mean"] == pytest.approx(m["rubric/weighted_sum"]), m
-    assert any(m.get("train/grad_norm", 0) > 0 for m in metrics.values())  # the run trained
-
-    assert _run_actors(namespace) == []
-    assert _run_servers(namespace) == []
-    assert _orphaned_sandboxes(docker_client) == []
 
 
 def _store_objects() -> int:
