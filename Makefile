@@ -31,7 +31,7 @@ export ENVKIT_VERIFIERS_PYTHON ?= $(CURDIR)/$(VERIFIERS_VENV)/bin/python
 # One project cache for what is expensive and deterministic: the converted model, server logs.
 export ENVKIT_CACHE_DIR ?= $(CURDIR)/.cache
 
-.PHONY: help install model docker-up cluster-up cluster-down browser docs docs-serve test test-fast mutants lint bench train train-agent clean
+.PHONY: help install model docker-up cluster-image cluster-up cluster-down browser docs docs-serve test test-fast mutants lint bench train train-agent clean
 
 help:  ## show the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -84,7 +84,10 @@ model: install  ## convert the bundled SmolLM2-135M-Instruct into an HF checkpoi
 docker-up: install  ## Docker for sandboxes: install docker.io, start dockerd, build the base image (idempotent)
 	$(PY) -m sandboxes.engine up
 
-cluster-up: install docker-up  ## a multi-node Ray cluster of Docker containers on this machine (head + 2 workers; docs/training/multi-node.md)
+cluster-image: install docker-up  ## the container cluster's node image (Debian, libnuma, g++; about a minute, once)
+	$(PY) -m trainer.cluster image
+
+cluster-up: cluster-image  ## a multi-node Ray cluster of Docker containers on this machine (head + 2 workers; docs/training/multi-node.md)
 	$(PY) -m trainer.cluster up
 
 cluster-down:  ## remove the container cluster: its nodes, their sandboxes, its networks
@@ -126,7 +129,7 @@ TEST_WORKERS ?= 2
 # ENVKIT_TESTS_STRICT: what the prerequisites installed (Docker, DeepSpeed, ...) must work; a part that does not
 # fails the run, naming it, instead of skipping its tests (tests/required.py).
 # Durations, each worker's time and the budget line go to .cache/test-report/ (tests/suite_report.py), pass or fail.
-test: install model docker-up browser docs  ## the whole test suite (real vLLM servers, containers, training runs)
+test: install model docker-up cluster-image browser docs  ## the whole test suite (real vLLM servers, containers, training runs)
 	ENVKIT_TESTS_STRICT=1 ENVKIT_TEST_REPORT=$(ENVKIT_CACHE_DIR)/test-report $(VENV)/bin/pytest -q \
 		-n $(TEST_WORKERS) --dist loadgroup --junitxml=$(ENVKIT_CACHE_DIR)/test-report/junit.xml
 

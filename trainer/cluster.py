@@ -5,6 +5,7 @@
     python -m trainer placement.backend=ray placement.address=$ENVKIT_CLUSTER trainer.output_dir=$ENVKIT_SHARED/run
     python -m trainer.cluster status                # the nodes, their addresses and state
     python -m trainer.cluster down                  # every container and network it made, and nothing else
+    python -m trainer.cluster image                 # build the nodes' image only (``up`` does when it is missing)
 
     host: the driver (Ray Client, ray://HEAD:10001)
       │  network NAME            internal bridge: the nodes' Ray traffic, the capture gateway, env servers
@@ -223,10 +224,12 @@ def status(name: str) -> list[tuple[str, str, str]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m trainer.cluster``: up, env, status or down."""
-    parser = argparse.ArgumentParser(prog="python -m trainer.cluster", description=__doc__.split("\n\n")[0],
+    """``python -m trainer.cluster``: up, env, status, down or image."""
+    parser = argparse.ArgumentParser(prog="python -m trainer.cluster", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["up", "env", "status", "down"])
+    parser.add_argument("command", choices=["up", "env", "status", "down", "image"],
+                        help="up: start it; env: the exports that join it; status: its nodes; down: remove it; "
+                             "image: build the nodes' image")
     parser.add_argument("--name", default="envkit-cluster", help="the cluster's name: its network and container "
                         "prefix (default: %(default)s)")
     parser.add_argument("--workers", type=int, default=2, help="worker nodes besides the head (default: %(default)s)")
@@ -246,6 +249,8 @@ def main(argv: list[str] | None = None) -> None:
               f"join it from this shell: eval \"$(python -m trainer.cluster env --name {args.name})\"")
     elif args.command == "env":
         print("\n".join(f"export {k}={v}" for k, v in driver_env(args.name).items()))
+    elif args.command == "image":
+        ensure_base_image(docker_client(), NODE_IMAGE, NODE_PACKAGES)
     elif args.command == "status":
         for row in status(args.name):
             print("\t".join(row))
