@@ -31,7 +31,7 @@ export ENVKIT_VERIFIERS_PYTHON ?= $(CURDIR)/$(VERIFIERS_VENV)/bin/python
 # One project cache for what is expensive and deterministic: the converted model, server logs.
 export ENVKIT_CACHE_DIR ?= $(CURDIR)/.cache
 
-.PHONY: help install model docker-up cluster-image cluster-up cluster-down browser docs docs-serve test test-fast mutants lint bench train train-agent clean
+.PHONY: help install model docker-up cluster-image cluster-up cluster-down browser docs docs-serve test test-fast faults mutants lint bench train train-agent clean
 
 help:  ## show the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -135,6 +135,10 @@ test: install model docker-up cluster-image browser docs  ## the whole test suit
 
 test-fast: install model browser $(MERMAID_JS)  ## the tests that need no vLLM, Docker or training run (a few minutes): the inner loop
 	$(VENV)/bin/pytest -q -m "not e2e" --durations=10
+
+# Not part of `make test` (about 15 minutes): each fault's run, on a container cluster of its own.
+faults: install model docker-up cluster-image  ## inject each fault into a run on a container cluster (tests/faults.py); prints the table
+	$(PY) tests/faults.py $(ARGS)
 
 # Not part of `make test`: each mutant runs its guarding test once more (minutes for the e2e ones).
 mutants: install model docker-up  ## break each guarded feature (tests/mutate.py) and check that its test fails

@@ -6,7 +6,9 @@ import socket
 
 
 def node_name() -> str:
-    """This node's host name and address as the cluster knows it, e.g. ``worker1 (172.18.0.3)``."""
+    """This node's host name, and in a Ray cluster its address there, e.g. ``worker1 (172.18.0.3)``."""
     import ray
 
+    if not ray.is_initialized():
+        return socket.gethostname()
     return f"{socket.gethostname()} ({ray.util.get_node_ip_address()})"

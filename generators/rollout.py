@@ -2,9 +2,10 @@
 
 :class:`Generator` runs ``samples_per_prompt`` rollouts per task or seed, ``concurrency`` at a time, each within its
 wall-clock ``timeout`` and its env's lifetime; an ``error`` raised by the env or the engine ends that rollout only
-(recorded on the trajectory). How an episode is played is its runner's (generators/episodes/): a chat episode the
-generator steps turn by turn, an agent env's episode through the capture gateway, or a demonstration
-(:meth:`Generator.demonstrate`) with the env's own turns in the model's place.
+(recorded on the trajectory), except :class:`PartLost`, which ends the batch. How an episode is played is its
+runner's (generators/episodes/): a chat episode the generator steps turn by turn, an agent env's episode through
+the capture gateway, or a demonstration (:meth:`Generator.demonstrate`) with the env's own turns in the model's
+place.
 
 With ``branch_at=k`` a group's rollouts share their first k turns: the first plays them and snapshots its env
 (``Env.snapshot``), and the others continue from there in envs restored from the snapshot, so that they differ only
@@ -41,6 +42,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 EnvFactory = Callable[[], Env]
+
+
+class PartLost(RuntimeError):
+    """A part the run needs is gone for good (an env worker that no live node can host again): raised through
+    :meth:`Generator.generate` rather than failing one rollout, since every later one would fail the same way."""
 
 
 @dataclass
@@ -336,6 +342,8 @@ class Generator:
                                                        resumed=resume is not None)
         except TimeoutError:
             traj.stop_reason, traj.error = "timeout", f"rollout exceeded {self.config.timeout_s:g} s"
+        except PartLost:
+            raise
         except Exception as e:
             traj.stop_reason, traj.error = "error", _describe(e)
             log.debug("rollout failed", exc_info=True)

@@ -160,3 +160,15 @@ async def watching(markers: list[str], work: Awaitable[T]) -> tuple[T, dict[str,
             seen[marker] += [p for p in await asyncio.to_thread(marked, marker) if p not in seen[marker]]
         await asyncio.wait([task], timeout=0.2)
     return task.result(), seen
+
+
+def sums_until(flag: str) -> AgentEnv:
+    """:func:`sums`, until the file ``flag`` exists; from then on an agent that never calls the gateway (a fault
+    tests/faults.py switches on at the moment it picks)."""
+
+    async def play(task: Task, client: AgentClient) -> str:
+        if await asyncio.to_thread(os.path.exists, flag):
+            await asyncio.Event().wait()  # never calls, never returns
+        return await tool_loop(task, client, turns=2, max_tokens=24)
+
+    return _env(play)

@@ -4,6 +4,8 @@ process has already loaded Ray without the cluster's token authentication).
     python tests/cluster_probe.py kill NAMESPACE NETWORK   # kill env-worker-0 once it holds sandboxes, then replica-0
                                                           # once it serves; prints the sandboxes seen on NETWORK
     python tests/cluster_probe.py actors NAMESPACE         # prints the named actors left in NAMESPACE
+    python tests/cluster_probe.py groups NAMESPACE         # prints the placement groups not removed (any run's)
+    python tests/cluster_probe.py kill-node NAMESPACE NODE # docker kill NODE once env-worker-0 has episodes open
 """
 
 from __future__ import annotations
@@ -49,5 +51,21 @@ if __name__ == "__main__":
     ray.init(address="auto", namespace=namespace, logging_level="ERROR")
     if command == "kill":
         print(json.dumps(kill(sys.argv[3])))
-    else:
+    elif command == "kill-node":
+        deadline = time.monotonic() + 600  # a hang guard, not a speed check
+        while time.monotonic() < deadline:
+            try:
+                if ray.get(ray.get_actor("env-worker-0").episodes.remote(), timeout=10) > 0:
+                    connect().containers.get(sys.argv[3]).kill()
+                    print(json.dumps(time.time()))
+                    break
+            except (ValueError, ray.exceptions.RayError):
+                pass  # not created yet, or still starting
+            time.sleep(0.05)
+        else:
+            raise SystemExit("env-worker-0 never had episodes open")
+    elif command == "actors":
         print(json.dumps(sorted(ray.util.list_named_actors())))
+    else:
+        print(json.dumps(sorted(g["name"] or g["placement_group_id"] for g in ray.util.placement_group_table().values()
+                                if g["state"] != "REMOVED")))

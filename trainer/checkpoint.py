@@ -17,7 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
+from generators.nodes import node_name
 from trainer.backends.base import TrainBackend
 
 _PREFIX = "step-"
@@ -37,6 +39,10 @@ class TrainState:
     """Async mode: groups drawn but not trained (trainer/async_rollouts.py), so a resume loses none of them."""
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written; the run stops with the last complete one intact."""
+
+
 class CheckpointManager:
     """Saves to and finds checkpoints under ``root``."""
 
@@ -45,9 +51,23 @@ class CheckpointManager:
         self.keep_last = keep_last
 
     def save(self, backend: TrainBackend, state: TrainState) -> Path:
-        """Write a checkpoint for ``state.step`` (collective: every rank calls it)."""
+        """Write a checkpoint for ``state.step`` (collective: every rank calls it); :class:`CheckpointError` names
+        the step, the path and the node when the disk refuses it (full, gone, read-only)."""
         final = self.root / f"{_PREFIX}{state.step:06d}"
         tmp = self.root / f".{final.name}.tmp"
+        try:
+            return self._save(backend, state, final, tmp)
+        except (OSError, CheckpointException) as e:  # DCP wraps the ranks' OSErrors in the latter
+            shutil.rmtree(tmp, ignore_errors=True)  # what was written of it, so that the disk has room again
+            last = self.all()
+            cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e  # rank's own
+            why = getattr(cause, "strerror", None) or str(cause)
+            raise CheckpointError(
+                f"step {state.step}: writing its checkpoint to {final} on {node_name()} failed: {why}. The last "
+                f"complete checkpoint is {last[-1] if last else 'none'}: free the disk and rerun with "
+                "trainer.resume=latest") from e
+
+    def _save(self, backend: TrainBackend, state: TrainState, final: Path, tmp: Path) -> Path:
         if backend.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)

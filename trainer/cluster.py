@@ -110,7 +110,11 @@ def _node_env(sandboxes: str) -> dict[str, str]:
            # its own and kill actors at 95% in use.
            "RAY_memory_monitor_refresh_ms": "0", "HF_HUB_OFFLINE": "1",
            # and the machine's disk: a raylet would warn every 10 s of a disk 95% full that its nodes share
-           "RAY_local_fs_capacity_threshold": "0.99"}
+           "RAY_local_fs_capacity_threshold": "0.99",
+           # A node that stops answering is declared dead after 3 missed 2 s health checks (~6-8 s, not Ray's
+           # default ~30 s): its actors' callers learn it then (docs/training/multi-node.md, timeouts).
+           "RAY_health_check_period_ms": "2000", "RAY_health_check_timeout_ms": "2000",
+           "RAY_health_check_failure_threshold": "3"}
     for name in ("PYTHONPATH", "ENVKIT_CACHE_DIR"):  # the same paths mean the same things on every node
         if os.environ.get(name):
             env[name] = os.environ[name]

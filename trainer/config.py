@@ -250,6 +250,13 @@ class RolloutConfig(GeneratorConfig):
     max_total_tokens: int = 1024
     timeout_s: float = 120.0
     concurrency: int = 128
+    deadline_floor_s: float = 50.0
+    """Once a step has finished, a rollout is cut (stop reason ``timeout``, counted) at max(``deadline_steps`` × the
+    slowest step so far, this), never later than ``timeout_s`` (the first step's limit): a hung part (an env server
+    that stopped, an agent that never calls the gateway) costs each step that, not the whole timeout. The defaults
+    leave the step that hits the limit room to end and report it within max(2 × the slowest step, 60 s)."""
+    deadline_steps: float = 1.8
+    """See ``deadline_floor_s``."""
 
     @property
     def batch_size(self) -> int:
@@ -268,6 +275,9 @@ class RolloutConfig(GeneratorConfig):
             raise ConfigError(f"generator.{e}") from None
         if self.prompts_per_step < 1:
             raise ConfigError(f"generator.prompts_per_step must be >= 1, got {self.prompts_per_step}")
+        if self.deadline_floor_s <= 0 or self.deadline_steps < 1:
+            raise ConfigError("generator.deadline_floor_s must be > 0 and generator.deadline_steps >= 1, got "
+                              f"{self.deadline_floor_s} and {self.deadline_steps}")
         if self.temperature <= 0:
             raise ConfigError("generator.temperature must be > 0: training needs sampled, not greedy, rollouts")
 

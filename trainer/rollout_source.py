@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from generators import Trajectory
 from generators.report import first_errors
+from generators.rollout import PartLost
 from trainer.async_rollouts import AsyncRollouts, LoopThread
 from trainer.backends.base import TrainBackend
 from trainer.checkpoint import TrainState
@@ -28,6 +30,24 @@ if TYPE_CHECKING:
     from trainer.loop import StepBatch
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class RolloutDeadline:
+    """How long one rollout may run: ``generator.timeout_s`` until a step has finished, then max(``deadline_steps`` ×
+    the slowest step so far, ``deadline_floor_s``), never more than ``timeout_s`` (see trainer/config.py)."""
+
+    timeout_s: float
+    floor_s: float
+    steps: float
+    slowest_s: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        """The limit for the next step's rollouts."""
+        if not self.slowest_s:
+            return self.timeout_s
+        return min(self.timeout_s, max(self.steps * self.slowest_s, self.floor_s))
 
 
 class RolloutSource:
@@ -66,10 +86,18 @@ class SyncSource(RolloutSource):
         self.main = run
         assert run.generator is not None  # an RL run always has an engine
         self.generator = run.generator
+        g = run.cfg.generator
+        self.deadline = RolloutDeadline(g.timeout_s, g.deadline_floor_s, g.deadline_steps)
 
     def next(self, state: TrainState) -> tuple[list[Trajectory], int]:
         run = self.main
-        trajs = run.runner.run(run.envs.rollouts(self.generator, run.cfg.generator.prompts_per_step))
+        self.generator.config = replace(self.generator.config, timeout_s=self.deadline.seconds)
+        try:
+            trajs = run.runner.run(run.envs.rollouts(self.generator, run.cfg.generator.prompts_per_step))
+        except PartLost as e:
+            lost = PartLost(f"step {state.step + 1}: {e}")
+            log.error("%s: the run stops (its checkpoints are intact)", lost)  # now, not after the teardown
+            raise lost from e
         state.data = run.envs.state()
         return trajs, 0
 
@@ -82,8 +110,9 @@ class SyncSource(RolloutSource):
                         state.step, batch.counts["failed"], len(trajs), first_errors(failed, limit=3),
                         ", ".join(f"{env} {n}" for env, n in by_env.most_common()))
         metrics = {**rollout_metrics(trajs, batch, state.policy_version - 1), **metrics,
-                   **self.main.placement.metrics()}
+                   **self.main.placement.metrics(), "rollout/deadline_s": self.generator.config.timeout_s}
         self.main.logger.log_step(state.step, metrics, trajs)
+        self.deadline.slowest_s = max(self.deadline.slowest_s, metrics["time/step_s"])
 
 
 class AsyncSource(SyncSource):
@@ -103,6 +132,8 @@ class AsyncSource(SyncSource):
         self.started = True
 
     def next(self, state: TrainState) -> tuple[list[Trajectory], int]:
+        # the rollouts started from now on (they run ahead of the steps: the limit is per rollout, not per step)
+        self.generator.config = replace(self.generator.config, timeout_s=self.deadline.seconds)
         return self.loop.run(self.rollouts.batch(state.step))
 
     def serve(self, backend: TrainBackend, version: int) -> bool:

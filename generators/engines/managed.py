@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -297,6 +298,7 @@ class ServerBackedEngine(InferenceEngine):
                         self.server.log_tail(10))
             await self._disconnect()
             await self.server.stop()
+            began = time.monotonic()
             try:
                 await self.server.start()
                 self._connect()
@@ -305,6 +307,8 @@ class ServerBackedEngine(InferenceEngine):
                     await self._apply_weights(self._weights, self._version)
                 elif self._weights is not None:
                     await self._apply_tensors(self._weights, self._version)
+                log.warning("%s server restarted in %.1f s (restart %d), serving weights v%d", self.backend,
+                            time.monotonic() - began, self.restarts, self._version)
             except BaseException as e:
                 # Never leave a server up with the wrong weights: the next request restarts it again.
                 await self._disconnect()

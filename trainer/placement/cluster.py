@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -71,7 +72,7 @@ def launch_on_ray(cfg: Config) -> dict[str, Any]:
     if started_here:
         os.environ[RUN_ENV] = f"envkit-{os.getpid()}"
         if p.address:  # a cluster's own settings stand; through Ray Client (ray://) there is no other kind
-            ray.init(address=p.address, namespace=os.environ[RUN_ENV], log_to_driver=True)
+            _join(p.address, os.environ[RUN_ENV])
         else:
             ray.init(num_cpus=p.cluster_cpus or _cpus_needed(cfg), namespace=os.environ[RUN_ENV],
                      include_dashboard=False, log_to_driver=True)
@@ -102,6 +103,21 @@ def launch_on_ray(cfg: Config) -> dict[str, Any]:
             remove_placement_group(group)
         if started_here:
             ray.shutdown()
+
+
+def _join(address: str, namespace: str, attempts: int = 3) -> None:
+    """Connect to the cluster at ``address``. A Ray Client head sometimes fails to start a new client's server
+    (seen on a container cluster under load: "Starting Ray client server failed"); a second try gets one."""
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(address=address, namespace=namespace, log_to_driver=True)
+            return
+        except ConnectionError as e:  # ConnectionAbortedError included
+            if attempt == attempts or not address.startswith("ray://"):
+                raise
+            log.warning("joining %s failed (%s); trying again in 5 s", address, str(e).strip().splitlines()[-1])
+            ray.shutdown()
+            time.sleep(5)
 
 
 def _build_images(cfg: Config) -> None:

@@ -2,7 +2,9 @@
 
     EnvWorker      hosts the envs of many rollouts; WorkerEnv is the Env whose calls go to one
     EnvWorkerPool  picks the least-loaded worker per rollout and replaces a worker that died; the rollouts that were
-                   on it fail (recorded on their trajectories, dropped from the batch and counted) and the step goes on
+                   on it fail (recorded on their trajectories, dropped from the batch and counted) and the step goes on.
+                   A replacement no live node can host within :data:`PLACE_TIMEOUT_S` (its node died, and its
+                   resources pin it there) ends the step with :class:`PartLost`, naming it and its node
 """
 
 from __future__ import annotations
@@ -25,10 +27,14 @@ from envkit.remote import SNAPSHOT_KEY_ENV
 from envkit.rewards.rubrics import Score
 from generators.engines.base import published
 from generators.nodes import node_name
+from generators.rollout import PartLost
 from sandboxes.base import snapshot_key
 from trainer.placement.groups import SHUTDOWN_TIMEOUT_S, actor_options, ready_group
 
 log = logging.getLogger(__name__)
+
+PLACE_TIMEOUT_S = 30.0
+"""How long a rollout waits for its env worker to be placed and started (a few seconds when a node has room)."""
 
 
 @ray.remote
@@ -124,16 +130,40 @@ class EnvWorkerPool:
         self.indices = itertools.count()
         self.load: dict[Any, int] = {}
         self.names: dict[Any, str] = {}
+        self.nodes: dict[Any, Any] = {}
+        """Each worker's node, asked when it was spawned (an ObjectRef until it answers)."""
+        self.placed: dict[Any, asyncio.Future[Any]] = {}
+        self.lost_on: dict[str, str] = {}
+        """A dead worker's name -> the node it ran on, as its replacement's error names it."""
         self.restarts = 0
         for _ in range(size):
             self._spawn()
 
-    def _spawn(self) -> None:
+    def _spawn(self, replacing: str | None = None) -> None:
         name = f"env-worker-{next(self.indices)}"
         worker = EnvWorker.options(name=name, **actor_options(self.resources, self.group)).remote(  # type: ignore[attr-defined]
             self.sandbox_pool_size)
         self.load[worker] = 0
         self.names[worker] = name
+        self.nodes[worker] = worker.node.remote()
+        if replacing is not None:
+            self.lost_on[name] = self.lost_on.pop(replacing, "an unknown node")
+
+    async def ready(self, worker: Any) -> None:
+        """Wait until ``worker`` is placed and started; :class:`PartLost` if no node hosts it in time."""
+        if worker not in self.placed:
+            self.placed[worker] = asyncio.ensure_future(self.nodes[worker])
+        name = self.names.get(worker, "an env worker")
+        cause = f"; the worker it replaces died on {self.lost_on[name]}" if name in self.lost_on else ""
+        try:
+            async with asyncio.timeout(PLACE_TIMEOUT_S):
+                await asyncio.shield(self.placed[worker])
+        except TimeoutError:
+            raise PartLost(f"env worker {name} was not placed within {PLACE_TIMEOUT_S:g} s: no live node offers "
+                           f"{self.resources}{cause} (free: {ray.available_resources()})") from None
+        except RayActorError as e:  # placed on a node that was dying (Ray had not declared it dead yet)
+            raise PartLost(f"env worker {name} died before it started ({type(e).__name__}: "
+                           f"{str(e).strip().splitlines()[0]}){cause}") from None
 
     def pick(self) -> Any:
         """The least-loaded live worker, counted as holding one more env."""
@@ -150,16 +180,27 @@ class EnvWorkerPool:
         """``worker`` died: replace it (its rollouts have failed)."""
         if self.load.pop(worker, None) is None:
             return
-        log.warning("env worker %s died; its open rollouts fail and a replacement starts", self.names.pop(worker))
+        name = self.names.pop(worker)
+        done, _ = ray.wait([self.nodes.pop(worker)], timeout=0)
+        try:
+            self.lost_on[name] = ray.get(done[0]) if done else "a node it never reported"
+        except ray.exceptions.RayError:  # it died before it answered
+            self.lost_on[name] = "a node it never reported"
+        self.placed.pop(worker, None)
+        log.warning("env worker %s on %s died; its open rollouts fail and a replacement starts", name,
+                    self.lost_on[name])
         self.restarts += 1
-        self._spawn()
+        self._spawn(replacing=name)
 
     async def close(self) -> None:
         """Drain every worker's sandbox pools, end the workers, and remove what dead workers' pools left."""
         workers, self.load = list(self.load), {}
+        # a worker that never started (no node could host it) has nothing to drain, and would never answer
+        started = [w for w in workers if w in self.placed and self.placed[w].done()
+                   and not self.placed[w].cancelled() and self.placed[w].exception() is None]
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(SHUTDOWN_TIMEOUT_S):
-                await asyncio.gather(*(w.shutdown.remote() for w in workers), return_exceptions=True)
+                await asyncio.gather(*(w.shutdown.remote() for w in started), return_exceptions=True)
         for worker in workers:
             ray.kill(worker)
         remove_placement_group(self.group)
@@ -192,6 +233,7 @@ class WorkerEnv(Env):
     async def init(self) -> None:
         if self.worker is None:
             self.worker = self.pool.pick()
+            await self.pool.ready(self.worker)
             # the driver's snapshot key too: a sandbox's snapshot taken in one worker restores in another's
             if await self._call("open", self.key, self.ref, {**published(), SNAPSHOT_KEY_ENV: snapshot_key()}):
                 self._agent = _WorkerAgent(self)
