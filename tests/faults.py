@@ -300,7 +300,8 @@ FAULTS = [
           r"step \d+: \d+ of \d+ rollouts failed .*rollout exceeded", carries_on=True,
           overrides=[f'env.mixture=[{{name: "agent_envs:sums_until", kwargs: {{flag: "{SHARED}/silent"}}}}]']),
     Fault("env_server_stopped", "a remote env server stopped (SIGSTOP) mid-episode", stop_env_server,
-          r"step \d+: \d+ of \d+ rollouts failed .*rollout exceeded", carries_on=True, restore=continue_env_server,
+          r"step \d+: \d+ of \d+ rollouts failed .*(rollout exceeded|Timeout|timed out)", carries_on=True,
+          restore=continue_env_server,
           overrides=["env.name=ws://WORKER2:8100/arithmetic"]),
 ]
 

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import logging
 import os
-from typing import Any
+import pickle
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import ray
 from ray.exceptions import RayActorError
@@ -32,9 +35,29 @@ from sandboxes.base import snapshot_key
 from trainer.placement.groups import SHUTDOWN_TIMEOUT_S, actor_options, ready_group
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 PLACE_TIMEOUT_S = 30.0
 """How long a rollout waits for its env worker to be placed and started (a few seconds when a node has room)."""
+
+
+def _portable(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """An env call whose error always reaches the caller: one that does not pickle (a WebSocket client's, say) would
+    arrive as Ray's ``UnserializableException`` with its message lost, so it is re-raised as a RuntimeError naming
+    its type and message."""
+
+    @functools.wraps(method)
+    async def call(*args: Any, **kwargs: Any) -> T:
+        try:
+            return await method(*args, **kwargs)
+        except Exception as e:
+            try:
+                pickle.loads(pickle.dumps(e))
+            except Exception:
+                raise RuntimeError(f"{type(e).__name__}: {e}") from None
+            raise
+
+    return call
 
 
 @ray.remote
@@ -48,6 +71,7 @@ class EnvWorker:
         self.pools: dict[tuple[str, str, str], Any] = {}
         self.pools_lock = asyncio.Lock()
 
+    @_portable
     async def open(self, key: int, ref: EnvRef, published: dict[str, str]) -> bool:
         """Make and init the env of rollout ``key``, where what the driver ``published`` (the policy's and the
         judge's endpoints, its sandboxes' snapshot key) is known; whether it is an agent env."""
@@ -68,24 +92,30 @@ class EnvWorker:
                 self.pools[key] = await open_pool_for(ref, size=self.pool_size, wait=False)
             return self.pools[key]
 
+    @_portable
     async def reset(self, key: int, seed: int | None, task: Task | None) -> tuple[list[Message], dict, list[dict]]:
         env = self.envs[key]
         messages, info = await env.reset(seed=seed, task=task)
         return messages, info, [t.to_openai() for t in env.tools]
 
+    @_portable
     async def step(self, key: int, action: Message) -> StepResult:
         return await self.envs[key].step(action)
 
+    @_portable
     async def snapshot(self, key: int) -> Snapshot:
         return await self.envs[key].snapshot()
 
+    @_portable
     async def restore(self, key: int, snapshot: Snapshot) -> None:
         await self.envs[key].restore(snapshot)
 
+    @_portable
     async def run_agent(self, key: int, client: AgentClient) -> Any:
         """Play an agent env's episode here: its agent reaches the policy at ``client`` (the generator's gateway)."""
         return await self._agent(key).run(client)
 
+    @_portable
     async def score(self, key: int, result: Any) -> Score:
         return await self._agent(key).score(result)
 
