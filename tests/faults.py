@@ -351,11 +351,17 @@ def run_fault(fault: Fault, cluster: Cluster) -> dict[str, Any]:
     return row
 
 
+def _plain(line: str | None) -> str:
+    """An output line without its colours and Ray's ``(Actor pid=…, ip=…)`` prefix, for the table."""
+    line = re.sub(r"\x1b\[[0-9;]*m", "", line or "")
+    return re.sub(r"^\(\w+ pid=\d+(, ip=[\d.]+)?\)\s*", "", line).replace("|", "/")
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     head = "| fault | detected in | bound | how | outcome | restart | left |\n|---|---|---|---|---|---|---|\n"
     return head + "".join(
         f"| {r['fault']} | {r['detect_s'] if r['detect_s'] is not None else 'NOT DETECTED'} s | {r['bound_s']:.0f} s "
-        f"| `{(r['error'] or '').replace('|', '/')[:160]}` | {r['outcome']} | "
+        f"| `{_plain(r['error'])[:260]}` | {r['outcome']} | "
         f"{r['restart_s'] if r['restart_s'] is not None else '-'} s | {', '.join(r['left']) or 'nothing'} |\n"
         for r in rows)
 
