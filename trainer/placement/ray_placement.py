@@ -73,7 +73,7 @@ class RayPlacement(Placement):
     def nodes(self) -> dict[str, str]:
         """The node of rank 0 (this actor) and of every actor it placed: replicas, env workers, reward models. (The
         other ranks, busy training, cannot answer: the driver logs theirs when it starts them.)"""
-        where = {ray.get_runtime_context().get_actor_name() or "trainer-rank-0": node_name()}
+        where = {ray.get_runtime_context().get_actor_name() or f"{TRAINER_RANK}0": node_name()}
         for name in sorted(ray.util.list_named_actors()):  # this run's namespace
             if name.startswith(TRAINER_RANK):
                 continue
