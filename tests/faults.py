@@ -165,11 +165,11 @@ class Cluster:
 
     def rejoin(self, role: str) -> float:
         """Start the node ``role`` again and wait until the cluster counts it; the seconds that took."""
-        from trainer.cluster import _wait_joined
+        from trainer.cluster import wait_joined
 
         began = time.monotonic()
         self.node(role).start()
-        _wait_joined(self.docker, NAME, 3)
+        wait_joined(self.docker, NAME, 3)
         return time.monotonic() - began
 
     def probe(self, *argv: str) -> Any:

@@ -144,8 +144,10 @@ def up(name: str, workers: int, shared: Path, cpus: int, object_store_gib: float
     state = state_dir(name)
     state.mkdir(parents=True, exist_ok=True)
     token = state / "ray-token"
-    token.touch(mode=0o600)
-    token.write_text(secrets.token_hex(32))
+    token.unlink(missing_ok=True)  # touch(mode=) keeps an existing file's mode: make it afresh, owner-only
+    fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
     shared = shared.resolve()
     shared.mkdir(parents=True, exist_ok=True)
     try:
@@ -175,11 +177,12 @@ def _start_nodes(client: Any, name: str, workers: int, shared: Path, token: Path
             networking_config={name: client.api.create_endpoint_config(ipv4_address=node.ip)})
         client.networks.get(sandboxes).connect(container)
         container.start()
-    _wait_joined(client, name, len(nodes))
+    wait_joined(client, name, len(nodes))
     return nodes
 
 
-def _wait_joined(client: Any, name: str, count: int) -> None:
+def wait_joined(client: Any, name: str, count: int) -> None:
+    """Wait until ``count`` nodes of cluster ``name`` are alive in Ray (SystemExit naming a node that exited)."""
     head = client.containers.get(f"{name}-head")
     probe = ["python", "-c", "import ray; ray.init(address='auto', logging_level='ERROR'); "
              "print(sum(n['Alive'] for n in ray.nodes()))"]
