@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,90 +63,100 @@ def _probe(client: Any, *argv: str) -> Any:
     return json.loads(done.output.decode().strip().splitlines()[-1])
 
 
-@pytest.mark.hold_machine
-def test_a_run_across_three_container_nodes_places_each_role_and_survives_two_kills(docker_client, tmp_path):
+@pytest.fixture(scope="module")
+def cluster(docker_client, tmp_path_factory) -> Iterator[tuple[dict[str, str], Path]]:
+    """The cluster up, with what its `down` must leave: a container and a network named like its own, not labelled
+    so. A module fixture: it comes up before the test takes the machine (tests/conftest.py, hold_machine), while the
+    other worker still runs, and whatever the test left of it goes after the machine is free again."""
     from sandboxes.engine import BASE_IMAGE
-    from trainer.cluster import CLUSTER_LABEL
 
     env = env_with_tests()
-    # what `down` must leave: a container and a network named like the cluster's, not labelled its own
+    shared = tmp_path_factory.mktemp("cluster")
     decoy = docker_client.containers.create(BASE_IMAGE, ["true"], name=f"{NAME}-worker9")
     decoy_net = docker_client.networks.create(f"{NAME}-other", driver="bridge", internal=True)
     try:
-        up = _cluster("up", "--shared", str(tmp_path), env=env)
+        up = _cluster("up", "--shared", str(shared), env=env)
         assert [line.split("\t")[0] for line in up.splitlines()[:3]] == [f"{NAME}-head", f"{NAME}-worker1",
                                                                           f"{NAME}-worker2"], up
-        driver = dict(line.removeprefix("export ").split("=", 1) for line in _cluster("env", env=env).splitlines())
-        out = tmp_path / "run"
-        mixture = ('env.mixture=[{name: arithmetic, sandbox: docker, kwargs: {rubric: "rubric_parts:on_worker1"}},'
-                   ' {name: "agent_envs:sums"}]')
-        log = (tmp_path / "driver.log").open("w")  # a pipe nobody reads while the test polls would fill up
-        process = subprocess.Popen(
-            [sys.executable, "-m", "trainer", "placement.backend=ray", f"placement.address={driver['ENVKIT_CLUSTER']}",
-             f"trainer.output_dir={out}", f"model.path={tiny_model_dir()}", "inference.engine=vllm",
-             "inference.kv_cache_gib=1", "trainer.steps=2", "trainer.save_every=1", "trainer.eval_tasks=0",
-             "logging.progress=false", "generator.prompts_per_step=2", "generator.samples_per_prompt=8",
-             "generator.max_tokens=16", "trainer.micro_batch_tokens=2048", "trainer.warmup_steps=0",
-             "placement.inference_replicas=2", "placement.env_workers=2", mixture, "generator.gateway_host=0.0.0.0",
-             "+placement.trainer_resources.head=1", "+placement.replica_resources.worker1=1",
-             "+placement.env_worker_resources.worker2=1"],
-            cwd=REPO, env={**env, **driver}, text=True, stdout=log, stderr=subprocess.STDOUT)
-        namespace = f"envkit-{process.pid}"
-        try:
-            sandboxes = set(_probe(docker_client, "kill", namespace, f"{NAME}-sandboxes"))  # seen while the run went
-            assert _run_servers(namespace, within_s=0), "the run's live servers are not found: the check is blind"
-            process.wait(timeout=900)  # a hang guard, not a speed check
-        finally:
-            if process.poll() is None:
-                process.kill()
-        output = (tmp_path / "driver.log").read_text()
-        assert process.returncode == 0, output[-4000:]
-        run_actors = _probe(docker_client, "actors", namespace)
-        after_run = {c.name for c in docker_client.containers.list(all=True, ignore_removed=True)}
-
-        summary = json.loads((out / "summary.json").read_text())
-        hosts = {name: where.split()[0] for name, where in summary["nodes"].items()}
-        assert {(re.sub(r"-\d+$|-[0-9a-f]{16}$", "", name), host) for name, host in hosts.items()} == {
-            ("trainer-rank", "head"), ("replica", "worker1"), ("env-worker", "worker2"), ("envkit-reward", "worker1")
-        }, summary["nodes"]
-        assert {"replica-1", "replica-2", "env-worker-1", "env-worker-2"} <= set(hosts)  # the replacements
-
-        metrics = {m["step"]: m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
-        assert sorted(metrics) == [1, 2], output[-4000:]
-        failed = {step: int(m["rollout/failed"]) for step, m in metrics.items() if m["rollout/failed"]}
-        assert failed, metrics
-        warned = dict(re.findall(r"step (\d+): (\d+) of \d+ rollouts failed and were not trained on; first errors: "
-                                 r"\S", output))
-        assert {int(s): int(n) for s, n in warned.items()} == failed, output[-4000:]
-        assert "inference replica 0 died under a request" in output
-        assert re.search(r"env worker env-worker-0 on worker2 \(\d+\.\d+\.\d+\.\d+\) died", output), output[-4000:]
-        assert metrics[2]["envs/worker_restarts"] == 1 and metrics[2]["envs/workers"] == 2
-        assert metrics[2]["inference/replicas_lost"] == 1
-        # a rollout's limit: generator.timeout_s in the first step, then 1.8 × the slowest step so far (at least 50 s)
-        assert metrics[1]["rollout/deadline_s"] == 120
-        assert metrics[2]["rollout/deadline_s"] == min(120, max(50, 1.8 * metrics[1]["time/step_s"]))
-        for m in metrics.values():
-            assert m["weights/from_memory"] == 1  # the new weights crossed to worker1 through the object store
-        scored = [m for m in metrics.values() if m["env/arithmetic/trained"]]
-        assert scored and all(0 < m["rubric/reward_model"] < 1 for m in scored)  # by the actor on worker1
-        assert any(m.get("train/grad_norm", 0) > 0 for m in metrics.values())  # the run trained
-        assert sandboxes, "no sandbox container on the cluster's sandbox network"
-        trajs = [json.loads(line) for line in (out / "final_trajectories.jsonl").read_text().splitlines()]
-        agents = [t for t in trajs if t["env_name"] == "sums" and not t["error"]]
-        # each episode's two calls were captured by the gateway on the head, from an agent on worker2
-        assert agents and all(t["num_turns"] == 2 and sum(t["loss_mask"]) > 0 for t in agents), agents[:1]
-        assert {"step-000001", "step-000002"} <= {p.name for p in (out / "checkpoints").iterdir()}
-        assert run_actors == [] and _run_servers(namespace) == []
-        # the dead worker's containers too: its pool could not drain them, the run's end removed them
-        assert not sandboxes & after_run, sorted(sandboxes & after_run)
+        yield env, shared
     finally:
-        removed = _cluster("down", env=env)
-        left = docker_client.containers.list(all=True, ignore_removed=True,
-                                             filters={"label": f"{CLUSTER_LABEL}={NAME}"})
-        networks = [n.name for n in docker_client.networks.list(filters={"label": f"{CLUSTER_LABEL}={NAME}"})]
-        names = {c.name for c in docker_client.containers.list(all=True, ignore_removed=True)}
-        decoy_kept = bool(docker_client.networks.list(names=[f"{NAME}-other"]))
+        _cluster("down", env=env)  # a second `down` finds nothing: the test's own is what is checked
         decoy.remove(force=True)
         decoy_net.remove()
+
+
+@pytest.mark.hold_machine
+def test_a_run_across_three_container_nodes_places_each_role_and_survives_two_kills(cluster, docker_client):
+    from trainer.cluster import CLUSTER_LABEL
+
+    env, tmp_path = cluster
+    driver = dict(line.removeprefix("export ").split("=", 1) for line in _cluster("env", env=env).splitlines())
+    out = tmp_path / "run"
+    mixture = ('env.mixture=[{name: arithmetic, sandbox: docker, kwargs: {rubric: "rubric_parts:on_worker1"}},'
+               ' {name: "agent_envs:sums"}]')
+    log = (tmp_path / "driver.log").open("w")  # a pipe nobody reads while the test polls would fill up
+    process = subprocess.Popen(
+        [sys.executable, "-m", "trainer", "placement.backend=ray", f"placement.address={driver['ENVKIT_CLUSTER']}",
+         f"trainer.output_dir={out}", f"model.path={tiny_model_dir()}", "inference.engine=vllm",
+         "inference.kv_cache_gib=1", "trainer.steps=2", "trainer.save_every=1", "trainer.eval_tasks=0",
+         "logging.progress=false", "generator.prompts_per_step=2", "generator.samples_per_prompt=8",
+         "generator.max_tokens=16", "trainer.micro_batch_tokens=2048", "trainer.warmup_steps=0",
+         "placement.inference_replicas=2", "placement.env_workers=2", mixture, "generator.gateway_host=0.0.0.0",
+         "+placement.trainer_resources.head=1", "+placement.replica_resources.worker1=1",
+         "+placement.env_worker_resources.worker2=1"],
+        cwd=REPO, env={**env, **driver}, text=True, stdout=log, stderr=subprocess.STDOUT)
+    namespace = f"envkit-{process.pid}"
+    try:
+        sandboxes = set(_probe(docker_client, "kill", namespace, f"{NAME}-sandboxes"))  # seen while the run went
+        assert _run_servers(namespace, within_s=0), "the run's live servers are not found: the check is blind"
+        process.wait(timeout=900)  # a hang guard, not a speed check
+    finally:
+        if process.poll() is None:
+            process.kill()
+    output = (tmp_path / "driver.log").read_text()
+    assert process.returncode == 0, output[-4000:]
+    run_actors = _probe(docker_client, "actors", namespace)
+    after_run = {c.name for c in docker_client.containers.list(all=True, ignore_removed=True)}
+
+    summary = json.loads((out / "summary.json").read_text())
+    hosts = {name: where.split()[0] for name, where in summary["nodes"].items()}
+    assert {(re.sub(r"-\d+$|-[0-9a-f]{16}$", "", name), host) for name, host in hosts.items()} == {
+        ("trainer-rank", "head"), ("replica", "worker1"), ("env-worker", "worker2"), ("envkit-reward", "worker1")
+    }, summary["nodes"]
+    assert {"replica-1", "replica-2", "env-worker-1", "env-worker-2"} <= set(hosts)  # the replacements
+
+    metrics = {m["step"]: m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    assert sorted(metrics) == [1, 2], output[-4000:]
+    failed = {step: int(m["rollout/failed"]) for step, m in metrics.items() if m["rollout/failed"]}
+    assert failed, metrics
+    warned = dict(re.findall(r"step (\d+): (\d+) of \d+ rollouts failed and were not trained on; first errors: "
+                             r"\S", output))
+    assert {int(s): int(n) for s, n in warned.items()} == failed, output[-4000:]
+    assert "inference replica 0 died under a request" in output
+    assert re.search(r"env worker env-worker-0 on worker2 \(\d+\.\d+\.\d+\.\d+\) died", output), output[-4000:]
+    assert metrics[2]["envs/worker_restarts"] == 1 and metrics[2]["envs/workers"] == 2
+    assert metrics[2]["inference/replicas_lost"] == 1
+    # a rollout's limit: generator.timeout_s in the first step, then 1.8 × the slowest step so far (at least 50 s)
+    assert metrics[1]["rollout/deadline_s"] == 120
+    assert metrics[2]["rollout/deadline_s"] == min(120, max(50, 1.8 * metrics[1]["time/step_s"]))
+    for m in metrics.values():
+        assert m["weights/from_memory"] == 1  # the new weights crossed to worker1 through the object store
+    scored = [m for m in metrics.values() if m["env/arithmetic/trained"]]
+    assert scored and all(0 < m["rubric/reward_model"] < 1 for m in scored)  # by the actor on worker1
+    assert any(m.get("train/grad_norm", 0) > 0 for m in metrics.values())  # the run trained
+    assert sandboxes, "no sandbox container on the cluster's sandbox network"
+    trajs = [json.loads(line) for line in (out / "final_trajectories.jsonl").read_text().splitlines()]
+    agents = [t for t in trajs if t["env_name"] == "sums" and not t["error"]]
+    # each episode's two calls were captured by the gateway on the head, from an agent on worker2
+    assert agents and all(t["num_turns"] == 2 and sum(t["loss_mask"]) > 0 for t in agents), agents[:1]
+    assert {"step-000001", "step-000002"} <= {p.name for p in (out / "checkpoints").iterdir()}
+    assert run_actors == [] and _run_servers(namespace) == []
+    # the dead worker's containers too: its pool could not drain them, the run's end removed them
+    assert not sandboxes & after_run, sorted(sandboxes & after_run)
+    removed = _cluster("down", env=env)
+    left = docker_client.containers.list(all=True, ignore_removed=True, filters={"label": f"{CLUSTER_LABEL}={NAME}"})
+    networks = [n.name for n in docker_client.networks.list(filters={"label": f"{CLUSTER_LABEL}={NAME}"})]
+    names = {c.name for c in docker_client.containers.list(all=True, ignore_removed=True)}
     assert f"removed {NAME}-head" in removed and f"removed network {NAME}-sandboxes" in removed, removed
-    assert left == [] and networks == [] and f"{NAME}-worker9" in names and decoy_kept
+    assert left == [] and networks == [] and f"{NAME}-worker9" in names
+    assert docker_client.networks.list(names=[f"{NAME}-other"])

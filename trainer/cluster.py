@@ -246,6 +246,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--object-store-gib", type=float, default=0.5,
                         help="each node's object store (default: %(default)s)")
     args = parser.parse_args(argv)
+    import docker.errors
+
+    try:
+        _main(args)
+    except docker.errors.DockerException as e:
+        raise SystemExit(f"the Docker engine does not answer ({e}): start it (make docker-up)") from None
+
+
+def _main(args: argparse.Namespace) -> None:
     if args.command == "up":
         started = time.monotonic()
         nodes = up(args.name, args.workers, args.shared or state_dir(args.name) / "shared", args.cpus,
