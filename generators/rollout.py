@@ -66,7 +66,7 @@ class GeneratorConfig:
     max_total_tokens: int = 2048
     """Prompt plus response tokens per rollout (keep within the server's max model length)."""
     timeout_s: float = 300.0
-    """Wall-clock limit of one rollout, env and model together."""
+    """Wall-clock limit of one rollout, env and model together; and of scoring one group with ``group_rubric``."""
     concurrency: int = 64
     """Rollouts in flight at once."""
     seed: int | None = None
@@ -279,7 +279,7 @@ class Generator:
             rollouts = await asyncio.gather(*(one(task, seed, _group_id(task, seed, i), k, branch)
                                               for k in range(play.samples)))
             if self.group_rubric is not None and play.sampled:
-                await self._score_group(self.group_rubric, task, rollouts)
+                await self._score_group(self.group_rubric, task, rollouts, self.config.timeout_s)
             if on_group is not None:
                 on_group(i, rollouts)
             return rollouts
@@ -289,14 +289,20 @@ class Generator:
         return [t for samples in groups for t in samples]
 
     @staticmethod
-    async def _score_group(rubric: GroupRubric, task: Task | None, rollouts: list[Trajectory]) -> None:
+    async def _score_group(rubric: GroupRubric, task: Task | None, rollouts: list[Trajectory],
+                           timeout_s: float) -> None:
         finished = [t for t in rollouts if not t.failed]
+        timer = asyncio.timeout(timeout_s)  # a judge that stops answering must not hold the step
         try:
-            scores = await rubric.score_group([Episode(task, t.messages, t.reward) for t in finished])
+            async with timer:
+                scores = await rubric.score_group([Episode(task, t.messages, t.reward) for t in finished])
         except Exception as e:
+            judge = getattr(getattr(rubric, "endpoint", None), "base_url", None)
+            error = RubricError(f"group rubric {rubric.name!r} did not score within {timeout_s:g} s"
+                                + (f" (its judge: {judge})" if judge else "")) if timer.expired() else e
             for t in finished:
-                t.stop_reason, t.error = "error", _describe(e if isinstance(e, RubricError) else RubricError(
-                    f"group rubric {rubric.name!r} failed: {type(e).__name__}: {e}"))
+                t.stop_reason, t.error = "error", _describe(error if isinstance(error, RubricError) else RubricError(
+                    f"group rubric {rubric.name!r} failed: {type(error).__name__}: {error}"))
             return
         for t, score in zip(finished, scores, strict=True):
             t.reward, t.scores = score.value, {"env": t.reward, **t.scores, **score.breakdown}

@@ -59,6 +59,11 @@ class SandboxStartError(SandboxError):
     """The sandbox's server did not come up: the container or process failed, or missed the health deadline."""
 
 
+class SandboxLost(SandboxError):
+    """The sandbox serving an env died under it (its container OOM-killed or exited, its process gone): the
+    episode it served fails, saying so; a pool replaces it."""
+
+
 class SandboxStateError(SandboxError):
     """A sandbox method was called in the wrong lifecycle state (e.g. ``exec`` before ``start``)."""
 
@@ -187,6 +192,11 @@ class Sandbox(ABC):
     @abstractmethod
     async def close(self) -> None:
         """Stop and remove everything the sandbox made (idempotent)."""
+
+    async def lost(self) -> str | None:
+        """Why this sandbox can no longer serve (its container or process is gone: OOM-killed, exited), naming it
+        and where it ran; None while it runs."""
+        return None
 
     async def alive(self) -> bool:
         """True when the server still answers ``/health``."""

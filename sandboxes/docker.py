@@ -254,14 +254,33 @@ class DockerSandbox(Sandbox):
     async def _exit_reason(self) -> str | None:
         """Why the container can never serve (it exited), with the tail of its log; None while it runs."""
         def probe() -> str | None:
-            self._container.reload()
-            if self._container.status in ("created", "running"):
+            if (why := self._ended()) is None:
                 return None
             tail = self._container.logs(tail=20).decode(errors="replace").strip()
-            code = self._container.attrs["State"].get("ExitCode")
-            return f"container {self.name} ({self.image}) exited with status {code} before serving:\n{tail}"
+            return f"{why} before serving:\n{tail}"
 
         return await asyncio.to_thread(probe)
+
+    async def lost(self) -> str | None:
+        if self._container is None:
+            return None
+        return await asyncio.to_thread(self._ended)
+
+    def _ended(self) -> str | None:
+        """How the container ended, where it ran (this engine's host: a cluster node's name), and its limits; None
+        while it runs."""
+        import docker.errors
+
+        try:
+            self._container.reload()
+        except docker.errors.NotFound:
+            return f"sandbox container {self.name} on {socket.gethostname()} is gone (removed)"
+        if self._container.status in ("created", "running"):
+            return None
+        state = self._container.attrs["State"]
+        how = (f"was OOM-killed (its memory limit: {self.limits.memory_mb} MiB)" if state.get("OOMKilled")
+               else f"exited with status {state.get('ExitCode')}")
+        return f"sandbox container {self.name} ({self.image}) on {socket.gethostname()} {how}"
 
     async def _remove(self) -> None:
         inflight, self._inflight = self._inflight, None

@@ -21,7 +21,7 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from envkit.core import Env, Snapshot, StepResult, Task, check_kind
 from envkit.errors import ResetNeededError
@@ -29,13 +29,14 @@ from envkit.messages import Message
 from envkit.ref import EnvRef
 from envkit.registry import EnvSpec
 from envkit.remote import OPERATOR_KWARGS, RemoteConfig, RemoteEnv
-from sandboxes.base import Sandbox, SandboxLimits, serve_command, serve_options
+from sandboxes.base import Sandbox, SandboxLimits, SandboxLost, serve_command, serve_options
 from sandboxes.docker import DockerSandbox
 from sandboxes.engine import engine_reachable
 from sandboxes.local import LocalSandbox
 from sandboxes.pool import SandboxPool
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 _image_tags: dict[str, str] = {}
 START_TIMEOUT_S = 30.0
 """How long a sandbox may take to answer its health check, unless ``sandbox_options`` say otherwise."""
@@ -68,7 +69,7 @@ class SandboxedEnv(Env):
             config = dataclasses.replace(self.remote_config, token=sandbox.token)
             remote = RemoteEnv(f"{sandbox.url.replace('http', scheme, 1)}/{self.name}", remote=config,
                                env_kwargs=self.env_kwargs)
-            await remote.init()
+            await _named(sandbox, remote.init())
         except BaseException:
             await asyncio.shield(self._release(sandbox))
             raise
@@ -78,13 +79,13 @@ class SandboxedEnv(Env):
     async def reset(self, *, seed: int | None = None, task: Task | None = None) -> tuple[list[Message], dict]:
         """Start an episode in the sandbox."""
         await self.init()
-        assert self._remote is not None
-        return await self._remote.reset(seed=seed, task=task)
+        assert self._remote is not None and self.sandbox is not None
+        return await _named(self.sandbox, self._remote.reset(seed=seed, task=task))
 
     async def step(self, action: Message) -> StepResult:
         """One assistant message to the sandboxed env."""
-        assert self._remote is not None, "ContractChecker runs reset before step"
-        return await self._remote.step(action)
+        assert self._remote is not None and self.sandbox is not None, "ContractChecker runs reset before step"
+        return await _named(self.sandbox, self._remote.step(action))
 
     @property
     def snapshot_kind(self) -> str:
@@ -125,6 +126,17 @@ class SandboxedEnv(Env):
         finally:
             if sandbox is not None:
                 await self._release(sandbox)
+
+
+async def _named(sandbox: Sandbox, call: Awaitable[T]) -> T:
+    """``call`` to the sandbox's server; a failure its sandbox's death explains says so (:class:`SandboxLost`)."""
+    try:
+        return await call
+    except Exception as e:
+        why = await sandbox.lost()
+        if why is None:
+            raise
+        raise SandboxLost(f"{why}; the episode it served failed ({type(e).__name__})") from e
 
 
 async def _image_for(name: str) -> str:

@@ -121,6 +121,12 @@ class LocalSandbox(Sandbox):
         self.state = State.RUNNING
         self.started_at = time.monotonic()
 
+    async def lost(self) -> str | None:
+        proc = self._proc
+        if proc is None or proc.returncode is None:
+            return None
+        return f"sandbox process envkit serve {self.env} (pid {proc.pid}) exited with status {proc.returncode}"
+
     async def _exit_reason(self) -> str | None:
         proc = self._proc
         if proc is None or proc.returncode is None:

@@ -45,6 +45,8 @@ class SandboxPool:
         self._closed = False
         self._idle = 0
         self._start_error: BaseException | None = None
+        self.lost = 0
+        """Sandboxes found dead (OOM-killed, exited) when given back, and replaced."""
 
     async def start(self, *, wait: bool = True) -> None:
         """Start filling the pool; with ``wait``, return once every sandbox is ready (or raise the first failure)."""
@@ -132,7 +134,13 @@ class SandboxPool:
             await sandbox.close()
             return
         # Clean is checked, not assumed: a sandbox whose scrub leaves a process or a file is replaced.
-        if dirty or not self._fresh(sandbox) or not await sandbox.alive() or not await sandbox.scrub():
+        if dirty or not self._fresh(sandbox):
+            self._retire(sandbox)
+            return
+        if not await sandbox.alive() or not await sandbox.scrub():
+            if why := await sandbox.lost():  # died in use: said once here, the episode's error says it too
+                self.lost += 1
+                log.warning("sandbox pool: %s; a replacement is starting", why)
             self._retire(sandbox)
             return
         self._put(sandbox)

@@ -40,7 +40,8 @@ from tiny import env_with_tests, tiny_model_dir  # noqa: E402
 NAME = "envkit-faults"
 SHARED = Path("/mnt/envkit-faults")  # a tmpfs under /tmp, bind-mounted into the nodes, broke Ray Client
 RESULTS = ROOT / ".cache" / "faults" / "results.json"
-SERVE_PORT = 8100
+PORT = 8100
+"""Where a fault's own server (an env server, a judge) listens on worker2."""
 TINY = ["inference.engine=vllm", "inference.kv_cache_gib=1", "trainer.save_every=1", "trainer.eval_tasks=0",
         "logging.progress=false", "generator.prompts_per_step=2", "generator.samples_per_prompt=4",
         "generator.max_tokens=16", "trainer.micro_batch_tokens=2048", "trainer.warmup_steps=0",
@@ -124,6 +125,8 @@ class Fault:
     restarted: str | None = None
     """For a fault the run carries on through: a regex for the line saying the part is back (its time: restart)."""
     steps: int = 4
+    server: list[str] = field(default_factory=list)
+    """A server the run uses, started on worker2 before it and stopped after: its argv (``PORT``: :data:`PORT`)."""
 
 
 class Cluster:
@@ -171,6 +174,29 @@ class Cluster:
         self.node(role).start()
         wait_joined(self.docker, NAME, 3)
         return time.monotonic() - began
+
+    def serve(self, argv: list[str]) -> None:
+        """Start ``argv`` on worker2, in the background, and wait until it answers on :data:`PORT`."""
+        import httpx
+
+        self.node("worker2").exec_run(argv, detach=True)
+        url = f"http://{self.ip('worker2')}:{PORT}/health"
+        deadline = time.monotonic() + 300  # a vLLM server's start on 2 cores; a hang guard
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"{' '.join(argv)} did not answer on {url}")
+
+    def unserve(self, argv: list[str]) -> None:
+        """Kill what :meth:`serve` started (and what it started: a vLLM server), stopped or not."""
+        for p in psutil.process_iter(["cmdline"]):
+            if " ".join(argv) in " ".join(p.info["cmdline"] or ()):
+                for child in [*p.children(recursive=True), p]:
+                    child.kill()
 
     def probe(self, *argv: str) -> Any:
         done = self.node("head").exec_run([sys.executable, str(ROOT / "tests" / "cluster_probe.py"), *argv])
@@ -221,9 +247,9 @@ def kill_worker2(run: Run, cluster: Cluster) -> float:
     return time.monotonic() - (time.time() - killed_at)
 
 
-def kill_vllm_in_weight_update(run: Run, cluster: Cluster) -> float:
-    """SIGKILL the replica's vLLM server the moment a weight file appears in its node's /dev/shm (the shared-memory
-    transport): the server is loading the new weights."""
+def _weight_update(run: Run) -> psutil.Process:
+    """The run's vLLM server the moment a weight file appears in its node's /dev/shm (the shared-memory transport):
+    the server is loading new weights, and the call that sends them has not returned."""
     from trainer.placement.groups import RUN_ENV
 
     deadline = time.monotonic() + 600
@@ -235,13 +261,52 @@ def kill_vllm_in_weight_update(run: Run, cluster: Cluster) -> float:
                 while time.monotonic() < deadline:
                     try:
                         if any(f.name.startswith("envkit-weights") for f in shm.iterdir()):
-                            p.kill()
-                            return time.monotonic()
+                            return p
                     except OSError:
                         break
                     time.sleep(0.01)
         time.sleep(0.2)
     raise RuntimeError("no weight update seen")
+
+
+def kill_vllm_in_weight_update(run: Run, cluster: Cluster) -> float:
+    """SIGKILL the replica's vLLM server while it loads new weights."""
+    _weight_update(run).kill()
+    return time.monotonic()
+
+
+def cut_worker1_in_weight_sync(run: Run, cluster: Cluster) -> float:
+    """docker network disconnect worker1 (its replica's node) from the cluster's network while the replica loads
+    step 2's weights."""
+    _after_step(run, 1)
+    _weight_update(run)
+    cluster.cut = cluster.ip("worker1")  # type: ignore[attr-defined]
+    cluster.docker.networks.get(NAME).disconnect(cluster.node("worker1"), force=True)
+    return time.monotonic()
+
+
+def reconnect_worker1(run: Run, cluster: Cluster) -> float:
+    """Connect worker1 again at its address and restart it: Ray declared its node dead, so a fresh one joins."""
+    from trainer.cluster import wait_joined
+
+    began = time.monotonic()
+    node = cluster.node("worker1")
+    cluster.docker.networks.get(NAME).connect(node, ipv4_address=cluster.cut)  # type: ignore[attr-defined]
+    node.restart(timeout=5)
+    wait_joined(cluster.docker, NAME, 3)
+    return time.monotonic() - began
+
+
+def oom_kill_a_sandbox(run: Run, cluster: Cluster) -> float:
+    """OOM-kill one of the run's sandbox containers (tests/oom.py), mid-run."""
+    from oom import oom_kill
+
+    from sandboxes.docker import SANDBOX_LABEL
+
+    _after_step(run, 1)
+    running = cluster.docker.containers.list(filters={"label": SANDBOX_LABEL, "network": f"{NAME}-sandboxes"})
+    oom_kill(running[0])
+    return time.monotonic()
 
 
 def fill_the_disk(run: Run, cluster: Cluster) -> float:
@@ -269,15 +334,27 @@ def silence_the_agent(run: Run, cluster: Cluster) -> float:
 
 def stop_env_server(run: Run, cluster: Cluster) -> float:
     _after_step(run, 1, delay=0.5)
+    return _stop_server(cluster, "envkit serve")
+
+
+def stop_judge(run: Run, cluster: Cluster) -> float:
+    _after_step(run, 1)
+    return _stop_server(cluster, "vllm.entrypoints.openai.api_server")
+
+
+def _stop_server(cluster: Cluster, what: str) -> float:
+    """SIGSTOP the process of the fault's server (on worker2; this host sees its processes) whose command line says
+    ``what``."""
     for p in psutil.process_iter(["cmdline"]):
-        if f"--port {SERVE_PORT}" in " ".join(p.info["cmdline"] or ()):
+        line = " ".join(p.info["cmdline"] or ())
+        if what in line and f"--port {PORT}" in line:
             p.send_signal(signal.SIGSTOP)
             cluster.stopped = p  # type: ignore[attr-defined]
             return time.monotonic()
-    raise RuntimeError("the env server is not running")
+    raise RuntimeError(f"no {what} on port {PORT} is running")
 
 
-def continue_env_server(run: Run, cluster: Cluster) -> float:
+def continue_server(run: Run, cluster: Cluster) -> float:
     cluster.stopped.send_signal(signal.SIGCONT)  # type: ignore[attr-defined]
     return 0.0
 
@@ -291,18 +368,31 @@ FAULTS = [
           r"step \d+: env worker \S+ (was not placed|died before it started).* worker2", carries_on=False,
           restore=restart_worker2,
           steps=6),
+    Fault("node_cut_off_in_weight_sync", "worker node cut off the network (docker network disconnect) while its "
+          "replica loads new weights", cut_worker1_in_weight_sync,
+          r"inference replica \d+ failed to load weights v\d+ .* on worker1", carries_on=False,
+          restore=reconnect_worker1),
+    Fault("env_server_stopped", "a remote env server stopped (SIGSTOP) mid-episode", stop_env_server,
+          r"step \d+: \d+ of \d+ rollouts failed .*(rollout exceeded|Timeout|timed out)", carries_on=True,
+          restore=continue_server, overrides=[f"env.name=ws://WORKER2:{PORT}/arithmetic"],
+          server=["envkit", "serve", "arithmetic", "--host", "0.0.0.0", "--port", str(PORT)]),
     Fault("replica_killed_in_weight_update", "vLLM server killed while it loads new weights",
           kill_vllm_in_weight_update, r"vLLM server (died|crashed) .*restarting it", carries_on=True,
           restarted=r"vLLM server restarted in"),
+    Fault("sandbox_oom_killed", "a sandbox container OOM-killed (the kernel's OOM killer, at its memory limit)",
+          oom_kill_a_sandbox, r"sandbox container \S+ .*on worker2 was OOM-killed", carries_on=True,
+          overrides=["env.sandbox=docker"]),
     Fault("checkpoint_disk_full", "the checkpoint disk full (a 1 GiB tmpfs, filled)", fill_the_disk,
           r"writing its checkpoint to .* failed: No space left on device", carries_on=False, restore=free_the_disk),
+    Fault("judge_silent", "the judge's endpoint stops answering (SIGSTOP), a group rubric calling it", stop_judge,
+          r"step \d+: \d+ of \d+ rollouts failed .*did not score within .*its judge: http://\S+:8100",
+          carries_on=True, restore=continue_server,
+          overrides=["generator.group_rubric=rubric_parts:relative", "judge.engine=openai",
+                     f"judge.url=http://WORKER2:{PORT}/v1", "judge.model=judge"],
+          server=[sys.executable, str(ROOT / "tests" / "judge_server.py"), str(PORT)]),
     Fault("agent_silent", "an agent that never calls the gateway", silence_the_agent,
           r"step \d+: \d+ of \d+ rollouts failed .*rollout exceeded", carries_on=True,
           overrides=[f'env.mixture=[{{name: "agent_envs:sums_until", kwargs: {{flag: "{SHARED}/silent"}}}}]']),
-    Fault("env_server_stopped", "a remote env server stopped (SIGSTOP) mid-episode", stop_env_server,
-          r"step \d+: \d+ of \d+ rollouts failed .*(rollout exceeded|Timeout|timed out)", carries_on=True,
-          restore=continue_env_server,
-          overrides=["env.name=ws://WORKER2:8100/arithmetic"]),
 ]
 
 
@@ -310,10 +400,16 @@ def run_fault(fault: Fault, cluster: Cluster) -> dict[str, Any]:
     """One fault's run (and its resume): the table's row."""
     out = SHARED / fault.name
     overrides = [o.replace("WORKER2", cluster.ip("worker2")) for o in fault.overrides]
-    if fault.name == "env_server_stopped":
-        cluster.node("worker2").exec_run(["envkit", "serve", "arithmetic", "--host", "0.0.0.0", "--port",
-                                          str(SERVE_PORT)], detach=True)
-        time.sleep(5)
+    if fault.server:
+        cluster.serve(fault.server)
+    try:
+        return _run_fault(fault, cluster, out, overrides)
+    finally:
+        if fault.server:
+            cluster.unserve(fault.server)
+
+
+def _run_fault(fault: Fault, cluster: Cluster, out: Path, overrides: list[str]) -> dict[str, Any]:
     run = Run(out, [f"trainer.steps={fault.steps}", *overrides], cluster.env)
     row: dict[str, Any] = {"fault": fault.name, "what": fault.what}
     injected = fault.inject(run, cluster)

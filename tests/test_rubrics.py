@@ -443,6 +443,19 @@ async def test_a_relative_judge_scores_each_group_in_one_call_per_order(vllm_eng
         lambda: envkit.make("arithmetic"), tasks=tasks[:1])
     assert all(t.stop_reason == "error" and "group rubric 'group' failed: TimeoutError" in t.error for t in trajs)
 
+    class Silent(GroupRubric):  # its judge stopped answering: the group's scoring ends at the rollout limit
+        endpoint = JudgeEndpoint("http://judge.example/v1", model="judge")
+
+        async def score_group(self, episodes: list[Episode]) -> list[Score]:
+            await asyncio.Event().wait()
+            raise AssertionError("unreachable")
+
+    limited = GeneratorConfig(max_tokens=8, samples_per_prompt=2, timeout_s=3)
+    trajs = await Generator(vllm_engine, chat_tokenizer, limited, group_rubric=Silent()).generate(
+        lambda: envkit.make("arithmetic"), tasks=tasks[:1])
+    assert all(t.stop_reason == "error" and t.error == "RubricError: group rubric 'group' did not score within 3 s "
+               "(its judge: http://judge.example/v1)" for t in trajs), [t.error for t in trajs]
+
 
 async def test_a_reward_model_scores_concurrent_episodes_in_shared_batches():
     """The bundled reward head (made at setup from the bundled model, no download) scores 6 episodes that finish

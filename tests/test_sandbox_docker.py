@@ -11,10 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from oom import oom_kill
 
 import envkit
 from envkit.errors import EnvLoadError
-from sandboxes.base import EXEC_UID, SandboxStartError, SandboxStateError
+from sandboxes.base import EXEC_UID, SandboxLost, SandboxStartError, SandboxStateError
 from sandboxes.docker import DockerSandbox, reap_orphans
 from sandboxes.pool import SandboxPool
 
@@ -205,6 +206,16 @@ async def test_make_with_a_pool_borrows_a_container(docker_client, arithmetic_im
             name = env.env.sandbox.name
             await env.close()
             assert _exists(docker_client, name) and pool.idle == 1  # back in the pool, not removed
+        # Its container OOM-killed mid-episode: the episode fails naming it and how, and the pool replaces it.
+        env = envkit.make("arithmetic", sandbox="docker", pool=pool, level=1)
+        await env.reset(seed=2)
+        await asyncio.to_thread(oom_kill, docker_client.containers.get(name))
+        with pytest.raises(SandboxLost, match=rf"sandbox container {name} .* was OOM-killed \(its memory limit: "
+                                              rf"512 MiB\); the episode it served failed"):
+            await env.step({"role": "assistant", "content": "42"})
+        await env.close()
+        await pool.wait_ready()
+        assert pool.lost == 1 and pool.idle == 1 and not _exists(docker_client, name)
 
 
 async def test_operator_kwargs_start_the_containers_server(docker_client, arithmetic_image, monkeypatch) -> None:

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import torch
 
 from generators import ChatTokenizer, Generator, Trajectory
-from generators.engines.base import InferenceEngine, publish_judge, publish_policy, withdraw_judge
+from generators.engines.base import EngineError, InferenceEngine, publish_judge, publish_policy, withdraw_judge
 from generators.engines.factory import make_judge
 from generators.models import resolve_model
 from generators.report import passed
@@ -79,7 +79,12 @@ class Run:
 
     def serve(self, backend: TrainBackend, version: int) -> bool:
         """Have the engine serve the policy as ``version``; whether it went from memory."""
-        return sync_weights(backend, self.engine, self.runner, self.out, version, self.cfg.weight_sync.mode)
+        try:
+            return sync_weights(backend, self.engine, self.runner, self.out, version, self.cfg.weight_sync.mode)
+        except EngineError as e:  # said now, naming the step, not after the teardown
+            log.error("step %d: its weights reached no inference replica: %s: the run stops (its checkpoints are "
+                      "intact)", version, e)
+            raise
 
     def evaluate(self, *, step: int) -> dict[str, float]:
         """Held-out results of the policy the engine serves (see :func:`evaluate`)."""

@@ -114,6 +114,7 @@ class ActorEngine(InferenceEngine):
         self.supports_token_ids = True
         self.supports_weight_push = False
         self._version = 0
+        self._where = ""
 
     @property
     def base_url(self) -> str:
@@ -125,6 +126,7 @@ class ActorEngine(InferenceEngine):
 
     async def start(self) -> None:
         self.model_name, self.supports_token_ids, self.supports_weight_push = await self._call("start")
+        self._where = f" on {await self._call('node')}"  # what its death's error names
 
     async def stop(self) -> None:
         with contextlib.suppress(ReplicaDied):  # a dead replica has nothing left to stop
@@ -150,4 +152,4 @@ class ActorEngine(InferenceEngine):
         try:
             return await getattr(self.actor, method).remote(*args)
         except RayActorError as e:
-            raise ReplicaDied(f"inference replica {self.name} died: {type(e).__name__}") from e
+            raise ReplicaDied(f"inference replica {self.name}{self._where} died: {type(e).__name__}") from e
