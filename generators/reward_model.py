@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 import ray
 
+from envkit import tracing
 from envkit.markup import control_pattern, inert
 from envkit.rewards.rubrics import Episode, Rubric, Score
 from generators.models import _file_lock, bundled_model_dir, cache_dir
@@ -110,10 +111,10 @@ class RewardModel(Rubric):
 
     async def _remote_score(self, messages: list[Any]) -> float:
         try:
-            return await (await self._actor()).score_messages.remote(messages)
+            return await (await self._actor()).score_messages.remote(messages, trace=tracing.carrier())
         except ray.exceptions.RayActorError:  # its owner (the process that made it) exited: make it again, once
             self._handle = None
-            return await (await self._actor()).score_messages.remote(messages)
+            return await (await self._actor()).score_messages.remote(messages, trace=tracing.carrier())
 
     async def _actor(self) -> Any:
         """The cluster's worker for this model: found by name, or made here."""
@@ -207,6 +208,7 @@ class RewardWorker:
         self.model = RewardModel(path, batch_size=batch_size, max_wait_s=max_wait_s, max_length=max_length, raw=raw,
                                  placement="local")
 
+    @tracing.remote_side
     async def score_messages(self, messages: list[Any]) -> float:
         """One chat's score, batched with the other calls in flight."""
         return await self.model.score_messages(messages)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import envkit
-from envkit import Env, Snapshot, Task
+from envkit import Env, Snapshot, Task, tracing
 from envkit.errors import RubricError
 from envkit.rewards.rubrics import Episode, GroupRubric, load_group_rubric
 from generators.engines.base import InferenceEngine, SamplingParams
@@ -335,6 +335,20 @@ class Generator:
             traj = state.traj
             traj.sample_index, traj.branch_turn = sample_index, traj.num_turns
             traj.loss_mask = [0] * len(traj.loss_mask)
+        with tracing.span("rollout", root=True, env=env_name, task_id=traj.task_id, seed=seed, group=group_id,
+                          sample=sample_index, weight_version=traj.policy_version):
+            await self._play(make_env, play, state, task, seed, at_turn, resume)
+            tracing.annotate(tokens=len(traj.response_ids), reward=traj.reward, stop_reason=traj.stop_reason,
+                             error=traj.error, turns=traj.num_turns, staleness=self._staleness(traj))
+        return traj
+
+    def _staleness(self, traj: Trajectory) -> int | None:
+        """How many weight versions the engine moved on while the rollout was generated."""
+        return self.engine.weight_version - traj.policy_version if self.engine and traj.policy_version >= 0 else None
+
+    async def _play(self, make_env: EnvFactory, play: _Play, state: Rollout, task: Task | None, seed: int | None,
+                    at_turn: AtTurn | None, resume: _BranchPoint | None) -> None:
+        traj = state.traj
         start = time.perf_counter()
         env: Env | None = None
         session = rollout_session.set(Session())  # a replicated engine sends all of this rollout's turns to one
@@ -358,7 +372,6 @@ class Generator:
             if env is not None:
                 await self._close(env, traj)
             traj.timings = {"generate": state.generate_s, "env": state.env_s, "total": time.perf_counter() - start}
-        return traj
 
     async def _episode(self, env: Env, state: Rollout, task: Task | None, seed: int | None, play: _Play, *,
                        at_turn: AtTurn | None = None, resumed: bool = False) -> StopReason:

@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 
 import httpx
 
+from envkit import tracing
 from envkit.agents.untrusted import EXEC_USER_ENV, process_start_ticks
 from envkit.distribution import install_hint
 from envkit.errors import SnapshotError
@@ -316,7 +317,10 @@ class DockerSandbox(Sandbox):
         data = stdin.encode() if isinstance(stdin, str) else stdin
         body = {"argv": exec_argv(code_or_cmd), "stdin_b64": base64.b64encode(data).decode(), "timeout_s": timeout,
                 "output_limit": self.limits.output_limit_bytes}
-        return ExecResult(**await self._post("/exec", body, timeout + EXEC_KILL_GRACE_S))
+        with tracing.span("sandbox.exec", sandbox=self.name):
+            result = ExecResult(**await self._post("/exec", body, timeout + EXEC_KILL_GRACE_S))
+            tracing.annotate(exit_code=result.exit_code, timed_out=result.timed_out)
+        return result
 
     async def scrub(self) -> bool:
         """Kill what ``exec`` left running and delete its files in ``/work`` and ``/tmp``; True when clean."""

@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -75,9 +76,9 @@ def cluster(docker_client, tmp_path_factory) -> Iterator[tuple[dict[str, str], P
     decoy = docker_client.containers.create(BASE_IMAGE, ["true"], name=f"{NAME}-worker9")
     decoy_net = docker_client.networks.create(f"{NAME}-other", driver="bridge", internal=True)
     try:
-        up = _cluster("up", "--shared", str(shared), env=env)
-        assert [line.split("\t")[0] for line in up.splitlines()[:3]] == [f"{NAME}-head", f"{NAME}-worker1",
-                                                                          f"{NAME}-worker2"], up
+        up = _cluster("up", "--shared", str(shared), "--traces", env=env)
+        assert [line.split("\t")[0] for line in up.splitlines()[:4]] == [
+            f"{NAME}-head", f"{NAME}-worker1", f"{NAME}-worker2", f"{NAME}-traces"], up
         yield env, shared
     finally:
         _cluster("down", env=env)  # a second `down` finds nothing: the test's own is what is checked
@@ -153,6 +154,8 @@ def test_a_run_across_three_container_nodes_places_each_role_and_survives_two_ki
     assert run_actors == [] and _run_servers(namespace) == []
     # the dead worker's containers too: its pool could not drain them, the run's end removed them
     assert not sandboxes & after_run, sorted(sandboxes & after_run)
+    _check_traces(driver["ENVKIT_CLUSTER_TRACES"].removesuffix("/v1/traces"), namespace)
+
     removed = _cluster("down", env=env)
     left = docker_client.containers.list(all=True, ignore_removed=True, filters={"label": f"{CLUSTER_LABEL}={NAME}"})
     networks = [n.name for n in docker_client.networks.list(filters={"label": f"{CLUSTER_LABEL}={NAME}"})]
@@ -160,3 +163,105 @@ def test_a_run_across_three_container_nodes_places_each_role_and_survives_two_ki
     assert f"removed {NAME}-head" in removed and f"removed network {NAME}-sandboxes" in removed, removed
     assert left == [] and networks == [] and f"{NAME}-worker9" in names
     assert docker_client.networks.list(names=[f"{NAME}-other"])
+
+
+def _flat(attributes: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Phoenix's attributes, nested at each dot, as the flat ``rl.*`` names the spans were given."""
+    flat: dict[str, Any] = {}
+    for key, value in attributes.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _spans(phoenix: str, project: str) -> list[dict[str, Any]]:
+    """Every span Phoenix holds for the run's project (its name: the run's)."""
+    import httpx
+
+    spans: list[dict[str, Any]] = []
+    cursor = None
+    while True:
+        page = httpx.get(f"{phoenix}/v1/projects/{project}/spans",
+                         params={"limit": 1000, **({"cursor": cursor} if cursor else {})}, timeout=60)
+        assert page.status_code == 200, page.text[:500]
+        body = page.json()
+        spans += [{**span, "attributes": _flat(span["attributes"])} for span in body["data"]]
+        if not (cursor := body.get("next_cursor")):
+            return spans
+
+
+def _check_traces(phoenix: str, project: str) -> None:
+    """One trace per rollout across the nodes, as Phoenix received it from every process of the run: an agent
+    rollout's tree (the generator and the gateway on the head, its agent's env worker on worker2, the replica that
+    sampled each call on worker1), a sandboxed one's (its reward on worker1's actor); the steps' update and weight
+    sync. Then the agent rollout's trace in Phoenix's UI, in Chromium: the screenshot's path is in the report."""
+    time.sleep(2)  # each process exports every 0.5 s; the run's last batches
+    spans = _spans(phoenix, project)
+    children: dict[str | None, list[dict[str, Any]]] = {}
+    for span in spans:
+        children.setdefault(span["parent_id"], []).append(span)
+
+    def kids(span: dict[str, Any], name: str) -> list[dict[str, Any]]:
+        return [c for c in children.get(span["context"]["span_id"], []) if c["name"] == name]
+
+    def one(found: list[dict[str, Any]], where: str) -> dict[str, Any]:
+        assert len(found) == 1, (where, [c["name"] for c in found])
+        return found[0]
+
+    def node(span: dict[str, Any]) -> str:
+        return span["attributes"]["rl.node"]
+
+    rollouts = [s for s in spans if s["name"] == "rollout" and s["parent_id"] is None]
+    assert {s["attributes"]["rl.run"] for s in spans} == {project}
+    # every rollout, the failed too: 2 prompts × 8 samples a step (the spans of a killed process's last 0.5 s may
+    # be lost with it, never a rollout's root: the generator's)
+    assert Counter(r["attributes"]["rl.step"] for r in rollouts) == {1: 16, 2: 16}
+    agents = [r for r in rollouts if r["attributes"]["rl.env"] == "sums" and r["attributes"].get("rl.stop_reason")
+              == "done"]
+    assert agents, [r["attributes"] for r in rollouts[:3]]
+    root = agents[0]
+    a = root["attributes"]
+    assert node(root) == "head" and a["rl.step"] in (1, 2) and a["rl.tokens"] > 0 and "rl.reward" in a, a
+    assert a["rl.weight_version"] == a["rl.step"] - 1 and a["rl.task_id"] and a["rl.turns"] == 2
+    assert {node(s) for s in kids(one(kids(root, "env.reset"), "env.reset"), "EnvWorker.reset")} == {"worker2"}
+    run = one(kids(root, "agent.run"), "agent.run")
+    assert node(one(kids(run, "EnvWorker.run_agent"), "run_agent")) == "worker2"
+    calls = kids(run, "gateway /v1/chat/completions")  # made by the agent on worker2, served on the head
+    assert len(calls) == 2 and {node(c) for c in calls} == {"head"}, children[run["context"]["span_id"]]
+    for call in calls:
+        sampled = one(kids(one(kids(call, "generate"), "generate"), "EngineActor.generate"), "replica")
+        assert node(sampled) == "worker1" and sampled["context"]["trace_id"] == root["context"]["trace_id"]
+    assert node(one(kids(one(kids(root, "agent.score"), "agent.score"), "EnvWorker.score"), "score")) == "worker2"
+
+    sandboxed = [r for r in rollouts if r["attributes"]["rl.env"] == "arithmetic"
+                 and r["attributes"].get("rl.stop_reason") == "done"]
+    step = one(kids(sandboxed[0], "env.step"), "env.step")
+    scored = one(kids(one(kids(step, "EnvWorker.step"), "EnvWorker.step"), "RewardWorker.score_messages"), "reward")
+    assert node(scored) == "worker1"
+    for name in ("update", "weight_sync"):
+        assert sorted(s["attributes"]["rl.step"] for s in spans if s["name"] == name and node(s) == "head") == [1, 2]
+
+    _screenshot(phoenix, project, root["context"]["trace_id"])
+
+
+def _screenshot(phoenix: str, project: str, trace_id: str) -> None:
+    """The agent rollout's trace as Phoenix's UI shows it, in Chromium; saved into the test report."""
+    import httpx
+    from playwright.sync_api import sync_playwright
+    from test_docs_site import CHROMIUM, SCREENS
+
+    assert CHROMIUM, "chromium is not installed: `make test` installs it (apt-get install chromium)"
+    projects = httpx.get(f"{phoenix}/v1/projects", timeout=30).json()["data"]
+    project_id = next(p["id"] for p in projects if p["name"] == project)
+    path = SCREENS.parent / "trace-agent-rollout.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        page = browser.new_page(viewport={"width": 1600, "height": 1000})
+        page.goto(f"{phoenix}/projects/{project_id}/traces/{trace_id}")
+        page.get_by_text("EngineActor.generate").first.wait_for(timeout=60_000)
+        page.screenshot(path=str(path))
+        browser.close()
+    print(f"the agent rollout's trace in Phoenix: {path}")

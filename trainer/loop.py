@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 import trainer.algorithms as algo
+from envkit import tracing
 from generators import Trajectory
 from trainer.async_rollouts import LoopThread
 from trainer.backends import make_backend
@@ -75,10 +76,12 @@ def train(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]:
             t1 = time.perf_counter()
             batch = prepare_batch(trajs, cfg)
             batch.counts["stale_dropped"] = stale
-            train_metrics = update_policy(backend, batch, cfg, run.tokenizer.pad_id)
+            with tracing.span("update", root=True, step=state.step + 1, rollouts=len(trajs)):
+                train_metrics = update_policy(backend, batch, cfg, run.tokenizer.pad_id)
             t2 = time.perf_counter()
             state.step = state.policy_version = state.step + 1
-            from_memory = source.serve(backend, state.policy_version)
+            with tracing.span("weight_sync", root=True, step=state.step, weight_version=state.policy_version):
+                from_memory = source.serve(backend, state.policy_version)
             t3 = time.perf_counter()
             # The step's metrics before its checkpoint: a run killed between the two resumes from the checkpoint
             # before and logs the step again (the last row of a step counts); the other way round, a run killed

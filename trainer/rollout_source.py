@@ -16,6 +16,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from envkit import tracing
 from generators import Trajectory
 from generators.report import first_errors
 from generators.rollout import PartLost
@@ -93,7 +94,8 @@ class SyncSource(RolloutSource):
         run = self.main
         self.generator.config = replace(self.generator.config, timeout_s=self.deadline.seconds)
         try:
-            trajs = run.runner.run(run.envs.rollouts(self.generator, run.cfg.generator.prompts_per_step))
+            with tracing.tagged(step=state.step + 1):  # each rollout's trace says the step it is generated for
+                trajs = run.runner.run(run.envs.rollouts(self.generator, run.cfg.generator.prompts_per_step))
         except PartLost as e:
             lost = PartLost(f"step {state.step + 1}: {e}")
             log.error("%s: the run stops (its checkpoints are intact)", lost)  # now, not after the teardown

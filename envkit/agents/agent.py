@@ -66,12 +66,17 @@ class AgentClient:
     model: str
     episode_url: str
     channel_url: str | None = None
+    traceparent: str | None = None
+    """The episode's trace context (W3C), when the run is traced: an agent's own spans can join its rollout's trace
+    (its process gets it as ``TRACEPARENT``)."""
 
     def environ(self) -> dict[str, str]:
-        """The variables an agent process reads: the OpenAI SDK's and most CLIs', and the Anthropic SDK's (whose
-        base URL is the server's root; the gateway also serves ``/v1/messages``)."""
+        """The variables an agent process reads: the OpenAI SDK's and most CLIs', the Anthropic SDK's (whose
+        base URL is the server's root; the gateway also serves ``/v1/messages``), and OpenTelemetry's
+        ``TRACEPARENT`` when traced."""
         return {"OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": self.api_key, "OPENAI_MODEL": self.model,
-                "ANTHROPIC_BASE_URL": self.base_url.removesuffix("/v1"), "ANTHROPIC_API_KEY": self.api_key}
+                "ANTHROPIC_BASE_URL": self.base_url.removesuffix("/v1"), "ANTHROPIC_API_KEY": self.api_key,
+                **({"TRACEPARENT": self.traceparent} if self.traceparent else {})}
 
 
 Agent = Callable[[Task, AgentClient], Awaitable[Any]]

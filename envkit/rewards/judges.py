@@ -56,6 +56,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
+from envkit import tracing
 from envkit.errors import RubricError
 from envkit.markup import inert
 from envkit.parsing import extract_answer
@@ -188,7 +189,8 @@ class JudgeEndpoint:
     async def _call(self, client: Any, slots: asyncio.Semaphore, messages: list[dict[str, str]],
                     params: dict[str, Any]) -> Answer:
         async with slots:
-            return await self._attempts(client, messages, params)
+            with tracing.span("judge", judge=self.base_url, judge_model=self.model):
+                return await self._attempts(client, messages, params)
 
     async def _attempts(self, client: Any, messages: list[dict[str, str]], params: dict[str, Any]) -> Answer:
         error: Exception | None = None
@@ -197,7 +199,8 @@ class JudgeEndpoint:
                 await asyncio.sleep(min(0.5 * 2 ** (attempt - 1), 8.0))
             self.calls += 1
             try:
-                reply = await client.chat.completions.create(model=self.model, messages=messages, **params)
+                reply = await client.chat.completions.create(model=self.model, messages=messages,
+                                                             extra_headers=tracing.carrier() or None, **params)
                 choice = reply.choices[0]
                 tokens = choice.logprobs.content if choice.logprobs is not None else None
                 top = {t.token: t.logprob for t in tokens[0].top_logprobs} if tokens else {}

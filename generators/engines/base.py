@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from envkit import tracing
 from envkit.integrations.opponent import POLICY_MODEL_VAR, POLICY_URL_VAR
 from envkit.rewards.judges import JUDGE_KEY_VAR, JUDGE_MODEL_VAR, JUDGE_URL_VAR
 from generators.engines.transports import TRANSPORTS
@@ -155,7 +156,10 @@ async def generate_turn(engine: InferenceEngine, prompt_ids: list[int], sampling
     k-th request its sampling parameters (a per-request seed)."""
     ids, total, sampled = list(prompt_ids), sampling.max_tokens, 0  # the caller may extend prompt_ids meanwhile
     for continuation in range(MAX_CONTINUATIONS + 1):
-        part = await engine.generate(ids, seeded(sampling, continuation))
+        with tracing.span("generate", prompt_tokens=len(ids), max_tokens=sampling.max_tokens):
+            part = await engine.generate(ids, seeded(sampling, continuation))
+            tracing.annotate(tokens=len(part.token_ids), weight_version=part.weight_version,
+                             stop_reason=part.finish_reason)
         yield part
         ids += part.token_ids
         sampled += len(part.token_ids)

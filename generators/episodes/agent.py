@@ -10,7 +10,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from envkit import Env, Task
+from envkit import Env, Task, tracing
 from envkit.agents.agent import AgentEnv
 from generators.engines.base import InferenceEngine
 from generators.episodes.base import AtTurn, Rollout
@@ -51,20 +51,23 @@ class AgentEpisodes:
                              "runs its own loop")
         traj = state.traj
         t0 = time.perf_counter()
-        traj.messages, _ = await env.reset(seed=seed, task=task)
+        with tracing.span("env.reset"):
+            traj.messages, _ = await env.reset(seed=seed, task=task)
         state.env_s += time.perf_counter() - t0
         gateway = await self._started()
-        episode = gateway.open()
         failed = False
-        try:
-            result = await agent.run(gateway.client(episode))
-        except Exception:
-            if episode.stop is None and not episode.last_cut:
-                raise
-            failed = True
-            episode.stop = episode.stop or "max_tokens"
-        finally:
-            segments = gateway.end(episode)
+        with tracing.span("agent.run"):
+            episode = gateway.open()  # in the span: the agent's calls through the gateway are its children
+            try:
+                result = await agent.run(gateway.client(episode))
+            except Exception:
+                if episode.stop is None and not episode.last_cut:
+                    raise
+                failed = True
+                episode.stop = episode.stop or "max_tokens"
+            finally:
+                segments = gateway.end(episode)
+            tracing.annotate(turns=episode.calls, stop_reason=episode.stop)
         state.generate_s += episode.generate_s
         if segments:
             first = segments[0]
@@ -77,7 +80,9 @@ class AgentEpisodes:
         traj.refused_calls = episode.refused
         t0 = time.perf_counter()
         if not failed:
-            score = await agent.score(result)
+            with tracing.span("agent.score"):
+                score = await agent.score(result)
+                tracing.annotate(reward=score.value)
             traj.reward, traj.scores = score.value, score.breakdown
         state.env_s += time.perf_counter() - t0
         traj.step_rewards = [traj.reward]

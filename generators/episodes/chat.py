@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from envkit import Env, Message, Task
+from envkit import Env, Message, Task, tracing
 from envkit.agents.agent import AgentEnv
 from generators.engines.base import Completion, InferenceEngine, SamplingParams, generate_turn, request_seed
 from generators.episodes.base import AtTurn, Rollout
@@ -64,7 +64,9 @@ class ChatEpisodes:
             traj.num_turns += 1
 
             t0 = time.perf_counter()
-            result = await env.step(action)
+            with tracing.span("env.step", turn=traj.num_turns):
+                result = await env.step(action)
+                tracing.annotate(reward=result.reward, done=result.done)
             state.env_s += time.perf_counter() - t0
             traj.step_rewards.append(result.reward)
             traj.reward += result.reward
@@ -81,7 +83,8 @@ class ChatEpisodes:
         """The opening messages, with the env's tools where the chat template wants them, and their ids."""
         traj = state.traj
         t0 = time.perf_counter()
-        messages, _ = await env.reset(seed=seed, task=task)
+        with tracing.span("env.reset"):
+            messages, _ = await env.reset(seed=seed, task=task)
         state.env_s += time.perf_counter() - t0
         state.tools = [t.to_openai() for t in env.tools] or None
         traj.messages, state.template_tools = self.tool_prompt.apply(list(messages), state.tools)
@@ -112,8 +115,9 @@ class ModelTurns:
         sampling = replace(self.config.sampling, max_tokens=max_tokens)
         t0 = time.perf_counter()
         if self.tokenizer is None:  # chat mode: no token ids; the endpoint's tool calls, else ones in the text
-            chat = await self.engine.chat(state.traj.messages, self._seeded(sampling, state, 0),
-                                          state.template_tools)
+            with tracing.span("generate", max_tokens=max_tokens):
+                chat = await self.engine.chat(state.traj.messages, self._seeded(sampling, state, 0),
+                                              state.template_tools)
             state.mark_version(chat.weight_version)
             state.generate_s += time.perf_counter() - t0
             text = chat.content or ""

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from envkit import tracing
 from generators.engines.base import EngineError
 from generators.gateway.anthropic import Messages
 from generators.gateway.chat import ChatCompletions, openai_error
@@ -42,8 +43,9 @@ def _handler(gateway: Gateway, dialect: Dialect) -> Handler:
     async def handle(request: Request, key: str | None = None) -> Response:
         try:
             episode = _episode(gateway, request, key)
-            call = dialect.read(await read_json(request), episode)
-            choices, prompt_tokens = await gateway.chat(episode, call.chat)
+            with tracing.attached(episode.trace), tracing.span(f"gateway {dialect.route}", turn=episode.calls + 1):
+                call = dialect.read(await read_json(request), episode)
+                choices, prompt_tokens = await gateway.chat(episode, call.chat)
         except GatewayError as e:
             return dialect.error(e.status, e.code, str(e))
         except EngineError as e:

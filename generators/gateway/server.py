@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from envkit import Message
+from envkit import Message, tracing
 from envkit.agents.agent import AgentClient
 from generators.engines.base import InferenceEngine, SamplingParams, generate_turn, request_seed
 from generators.engines.replicas import Session, rollout_session
@@ -139,6 +139,8 @@ class Episode:
     session: Session = field(default_factory=Session)
     """Sticky routing: a replicated engine sends all of this episode's calls to one replica."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    trace: dict[str, str] = field(default_factory=dict)
+    """The trace context it was opened in (its rollout's): its calls are spans there, whatever process made them."""
 
     def end(self) -> list[Segment]:
         """The episode's segments, each pending choice taken: the first by its own segment, the others as
@@ -240,7 +242,7 @@ class Gateway:
         """A new episode with a key of its own, and a port of its own (its channel) that refuses every other key:
         where an isolated agent process is relayed, so a key it learns of cannot be spent there."""
         assert self._protocol is not None, "start the gateway first"
-        episode = Episode(secrets.token_urlsafe(18))
+        episode = Episode(secrets.token_urlsafe(18), trace=tracing.carrier())
         self.episodes[episode.key] = episode
         sock = socket.socket()
         sock.bind((self.host, 0))
@@ -254,7 +256,8 @@ class Gateway:
         """What ``episode``'s agent connects with."""
         return AgentClient(base_url=f"{self.url}/v1", api_key=episode.key, model=self.engine.model_name,
                            episode_url=f"{self.url}/e/{episode.key}/v1",
-                           channel_url=f"http://{self._announced}:{episode.channel_port}")
+                           channel_url=f"http://{self._announced}:{episode.channel_port}",
+                           traceparent=episode.trace.get("traceparent"))
 
     def end(self, episode: Episode) -> list[Segment]:
         """End ``episode``: its calls from now on get 409. Returns its segments."""

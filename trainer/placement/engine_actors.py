@@ -17,6 +17,7 @@ import ray
 import torch
 from ray.exceptions import RayActorError
 
+from envkit import tracing
 from generators.engines.base import ChatCompletion, Completion, InferenceEngine, SamplingParams
 from generators.engines.factory import EngineConfig, make_engine
 from generators.engines.replicas import ReplicaDied
@@ -34,10 +35,12 @@ class EngineActor:
         self.engine = make_engine(config, model, log_dir=Path(log_dir), weight_sync=weight_sync)
         self.inflight = 0
 
+    @tracing.remote_side
     async def start(self) -> tuple[str, bool, bool]:
         await self.engine.start()
         return self.engine.model_name, self.engine.supports_token_ids, self.engine.supports_weight_push
 
+    @tracing.remote_side
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Completion:
         self.inflight += 1
         try:
@@ -45,6 +48,7 @@ class EngineActor:
         finally:
             self.inflight -= 1
 
+    @tracing.remote_side
     async def chat(self, messages: list[dict[str, Any]], sampling: SamplingParams,
                    tools: list[dict[str, Any]] | None) -> ChatCompletion:
         self.inflight += 1
@@ -53,12 +57,15 @@ class EngineActor:
         finally:
             self.inflight -= 1
 
+    @tracing.remote_side
     async def load_weights(self, path: str, version: int) -> None:
         await self.engine.load_weights(path, version)
 
+    @tracing.remote_side
     async def push_weights(self, packed: dict[str, Packed], version: int) -> None:
         await self.engine.push_weights(unpack(packed), version)
 
+    @tracing.remote_side
     async def stop(self) -> None:
         await self.engine.stop()
 
@@ -150,6 +157,7 @@ class ActorEngine(InferenceEngine):
 
     async def _call(self, method: str, *args: Any) -> Any:
         try:
-            return await getattr(self.actor, method).remote(*args)
+            call = getattr(self.actor, method)
+            return await (call.remote(*args) if method == "node" else call.remote(*args, trace=tracing.carrier()))
         except RayActorError as e:
             raise ReplicaDied(f"inference replica {self.name}{self._where} died: {type(e).__name__}") from e

@@ -24,7 +24,7 @@ import ray
 from ray.exceptions import RayActorError
 from ray.util.placement_group import remove_placement_group
 
-from envkit import AgentClient, AgentEnv, Env, Message, Snapshot, StepResult, Task, Tool
+from envkit import AgentClient, AgentEnv, Env, Message, Snapshot, StepResult, Task, Tool, tracing
 from envkit.ref import EnvRef
 from envkit.remote import SNAPSHOT_KEY_ENV
 from envkit.rewards.rubrics import Score
@@ -44,12 +44,14 @@ PLACE_TIMEOUT_S = 30.0
 def _portable(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     """An env call whose error always reaches the caller: one that does not pickle (a WebSocket client's, say) would
     arrive as Ray's ``UnserializableException`` with its message lost, so it is re-raised as a RuntimeError naming
-    its type and message."""
+    its type and message. It runs in its caller's trace (:func:`envkit.tracing.remote_side`)."""
 
-    @functools.wraps(method)
+    traced = tracing.remote_side(method)
+
+    @functools.wraps(traced)
     async def call(*args: Any, **kwargs: Any) -> T:
         try:
-            return await method(*args, **kwargs)
+            return await traced(*args, **kwargs)
         except Exception as e:
             try:
                 pickle.loads(pickle.dumps(e))
@@ -298,7 +300,7 @@ class WorkerEnv(Env):
             self.pool.release(worker)
 
     async def _call(self, method: str, *args: Any) -> Any:
-        ref = getattr(self.worker, method).remote(*args)
+        ref = getattr(self.worker, method).remote(*args, trace=tracing.carrier())
         try:
             return await ref
         except asyncio.CancelledError:

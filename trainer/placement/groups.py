@@ -10,9 +10,8 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-RUN_ENV = "ENVKIT_RUN"
-"""The run's name (its Ray namespace), in the environment of the driver, of the run's actors and of the processes
-they start (a vLLM server, an agent)."""
+from envkit.tracing import ENDPOINT_ENV, RUN_ENV
+
 TRAINER_RANK = "trainer-rank-"
 """A trainer rank actor's name, before its rank."""
 READY_TIMEOUT_S = 600.0
@@ -23,8 +22,10 @@ def actor_options(resources: dict[str, float], group: PlacementGroup | None = No
     """Ray ``.options()`` for an actor needing ``resources`` (``CPU``, ``GPU``, custom), in ``group`` if given."""
     options: dict[str, Any] = {"num_cpus": resources.get("CPU", 0), "num_gpus": resources.get("GPU", 0),
                                "resources": {k: v for k, v in resources.items() if k not in ("CPU", "GPU")}}
-    if RUN_ENV in os.environ:  # the actor passes it on to those it makes
-        options["runtime_env"] = {"env_vars": {RUN_ENV: os.environ[RUN_ENV]}}
+    # The run's name (its Ray namespace) and where its traces go: the actor passes them on to those it makes
+    passed = {name: os.environ[name] for name in (RUN_ENV, ENDPOINT_ENV) if os.environ.get(name)}
+    if passed:
+        options["runtime_env"] = {"env_vars": passed}
     if group is not None:
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group)
     return options
