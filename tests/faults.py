@@ -188,6 +188,8 @@ class Cluster:
                     return
             except httpx.HTTPError:
                 pass
+            if not any(" ".join(argv) in " ".join(p.info["cmdline"] or ()) for p in psutil.process_iter(["cmdline"])):
+                raise RuntimeError(f"{' '.join(argv)} exited on worker2 before it answered")
             time.sleep(1)
         raise RuntimeError(f"{' '.join(argv)} did not answer on {url}")
 
@@ -247,6 +249,12 @@ def kill_worker2(run: Run, cluster: Cluster) -> float:
     return time.monotonic() - (time.time() - killed_at)
 
 
+def _runs(process: psutil.Process, what: str) -> bool:
+    """Whether ``process`` is ``what`` itself (``python -m vllm...``, ``.../envkit serve``), not a process that has
+    it in its arguments: the watchdog of a managed server (generators/engines/watchdog.py) carries its command."""
+    return what in " ".join((process.info["cmdline"] or [])[:3])
+
+
 def _weight_update(run: Run) -> psutil.Process:
     """The run's vLLM server the moment a weight file appears in its node's /dev/shm (the shared-memory transport):
     the server is loading new weights, and the call that sends them has not returned."""
@@ -256,7 +264,7 @@ def _weight_update(run: Run) -> psutil.Process:
     while time.monotonic() < deadline:
         for p in psutil.process_iter(["cmdline", "environ"]):
             if ((p.info["environ"] or {}).get(RUN_ENV) == run.namespace
-                    and "vllm.entrypoints.openai.api_server" in " ".join(p.info["cmdline"] or ())):
+                    and _runs(p, "vllm.entrypoints.openai.api_server")):
                 shm = Path(f"/proc/{p.pid}/root/dev/shm")
                 while time.monotonic() < deadline:
                     try:
@@ -298,15 +306,25 @@ def reconnect_worker1(run: Run, cluster: Cluster) -> float:
 
 
 def oom_kill_a_sandbox(run: Run, cluster: Cluster) -> float:
-    """OOM-kill one of the run's sandbox containers (tests/oom.py), mid-run."""
+    """OOM-kill one of the run's sandbox containers that serves its env (tests/oom.py), mid-run."""
+    import httpx
     from oom import oom_kill
 
+    from sandboxes.base import SERVER_PORT
     from sandboxes.docker import SANDBOX_LABEL
 
     _after_step(run, 1)
-    running = cluster.docker.containers.list(filters={"label": SANDBOX_LABEL, "network": f"{NAME}-sandboxes"})
-    oom_kill(running[0])
-    return time.monotonic()
+    for container in cluster.docker.containers.list(filters={"label": SANDBOX_LABEL,
+                                                             "network": f"{NAME}-sandboxes"}):
+        ip = container.attrs["NetworkSettings"]["Networks"][f"{NAME}-sandboxes"]["IPAddress"]
+        try:
+            serving = httpx.get(f"http://{ip}:{SERVER_PORT}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            serving = False  # still starting
+        if serving:
+            oom_kill(container)
+            return time.monotonic()
+    raise RuntimeError("no sandbox of the run is serving")
 
 
 def fill_the_disk(run: Run, cluster: Cluster) -> float:
@@ -346,8 +364,7 @@ def _stop_server(cluster: Cluster, what: str) -> float:
     """SIGSTOP the process of the fault's server (on worker2; this host sees its processes) whose command line says
     ``what``."""
     for p in psutil.process_iter(["cmdline"]):
-        line = " ".join(p.info["cmdline"] or ())
-        if what in line and f"--port {PORT}" in line:
+        if _runs(p, what) and f"--port {PORT}" in " ".join(p.info["cmdline"] or ()):
             p.send_signal(signal.SIGSTOP)
             cluster.stopped = p  # type: ignore[attr-defined]
             return time.monotonic()
@@ -389,7 +406,7 @@ FAULTS = [
           carries_on=True, restore=continue_server,
           overrides=["generator.group_rubric=rubric_parts:relative", "judge.engine=openai",
                      f"judge.url=http://WORKER2:{PORT}/v1", "judge.model=judge"],
-          server=[sys.executable, str(ROOT / "tests" / "judge_server.py"), str(PORT)]),
+          server=[sys.executable, str(ROOT / "tests" / "judge_server.py"), str(PORT), str(SHARED / "judge.log")]),
     Fault("agent_silent", "an agent that never calls the gateway", silence_the_agent,
           r"step \d+: \d+ of \d+ rollouts failed .*rollout exceeded", carries_on=True,
           overrides=[f'env.mixture=[{{name: "agent_envs:sums_until", kwargs: {{flag: "{SHARED}/silent"}}}}]']),

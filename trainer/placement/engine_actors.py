@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from generators.engines.replicas import ReplicaDied
 from generators.engines.transports.ray_store import store_view
 from generators.engines.weight_sync import WeightSyncConfig
 from generators.nodes import node_name
+from trainer.placement.groups import SHUTDOWN_TIMEOUT_S
 
 
 @ray.remote
@@ -122,6 +124,7 @@ class ActorEngine(InferenceEngine):
         self.supports_weight_push = False
         self._version = 0
         self._where = ""
+        self._started = False
 
     @property
     def base_url(self) -> str:
@@ -134,10 +137,15 @@ class ActorEngine(InferenceEngine):
     async def start(self) -> None:
         self.model_name, self.supports_token_ids, self.supports_weight_push = await self._call("start")
         self._where = f" on {await self._call('node')}"  # what its death's error names
+        self._started = True
 
     async def stop(self) -> None:
-        with contextlib.suppress(ReplicaDied):  # a dead replica has nothing left to stop
-            await self._call("stop")
+        """Stop the server, then end the actor. One that never started is only ended: a call to an actor no live
+        node can host (a replacement for one on a node that died) would wait for it forever."""
+        if self._started:
+            with contextlib.suppress(ReplicaDied, TimeoutError):  # a dead replica has nothing left to stop
+                async with asyncio.timeout(SHUTDOWN_TIMEOUT_S):
+                    await self._call("stop")
         ray.kill(self.actor)
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Completion:
