@@ -168,11 +168,12 @@ class Cluster:
 
     def rejoin(self, role: str) -> float:
         """Start the node ``role`` again and wait until the cluster counts it; the seconds that took."""
-        from trainer.cluster import wait_joined
+        from trainer.cluster import fence, wait_joined
 
         began = time.monotonic()
         self.node(role).start()
         wait_joined(self.docker, NAME, 3)
+        fence(self.docker, NAME)  # a restarted node has a fresh network namespace
         return time.monotonic() - began
 
     def serve(self, argv: list[str]) -> None:
@@ -295,13 +296,14 @@ def cut_worker1_in_weight_sync(run: Run, cluster: Cluster) -> float:
 
 def reconnect_worker1(run: Run, cluster: Cluster) -> float:
     """Connect worker1 again at its address and restart it: Ray declared its node dead, so a fresh one joins."""
-    from trainer.cluster import wait_joined
+    from trainer.cluster import fence, wait_joined
 
     began = time.monotonic()
     node = cluster.node("worker1")
     cluster.docker.networks.get(NAME).connect(node, ipv4_address=cluster.cut)  # type: ignore[attr-defined]
     node.restart(timeout=5)
     wait_joined(cluster.docker, NAME, 3)
+    fence(cluster.docker, NAME)
     return time.monotonic() - began
 
 

@@ -91,6 +91,7 @@ def test_a_run_across_three_container_nodes_places_each_role_and_survives_two_ki
     from trainer.cluster import CLUSTER_LABEL
 
     env, tmp_path = cluster
+    _check_fence(docker_client)
     driver = dict(line.removeprefix("export ").split("=", 1) for line in _cluster("env", env=env).splitlines())
     out = tmp_path / "run"
     mixture = ('env.mixture=[{name: arithmetic, sandbox: docker, kwargs: {rubric: "rubric_parts:on_worker1"}},'
@@ -163,6 +164,39 @@ def test_a_run_across_three_container_nodes_places_each_role_and_survives_two_ki
     assert f"removed {NAME}-head" in removed and f"removed network {NAME}-sandboxes" in removed, removed
     assert left == [] and networks == [] and f"{NAME}-worker9" in names
     assert docker_client.networks.list(names=[f"{NAME}-other"])
+
+
+def _reaches(client: Any, ip: str, port: int) -> bool:
+    """Whether a container on the cluster's sandbox network (where an env worker's sandboxes run what the policy
+    wrote) can open a TCP connection to ``ip:port``."""
+    import docker.errors
+
+    from sandboxes.engine import BASE_IMAGE
+
+    probe = f"import socket; socket.create_connection(({ip!r}, {port}), timeout=3)"
+    try:
+        client.containers.run(BASE_IMAGE, ["python3", "-c", probe], network=f"{NAME}-sandboxes", remove=True)
+    except docker.errors.ContainerError:
+        return False
+    return True
+
+
+def _check_fence(client: Any) -> None:
+    """A sandbox reaches no node: not the head's Ray (GCS, Ray Client), whose token is all that stands between it
+    and the cluster. The positive control: the same probe reaches the head with its fence taken down."""
+    from trainer.cluster import GCS_PORT, fence
+
+    head = client.containers.get(f"{NAME}-head")
+    ip = head.attrs["NetworkSettings"]["Networks"][f"{NAME}-sandboxes"]["IPAddress"]
+    subnet = client.networks.get(f"{NAME}-sandboxes").attrs["IPAM"]["Config"][0]["Subnet"]
+    assert not _reaches(client, ip, GCS_PORT)
+    rule = ["INPUT", "-s", subnet, "-p", "tcp", "--syn", "-j", "DROP"]
+    subprocess.run(["nsenter", "-t", str(head.attrs["State"]["Pid"]), "-n", "iptables", "-D", *rule], check=True)
+    try:
+        assert _reaches(client, ip, GCS_PORT), "the probe cannot reach an unfenced head: the check is blind"
+    finally:
+        fence(client, NAME)
+    assert not _reaches(client, ip, GCS_PORT)
 
 
 def _flat(attributes: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -21,7 +21,8 @@ Every node sees this project, its venv, its Python and the envkit cache read-onl
 the shared directory (``--shared``) read-write at its path here: checkpoints and exported weights go there
 (``trainer.output_dir`` under it). The nodes use this machine's Docker engine through its socket: an env worker's
 sandboxes are the node's siblings on ``NAME-sandboxes``, not Docker in Docker. Ray's token authentication is on;
-the token is a file only root reads. Nothing here touches a container or network it did not make (its label).
+the token is a file only root reads. No node accepts a connection from the sandbox network (:func:`fence`): a
+sandbox reaches neither Ray nor the gateway. Nothing here touches a container or network it did not make (its label).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import ipaddress
 import json
 import os
 import secrets
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -194,6 +196,7 @@ def _start_nodes(client: Any, name: str, workers: int, shared: Path, token: Path
             networking_config={name: client.api.create_endpoint_config(ipv4_address=node.ip)})
         client.networks.get(sandboxes).connect(container)
         container.start()
+    fence(client, name)
     wait_joined(client, name, len(nodes))
     if not traces:
         return nodes
@@ -232,6 +235,27 @@ def _start_traces(client: Any, name: str, server: Node, mounts: dict[str, dict[s
         environment={"PHOENIX_HOST": "0.0.0.0", "PHOENIX_PORT": str(TRACES_PORT), "PHOENIX_WORKING_DIR": "/tmp/phoenix",
                      "HOME": "/root"},
         networking_config={name: client.api.create_endpoint_config(ipv4_address=server.ip)})
+
+
+def fence(client: Any, name: str) -> None:
+    """Drop every connection the sandbox network opens towards a running node of cluster ``name`` (its Ray ports,
+    the capture gateway, env servers): sandboxes run what the policy wrote. The node's own connections to its
+    sandboxes pass (a SYN out, replies in). The rules live in the node's network namespace, set from this host (the
+    nodes get no NET_ADMIN): a restarted node is fenced again by calling this. SystemExit if a rule cannot be set."""
+    subnet = client.networks.get(f"{name}-sandboxes").attrs["IPAM"]["Config"][0]["Subnet"]
+    for container in _containers(client, name):
+        container.reload()
+        if container.status != "running":
+            continue
+        netns = ["nsenter", "-t", str(container.attrs["State"]["Pid"]), "-n", "iptables"]
+        for rule in (["-p", "tcp", "--syn"], ["-p", "udp"]):
+            spec = ["INPUT", "-s", subnet, *rule, "-j", "DROP"]
+            if subprocess.run([*netns, "-C", *spec], capture_output=True).returncode == 0:
+                continue
+            done = subprocess.run([*netns, "-I", *spec], capture_output=True, text=True)
+            if done.returncode:
+                raise SystemExit(f"cannot fence {container.name} off its sandboxes (needs root, nsenter and "
+                                 f"iptables): {done.stderr.strip()}")
 
 
 def wait_joined(client: Any, name: str, count: int) -> None:
