@@ -254,7 +254,8 @@ class ServerBackedEngine(InferenceEngine):
                 return await action()
             except RETRYABLE as e:
                 if attempt == 0 and self.auto_restart and await self._server_died(process):
-                    log.warning("%s server died (%s); restarting it", self.backend, e)
+                    log.warning("%s server died (%s: %s, during %s); restarting it", self.backend,
+                                type(e).__name__, e, what)
                     continue
                 if attempt == 0 and resend:
                     log.info("%s %s: %s: %s; sending it again", self.backend, what, type(e).__name__, e)
