@@ -89,13 +89,12 @@ def span(name: str, *, root: bool = False, **attributes: Any) -> contextlib.Abst
             {"run": os.environ.get(RUN_ENV), "node": socket.gethostname(), **_tags.get(), **attributes}))
 
 
-@contextlib.contextmanager
-def tagged(**attributes: Any) -> Iterator[None]:
-    """Every span begun in the block (and in the tasks it starts) carries ``attributes`` too (the step a rollout
-    is generated for, say)."""
+async def within(work: Awaitable[T], **attributes: Any) -> T:
+    """Await ``work``: every span it begins (and the tasks it starts) carries ``attributes`` too (the step a rollout
+    is generated for, say). A coroutine, so that it holds on whichever loop runs it."""
     token = _tags.set({**_tags.get(), **attributes})
     try:
-        yield
+        return await work
     finally:
         _tags.reset(token)
 
@@ -152,6 +151,7 @@ def remote_side(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[
     at = next((i for i, p in enumerate(params) if p.kind is inspect.Parameter.VAR_KEYWORD), len(params))
     params.insert(at, inspect.Parameter("trace", inspect.Parameter.KEYWORD_ONLY, default=None))
     call.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+    del call.__wrapped__  # Ray reads an actor method's signature at the end of its __wrapped__ chain: this one
     return call
 
 

@@ -105,7 +105,7 @@ def test_a_run_across_three_container_nodes_places_each_role_and_survives_two_ki
          "generator.max_tokens=16", "trainer.micro_batch_tokens=2048", "trainer.warmup_steps=0",
          "placement.inference_replicas=2", "placement.env_workers=2", mixture, "generator.gateway_host=0.0.0.0",
          "+placement.trainer_resources.head=1", "+placement.replica_resources.worker1=1",
-         "+placement.env_worker_resources.worker2=1"],
+         "+placement.env_worker_resources.worker2=1", f"logging.traces={driver['ENVKIT_CLUSTER_TRACES']}"],
         cwd=REPO, env={**env, **driver}, text=True, stdout=log, stderr=subprocess.STDOUT)
     namespace = f"envkit-{process.pid}"
     try:

@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import ray
+
 from envkit import tracing
 
 
@@ -34,3 +36,6 @@ def test_a_traced_actor_method_declares_trace_before_its_keyword_arguments():
     params = inspect.signature(Worker.step).parameters
     assert list(params) == ["self", "key", "action", "trace", "options"]
     assert params["trace"].kind is inspect.Parameter.KEYWORD_ONLY and params["trace"].default is None
+    # what Ray checks a call against: it reads the signature at the end of the method's __wrapped__ chain
+    ray_sees = ray.remote(Worker).__ray_metadata__.method_meta.signatures["step"]
+    assert [p.name for p in ray_sees] == ["key", "action", "trace", "_ray_trace_ctx", "options"]

@@ -94,8 +94,9 @@ class SyncSource(RolloutSource):
         run = self.main
         self.generator.config = replace(self.generator.config, timeout_s=self.deadline.seconds)
         try:
-            with tracing.tagged(step=state.step + 1):  # each rollout's trace says the step it is generated for
-                trajs = run.runner.run(run.envs.rollouts(self.generator, run.cfg.generator.prompts_per_step))
+            # each rollout's trace says the step it is generated for
+            trajs = run.runner.run(tracing.within(run.envs.rollouts(self.generator, run.cfg.generator.prompts_per_step),
+                                                  step=state.step + 1))
         except PartLost as e:
             lost = PartLost(f"step {state.step + 1}: {e}")
             log.error("%s: the run stops (its checkpoints are intact)", lost)  # now, not after the teardown
