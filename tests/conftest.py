@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 from required import missing
@@ -277,26 +277,36 @@ def code_image(docker_client) -> str:
     return build("code", client=docker_client).tag
 
 
+class Machine:
+    """The test run's machine lock as one test holds it: shared, from the test's start; alone within :meth:`hold`."""
+
+    def __init__(self, lock: IO[str], wanted: Path) -> None:
+        self.lock, self.wanted = lock, wanted
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """The machine alone for the block (a container cluster's nodes, vLLM and a trainer fill 2 cores and 24 GB):
+        from when the other worker's test in progress ends; that worker starts nothing new meanwhile."""
+        self.wanted.touch()
+        try:
+            fcntl.flock(self.lock, fcntl.LOCK_EX)  # this test's shared lock, converted
+            yield
+        finally:
+            fcntl.flock(self.lock, fcntl.LOCK_SH)
+            self.wanted.unlink(missing_ok=True)
+
+
 @pytest.fixture(autouse=True)
-def _machine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """``hold_machine`` tests run alone (a container cluster's nodes, vLLM and a trainer fill 2 cores and 24 GB):
-    one takes the run's machine lock exclusively once the other worker's test in progress ends, and the other worker
-    starts nothing new while one waits or runs. Every other test holds the lock shared."""
+def machine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Machine]:
+    """Every test holds the run's machine lock shared, and starts only while no test wants it alone
+    (:meth:`Machine.hold`; such tests are marked ``hold_machine``)."""
     lock_path = _run_dir(tmp_path_factory) / "machine.lock"
     wanted = lock_path.with_suffix(".wanted")
     with open(lock_path, "a") as lock:
-        if request.node.get_closest_marker("hold_machine"):
-            wanted.touch()
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX)
-                yield
-            finally:
-                wanted.unlink(missing_ok=True)
-            return
         while wanted.exists():
             time.sleep(0.5)
         fcntl.flock(lock, fcntl.LOCK_SH)
-        yield
+        yield Machine(lock, wanted)
 
 
 RAY = Path(sys.executable).with_name("ray")

@@ -468,7 +468,7 @@ def _run_fault(fault: Fault, cluster: Cluster, out: Path, overrides: list[str]) 
 
 def _plain(line: str | None) -> str:
     """An output line without its colours and Ray's ``(Actor pid=…, ip=…)`` prefix, for the table."""
-    line = re.sub(r"\x1b\[[0-9;]*m", "", line or "")
+    line = re.sub(r"(\x1b|\\x1b)\[[0-9;]*m", "", line or "")  # colours, also as a list's repr writes them
     return re.sub(r"^\(\w+ pid=\d+(, ip=[\d.]+)?\)\s*", "", line).replace("|", "/")
 
 

@@ -67,7 +67,7 @@ def _probe(client: Any, *argv: str) -> Any:
 @pytest.fixture(scope="module")
 def cluster(docker_client, tmp_path_factory) -> Iterator[tuple[dict[str, str], Path]]:
     """The cluster up, with what its `down` must leave: a container and a network named like its own, not labelled
-    so. A module fixture: it comes up before the test takes the machine (tests/conftest.py, hold_machine), while the
+    so. A module fixture: it comes up before the test takes the machine (tests/conftest.py, machine.hold), while the
     other worker still runs, and whatever the test left of it goes after the machine is free again."""
     from sandboxes.engine import BASE_IMAGE
 
@@ -87,7 +87,7 @@ def cluster(docker_client, tmp_path_factory) -> Iterator[tuple[dict[str, str], P
 
 
 @pytest.mark.hold_machine
-def test_a_run_across_three_container_nodes_places_each_role_and_survives_two_kills(cluster, docker_client):
+def test_a_run_across_three_container_nodes_places_each_role_and_survives_two_kills(cluster, docker_client, machine):
     from trainer.cluster import CLUSTER_LABEL
 
     env, tmp_path = cluster
@@ -96,25 +96,27 @@ def test_a_run_across_three_container_nodes_places_each_role_and_survives_two_ki
     out = tmp_path / "run"
     mixture = ('env.mixture=[{name: arithmetic, sandbox: docker, kwargs: {rubric: "rubric_parts:on_worker1"}},'
                ' {name: "agent_envs:sums"}]')
-    log = (tmp_path / "driver.log").open("w")  # a pipe nobody reads while the test polls would fill up
-    process = subprocess.Popen(
-        [sys.executable, "-m", "trainer", "placement.backend=ray", f"placement.address={driver['ENVKIT_CLUSTER']}",
-         f"trainer.output_dir={out}", f"model.path={tiny_model_dir()}", "inference.engine=vllm",
-         "inference.kv_cache_gib=1", "trainer.steps=2", "trainer.save_every=1", "trainer.eval_tasks=0",
-         "logging.progress=false", "generator.prompts_per_step=2", "generator.samples_per_prompt=8",
-         "generator.max_tokens=16", "trainer.micro_batch_tokens=2048", "trainer.warmup_steps=0",
-         "placement.inference_replicas=2", "placement.env_workers=2", mixture, "generator.gateway_host=0.0.0.0",
-         "+placement.trainer_resources.head=1", "+placement.replica_resources.worker1=1",
-         "+placement.env_worker_resources.worker2=1", f"logging.traces={driver['ENVKIT_CLUSTER_TRACES']}"],
-        cwd=REPO, env={**env, **driver}, text=True, stdout=log, stderr=subprocess.STDOUT)
-    namespace = f"envkit-{process.pid}"
-    try:
-        sandboxes = set(_probe(docker_client, "kill", namespace, f"{NAME}-sandboxes"))  # seen while the run went
-        assert _run_servers(namespace, within_s=0), "the run's live servers are not found: the check is blind"
-        process.wait(timeout=900)  # a hang guard, not a speed check
-    finally:
-        if process.poll() is None:
-            process.kill()
+    # the machine alone while the run goes (before and after it, the other worker runs its tests)
+    with machine.hold():
+        log = (tmp_path / "driver.log").open("w")  # a pipe nobody reads while the test polls would fill up
+        process = subprocess.Popen(
+            [sys.executable, "-m", "trainer", "placement.backend=ray", f"placement.address={driver['ENVKIT_CLUSTER']}",
+             f"trainer.output_dir={out}", f"model.path={tiny_model_dir()}", "inference.engine=vllm",
+             "inference.kv_cache_gib=1", "trainer.steps=2", "trainer.save_every=1", "trainer.eval_tasks=0",
+             "logging.progress=false", "generator.prompts_per_step=2", "generator.samples_per_prompt=8",
+             "generator.max_tokens=16", "trainer.micro_batch_tokens=2048", "trainer.warmup_steps=0",
+             "placement.inference_replicas=2", "placement.env_workers=2", mixture, "generator.gateway_host=0.0.0.0",
+             "+placement.trainer_resources.head=1", "+placement.replica_resources.worker1=1",
+             "+placement.env_worker_resources.worker2=1", f"logging.traces={driver['ENVKIT_CLUSTER_TRACES']}"],
+            cwd=REPO, env={**env, **driver}, text=True, stdout=log, stderr=subprocess.STDOUT)
+        namespace = f"envkit-{process.pid}"
+        try:
+            sandboxes = set(_probe(docker_client, "kill", namespace, f"{NAME}-sandboxes"))  # seen while the run went
+            assert _run_servers(namespace, within_s=0), "the run's live servers are not found: the check is blind"
+            process.wait(timeout=900)  # a hang guard, not a speed check
+        finally:
+            if process.poll() is None:
+                process.kill()
     output = (tmp_path / "driver.log").read_text()
     assert process.returncode == 0, output[-4000:]
     run_actors = _probe(docker_client, "actors", namespace)
@@ -173,7 +175,7 @@ def _reaches(client: Any, ip: str, port: int) -> bool:
 
     from sandboxes.engine import BASE_IMAGE
 
-    probe = f"import socket; socket.create_connection(({ip!r}, {port}), timeout=3)"
+    probe = f"import socket; socket.create_connection(({ip!r}, {port}), timeout=1)"
     try:
         client.containers.run(BASE_IMAGE, ["python3", "-c", probe], network=f"{NAME}-sandboxes", remove=True)
     except docker.errors.ContainerError:
