@@ -6,8 +6,8 @@ the run, its Ray actors and the processes they start), e.g. a Phoenix server's `
 
 - Ray calls (env workers, inference replicas, reward actors) as a ``trace`` argument: :func:`carrier` on the
   caller's side, :func:`attached` on the actor's;
-- HTTP (the capture gateway, judges, env servers) as the W3C ``traceparent`` header, and per episode: the gateway
-  parents an agent's calls to the episode that opened its key;
+- HTTP to judges as the W3C ``traceparent`` header; the capture gateway parents an agent's calls to the episode
+  that opened its key (never to a header the agent sends: it is policy-driven);
 - agent processes as the ``TRACEPARENT`` variable (what OpenTelemetry's own instrumentations read).
 
 Spans carry ``rl.*`` attributes (run, step, env, task_id, seed, weight_version, staleness, tokens, reward,

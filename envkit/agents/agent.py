@@ -52,6 +52,7 @@ from envkit.errors import AgentProcessError, ResetNeededError
 from envkit.messages import Message, user
 from envkit.rewards.rubrics import Episode, Rubric, Score, load_rubric
 from envkit.tasks import check_task, pick_task
+from envkit.tracing import TRACEPARENT_ENV
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +77,7 @@ class AgentClient:
         ``TRACEPARENT`` when traced."""
         return {"OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": self.api_key, "OPENAI_MODEL": self.model,
                 "ANTHROPIC_BASE_URL": self.base_url.removesuffix("/v1"), "ANTHROPIC_API_KEY": self.api_key,
-                **({"TRACEPARENT": self.traceparent} if self.traceparent else {})}
+                **({TRACEPARENT_ENV: self.traceparent} if self.traceparent else {})}
 
 
 Agent = Callable[[Task, AgentClient], Awaitable[Any]]
