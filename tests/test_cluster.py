@@ -87,7 +87,8 @@ def cluster(docker_client, tmp_path_factory) -> Iterator[tuple[dict[str, str], P
 
 
 @pytest.mark.hold_machine
-def test_a_run_across_three_container_nodes_places_each_role_and_survives_two_kills(cluster, docker_client, machine):
+def test_a_run_across_three_container_nodes_places_each_role_and_survives_two_kills(cluster, docker_client, machine,
+                                                                                   record_property):
     from trainer.cluster import CLUSTER_LABEL
 
     env, tmp_path = cluster
@@ -103,7 +104,7 @@ def test_a_run_across_three_container_nodes_places_each_role_and_survives_two_ki
             [sys.executable, "-m", "trainer", "placement.backend=ray", f"placement.address={driver['ENVKIT_CLUSTER']}",
              f"trainer.output_dir={out}", f"model.path={tiny_model_dir()}", "inference.engine=vllm",
              "inference.kv_cache_gib=1", "trainer.steps=2", "trainer.save_every=1", "trainer.eval_tasks=0",
-             "logging.progress=false", "generator.prompts_per_step=2", "generator.samples_per_prompt=8",
+             "logging.progress=false", "generator.prompts_per_step=2", "generator.samples_per_prompt=4",
              "generator.max_tokens=16", "trainer.micro_batch_tokens=2048", "trainer.warmup_steps=0",
              "placement.inference_replicas=2", "placement.env_workers=2", mixture, "generator.gateway_host=0.0.0.0",
              "+placement.trainer_resources.head=1", "+placement.replica_resources.worker1=1",
@@ -157,7 +158,8 @@ def test_a_run_across_three_container_nodes_places_each_role_and_survives_two_ki
     assert run_actors == [] and _run_servers(namespace) == []
     # the dead worker's containers too: its pool could not drain them, the run's end removed them
     assert not sandboxes & after_run, sorted(sandboxes & after_run)
-    _check_traces(driver["ENVKIT_CLUSTER_TRACES"].removesuffix("/v1/traces"), namespace)
+    screenshot = _check_traces(driver["ENVKIT_CLUSTER_TRACES"].removesuffix("/v1/traces"), namespace)
+    record_property("kept", f"the agent rollout's trace in Phoenix, in Chromium: {screenshot}")
 
     removed = _cluster("down", env=env)
     left = docker_client.containers.list(all=True, ignore_removed=True, filters={"label": f"{CLUSTER_LABEL}={NAME}"})
@@ -228,7 +230,7 @@ def _spans(phoenix: str, project: str) -> list[dict[str, Any]]:
             return spans
 
 
-def _check_traces(phoenix: str, project: str) -> None:
+def _check_traces(phoenix: str, project: str) -> Path:
     """One trace per rollout across the nodes, as Phoenix received it from every process of the run: an agent
     rollout's tree (the generator and the gateway on the head, its agent's env worker on worker2, the replica that
     sampled each call on worker1), a sandboxed one's (its reward on worker1's actor); the steps' update and weight
@@ -251,9 +253,9 @@ def _check_traces(phoenix: str, project: str) -> None:
 
     rollouts = [s for s in spans if s["name"] == "rollout" and s["parent_id"] is None]
     assert {s["attributes"]["rl.run"] for s in spans} == {project}
-    # every rollout, the failed too: 2 prompts × 8 samples a step (the spans of a killed process's last 0.5 s may
+    # every rollout, the failed too: 2 prompts × 4 samples a step (the spans of a killed process's last 0.5 s may
     # be lost with it, never a rollout's root: the generator's)
-    assert Counter(r["attributes"]["rl.step"] for r in rollouts) == {1: 16, 2: 16}
+    assert Counter(r["attributes"]["rl.step"] for r in rollouts) == {1: 8, 2: 8}
     agents = [r for r in rollouts if r["attributes"]["rl.env"] == "sums" and r["attributes"].get("rl.stop_reason")
               == "done"]
     assert agents, [r["attributes"] for r in rollouts[:3]]
@@ -279,10 +281,10 @@ def _check_traces(phoenix: str, project: str) -> None:
     for name in ("update", "weight_sync"):
         assert sorted(s["attributes"]["rl.step"] for s in spans if s["name"] == name and node(s) == "head") == [1, 2]
 
-    _screenshot(phoenix, project, root["context"]["trace_id"])
+    return _screenshot(phoenix, project, root["context"]["trace_id"])
 
 
-def _screenshot(phoenix: str, project: str, trace_id: str) -> None:
+def _screenshot(phoenix: str, project: str, trace_id: str) -> Path:
     """The agent rollout's trace as Phoenix's UI shows it, in Chromium; saved into the test report."""
     import httpx
     from playwright.sync_api import sync_playwright
@@ -300,4 +302,4 @@ def _screenshot(phoenix: str, project: str, trace_id: str) -> None:
         page.get_by_text("EngineActor.generate").first.wait_for(timeout=60_000)
         page.screenshot(path=str(path))
         browser.close()
-    print(f"the agent rollout's trace in Phoenix: {path}")
+    return path
