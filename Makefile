@@ -176,4 +176,4 @@ train-agent: install model docker-up  ## an agent that learns a tool: SFT on com
 	$(PY) -m trainer +recipe=tool_agent trainer.output_dir=runs/agent-$$(date +%Y%m%d-%H%M%S) $(ARGS)
 
 clean:  ## remove the venv and caches (including the converted model)
-	rm -rf $(VENV) $(OPENENV_VENV) $(OPENENV10_VENV) $(AGENT_VENV) .cache .pytest_cache .ruff_cache site docs/javascripts/vendor
+	rm -rf $(VENV) $(OPENENV_VENV) $(OPENENV10_VENV) $(AGENT_VENV) $(VERIFIERS_VENV) $(PHOENIX_VENV) .cache .pytest_cache .ruff_cache site docs/javascripts/vendor

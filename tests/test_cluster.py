@@ -9,6 +9,11 @@ agent calls the gateway on the head. A worker holding containers and a replica s
 the step completes, the worker's open rollouts are counted failed (and said so, with their errors), the replica's
 requests go to the other one, and both are replaced on their nodes. Tiny model: what is checked is where each part
 ran and what crossed the nodes, not what it learned.
+
+Before the run, a container on the sandbox network tries the head's Ray port: refused (trainer.cluster.fence), and
+reached once the fence is down (the positive control). The run is traced (``up --traces``: Phoenix on the cluster's
+network): each rollout is one trace across the nodes, read back from Phoenix and its span tree checked, and an agent
+rollout's trace is opened in Phoenix's UI in Chromium (its screenshot is in the test report).
 """
 
 from __future__ import annotations
