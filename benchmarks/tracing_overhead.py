@@ -38,6 +38,7 @@ import envkit
 from envkit import Task, tracing
 from envkit.agents.agent import AgentClient, AgentEnv
 from generators.chat import ChatTokenizer
+from generators.engines.server import wait_healthy
 from generators.engines.vllm import VLLMEngine
 from generators.models import resolve_model
 from generators.rollout import Generator, GeneratorConfig
@@ -48,22 +49,23 @@ PROJECT = "envkit-tracing-overhead"
 
 
 def start_phoenix(workdir: str) -> tuple[subprocess.Popen[bytes], str]:
-    """Phoenix on a free loopback port; its process and root URL, once it answers."""
+    """Phoenix on a free loopback port: its process and root URL (:func:`answering` waits for it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PHOENIX_HOST": "127.0.0.1", "PHOENIX_PORT": str(port), "PHOENIX_WORKING_DIR": workdir}
     process = subprocess.Popen([PHOENIX, "serve"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            time.sleep(1)
-    process.kill()
-    raise SystemExit(f"Phoenix ({PHOENIX}) did not answer at {url} within 180 s")
+    return process, f"http://127.0.0.1:{port}"
+
+
+async def answering(process: subprocess.Popen[bytes], url: str) -> None:
+    """Wait until the Phoenix that ``process`` runs answers at ``url`` (SystemExit if it exits or never does)."""
+    def exited() -> None:
+        if process.poll() is not None:
+            raise SystemExit(f"Phoenix ({PHOENIX}) exited with status {process.returncode} before it answered")
+
+    if not await wait_healthy(f"{url}/healthz", 180, check=exited):
+        raise SystemExit(f"Phoenix ({PHOENIX}) did not answer at {url} within 180 s")
 
 
 async def two_calls(task: Task, client: AgentClient) -> str:
@@ -90,6 +92,7 @@ async def main() -> None:
     with tempfile.TemporaryDirectory() as workdir:
         phoenix, url = start_phoenix(workdir)
         try:
+            await answering(phoenix, url)
             await measure(args, url, psutil.Process(phoenix.pid))
         finally:
             phoenix.terminate()

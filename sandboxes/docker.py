@@ -157,14 +157,27 @@ def internal_network(client: Any, name: str, labels: dict[str, str] | None = Non
         if forwarding.read_text().strip() != "0":
             forwarding.write_text("0")
     # Forwarding off still lets containers open connections to this host itself (every service listening on all
-    # interfaces, at the gateway address). Drop what they initiate; the host's own connections to their servers
-    # (SYN outbound, replies inbound without SYN) pass.
-    for rule in (["-p", "tcp", "--syn"], ["-p", "udp"]):
-        spec = ["INPUT", "-i", bridge, *rule, "-j", "DROP"]
-        with contextlib.suppress(OSError):
-            if subprocess.run(["iptables", "-C", *spec], capture_output=True).returncode != 0:
-                subprocess.run(["iptables", "-I", *spec], capture_output=True, check=False)
+    # interfaces, at the gateway address).
+    drop_initiated(["-i", bridge])
     return network.id
+
+
+def drop_initiated(source: list[str], *, netns_of: int | None = None) -> str | None:
+    """Drop the TCP connections and UDP packets that what ``source`` matches (iptables: ``-i BRIDGE``, ``-s SUBNET``)
+    initiates towards this host, or towards the network namespace of process ``netns_of``; connections made from here
+    (SYN out, replies in without SYN) pass. Idempotent; needs root. Why a rule could not be set, else None."""
+    iptables = ["iptables"] if netns_of is None else ["nsenter", "-t", str(netns_of), "-n", "iptables"]
+    for rule in (["-p", "tcp", "--syn"], ["-p", "udp"]):
+        spec = ["INPUT", *source, *rule, "-j", "DROP"]
+        try:
+            if subprocess.run([*iptables, "-C", *spec], capture_output=True).returncode == 0:
+                continue
+            done = subprocess.run([*iptables, "-I", *spec], capture_output=True, text=True)
+        except OSError as e:
+            return f"{type(e).__name__}: {e}"
+        if done.returncode:
+            return done.stderr.strip()
+    return None
 
 
 class DockerSandbox(Sandbox):

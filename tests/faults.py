@@ -17,6 +17,7 @@ The cluster's shared directory is a tmpfs of this host (1 GiB), so that the disk
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import re
@@ -178,21 +179,18 @@ class Cluster:
 
     def serve(self, argv: list[str]) -> None:
         """Start ``argv`` on worker2, in the background, and wait until it answers on :data:`PORT`."""
-        import httpx
+        from generators.engines.server import wait_healthy
 
         self.node("worker2").exec_run(argv, detach=True)
         url = f"http://{self.ip('worker2')}:{PORT}/health"
-        deadline = time.monotonic() + 300  # a vLLM server's start on 2 cores; a hang guard
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url, timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
+
+        def exited() -> None:
             if not any(" ".join(argv) in " ".join(p.info["cmdline"] or ()) for p in psutil.process_iter(["cmdline"])):
                 raise RuntimeError(f"{' '.join(argv)} exited on worker2 before it answered")
-            time.sleep(1)
-        raise RuntimeError(f"{' '.join(argv)} did not answer on {url}")
+
+        # a vLLM server's start on 2 cores; a hang guard
+        if not asyncio.run(wait_healthy(url, 300, check=exited)):
+            raise RuntimeError(f"{' '.join(argv)} did not answer on {url}")
 
     def unserve(self, argv: list[str]) -> None:
         """Kill what :meth:`serve` started (and what it started: a vLLM server), stopped or not."""

@@ -28,18 +28,19 @@ sandbox reaches neither Ray nor the gateway. Nothing here touches a container or
 from __future__ import annotations
 
 import argparse
+import asyncio
 import ipaddress
 import json
 import os
 import secrets
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sandboxes.docker import SANDBOX_LABEL, SANDBOX_NETWORK_ENV, internal_network
+from generators.engines.server import wait_healthy
+from sandboxes.docker import SANDBOX_LABEL, SANDBOX_NETWORK_ENV, drop_initiated, internal_network
 from sandboxes.engine import BASE_PACKAGES, SOCKET, cache_dir, docker_client, ensure_base_image
 
 CLUSTER_LABEL = "org.envkit.cluster"
@@ -206,21 +207,16 @@ def _start_nodes(client: Any, name: str, workers: int, shared: Path, token: Path
 
 def _wait_answering(client: Any, container: str, url: str) -> None:
     """Wait until ``url`` (served by ``container``) answers (SystemExit with its log if it exits or never does)."""
-    import httpx
+    def failed(why: str) -> SystemExit:
+        log = client.containers.get(container).logs(tail=30).decode(errors="replace")
+        return SystemExit(f"{container} {why} at {url}:\n{log}")
 
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        server = client.containers.get(container)
-        if server.status == "exited":
-            break
-        time.sleep(1)
-    raise SystemExit(f"{container} did not answer at {url}:\n"
-                     f"{client.containers.get(container).logs(tail=30).decode(errors='replace')}")
+    def exited() -> None:
+        if client.containers.get(container).status == "exited":
+            raise failed("exited before it answered")
+
+    if not asyncio.run(wait_healthy(url, READY_TIMEOUT_S, check=exited)):
+        raise failed(f"did not answer within {READY_TIMEOUT_S:.0f} s")
 
 
 def _start_traces(client: Any, name: str, server: Node, mounts: dict[str, dict[str, str]]) -> None:
@@ -247,15 +243,9 @@ def fence(client: Any, name: str) -> None:
         container.reload()
         if container.status != "running":
             continue
-        netns = ["nsenter", "-t", str(container.attrs["State"]["Pid"]), "-n", "iptables"]
-        for rule in (["-p", "tcp", "--syn"], ["-p", "udp"]):
-            spec = ["INPUT", "-s", subnet, *rule, "-j", "DROP"]
-            if subprocess.run([*netns, "-C", *spec], capture_output=True).returncode == 0:
-                continue
-            done = subprocess.run([*netns, "-I", *spec], capture_output=True, text=True)
-            if done.returncode:
-                raise SystemExit(f"cannot fence {container.name} off its sandboxes (needs root, nsenter and "
-                                 f"iptables): {done.stderr.strip()}")
+        if why := drop_initiated(["-s", subnet], netns_of=container.attrs["State"]["Pid"]):
+            raise SystemExit(f"cannot fence {container.name} off its sandboxes (needs root, nsenter and "
+                             f"iptables): {why}")
 
 
 def wait_joined(client: Any, name: str, count: int) -> None:

@@ -71,7 +71,8 @@ class EngineActor:
     async def stop(self) -> None:
         await self.engine.stop()
 
-    def node(self) -> str:
+    @tracing.remote_side
+    async def node(self) -> str:
         """The node this replica runs on."""
         return node_name()
 
@@ -165,7 +166,6 @@ class ActorEngine(InferenceEngine):
 
     async def _call(self, method: str, *args: Any) -> Any:
         try:
-            call = getattr(self.actor, method)
-            return await (call.remote(*args) if method == "node" else call.remote(*args, trace=tracing.carrier()))
+            return await getattr(self.actor, method).remote(*args, trace=tracing.carrier())
         except RayActorError as e:
             raise ReplicaDied(f"inference replica {self.name}{self._where} died: {type(e).__name__}") from e
