@@ -14,11 +14,22 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import ray
 
 from sandboxes.docker import SANDBOX_LABEL, connect
+
+
+def run(head: Any, *argv: str) -> Any:
+    """What this script prints when run with ``argv`` inside ``head`` (a docker-py container): its stdout's JSON.
+    Only stdout: a raylet's warning (a disk filling up, say) reaches the driver's stderr whatever ``log_to_driver``."""
+    done = head.exec_run([sys.executable, str(Path(__file__).resolve()), *argv], demux=True)
+    stdout, stderr = (part.decode(errors="replace") if part else "" for part in done.output)
+    if done.exit_code:
+        raise RuntimeError(f"cluster_probe {' '.join(argv)} exited {done.exit_code}: {(stdout + stderr)[-3000:]}")
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 def kill(network: str) -> list[str]:
@@ -48,7 +59,7 @@ def kill(network: str) -> list[str]:
 
 if __name__ == "__main__":
     command, namespace = sys.argv[1:3]
-    ray.init(address="auto", namespace=namespace, logging_level="ERROR")
+    ray.init(address="auto", namespace=namespace, logging_level="ERROR", log_to_driver=False)
     if command == "kill":
         print(json.dumps(kill(sys.argv[3])))
     elif command == "kill-node":

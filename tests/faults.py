@@ -36,6 +36,7 @@ import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+import cluster_probe  # noqa: E402
 from tiny import env_with_tests, tiny_model_dir  # noqa: E402
 
 NAME = "envkit-faults"
@@ -200,10 +201,7 @@ class Cluster:
                     child.kill()
 
     def probe(self, *argv: str) -> Any:
-        done = self.node("head").exec_run([sys.executable, str(ROOT / "tests" / "cluster_probe.py"), *argv])
-        if done.exit_code:
-            raise RuntimeError(done.output.decode(errors="replace")[-2000:])
-        return json.loads(done.output.decode().strip().splitlines()[-1])
+        return cluster_probe.run(self.node("head"), *argv)
 
 
 def run_processes(namespace: str) -> list[str]:

@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import cluster_probe
 import psutil
 import pytest
 from tiny import env_with_tests, tiny_model_dir
@@ -63,10 +64,7 @@ def _run_servers(namespace: str, within_s: float = 30.0) -> list[int]:
 
 def _probe(client: Any, *argv: str) -> Any:
     """What tests/cluster_probe.py prints, run inside the cluster's head node."""
-    head = client.containers.get(f"{NAME}-head")
-    done = head.exec_run([sys.executable, str(Path(__file__).with_name("cluster_probe.py")), *argv])
-    assert done.exit_code == 0, done.output.decode(errors="replace")[-3000:]
-    return json.loads(done.output.decode().strip().splitlines()[-1])
+    return cluster_probe.run(client.containers.get(f"{NAME}-head"), *argv)
 
 
 @pytest.fixture(scope="module")
