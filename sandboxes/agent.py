@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import secrets
 import shutil
 import tempfile
@@ -35,7 +36,7 @@ from envkit.agents.agent import AgentClient, program_result, task_variables
 from envkit.agents.isolation import RELAY, RELAY_PORT, forward, relayed
 from envkit.errors import AgentProcessError
 from sandboxes.base import SandboxLimits, owner_id
-from sandboxes.docker import OWNER_LABEL, SANDBOX_LABEL, connect
+from sandboxes.docker import OWNER_LABEL, SANDBOX_LABEL, STAGING_DIR_ENV, connect
 from sandboxes.engine import BASE_IMAGE
 
 MOUNT = "/envkit"
@@ -61,7 +62,7 @@ class DockerCommand:
         """Run the agent's container for ``task``; raises :class:`~envkit.errors.AgentProcessError` if it fails or
         runs past ``timeout_s``."""
         document = json.dumps(task)
-        workdir = Path(tempfile.mkdtemp(prefix="envkit-agent-"))
+        workdir = Path(tempfile.mkdtemp(prefix="envkit-agent-", dir=os.environ.get(STAGING_DIR_ENV)))
         forwarder: asyncio.Server | None = None
         container = _Container(self, f"envkit-agent-{secrets.token_hex(6)}")
         try:

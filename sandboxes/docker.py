@@ -66,6 +66,11 @@ INTERNAL_NETWORK = "envkit-sandbox-internal"
 SANDBOX_NETWORK_ENV = "ENVKIT_SANDBOX_NETWORK"
 """Names the internal network no-network sandboxes join instead of :data:`INTERNAL_NETWORK`: a node of a container
 cluster (trainer/cluster.py) is attached to its cluster's, so its env workers reach their sandboxes."""
+STAGING_DIR_ENV = "ENVKIT_DOCKER_STAGING_DIR"
+"""Names a directory that this process and the Docker engine see at the same path, where a
+:class:`~sandboxes.agent.DockerCommand` stages each episode (its gateway socket, its task) for its container to
+bind-mount; default the temp directory, right where the engine runs on this process's host. A container cluster's
+node, whose engine is the host's, is given one under the shared directory."""
 EXEC_KILL_GRACE_S = 5.0
 """How much longer than its timeout the host waits for an exec's answer."""
 FILES_ROUTE = "/exec/files"

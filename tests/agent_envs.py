@@ -112,6 +112,33 @@ def docker_sums() -> AgentEnv:
                               timeout_s=120))
 
 
+def scout_sums(report: str, addresses: list[str], token: str) -> AgentEnv:
+    """:func:`sums` on a container cluster's node, played by two agent processes that scout as they play: an
+    isolated ``Command`` asks the question, a ``DockerCommand`` container asks it again (two calls through the
+    gateway), and each also tries a TCP connection to ``addresses`` and to the gateway's shared port, reads the file
+    ``token`` and looks for other episodes' keys in /proc. What each got is appended to ``report`` (JSON lines)."""
+    from urllib.parse import urlsplit
+
+    from sandboxes.agent import DockerCommand
+
+    agent, inside = str(Path(__file__).with_name("docker_agent.py")), "/agent/docker_agent.py"
+
+    async def play(task: Task, client: AgentClient) -> str:
+        argv = ["scout", token, *addresses, urlsplit(client.base_url).netloc]
+        seen = {"command": json.loads(await Command([python(), agent, *argv], timeout_s=120)(task, client)),
+                "docker": json.loads(await DockerCommand(["python3", inside, *argv], mounts={agent: inside},
+                                                         timeout_s=120)(task, client))}
+        await asyncio.to_thread(_append, report, json.dumps(seen))
+        return seen["docker"]["answer"]
+
+    return _env(play)
+
+
+def _append(path: str, line: str) -> None:
+    with open(path, "a") as f:
+        f.write(line + "\n")
+
+
 def where() -> AgentEnv:
     """A probe of where an agent env runs: one call, and the reward is the pid of the process that played and
     graded the episode (the same one, or the reward is -1)."""

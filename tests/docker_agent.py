@@ -2,7 +2,9 @@
 SDK): the task as JSON on stdin, two chat calls to $OPENAI_BASE_URL, the last reply on stdout. ``probe HOST:PORT...``
 instead tries a TCP connection to each address and a DNS lookup, and prints what each gave, as JSON. ``hostile`` plays
 a policy-driven process gone bad and prints what it got, as JSON: the keys of other episodes it finds in /proc, what
-its endpoint answers to a peer's key (by header and by path), and what each of the task's ``targets`` answers."""
+its endpoint answers to a peer's key (by header and by path), and what each of the task's ``targets`` answers.
+``scout FILE HOST:PORT...`` asks the question once and prints, as JSON, its answer with what an agent on a cluster's
+node may reach for: its uid, each address (a TCP connection), the file (read) and other episodes' keys in /proc."""
 
 from __future__ import annotations
 
@@ -80,6 +82,17 @@ def hostile(task: dict) -> dict:
             "targets": {name: status(url, peer, body) for name, (url, body) in task["targets"].items()}}
 
 
+def read(path: str) -> None:
+    with open(path) as f:
+        f.read()
+
+
+def scout(task: dict, path: str, addresses: list[str]) -> dict:
+    answer = chat([{"role": "user", "content": task["question"]}])
+    return {"answer": answer, "uid": os.getuid(), "reached": probe(addresses), "read": attempt(read, path),
+            "found_keys": peers_keys(os.environ["OPENAI_API_KEY"])}
+
+
 def main() -> None:
     if sys.argv[1:2] == ["probe"]:
         print(json.dumps(probe(sys.argv[2:])))
@@ -87,6 +100,9 @@ def main() -> None:
     task = json.load(sys.stdin)
     if sys.argv[1:2] == ["hostile"]:
         print(json.dumps(hostile(task)))
+        return
+    if sys.argv[1:2] == ["scout"]:
+        print(json.dumps(scout(task, sys.argv[2], sys.argv[3:])))
         return
     if sys.argv[1:2] == ["hold"]:
         chat([{"role": "user", "content": task["question"]}])

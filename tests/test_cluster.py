@@ -4,11 +4,17 @@ nothing of the cluster (and everything that is not its own).
 
 The run: the trainer rank (and the capture gateway, in rank 0) on the head; two vLLM replicas on worker1 with the
 reward model's actor; two env workers on worker2 playing a Docker-sandboxed arithmetic env (each worker a warm pool
-of its own, the containers the nodes' siblings on the cluster's sandbox network) and an agent env whose openai-SDK
-agent calls the gateway on the head. A worker holding containers and a replica serving requests are killed in step 1:
+of its own, the containers the nodes' siblings on the cluster's sandbox network) and an agent env whose agents call
+the gateway on the head. A worker holding containers and a replica serving requests are killed in step 1:
 the step completes, the worker's open rollouts are counted failed (and said so, with their errors), the replica's
 requests go to the other one, and both are replaced on their nodes. Tiny model: what is checked is where each part
 ran and what crossed the nodes, not what it learned.
+
+The agent env's episodes are each played by two agent processes on worker2 that try what a policy-driven process
+would: an isolated Command (a uid and namespaces of its own) and a DockerCommand container (staged in the shared
+directory, which the host's Docker engine sees). Each calls the gateway once, and reaches no port of the head (its
+Ray, the gateway's shared port), reads no Ray token and finds no other episode's key; the control, the same probe
+run as root on worker2, reaches the head's Ray and reads the token.
 
 Before the run, a container on the sandbox network tries the head's Ray port: refused (trainer.cluster.fence), and
 reached once the fence is down (the positive control). The run is traced (``up --traces``: Phoenix on the cluster's
@@ -92,14 +98,19 @@ def cluster(docker_client, tmp_path_factory) -> Iterator[tuple[dict[str, str], P
 @pytest.mark.hold_machine
 def test_a_run_across_three_container_nodes_places_each_role_and_survives_two_kills(cluster, docker_client, machine,
                                                                                    record_property):
-    from trainer.cluster import CLUSTER_LABEL
+    from sandboxes.docker import OWNER_LABEL, SANDBOX_LABEL
+    from trainer.cluster import CLIENT_PORT, CLUSTER_LABEL, GCS_PORT, TOKEN_IN_NODE
 
     env, tmp_path = cluster
     _check_fence(docker_client)
     driver = dict(line.removeprefix("export ").split("=", 1) for line in _cluster("env", env=env).splitlines())
     out = tmp_path / "run"
+    head = _ip(docker_client, "head", NAME)
+    ray_ports, scouted = [f"{head}:{GCS_PORT}", f"{head}:{CLIENT_PORT}"], tmp_path / "scouted.jsonl"
+    _check_agents_could_reach(docker_client, ray_ports, TOKEN_IN_NODE)
     mixture = ('env.mixture=[{name: arithmetic, sandbox: docker, kwargs: {rubric: "rubric_parts:on_worker1"}},'
-               ' {name: "agent_envs:sums"}]')
+               f' {{name: "agent_envs:scout_sums", kwargs: {{report: "{scouted}", token: "{TOKEN_IN_NODE}",'
+               f' addresses: {json.dumps(ray_ports)}}}}}]')
     # the machine alone while the run goes (before and after it, the other worker runs its tests)
     with machine.hold():
         log = (tmp_path / "driver.log").open("w")  # a pipe nobody reads while the test polls would fill up
@@ -154,13 +165,17 @@ def test_a_run_across_three_container_nodes_places_each_role_and_survives_two_ki
     assert any(m.get("train/grad_norm", 0) > 0 for m in metrics.values())  # the run trained
     assert sandboxes, "no sandbox container on the cluster's sandbox network"
     trajs = [json.loads(line) for line in (out / "final_trajectories.jsonl").read_text().splitlines()]
-    agents = [t for t in trajs if t["env_name"] == "sums" and not t["error"]]
-    # each episode's two calls were captured by the gateway on the head, from an agent on worker2
+    agents = [t for t in trajs if t["env_name"] == "scout_sums" and not t["error"]]
+    # each episode's two calls were captured by the gateway on the head, from agents on worker2
     assert agents and all(t["num_turns"] == 2 and sum(t["loss_mask"]) > 0 for t in agents), agents[:1]
+    _check_agents_reached_nothing([json.loads(line) for line in scouted.read_text().splitlines()])
+    agent_containers = [c.name for c in docker_client.containers.list(all=True, ignore_removed=True, filters={
+        "label": f"{SANDBOX_LABEL}=agent"}) if c.labels.get(OWNER_LABEL, "").startswith(("head:", "worker"))]
     assert {"step-000001", "step-000002"} <= {p.name for p in (out / "checkpoints").iterdir()}
     assert run_actors == [] and _run_servers(namespace) == []
     # the dead worker's containers too: its pool could not drain them, the run's end removed them
     assert not sandboxes & after_run, sorted(sandboxes & after_run)
+    assert agent_containers == []
     screenshot = _check_traces(driver["ENVKIT_CLUSTER_TRACES"].removesuffix("/v1/traces"), namespace)
     record_property("kept", f"the agent rollout's trace in Phoenix, in Chromium: {screenshot}")
 
@@ -171,6 +186,34 @@ def test_a_run_across_three_container_nodes_places_each_role_and_survives_two_ki
     assert f"removed {NAME}-head" in removed and f"removed network {NAME}-sandboxes" in removed, removed
     assert left == [] and networks == [] and f"{NAME}-worker9" in names
     assert docker_client.networks.list(names=[f"{NAME}-other"])
+
+
+def _ip(client: Any, role: str, network: str) -> str:
+    """Node ``role``'s address on ``network``."""
+    return client.containers.get(f"{NAME}-{role}").attrs["NetworkSettings"]["Networks"][network]["IPAddress"]
+
+
+def _check_agents_could_reach(client: Any, addresses: list[str], token: str) -> None:
+    """The positive control of the agents' isolation: on worker2, unisolated (as root, on the node's network), the
+    scout's own probe reaches the head's Ray ports (``addresses``) and reads the Ray token."""
+    scout = str(Path(__file__).with_name("docker_agent.py"))
+    worker = client.containers.get(f"{NAME}-worker2")
+    reached = json.loads(worker.exec_run(["python3", scout, "probe", *addresses], demux=True).output[0])
+    assert [reached[address] for address in addresses] == ["ok"] * len(addresses), reached
+    assert worker.exec_run(["cat", token]).exit_code == 0
+
+
+def _check_agents_reached_nothing(scouted: list[dict[str, Any]]) -> None:
+    """The agents on worker2, each episode's isolated Command (a uid of its own, in its own network and PID
+    namespaces) and its DockerCommand container (nobody, no network), reached no port (not the head's Ray, not the
+    gateway's shared port) and no name, read no Ray token and found no other episode's key, though agents of other
+    episodes ran beside them."""
+    assert scouted
+    for seen in scouted:
+        assert 20000 <= seen["command"]["uid"] < 21000 and seen["docker"]["uid"] == 65534, seen
+        for agent in seen.values():
+            assert not [where for where, got in agent["reached"].items() if got == "ok"], agent
+            assert agent["read"] != "ok" and agent["found_keys"] == [], agent
 
 
 def _reaches(client: Any, ip: str, port: int) -> bool:
@@ -194,7 +237,7 @@ def _check_fence(client: Any) -> None:
     from trainer.cluster import GCS_PORT, fence
 
     head = client.containers.get(f"{NAME}-head")
-    ip = head.attrs["NetworkSettings"]["Networks"][f"{NAME}-sandboxes"]["IPAddress"]
+    ip = _ip(client, "head", f"{NAME}-sandboxes")
     subnet = client.networks.get(f"{NAME}-sandboxes").attrs["IPAM"]["Config"][0]["Subnet"]
     assert not _reaches(client, ip, GCS_PORT)
     rule = ["INPUT", "-s", subnet, "-p", "tcp", "--syn", "-j", "DROP"]
@@ -259,7 +302,7 @@ def _check_traces(phoenix: str, project: str) -> Path:
     # every rollout, the failed too: 2 prompts × 4 samples a step (the spans of a killed process's last 0.5 s may
     # be lost with it, never a rollout's root: the generator's)
     assert Counter(r["attributes"]["rl.step"] for r in rollouts) == {1: 8, 2: 8}
-    agents = [r for r in rollouts if r["attributes"]["rl.env"] == "sums" and r["attributes"].get("rl.stop_reason")
+    agents = [r for r in rollouts if r["attributes"]["rl.env"] == "scout_sums" and r["attributes"].get("rl.stop_reason")
               == "done"]
     assert agents, [r["attributes"] for r in rollouts[:3]]
     root = agents[0]

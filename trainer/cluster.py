@@ -23,6 +23,8 @@ the shared directory (``--shared``) read-write at its path here: checkpoints and
 sandboxes are the node's siblings on ``NAME-sandboxes``, not Docker in Docker. Ray's token authentication is on;
 the token is a file only root reads. No node accepts a connection from the sandbox network (:func:`fence`): a
 sandbox reaches neither Ray nor the gateway. Nothing here touches a container or network it did not make (its label).
+The nodes hold CAP_SYS_ADMIN and CAP_NET_ADMIN, as root does on a machine, so that Command agents are isolated there
+as on one (envkit.agents.isolation); DockerCommand agents stage their episodes in the shared directory.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from generators.engines.server import wait_healthy
-from sandboxes.docker import SANDBOX_LABEL, SANDBOX_NETWORK_ENV, drop_initiated, internal_network
+from sandboxes.docker import SANDBOX_LABEL, SANDBOX_NETWORK_ENV, STAGING_DIR_ENV, drop_initiated, internal_network
 from sandboxes.engine import BASE_PACKAGES, SOCKET, cache_dir, docker_client, ensure_base_image
 
 CLUSTER_LABEL = "org.envkit.cluster"
@@ -115,8 +117,10 @@ def _command(node: Node, head: Node, cpus: int, object_store_gib: float) -> list
             "--disable-usage-stats", "--block"]
 
 
-def _node_env(sandboxes: str) -> dict[str, str]:
+def _node_env(sandboxes: str, shared: Path) -> dict[str, str]:
     env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": TOKEN_IN_NODE, SANDBOX_NETWORK_ENV: sandboxes,
+           # DockerCommand's episodes staged where the host's engine finds them at the same path
+           STAGING_DIR_ENV: str(staging(shared)),
            "PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin", "HOME": "/root",
            # Every node sees the whole machine's memory: Ray's monitor would count the other nodes' processes as
            # its own and kill actors at 95% in use.
@@ -131,6 +135,12 @@ def _node_env(sandboxes: str) -> dict[str, str]:
         if os.environ.get(name):
             env[name] = os.environ[name]
     return env
+
+
+def staging(shared: Path) -> Path:
+    """Where the nodes' DockerCommand agents stage their episodes (``ENVKIT_DOCKER_STAGING_DIR``): a directory of the
+    shared one, which the host's Docker engine sees at the same path."""
+    return shared / ".docker-staging"
 
 
 def _cluster_network(client: Any, name: str, labels: dict[str, str], count: int) -> list[str]:
@@ -163,7 +173,7 @@ def up(name: str, workers: int, shared: Path, cpus: int, object_store_gib: float
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32))
     shared = shared.resolve()
-    shared.mkdir(parents=True, exist_ok=True)
+    staging(shared).mkdir(parents=True, exist_ok=True)
     try:
         nodes = _start_nodes(client, name, workers, shared, token, cpus, object_store_gib, traces)
     except BaseException:
@@ -192,11 +202,17 @@ def _start_nodes(client: Any, name: str, workers: int, shared: Path, token: Path
         container = client.containers.create(
             NODE_IMAGE, _command(node, nodes[0], cpus, object_store_gib), name=f"{name}-{node.role}",
             hostname=node.role, labels={**labels, "org.envkit.cluster.role": node.role}, detach=True,
-            environment=_node_env(sandboxes), volumes=_mounts(shared, token), working_dir=str(REPO),
+            environment=_node_env(sandboxes, shared), volumes=_mounts(shared, token), working_dir=str(REPO),
             shm_size=f"{int(object_store_gib * 1024) + 256}m", init=True, network=name,
+            # What root holds on a machine of its own, for the namespaces that isolate Command agents
+            # (envkit.agents.isolation: making them, and bringing up a new network's loopback). The nodes hold the
+            # Docker socket already, which is more; what runs in them is the run's own code, never the policy's.
+            cap_add=["SYS_ADMIN", "NET_ADMIN"],
             networking_config={name: client.api.create_endpoint_config(ipv4_address=node.ip)})
         client.networks.get(sandboxes).connect(container)
         container.start()
+        if node is nodes[0]:  # a worker that finds no head in the GCS in time exits: they start once it is up
+            wait_joined(client, name, 1)
     fence(client, name)
     wait_joined(client, name, len(nodes))
     if not traces:
@@ -237,7 +253,8 @@ def fence(client: Any, name: str) -> None:
     """Drop every connection the sandbox network opens towards a running node of cluster ``name`` (its Ray ports,
     the capture gateway, env servers): sandboxes run what the policy wrote. The node's own connections to its
     sandboxes pass (a SYN out, replies in). The rules live in the node's network namespace, set from this host (the
-    nodes get no NET_ADMIN): a restarted node is fenced again by calling this. SystemExit if a rule cannot be set."""
+    node's image has no iptables): a restarted node is fenced again by calling this. SystemExit if a rule cannot be
+    set."""
     subnet = client.networks.get(f"{name}-sandboxes").attrs["IPAM"]["Config"][0]["Subnet"]
     for container in _containers(client, name):
         container.reload()
@@ -260,8 +277,8 @@ def wait_joined(client: Any, name: str, count: int) -> None:
             container.reload()
             if container.status != "running":
                 raise SystemExit(f"node {container.name} exited:\n{container.logs(tail=30).decode(errors='replace')}")
-        result = head.exec_run(probe)
-        if result.exit_code == 0 and (joined := int(result.output.decode().split()[-1])) == count:
+        result = head.exec_run(probe, demux=True)  # stdout alone: a raylet may warn on stderr
+        if result.exit_code == 0 and (joined := int(result.output[0].decode().split()[-1])) == count:
             return
         time.sleep(2)
     raise SystemExit(f"{joined} of {count} nodes joined within {READY_TIMEOUT_S:.0f} s; "
