@@ -24,7 +24,7 @@ from sandboxes.docker import SANDBOX_LABEL, connect
 
 def run(head: Any, *argv: str) -> Any:
     """What this script prints when run with ``argv`` inside ``head`` (a docker-py container): its stdout's JSON.
-    Only stdout: a raylet's warning (a disk filling up, say) reaches the driver's stderr whatever ``log_to_driver``."""
+    Only stdout: what Ray prints (a raylet's warning of a disk filling up, say) is not the answer."""
     done = head.exec_run([sys.executable, str(Path(__file__).resolve()), *argv], demux=True)
     stdout, stderr = (part.decode(errors="replace") if part else "" for part in done.output)
     if done.exit_code:
