@@ -51,6 +51,7 @@ from envkit.core import ContractChecker, Env
 from envkit.distribution import install_hint
 from envkit.errors import DuplicateEnvError, EnvLoadError, EnvNotFoundError, InvalidEnvNameError
 from envkit.imports import import_ref
+from envkit.multi_agent import MultiAgentEnv, SeatsChecker
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -187,10 +188,11 @@ class Registry:
 
     def make(self, name: str, /, *, checked: bool = True, sandbox: str | None = None, pool: Any = None,
              rubric: Rubric | str | None = None, record: str | Path | None = None,
-             **kwargs: Any) -> Env:
+             **kwargs: Any) -> Env | MultiAgentEnv:
         """Construct the env registered as ``name`` with its default kwargs updated by ``kwargs``.
 
-        The result is wrapped in :class:`ContractChecker` unless ``checked=False``. ``sandbox="docker"`` (or another
+        The result is wrapped in :class:`ContractChecker` (a multi-agent env's in
+        :class:`~envkit.multi_agent.SeatsChecker`) unless ``checked=False``. ``sandbox="docker"`` (or another
         ``envkit.sandboxes`` provider) runs the env in a sandbox of its own instead of in this process, borrowed from
         the warm ``pool`` if one is given (``sandboxes.open_pool``); a name with a scheme (``ws://...``, ``gym:...``)
         is made by that scheme's ``envkit.schemes`` provider. ``rubric`` (:mod:`envkit.rewards.rubrics`: a Rubric or
@@ -215,9 +217,15 @@ class Registry:
                     f"Env {name!r} ({spec.entry_point}) failed to construct with kwargs {merged!r}: "
                     f"{type(e).__name__}: {e}"
                 ) from e
-            if not isinstance(env, Env):
-                raise EnvLoadError(f"Env {name!r}: {spec.entry_point} returned {type(env).__name__}, not an Env")
+            if not isinstance(env, Env | MultiAgentEnv):
+                raise EnvLoadError(f"Env {name!r}: {spec.entry_point} returned {type(env).__name__}, not an Env "
+                                   "or a MultiAgentEnv")
             env.spec = replace(spec, kwargs=merged, description=spec.description or first_doc_line(factory))
+        if isinstance(env, MultiAgentEnv):
+            if rubric is not None or record is not None:
+                raise TypeError(f"make({name!r}): a multi-agent env takes no rubric= or record= (its rewards are "
+                                "per seat)")
+            return SeatsChecker(env) if checked else env
         if rubric is not None:
             from envkit.rewards.rubrics import with_rubric
 
@@ -351,8 +359,9 @@ def register(name: str, entry_point: str | EnvFactory, *, description: str | Non
 
 
 def make(name: str, /, *, checked: bool = True, sandbox: str | None = None, pool: Any = None,
-         rubric: Rubric | str | None = None, record: str | Path | None = None, **kwargs: Any) -> Env:
-    """Make the env called ``name``; ``kwargs`` override its registered defaults (see :meth:`Registry.make`)."""
+         rubric: Rubric | str | None = None, record: str | Path | None = None, **kwargs: Any) -> Env | MultiAgentEnv:
+    """Make the env called ``name`` (an :class:`Env` or a :class:`~envkit.multi_agent.MultiAgentEnv`); ``kwargs``
+    override its registered defaults (see :meth:`Registry.make`)."""
     return registry.make(name, checked=checked, sandbox=sandbox, pool=pool, rubric=rubric, record=record, **kwargs)
 
 

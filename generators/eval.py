@@ -394,6 +394,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--judge-url", metavar="URL", help="an external OpenAI-compatible judge endpoint (needs "
                                                      "--judge-model)")
     p.add_argument("--judge-api-key", help="API key for --judge-url (default: $OPENAI_API_KEY)")
+    p.add_argument("--policy", action="append", default=[], metavar="NAME=MODEL",
+                   help="a multi-agent env: a policy to place in its seats (repeatable; a checkpoint dir or "
+                        "'bundled'); every assignment of the policies to the seats is played: the cross-play matrix "
+                        "(default: --model in every seat)")
     p.add_argument("--seed", type=int, help="sampling seed: the managed vLLM server's --seed, or the base of "
                                           "per-request seeds for --base-url (default: none)")
     p.set_defaults(func=_cmd_eval)
@@ -431,11 +435,27 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
                       judge_model=args.judge_model, judge=judge)
 
 
+def _has_seats(config: EvalConfig) -> bool:
+    """Whether the env to evaluate is a multi-agent one (its seats get the cross-play matrix)."""
+    from envkit.multi_agent import MultiAgentEnv
+
+    env = config.env.make()
+    asyncio.run(env.close())
+    return isinstance(env, MultiAgentEnv)
+
+
 def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
     errors = Console(stderr=True)
     try:
         with handled_signals():
-            summary, _, out = asyncio.run(run_eval(config_from_args(args), console=console))
+            config = config_from_args(args)
+            if args.policy or _has_seats(config):
+                from generators.seat_eval import parse_policies, run_seat_eval
+
+                policies = parse_policies(args.policy, config.model)
+                asyncio.run(run_seat_eval(config, policies, console=console))
+                return 0
+            summary, _, out = asyncio.run(run_eval(config, console=console))
     except KeyboardInterrupt:
         errors.print("[yellow]interrupted[/yellow]: stopped before writing results")
         return exit_status()
@@ -445,7 +465,5 @@ def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
     except (EvalInputError, EnvkitError) as e:  # unknown env, bad env args, split or model: the user's to fix
         errors.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
         return 2
-    print_summary(console, summary, out)
-    return 0
     print_summary(console, summary, out)
     return 0

@@ -74,6 +74,10 @@ class Trajectory:
     """The reward's breakdown by rubric part, where a rubric scored the episode (:mod:`envkit.rewards.rubrics`)."""
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds spent: ``generate`` (model), ``env`` (reset+step), ``total``."""
+    seat: str | None = None
+    """The seat this rollout played in a multi-agent episode (:mod:`generators.seats`); None in a single-agent one."""
+    outcome: dict[str, Any] = field(default_factory=dict)
+    """A multi-agent episode's outcome as its env's last turn told it (``Turn.info``: scalars only)."""
     segments: list[dict[str, Any]] = field(default_factory=list)
     """Further token sequences of the episode, each with its own ``prompt_ids``, ``response_ids``, ``loss_mask``,
     ``rollout_logprobs`` and ``version_spans``: an agent's calls that did not continue the first sequence

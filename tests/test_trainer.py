@@ -193,15 +193,17 @@ def test_ppo_value_head_learns_shards_and_stays_out_of_the_export(tmp_path):
     _close(one, whole, ("train/loss", "train/value_loss", "train/grad_norm", "logprob_sum_after"), rel=1e-4)
 
 
-def kill_at_step_1_checkpoint(out: Path, overrides: list[str], log: Path) -> None:
-    """Run ``python -m trainer`` into ``out`` and SIGKILL its whole process group once its step-1 checkpoint exists
-    (before step 2's metrics); the run's output goes to ``log``, shown if it ends first."""
+def kill_at_step_1_checkpoint(out: Path, overrides: list[str], log: Path, *, checkpoint: Path | None = None) -> None:
+    """Run ``python -m trainer`` into ``out`` and SIGKILL its whole process group once its step-1 checkpoint
+    (``checkpoint``, by default ``out/checkpoints/step-000001``) exists, before step 2's metrics; the run's output goes
+    to ``log``, shown if it ends first."""
+    checkpoint = checkpoint or out / "checkpoints" / "step-000001"
     with log.open("w") as sink:
         process = subprocess.Popen([sys.executable, "-m", "trainer", *overrides, f"trainer.output_dir={out}"],
                                    cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
                                    env=env_with_tests())
     deadline = time.monotonic() + 600
-    while not (out / "checkpoints" / "step-000001").is_dir():
+    while not checkpoint.is_dir():
         assert process.poll() is None, f"the run ended before its step-1 checkpoint:\n{log.read_text()[-3000:]}"
         assert time.monotonic() < deadline, "no step-1 checkpoint within 600 s"
         time.sleep(0.2)

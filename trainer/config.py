@@ -530,6 +530,29 @@ class PlacementConfig:
 
 
 @dataclass
+class SeatConfig:
+    """Who plays one seat of a multi-agent env: exactly one of ``policy``, ``checkpoint``, ``script`` or
+    ``endpoint``."""
+
+    policy: str | None = None
+    """A policy this run trains, by name: each name is a model of its own (its optimizer, checkpoints, engine and
+    metrics); seats naming one policy share it (self-play), each seat with its own baseline."""
+    checkpoint: str | None = None
+    """A frozen model: a checkpoint dir, or ``initial`` (the run's starting model), served by an engine of its own."""
+    script: str | None = None
+    """``module:attr`` naming a scripted player (:data:`generators.seats.Script`)."""
+    endpoint: str | None = None
+    """An OpenAI-compatible endpoint's base URL (chat mode), serving ``endpoint_model``."""
+    endpoint_model: str = "policy"
+
+    def __post_init__(self) -> None:
+        chosen = [k for k in ("policy", "checkpoint", "script", "endpoint") if getattr(self, k)]
+        if len(chosen) != 1:
+            raise ConfigError(f"a seat is played by exactly one of policy, checkpoint, script or endpoint; got "
+                              f"{chosen or 'none'}")
+
+
+@dataclass
 class Config:
     """The whole run."""
 
@@ -548,6 +571,14 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    seats: dict[str, SeatConfig] = field(default_factory=dict)
+    """A multi-agent env's seats, each bound to its player (trainer/multi_policy.py); empty for a single-agent env.
+    The policies the seats name are trained together, one model each."""
+
+    @property
+    def policies(self) -> list[str]:
+        """The policies the seats name, in seat order."""
+        return list(dict.fromkeys(s.policy for s in self.seats.values() if s.policy))
 
     @property
     def mini_batch_size(self) -> int:
@@ -584,8 +615,29 @@ class Config:
                               "now (set model.lora.r=0 to fine-tune every weight with DeepSpeed)")
         _checked("weight_sync", lambda: self.weight_sync.check_engine(self.inference.engine))
         _checked("weight_sync", lambda: self.weight_sync.check_placement(self.placement.backend))
+        if self.seats:
+            self._check_seats()
         if self.algorithm.aggregation == "seq-mean-token-sum-norm" and self.generator.max_total_tokens < 1:
             raise ConfigError("seq-mean-token-sum-norm normalizes by generator.max_total_tokens, which must be >= 1")
+
+    def _check_seats(self) -> None:
+        """What a run of several policies supports yet; the rest refused by name."""
+        refused = {
+            "no seat names a policy to train: bind one with seats.SEAT.policy=NAME": not self.policies,
+            "stages=[rl] only (no SFT stage for seats yet)": self.stages != ["rl"],
+            "trainer.mode=sync only (async rollouts for several policies are not built yet)":
+                self.trainer.mode != "sync",
+            "placement.backend=local only (policies on Ray actors are not built yet)":
+                self.placement.backend != "local",
+            "a critic-free algorithm (PPO's value head is not supported with seats yet)": self.algorithm.critic,
+            "trainer.backend=fsdp": self.trainer.backend != "fsdp",
+            "one env (no env.mixture with seats)": bool(self.env.mixture),
+            "no judge (judge.model): a multi-agent env's rewards are its own": self.judge.model is not None,
+            "no inference.url: each policy needs an engine of its own": bool(self.inference.url),
+        }
+        for what, violated in refused.items():
+            if violated:
+                raise ConfigError(f"seats: a run of several policies needs {what}")
 
     @property
     def steps_per_update(self) -> int:

@@ -16,6 +16,10 @@ def launch(cfg: Config) -> dict[str, Any]:
     if cfg.logging.traces:
         os.environ[tracing.ENDPOINT_ENV] = cfg.logging.traces  # inherited by the processes the run starts
         os.environ.setdefault(tracing.RUN_ENV, f"envkit-{os.getpid()}")
+    if cfg.seats:
+        from trainer.multi_policy import train_policies
+
+        return train_policies(cfg)
     if cfg.stages != ["rl"]:
         from trainer.stages import run_stages
 

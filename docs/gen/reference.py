@@ -24,10 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from griffe_roles import to_markdown
 
 API: dict[str, list[str]] = {
-    "envkit": ["envkit", "envkit.errors", "envkit.registry", "envkit.tasks", "envkit.rewards.rubrics",
+    "envkit": ["envkit", "envkit.multi_agent", "envkit.table", "envkit.errors", "envkit.registry", "envkit.tasks",
+               "envkit.rewards.rubrics",
                "envkit.rewards.judges", "envkit.remote.client", "envkit.integrations.gym_bridge",
                "envkit.integrations.mcp_env", "envkit.integrations.trl"],
-    "generators": ["generators", "generators.parsers", "generators.reward_model"],
+    "generators": ["generators", "generators.seats", "generators.parsers", "generators.reward_model"],
     "trainer": ["trainer", "trainer.algorithms"],
     "sandboxes": ["sandboxes", "sandboxes.docker", "sandboxes.pool", "sandboxes.tools", "sandboxes.agent"],
 }

@@ -18,6 +18,7 @@ one row, named in :data:`CHECKS`:
     reward range      every reward seen lies in the env's declared ``reward_range``
     speed             reset latency and steps/s (reported, never failed)
 
+A multi-agent env gets rows of its own (seats, private views, a ws:// session per seat: envkit/cli/check_seats.py).
 A failing row makes ``envkit check`` exit 1; the table names it with what went wrong.
 """
 
@@ -37,6 +38,7 @@ from envkit.agents.agent import AgentEnv
 from envkit.core import Env, Task
 from envkit.distribution import install_hint
 from envkit.errors import SnapshotError
+from envkit.multi_agent import MultiAgentEnv
 
 CHECKS = ("contract", "same start", "close twice", "isolated sessions", "ws round trip", "snapshot",
           "disjoint splits", "reward range", "speed")
@@ -397,8 +399,19 @@ def _short(value: Any, limit: int = 160) -> str:
 
 
 def check(name: str, kwargs: dict[str, Any] | None = None, **options: Any) -> list[Row]:
-    """Run every check on ``envkit.make(name, **kwargs)`` (``options``: seeds, max_steps, serve)."""
-    return asyncio.run(Checker(name, kwargs, **options).run())
+    """Run every check on ``envkit.make(name, **kwargs)`` (``options``: seeds, max_steps, serve); a multi-agent env's
+    are envkit/cli/check_seats.py's."""
+    return asyncio.run(_checks(name, kwargs, options))
+
+
+async def _checks(name: str, kwargs: dict[str, Any] | None, options: dict[str, Any]) -> list[Row]:
+    probe = envkit.make(name, **(kwargs or {}))
+    await probe.close()
+    if isinstance(probe, MultiAgentEnv):
+        from envkit.cli.check_seats import SeatChecks
+
+        return await SeatChecks(name, kwargs, **options).run()
+    return await Checker(name, kwargs, **options).run()
 
 
 def failed(rows: Iterable[Row]) -> list[Row]:

@@ -27,6 +27,7 @@ from envkit.agents.untrusted import EXEC_USER_ENV
 from envkit.cli.scaffold import KINDS, new_env
 from envkit.distribution import install_hint
 from envkit.errors import EnvkitError
+from envkit.multi_agent import MultiAgentEnv
 from envkit.registry import EnvSpec, _scheme
 from envkit.tasks import task_counts
 
@@ -86,12 +87,20 @@ def _env_info(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
             "package": spec.package,
             "version": spec.version,
             "kwargs": _kwargs_in_effect(name, spec),
-            "tools": [t.to_openai()["function"] for t in env.tools],
-            "tasks": task_counts(env),
-            "spaces": env.spaces(),
+            **_seats_and_tools(env),
+            "tasks": task_counts(env),  # type: ignore[arg-type]
         }
     finally:
         asyncio.run(env.close())
+
+
+def _seats_and_tools(env: envkit.Env | MultiAgentEnv) -> dict[str, Any]:
+    """A single-agent env's tools and spaces; a multi-agent env's seats, each with its tools."""
+    if isinstance(env, MultiAgentEnv):
+        tools = {seat: [t.to_openai()["function"] for t in env.tools(seat)] for seat in env.seats}
+        return {"seats": list(env.seats), "tools": [t for seat in env.seats for t in tools[seat]],
+                "seat_tools": tools, "spaces": {"seats": ", ".join(env.seats) + ": each a chat of its own"}}
+    return {"tools": [t.to_openai()["function"] for t in env.tools], "spaces": env.spaces()}
 
 
 def _cmd_info(args: argparse.Namespace, console: Console) -> int:
@@ -104,6 +113,8 @@ def _cmd_info(args: argparse.Namespace, console: Console) -> int:
     console.print(f"kwargs: {json.dumps(info['kwargs'], default=str)}", highlight=False)
     tasks = info["tasks"]
     console.print("tasks: " + (", ".join(f"{k}={v}" for k, v in tasks.items()) if tasks else "not enumerable"))
+    if info.get("seats"):
+        console.print(f"seats: {', '.join(info['seats'])} (a multi-agent env)")
     for key, value in info["spaces"].items():
         console.print(f"{key} space: {value}", highlight=False)
     if info["tools"]:

@@ -1,6 +1,13 @@
 """The ``textarena`` scheme: ``envkit.make("textarena:GuessTheNumber-v0")``, a textarena game (the ``textarena``
 extra); a two-player one with ``opponent=`` in the other seat (``envkit.make("textarena:TicTacToe-v0",
-opponent="policy")``: self-play; the kinds of opponent are in :mod:`envkit.integrations.opponent`).
+opponent="policy")``: self-play; the kinds of opponent are in :mod:`envkit.integrations.opponent`), or with
+``seats=True`` as a multi-agent env (:class:`TextArenaSeats`, seats ``player_0`` and ``player_1``), each seat bound to
+a player by the run: both seats can then learn.
+
+``opponent=`` is a seat binding made inside the env: the policy plays one seat, and the opponent the other, its
+moves never trained on. With ``seats=True`` the same bindings are the run's (``seats.player_1`` in
+``python -m trainer``): ``opponent="policy"`` is the seat bound to the trained policy too (self-play in which both
+seats learn, each with its own baseline), an endpoint ``opponent=`` is ``endpoint=``, a callable is ``script=``.
 
 The game's messages are the user turns and the reply is the move; the game's reward comes when it ends (in a
 two-player game, the reward of the env's seat: ``seat=0`` or ``1``, by default the seed's parity, so a task set
@@ -36,6 +43,7 @@ from envkit.core import Env, StepResult, Task
 from envkit.integrations import build
 from envkit.integrations.opponent import Opponent, make_opponent
 from envkit.messages import Message, assistant, user
+from envkit.multi_agent import MultiAgentEnv, Seat, Turn
 
 WIN = 1.0
 """The reward a single-player textarena game gives a win."""
@@ -162,6 +170,53 @@ def _text(observation: list[tuple[int, str, ObservationType]]) -> str:
     return "\n".join(message for _, message, kind in observation if kind != ObservationType.PLAYER_ACTION).strip()
 
 
-def make_textarena(name: str, **kwargs: Any) -> TextArenaEnv:
-    """The ``textarena`` scheme of ``envkit.make``: ``textarena:<game id>``."""
-    return build(name, TextArenaEnv, kwargs)
+class TextArenaSeats(MultiAgentEnv):
+    """A two-player textarena game as a multi-agent env: seat ``player_N`` is textarena's player N, shown the game's
+    messages to that player, its reply that player's move; each seat's reward is the game's, when it ends."""
+
+    seats = ("player_0", "player_1")
+    reward_range = (-1.0, 1.0)
+
+    def __init__(self, env_id: str, **game_kwargs: Any) -> None:
+        self._arena = TextArenaEnv(env_id, **game_kwargs)  # its game, its RNG states and its message queues
+        self.env_id = env_id
+
+    async def reset(self, *, seed: int | None = None, task: Task | None = None) -> Turn:
+        """Start the game from ``task["seed"]``, else ``seed``, else a random seed; player 0 moves first."""
+        arena = self._arena
+        seed = task.get("seed") if task is not None else seed
+        if seed is None:
+            seed = random.SystemRandom().randrange(2**31)
+        arena._rngs = (random.Random(seed).getstate(), np.random.RandomState(seed % 2**32).get_state())
+        with arena._own_rngs():
+            try:
+                arena._game.reset(num_players=2, seed=seed)
+            except AssertionError as e:
+                raise ValueError(f"textarena:{self.env_id} is not a two-player game: {e}") from e
+        return self._turn(info={"seed": seed})
+
+    async def step(self, actions: dict[Seat, Message]) -> Turn:
+        """Play the seat's reply as its player's move; the game's rewards once it ends."""
+        (_, action), = actions.items()
+        arena = self._arena
+        with arena._own_rngs():
+            done, info = arena._game.step(action.get("content") or "")
+        if not done:
+            return self._turn(info=dict(info or {}))
+        with arena._own_rngs():
+            rewards, game_info = arena._game.close()
+        ending = {f"reason_{p}": str(i.get("reason", "")) for p, i in (game_info or {}).items()}
+        told = {seat: [user(ending.get(f"reason_{p}") or "The game is over.")] for p, seat in enumerate(self.seats)}
+        return Turn(told, to_act=(), rewards={self.seats[p]: float(r) for p, r in (rewards or {}).items()},
+                    terminated=True, info={**ending, "moves": arena._game.state.turn})
+
+    def _turn(self, info: dict[str, Any]) -> Turn:
+        player = self._arena._game.state.current_player_id
+        return Turn({self.seats[player]: [user(self._arena._observation(player))]}, to_act=(self.seats[player],),
+                    info=info)
+
+
+def make_textarena(name: str, *, seats: bool = False, **kwargs: Any) -> TextArenaEnv | TextArenaSeats:
+    """The ``textarena`` scheme of ``envkit.make``: ``textarena:<game id>``; with ``seats=True`` a two-player game
+    as a multi-agent env."""
+    return build(name, TextArenaSeats if seats else TextArenaEnv, kwargs)

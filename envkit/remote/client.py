@@ -147,8 +147,8 @@ class _Rest:
             raise error_from_body(payload, status)
         return payload
 
-    async def open(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        created = await self._request("POST", "/sessions", {"kwargs": kwargs})
+    async def open(self, kwargs: dict[str, Any], **seated: str | None) -> dict[str, Any]:
+        created = await self._request("POST", "/sessions", {"kwargs": kwargs, **_given(seated)})
         self.session_path = f"/sessions/{quote(created['session_id'], safe='')}"
         return created
 
@@ -230,9 +230,9 @@ class _WebSocket:
             raise error_from_body(answer, None)
         return answer
 
-    async def open(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+    async def open(self, kwargs: dict[str, Any], **seated: str | None) -> dict[str, Any]:
         self.session.ws = await retry_connect(self._connect, self.config, self.url)
-        return await self._exchange({"op": "create", "kwargs": kwargs})
+        return await self._exchange({"op": "create", "kwargs": kwargs, **_given(seated)})
 
     async def call(self, op: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self._exchange({"op": op, **body})
@@ -311,8 +311,8 @@ class RemoteTaskList(LazyTasks):
 class RemoteEnv(Env):
     """An env on an ``envkit serve`` server: ``url`` is ``http(s)://host:port/NAME`` or ``ws(s)://host:port/NAME``."""
 
-    def __init__(self, url: str, *, remote: RemoteConfig | None = None, env_kwargs: dict[str, Any] | None = None
-                 ) -> None:
+    def __init__(self, url: str, *, remote: RemoteConfig | None = None, env_kwargs: dict[str, Any] | None = None,
+                 seat: str | None = None, table: str | None = None) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https", "ws", "wss") or not parts.netloc:
             raise ValueError(f"RemoteEnv needs a URL like http://host:port/NAME or ws://host:port/NAME, got {url!r}")
@@ -320,6 +320,10 @@ class RemoteEnv(Env):
         self.name = parts.path.strip("/")
         self.config = remote or RemoteConfig()
         self.env_kwargs = dict(env_kwargs or {})
+        self.seat = seat
+        """The seat of a served multi-agent env this session plays (envkit/table.py); None for a single-agent env."""
+        self.table = table
+        """The id of the multi-agent episode the seat joins, or (known after init) the one its session made."""
         transport = self.config.transport or ("ws" if parts.scheme in ("ws", "wss") else "rest")
         secure = parts.scheme in ("https", "wss")
         scheme = {"rest": "https" if secure else "http", "ws": "wss" if secure else "ws"}[transport]
@@ -340,7 +344,7 @@ class RemoteEnv(Env):
             return
         transport = self._transport_cls(self.base_url, self.config, self._headers)
         try:
-            created = await transport.open(self.env_kwargs)
+            created = await transport.open(self.env_kwargs, seat=self.seat, table=self.table)
             if self.name and created["env"] != self.name:
                 raise RemoteEnvError(f"{self.base_url} serves {created['env']!r}, not {self.name!r}",
                                      code="env_mismatch")
@@ -348,6 +352,7 @@ class RemoteEnv(Env):
             await transport.close()
             raise
         self._transport, self.session_id = transport, created["session_id"]
+        self.table = created.get("table")
         self.tools = [Tool.from_openai(t) for t in created["tools"]]  # type: ignore[misc]
 
     async def reset(self, *, seed: int | None = None, task: Task | None = None) -> tuple[list[Message], dict]:
@@ -414,6 +419,11 @@ class RemoteEnv(Env):
 
     def __repr__(self) -> str:
         return f"<RemoteEnv {self.url!r} session={self.session_id}>"
+
+
+def _given(fields: dict[str, str | None]) -> dict[str, str]:
+    """The fields that are set (a server older than seats refuses ones it does not know)."""
+    return {k: v for k, v in fields.items() if v is not None}
 
 
 def make_remote(name: str, **kwargs: Any) -> RemoteEnv:

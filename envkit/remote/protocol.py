@@ -20,6 +20,11 @@ as the REST body, answered in order by one frame holding the REST response body:
 (``seed``, ``task``), ``step`` (``action``), ``state``, ``snapshot``, ``restore`` (``snapshot``), ``delete``.
 Closing the socket deletes its session.
 
+A multi-agent env (``/info`` lists its ``seats``) is played with a session per seat: ``create`` with ``seat`` makes a
+new episode's table and answers its ``table`` id; the other seats ``create`` with ``seat`` and that ``table``. Each
+session then resets and steps as any other, and sees its own seat's view only: its reset answers once it is its
+seat's turn, and each step once it is its turn again or the episode is over (envkit/table.py).
+
 Every error, REST or WebSocket, is ``{"error": {"code": ..., "message": ..., "status": ...}}``; :data:`ERROR_STATUS`
 gives the HTTP status of each code (a WebSocket error frame carries it too).
 """
@@ -39,6 +44,8 @@ ERROR_STATUS: dict[str, int] = {
     "unauthorized": 401,  # missing or wrong bearer token
     "not_found": 404,  # no such route
     "session_not_found": 404,  # unknown, deleted or expired session id
+    "table_not_found": 404,  # a multi-agent episode's table that is unknown, over, or in another worker process
+    "seat_taken": 409,  # a seat of a table another session plays
     "method_not_allowed": 405,
     "reset_needed": 409,  # step before reset, or after a step that failed
     "episode_done": 409,  # step after terminated/truncated
@@ -126,17 +133,23 @@ class ActionBody(BaseModel):
 
 
 class CreateSession(_Body):
-    """``POST /sessions``: make a new env, with ``kwargs`` over the served defaults."""
+    """``POST /sessions``: make a new env, with ``kwargs`` over the served defaults. A multi-agent env's session
+    plays one ``seat``: without ``table`` it makes a new episode's table, with it joins that table (no kwargs)."""
 
     kwargs: dict[str, Any] = Field(default_factory=dict)
+    seat: str | None = None
+    table: str | None = None
 
 
 class SessionCreated(_Body):
-    """A new session: its id, the env it runs, and the tools the model may call (OpenAI function schemas)."""
+    """A new session: its id, the env it runs, and the tools the model may call (OpenAI function schemas); a
+    multi-agent env's also its seat and its table's id (what the other seats join with)."""
 
     session_id: str
     env: str
     tools: list[dict[str, Any]]
+    seat: str | None = None
+    table: str | None = None
 
 
 class ResetRequest(_Body):
@@ -279,6 +292,8 @@ class WsRequest(BaseModel):
 
     op: Literal["create", "reset", "step", "state", "snapshot", "restore", "delete"]
     kwargs: dict[str, Any] = Field(default_factory=dict)
+    seat: str | None = None
+    table: str | None = None
     seed: int | None = None
     task: dict[str, Any] | None = None
     action: ActionBody | None = None

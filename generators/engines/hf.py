@@ -7,6 +7,7 @@ Requests run one at a time in a worker thread, so the event loop stays free.
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,12 @@ from generators.engines.base import ChatCompletion, Completion, EngineError, Inf
 from generators.engines.threads import torch_in_thread
 from generators.models import resolve_model
 from generators.precision import auto_dtype
+
+_PROCESS_STATE = threading.Lock()
+"""Held while an engine uses torch's process-wide state: the default dtype, which ``from_pretrained`` sets while it
+builds a model, and the CPU RNG a request samples from (seeded or not). Engines of a run of several policies work
+at once, on threads of their own: unguarded, one would build another's layers in the wrong dtype, or draw from the
+RNG another just seeded for its request."""
 
 
 class HFEngine(InferenceEngine):
@@ -56,7 +63,8 @@ class HFEngine(InferenceEngine):
 
     def _load(self) -> tuple[PreTrainedModel, Any]:
         path = resolve_model(self.model)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).eval()
+        with _PROCESS_STATE:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).eval()
         return model, AutoTokenizer.from_pretrained(path)
 
     async def stop(self) -> None:
@@ -73,11 +81,12 @@ class HFEngine(InferenceEngine):
     @torch.no_grad()
     def _generate(self, prompt_ids: list[int], sampling: SamplingParams) -> tuple[list[int], list[float], Any]:
         assert self._model is not None
-        if sampling.seed is None:  # draws from the process's RNG stream, advancing it: the next request differs
-            return self._sample(prompt_ids, sampling)
-        with torch.random.fork_rng(devices=[]):  # seed this request without touching the caller's RNG stream
-            torch.manual_seed(sampling.seed)
-            return self._sample(prompt_ids, sampling)
+        with _PROCESS_STATE:
+            if sampling.seed is None:  # draws from the process's RNG stream, advancing it: the next request differs
+                return self._sample(prompt_ids, sampling)
+            with torch.random.fork_rng(devices=[]):  # seed this request without touching the caller's RNG stream
+                torch.manual_seed(sampling.seed)
+                return self._sample(prompt_ids, sampling)
 
     def _sample(self, prompt_ids: list[int], sampling: SamplingParams) -> tuple[list[int], list[float], Any]:
         assert self._model is not None

@@ -192,7 +192,8 @@ def _add_server_routes(app: FastAPI, server: EnvServer) -> None:
 
 def _add_session_routes(app: FastAPI, server: EnvServer) -> None:
     @app.post("/sessions", status_code=201, response_model=SessionCreated,
-              responses=_responses("invalid_kwargs", "capacity", "rest_unavailable", *_ENV_FAULTS), tags=["sessions"])
+              responses=_responses("invalid_kwargs", "capacity", "rest_unavailable", "table_not_found", "seat_taken",
+                                   *_ENV_FAULTS), tags=["sessions"])
     async def create_session(body: CreateSession | None = None) -> Response:
         """Create a session with its own env instance (``kwargs`` override the served defaults)."""
         if not server.rest_sessions:
@@ -200,7 +201,8 @@ def _add_session_routes(app: FastAPI, server: EnvServer) -> None:
                                                                "REST session could be routed to another one: use the "
                                                                "WebSocket transport (ws://...) or run envkit serve "
                                                                "with --workers 1"))
-        return await _timed(server, "create", server.create(body.kwargs if body else {}), 201)
+        body = body or CreateSession()
+        return await _timed(server, "create", server.create(body.kwargs, seat=body.seat, table=body.table), 201)
 
     @app.post("/sessions/{session_id}/reset", response_model=ResetResult,
               responses=_responses("session_not_found", "invalid_task", *_ENV_FAULTS), tags=["sessions"])

@@ -26,6 +26,7 @@ from envkit.errors import (
     SnapshotError,
     ToolCallError,
 )
+from envkit.multi_agent import MultiAgentEnv
 from envkit.remote import OPERATOR_KWARGS, wire
 from envkit.remote.deadlines import Canceller, Deadlines
 from envkit.remote.protocol import PROTOCOL_VERSION, ApiError
@@ -33,9 +34,10 @@ from envkit.remote.server.config import ServerLimits
 from envkit.remote.server.metrics import Metrics
 from envkit.remote.server.snapshots import SnapshotSeal, snapshot_key
 from envkit.remote.server.workers import FLUSH_S, LocalSlots, WorkerSlots
+from envkit.table import Table
 from envkit.tasks import task_counts
 from envkit.tool_env import ToolEnv
-from envkit.tools import ToolOutput
+from envkit.tools import Tool, ToolOutput
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -108,6 +110,10 @@ class EnvServer:
         self.deadlines = Deadlines()
         """Step timeouts and idle WebSockets: a timer per call would cost more than a fast env's step."""
         self._probe = envkit.make(env, **self.env_kwargs)  # fail fast on a bad name or kwargs; describes the env
+        self.seats: tuple[str, ...] = self._probe.seats if isinstance(self._probe, MultiAgentEnv) else ()
+        """A multi-agent env's seats (a session per seat, see :meth:`create`); () for a single-agent env."""
+        self.tables: dict[str, Table] = {}
+        """The open episodes of a multi-agent env, by id."""
         self.is_tool_env = isinstance(self._probe.unwrapped, ToolEnv)
         """Whether the env's tools are functions :meth:`run_tool` can call (``envkit serve --mcp``)."""
         self._task_lists: dict[tuple[str, str], Sequence[dict[str, Any]]] = {}
@@ -119,9 +125,12 @@ class EnvServer:
             "env_version": spec.version if spec else None,
             "envkit_version": envkit.__version__,
             "protocol_version": PROTOCOL_VERSION,
-            "tools": [t.to_openai() for t in self._probe.tools],
-            "tasks": task_counts(self._probe),
-            "spaces": self._probe.spaces(),
+            "tools": [t.to_openai() for t in _tools(self._probe, None)],
+            "tasks": task_counts(self._probe),  # type: ignore[arg-type]
+            "spaces": (self._probe.spaces() if isinstance(self._probe, Env)
+                       else {"seats": "a session per seat: its observations and actions as a single-agent env's"}),
+            **({"seats": list(self.seats), "seat_tools": {seat: [t.to_openai() for t in _tools(self._probe, seat)]
+                                                         for seat in self.seats}} if self.seats else {}),
         }
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
@@ -186,6 +195,9 @@ class EnvServer:
             log.error("closing session %s (%s): %s", s.id, reason, e.message)
         finally:
             await self.slots.release()
+            for table_id, table in list(self.tables.items()):
+                if table.closed:
+                    del self.tables[table_id]
 
     async def _call(self, coro: Awaitable[T]) -> T:
         """Await an env call under the step timeout; classify what it raises."""
@@ -224,14 +236,23 @@ class EnvServer:
 
     # ---- operations ------------------------------------------------------------------------------------------
 
-    async def create(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """Make a new env for a new session; answers its id and tools."""
+    async def create(self, kwargs: dict[str, Any], *, seat: str | None = None, table: str | None = None
+                     ) -> dict[str, Any]:
+        """Make a new env for a new session; answers its id and tools. A multi-agent env's session plays ``seat`` of
+        a new episode's table, or of ``table``."""
         self._check_kwargs(kwargs)
+        self._check_seat(kwargs, seat, table)
         if not await self.slots.admit(self.limits.max_sessions):  # held from here until _close_env
             raise ApiError("capacity", f"the server is at its limit of {self.limits.max_sessions} sessions "
                                        "(ServerLimits.max_sessions); delete sessions or retry later")
+        seated: dict[str, Any] = {}
         try:
-            env = self._make(kwargs)
+            if seat is None:
+                env: Env = self._make(kwargs)  # type: ignore[assignment]  # single-agent: _check_seat said so
+            else:
+                table = table or self._open_table(kwargs)
+                env = self.tables[table].view(seat)
+                seated = {"seat": seat, "table": table}
         except BaseException:
             await self.slots.release()
             raise
@@ -244,7 +265,38 @@ class EnvServer:
             raise
         self.sessions[session.id] = session
         self.metrics.sessions_created += 1
-        return {"session_id": session.id, "env": self.env_name, "tools": [t.to_openai() for t in env.tools]}
+        return {"session_id": session.id, "env": self.env_name, "tools": [t.to_openai() for t in env.tools], **seated}
+
+    def _check_seat(self, kwargs: dict[str, Any], seat: str | None, table: str | None) -> None:
+        """A multi-agent env's session names a free seat (and a known table, with no kwargs: the table's env has
+        its own); a single-agent env's names neither."""
+        if not self.seats:
+            if seat is not None or table is not None:
+                raise ApiError("invalid_kwargs", f"env {self.env_name!r} has no seats: create its sessions without "
+                                                 "seat or table")
+            return
+        if seat not in self.seats:
+            raise ApiError("invalid_kwargs", f"env {self.env_name!r} is multi-agent: each session plays one of its "
+                                             f"seats {list(self.seats)} (seat=...), got {seat!r}")
+        if table is None:
+            return
+        if table not in self.tables or self.tables[table].closed:
+            workers = (f"; this server runs {self.slots.workers} worker processes, and a table lives in one: serve "
+                       "multi-agent envs with --workers 1" if self.slots.workers > 1 else "")
+            raise ApiError("table_not_found", f"no open table {table!r} (unknown, or its episode is over){workers}")
+        if kwargs:
+            raise ApiError("invalid_kwargs", "a seat joining a table takes no kwargs: the table's env was made with "
+                                             "its first seat's")
+        if seat in self.tables[table].taken:
+            raise ApiError("seat_taken", f"seat {seat!r} of table {table!r} is played by another session")
+
+    def _open_table(self, kwargs: dict[str, Any]) -> str:
+        """A new episode's table of the served multi-agent env made with ``kwargs``; its id."""
+        env = self._make(kwargs)
+        assert isinstance(env, MultiAgentEnv)
+        table_id = secrets.token_urlsafe(16)
+        self.tables[table_id] = Table(env)
+        return table_id
 
     async def run_tool(self, name: str, arguments: dict[str, Any]) -> tuple[str, bool]:
         """Run one tool call in an env of its own, made and initialised for it and closed after (``envkit serve
@@ -368,7 +420,7 @@ class EnvServer:
             raise ApiError("invalid_kwargs", f"{', '.join(chosen)} cannot be set by a session: the server chooses it "
                                              "(envkit serve's own options)")
 
-    def _make(self, kwargs: dict[str, Any]) -> Env:
+    def _make(self, kwargs: dict[str, Any]) -> Env | MultiAgentEnv:
         """The served env with a client's ``kwargs`` over the served ones."""
         try:
             return envkit.make(self.env_name, **{**self.env_kwargs, **kwargs})
@@ -396,7 +448,7 @@ class EnvServer:
         page = [dict(tasks[i]) for i in range(min(offset, len(tasks)), min(offset + limit, len(tasks)))]
         return {"split": split, "total": len(tasks), "offset": offset, "tasks": page, "kwargs": kwargs}
 
-    def _list_tasks(self, env: Env, split: str) -> Sequence[dict[str, Any]]:
+    def _list_tasks(self, env: Env | MultiAgentEnv, split: str) -> Sequence[dict[str, Any]]:
         try:
             tasks = env.tasks(split)
         except ValueError as e:
@@ -429,6 +481,13 @@ class EnvServer:
                 "max_sessions": limits.max_sessions, "session_ttl_s": limits.session_ttl_s,
                 "step_timeout_s": limits.step_timeout_s, "max_request_bytes": limits.max_request_bytes,
                 "rest_sessions": self.rest_sessions}
+
+
+def _tools(env: Env | MultiAgentEnv, seat: str | None) -> list[Tool]:
+    """An env's tools: a single-agent env's, or one seat's of a multi-agent env (none without a seat)."""
+    if isinstance(env, MultiAgentEnv):
+        return env.tools(seat) if seat is not None else []
+    return env.tools
 
 
 async def _run_tool(env: Env, name: str, arguments: dict[str, Any]) -> tuple[str, bool]:

@@ -117,7 +117,7 @@ class _WsSession:
         if req.op == "create":
             if self.session_id is not None and self.session_id in server.sessions:
                 raise ApiError("validation_error", "this connection already has a session; delete it first")
-            created = await server.create(req.kwargs)
+            created = await server.create(req.kwargs, seat=req.seat, table=req.table)
             self.session_id = created["session_id"]
             return created
         if self.session_id is None:

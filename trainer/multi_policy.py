@@ -1,0 +1,289 @@
+"""Several policies trained in one run: each seat of a multi-agent env bound to a player (``seats``), the policies
+among them trained together, each a model of its own. One step:
+
+    episodes = play_starts(env, players, next prompts_per_step starts × samples_per_prompt)   every seat at once
+    for each policy:
+        trajs  = its seats' trajectories                        its own sampled tokens only (generators/seats.py)
+        batch  = prepare_batch(trajs)                           groups per start and seat: per-seat baselines
+        update_policy(its backend, batch)                       trainer/loop.py's update, its own optimizer
+    for each policy: its weights v(step+1) → its engine
+
+Each policy has its own backend (optimizer, scheduler), engine, weight sync and checkpoints
+(``OUT/policies/NAME/checkpoints``); the run's metrics carry one ``policy/NAME/...`` set per policy. Held-out
+evaluation plays the trained seats together, and each policy with every other trained seat's policy set back to the
+starting model (its frozen initial partner), so co-adaptation shows apart from what one policy learned alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import torch
+
+from envkit.imports import import_ref
+from envkit.multi_agent import Seat
+from generators import ChatTokenizer, Generator, Trajectory
+from generators.engines.base import InferenceEngine
+from generators.engines.factory import make_engine
+from generators.models import resolve_model
+from generators.report import passed
+from generators.seats import Player, local_seats, play_starts, remote_seats
+from trainer.backends import make_backend
+from trainer.backends.base import TrainBackend
+from trainer.checkpoint import CheckpointManager, TrainState
+from trainer.config import Config, ConfigError, InferenceConfig
+from trainer.loop import prepare_batch, update_policy
+from trainer.metrics import RunLogger, rollout_metrics
+from trainer.placement.base import Placement
+from trainer.runs import sync_weights
+from trainer.sources import EnvStream, Mixture, Start
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Policy:
+    """One policy of the run: what trains it, what serves it, where it is checkpointed, and the seats it plays."""
+
+    name: str
+    seats: list[Seat]
+    backend: TrainBackend
+    engine: InferenceEngine
+    generator: Generator
+    out: Path
+    checkpoints: CheckpointManager
+
+
+class PolicyRun:
+    """The run's policies, frozen players, env and logger, driven from one event loop."""
+
+    def __init__(self, cfg: Config) -> None:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ConfigError("seats: a run of several policies trains on one rank (no torchrun) for now")
+        random.seed(cfg.trainer.seed)
+        torch.manual_seed(cfg.trainer.seed)
+        self.cfg = cfg
+        self.out = Path(cfg.trainer.output_dir)
+        self.model_path = resolve_model(cfg.model.path)
+        self.tokenizer = ChatTokenizer.from_pretrained(self.model_path)
+        self.runner = asyncio.Runner()
+        placement = Placement(cfg)
+        self.envs = Mixture(cfg.env, seed=cfg.trainer.seed, make_env=placement.make_env)
+        self.policies: list[Policy] = []
+        for name in cfg.policies:
+            out = self.out / "policies" / name
+            engine = placement.engine(self.model_path, out)
+            self.policies.append(Policy(
+                name, [seat for seat, s in cfg.seats.items() if s.policy == name], make_backend(cfg, self.model_path),
+                engine, Generator(engine, self.tokenizer, cfg.generator), out,
+                CheckpointManager(out / "checkpoints", keep_last=cfg.trainer.keep_last)))
+        self.frozen: dict[str, InferenceEngine] = {}
+        """Engines of frozen checkpoints, by checkpoint."""
+        self.fixed: dict[Seat, Player] = {seat: self._fixed_player(s.checkpoint, s.script, s.endpoint,
+                                                                     s.endpoint_model, placement)
+                                          for seat, s in cfg.seats.items() if not s.policy}
+        if cfg.trainer.eval_tasks:  # the starting model, each trained policy's frozen opponent in evaluation
+            self._fixed_player("initial", None, None, "", placement)
+        self.logger: RunLogger | None = None
+        name = cfg.env.name
+        self.seating = (remote_seats(name, **cfg.env.kwargs) if urlsplit(name).scheme in ("http", "https", "ws", "wss")
+                        else local_seats(self.stream.make))
+
+    def _fixed_player(self, checkpoint: str | None, script: str | None, endpoint: str | None, endpoint_model: str,
+                      placement: Placement) -> Player:
+        """A seat's player that this run does not train."""
+        if script:
+            return import_ref(script)
+        if endpoint:
+            engine = make_engine(InferenceConfig(engine="openai", url=endpoint), endpoint_model)
+            return Generator(engine, None, self.cfg.generator)
+        assert checkpoint is not None
+        path = self.model_path if checkpoint == "initial" else resolve_model(checkpoint)
+        if checkpoint not in self.frozen:
+            self.frozen[checkpoint] = placement.engine(path, self.out / "frozen" / Path(checkpoint).name)
+        return Generator(self.frozen[checkpoint], self.tokenizer, self.cfg.generator)
+
+    @property
+    def stream(self) -> EnvStream:
+        return self.envs.streams[0]
+
+    def players(self) -> dict[Seat, Player]:
+        """Every seat's player: the policy it is bound to, or its frozen, scripted or endpoint player."""
+        out: dict[Seat, Player] = dict(self.fixed)
+        for p in self.policies:
+            for seat in p.seats:
+                out[seat] = p.generator
+        return {seat: out[seat] for seat in self.cfg.seats}
+
+    def start(self) -> None:
+        """The env's task lists, then every engine at once."""
+        self.runner.run(self.envs.open(pool_size=0))
+        engines = [p.engine for p in self.policies] + list(self.frozen.values())
+        self.runner.run(_gather(*(e.start() for e in engines)))
+
+    def episodes(self, starts: list[Start], *, samples: int, players: Mapping[Seat, Player] | None = None,
+                 temperature: float | None = None) -> list[dict[Seat, Trajectory]]:
+        """``samples`` episodes of each start with ``players`` (the run's own by default)."""
+        g = self.cfg.generator
+        saved = {}
+        if temperature is not None:  # held-out sampling settings, set on every generator for the evaluation
+            for p in self.policies:
+                saved[p.name] = p.generator.config
+                p.generator.config = g.generator_config(temperature=temperature, seed=None, branch_at=0)
+        try:
+            return self.runner.run(play_starts(self.seating, players or self.players(), starts, samples=samples,
+                                               concurrency=g.concurrency, env_name=self.stream.label,
+                                               timeout_s=g.timeout_s))
+        finally:
+            for p in self.policies:
+                if p.name in saved:
+                    p.generator.config = saved[p.name]
+
+    def serve(self, policy: Policy, version: int) -> None:
+        """Have ``policy``'s engine serve its backend's weights as ``version``."""
+        sync_weights(policy.backend, policy.engine, self.runner, policy.out, version, self.cfg.weight_sync.mode)
+
+    def evaluate(self, state: TrainState) -> dict[str, float]:
+        """Held-out results per seat of the run's own pairing, and, once trained, of each policy in each of its seats
+        with every other trained seat played by the starting model (``vs_initial/POLICY@SEAT/...``): what a policy
+        learned apart from what its partners or opponents learned with it."""
+        t = self.cfg.trainer
+        starts = [self.stream.eval[i] for i in range(min(t.eval_tasks, len(self.stream.eval)))]
+        if not starts:
+            return {}
+        episodes = self.episodes(starts, samples=t.eval_samples, temperature=t.eval_temperature)
+        results = _outcomes(episodes, "")
+        shown = [traj for e in episodes for traj in e.values()]
+        if state.step:
+            initial = Generator(self.frozen["initial"], self.tokenizer, self.cfg.generator.generator_config(
+                temperature=t.eval_temperature, seed=None, branch_at=0))
+            for p in self.policies:
+                for seat in p.seats:
+                    players = {s: initial if s != seat and player in self.trained else player
+                               for s, player in self.players().items()}
+                    crossed = self.episodes(starts, samples=t.eval_samples, temperature=t.eval_temperature,
+                                            players=players)
+                    mine = [e[seat] for e in crossed if seat in e]
+                    results[f"vs_initial/{p.name}@{seat}/accuracy"] = sum(map(passed, mine)) / max(len(mine), 1)
+                    results[f"vs_initial/{p.name}@{seat}/reward"] = (
+                        sum(traj.reward for traj in mine if not traj.failed) / max(len(mine), 1))
+        assert self.logger is not None
+        self.logger.log_eval(state.step, "accuracy", results, shown)
+        return results
+
+    @property
+    def trained(self) -> list[Generator]:
+        """The generators of the policies being trained."""
+        return [p.generator for p in self.policies]
+
+    def resume(self) -> TrainState:
+        """A fresh state, or every policy's checkpoint of one step (``trainer.resume``: latest or a step dir name)."""
+        resume = self.cfg.trainer.resume
+        if not resume:
+            return TrainState()
+        states = []
+        for p in self.policies:
+            where = "latest" if resume == "latest" else str(p.checkpoints.root / Path(resume).name)
+            states.append(p.checkpoints.load(p.checkpoints.resolve(where), p.backend))
+        if len({s.step for s in states}) > 1:
+            raise RuntimeError(f"the policies' latest checkpoints are of different steps "
+                               f"{[s.step for s in states]}: resume from one step all of them have")
+        state = states[-1]
+        if state.data:
+            self.envs.load_state(state.data)
+        for p in self.policies:
+            self.serve(p, state.policy_version)
+        return state
+
+    def close(self) -> None:
+        """Stop every engine and close the env; safe after a failed start."""
+        engines = [p.engine for p in self.policies] + list(self.frozen.values())
+        for stop in [*(e.stop for e in engines), self.envs.close]:
+            self.runner.run(stop())
+        if self.logger is not None:
+            self.logger.close()
+        self.runner.close()
+
+
+def train_policies(cfg: Config) -> dict[str, Any]:
+    """Train the policies ``cfg.seats`` names for ``trainer.steps`` steps; returns held-out results before and after
+    (per seat, and of each policy with its frozen initial partners) and each policy's final weights."""
+    run = PolicyRun(cfg)
+    try:
+        run.start()
+        state = run.resume()
+        run.logger = RunLogger(run.out, cfg, total_steps=cfg.trainer.steps, start_step=state.step)
+        results: dict[str, Any] = {}
+        if state.step == 0 and cfg.trainer.eval_tasks:
+            results.update({f"{k}_before": v for k, v in run.evaluate(state).items()})
+        while state.step < cfg.trainer.steps:
+            t0 = time.perf_counter()
+            starts = [s for _, drawn in run.envs.draw(cfg.generator.prompts_per_step) for s in drawn]
+            episodes = run.episodes(starts, samples=cfg.generator.samples_per_prompt)
+            t1 = time.perf_counter()
+            metrics: dict[str, float] = {"time/generate_s": t1 - t0}
+            everything: list[Trajectory] = []
+            for p in run.policies:
+                trajs = [episode[seat] for episode in episodes for seat in p.seats if seat in episode]
+                batch = prepare_batch(trajs, cfg)
+                trained = update_policy(p.backend, batch, cfg, run.tokenizer.pad_id)
+                for key, value in {**rollout_metrics(trajs, batch, state.policy_version), **trained}.items():
+                    metrics[f"policy/{p.name}/{key}"] = value
+                everything += trajs
+            t2 = time.perf_counter()
+            state.step = state.policy_version = state.step + 1
+            for p in run.policies:
+                run.serve(p, state.policy_version)
+            ok = [t for t in everything if not t.failed]
+            metrics.update({
+                "reward/mean": sum(t.reward for t in ok) / max(len(ok), 1),
+                "rollout/failed": float(sum(t.failed for t in everything)),
+                "time/train_s": t2 - t1, "time/sync_s": time.perf_counter() - t2,
+                "time/step_s": time.perf_counter() - t0})
+            run.logger.log_step(state.step, metrics, everything)
+            if state.step % cfg.trainer.save_every == 0 or state.step == cfg.trainer.steps:
+                state.data = run.envs.state()
+                for p in run.policies:
+                    p.checkpoints.save(p.backend, state)
+            every = cfg.trainer.eval_every
+            if every and state.step % every == 0 and state.step < cfg.trainer.steps:
+                run.evaluate(state)
+        if cfg.trainer.eval_tasks:
+            results.update({f"{k}_after": v for k, v in run.evaluate(state).items()})
+        for p in run.policies:
+            weights = p.out / "weights" / f"v{state.policy_version}"
+            if state.policy_version and not weights.exists():
+                p.backend.export_weights(weights)
+            results[f"weights/{p.name}"] = str(weights if state.policy_version else run.model_path)
+        return {**results, **run.logger.finish(results)}
+    finally:
+        run.close()
+
+
+def _outcomes(episodes: list[dict[Seat, Trajectory]], prefix: str) -> dict[str, float]:
+    """Per seat: the share of its rollouts that passed (reward >= 1) and its mean reward; ``accuracy``, the share of
+    episodes every trained seat passed, and ``reward``, the mean over seats and episodes."""
+    out: dict[str, float] = {}
+    seats = sorted({seat for episode in episodes for seat in episode})
+    for seat in seats:
+        trajs = [e[seat] for e in episodes if seat in e]
+        n = max(len(trajs), 1)
+        out[f"{prefix}{seat}/accuracy"] = sum(passed(t) for t in trajs) / n
+        out[f"{prefix}{seat}/reward"] = sum(t.reward for t in trajs if not t.failed) / n
+    n = max(len(episodes), 1)
+    out[f"{prefix}accuracy"] = sum(bool(e) and all(passed(t) for t in e.values()) for e in episodes) / n
+    out[f"{prefix}reward"] = sum(out[f"{prefix}{seat}/reward"] for seat in seats) / max(len(seats), 1)
+    return out
+
+
+async def _gather(*jobs: Any) -> None:
+    await asyncio.gather(*jobs)
