@@ -23,7 +23,7 @@ import math
 import pickle
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 from envkit.errors import (
     EnvClosedError,
@@ -74,11 +74,9 @@ class Snapshot:
     """What the env saved: its pickled attributes by default, a server's signed token for a remote env."""
 
 
-class Env(abc.ABC):
-    """Base class of every environment. The docstrings of its methods are the contract."""
-
-    tools: ClassVar[list[Tool]] = []
-    """Tools the model may call, as :class:`envkit.Tool` (rendered to OpenAI function schemas)."""
+class EnvBase:
+    """What every kind of env shares, single- or multi-agent: its spec, its reward range, ``init``/``close``,
+    snapshots of its state, ``async with``. The docstrings of its methods are part of the contract."""
 
     spec: EnvSpec | None = None
     """The registry spec this env was made from; set by ``envkit.make``."""
@@ -90,47 +88,11 @@ class Env(abc.ABC):
     """Attributes that are resources or configuration rather than episode state (a client, a lock, a judge): the
     default ``snapshot`` leaves them out, and ``restore`` keeps the restoring env's own."""
 
-    async def init(self) -> None:  # noqa: B027 - optional hook with a no-op default
+    async def init(self) -> None:
         """Acquire expensive resources (connections, containers, datasets) once, before the first reset."""
 
-    @abc.abstractmethod
-    async def reset(self, *, seed: int | None = None, task: Task | None = None) -> tuple[list[Message], dict]:
-        """Start a new episode and return ``(messages, info)``.
-
-        ``messages`` are the opening chat messages (system prompt, question). The same ``seed`` or the same
-        ``task`` must give the same episode start: GRPO compares samples of one group against each other.
-        ``task`` takes precedence over ``seed``; with neither, the env picks a task at random.
-        """
-
-    @abc.abstractmethod
-    async def step(self, action: Message) -> StepResult:
-        """Apply one assistant message and return the env's reply as a :class:`StepResult`.
-
-        ``action`` is an assistant message (``content`` and/or ``tool_calls``). May only be called after
-        ``reset`` and before the episode is done.
-        """
-
-    async def close(self) -> None:  # noqa: B027 - optional hook with a no-op default
+    async def close(self) -> None:
         """Release resources. Must be safe to call more than once."""
-
-    def tasks(self, split: str = "train") -> Iterable[Task] | None:
-        """The env's tasks for ``split`` ("train", "test", ...), or None when tasks are not enumerable."""
-        return None
-
-    def spaces(self) -> dict[str, Any]:
-        """Describe observation and action spaces (for ``envkit info`` and the gymnasium bridge)."""
-        return {"observation": "list of chat messages", "action": "assistant message"}
-
-    async def demonstrate(self, messages: list[Message]) -> Message:
-        """An expert's next assistant message in the current episode, ``messages`` being the chat so far (from the
-        opening messages on). Optional: envs that cannot demonstrate raise NotImplementedError.
-
-        A generator plays the demonstration as the model's turn and steps the env with it for real, so the env's
-        replies (tool outputs included) in the resulting supervised data are genuine. Tool calls go in
-        ``tool_calls``: the generator writes them in the model's own format.
-        """
-        raise NotImplementedError(f"{type(self).__name__} offers no demonstrations (it does not override "
-                                  "Env.demonstrate)")
 
     @property
     def snapshot_kind(self) -> str:
@@ -151,11 +113,11 @@ class Env(abc.ABC):
         vars(self).update(pickle.loads(snapshot.state))
 
     @property
-    def unwrapped(self) -> Env:
+    def unwrapped(self) -> Self:
         """The innermost env, below any wrappers."""
         return self
 
-    async def __aenter__(self) -> Env:
+    async def __aenter__(self) -> Self:
         await self.init()
         return self
 
@@ -167,7 +129,72 @@ class Env(abc.ABC):
         return f"<{type(self).__name__} {name!r}>"
 
 
-class Wrapper(Env):
+class Env(EnvBase, abc.ABC):
+    """Base class of every environment. The docstrings of its methods (and :class:`EnvBase`'s) are the contract."""
+
+    tools: ClassVar[list[Tool]] = []
+    """Tools the model may call, as :class:`envkit.Tool` (rendered to OpenAI function schemas)."""
+
+    @abc.abstractmethod
+    async def reset(self, *, seed: int | None = None, task: Task | None = None) -> tuple[list[Message], dict]:
+        """Start a new episode and return ``(messages, info)``.
+
+        ``messages`` are the opening chat messages (system prompt, question). The same ``seed`` or the same
+        ``task`` must give the same episode start: GRPO compares samples of one group against each other.
+        ``task`` takes precedence over ``seed``; with neither, the env picks a task at random.
+        """
+
+    @abc.abstractmethod
+    async def step(self, action: Message) -> StepResult:
+        """Apply one assistant message and return the env's reply as a :class:`StepResult`.
+
+        ``action`` is an assistant message (``content`` and/or ``tool_calls``). May only be called after
+        ``reset`` and before the episode is done.
+        """
+
+    def tasks(self, split: str = "train") -> Iterable[Task] | None:
+        """The env's tasks for ``split`` ("train", "test", ...), or None when tasks are not enumerable."""
+        return None
+
+    def spaces(self) -> dict[str, Any]:
+        """Describe observation and action spaces (for ``envkit info`` and the gymnasium bridge)."""
+        return {"observation": "list of chat messages", "action": "assistant message"}
+
+    async def demonstrate(self, messages: list[Message]) -> Message:
+        """An expert's next assistant message in the current episode, ``messages`` being the chat so far (from the
+        opening messages on). Optional: envs that cannot demonstrate raise NotImplementedError.
+
+        A generator plays the demonstration as the model's turn and steps the env with it for real, so the env's
+        replies (tool outputs included) in the resulting supervised data are genuine. Tool calls go in
+        ``tool_calls``: the generator writes them in the model's own format.
+        """
+        raise NotImplementedError(f"{type(self).__name__} offers no demonstrations (it does not override "
+                                  "Env.demonstrate)")
+
+
+class Forwarding:
+    """What an env wrapped around another takes from it: its spec, its reward range, its innermost env."""
+
+    env: Any
+
+    @property
+    def spec(self) -> EnvSpec | None:
+        return self.env.spec
+
+    @spec.setter
+    def spec(self, value: EnvSpec | None) -> None:
+        self.env.spec = value
+
+    @property
+    def reward_range(self) -> tuple[float, float]:
+        return self.env.reward_range
+
+    @property
+    def unwrapped(self) -> Any:
+        return self.env.unwrapped
+
+
+class Wrapper(Forwarding, Env):
     """An env that forwards to another; subclass it to change one part of the behaviour. Its snapshot holds its
     own attributes (less ``snapshot_exclude``) and the wrapped env's snapshot."""
 
@@ -179,22 +206,6 @@ class Wrapper(Env):
     @property
     def tools(self) -> list[Tool]:  # type: ignore[override]
         return self.env.tools
-
-    @property
-    def spec(self) -> EnvSpec | None:  # type: ignore[override]
-        return self.env.spec
-
-    @spec.setter
-    def spec(self, value: EnvSpec | None) -> None:
-        self.env.spec = value
-
-    @property
-    def reward_range(self) -> tuple[float, float]:  # type: ignore[override]
-        return self.env.reward_range
-
-    @property
-    def unwrapped(self) -> Env:
-        return self.env.unwrapped
 
     async def init(self) -> None:
         await self.env.init()
@@ -338,12 +349,12 @@ def _check_messages(env: Env, method: str, messages: Any) -> None:
         )
 
 
-def kind_of(env: Env) -> str:
+def kind_of(env: EnvBase) -> str:
     """``module:QualName`` of ``env``'s type: the kind a :class:`Snapshot` of it restores into."""
     return f"{type(env).__module__}:{type(env).__qualname__}"
 
 
-def check_kind(env: Env, snapshot: Snapshot) -> None:
+def check_kind(env: EnvBase, snapshot: Snapshot) -> None:
     """Raise SnapshotError unless ``snapshot`` was taken of an env of ``env``'s ``snapshot_kind``."""
     if not isinstance(snapshot, Snapshot):
         raise SnapshotError(f"restore() takes an envkit.Snapshot, got {type(snapshot).__name__}")
@@ -351,7 +362,7 @@ def check_kind(env: Env, snapshot: Snapshot) -> None:
         raise SnapshotError(f"a snapshot of {snapshot.kind} cannot restore {env.snapshot_kind}")
 
 
-def pickled_state(env: Env) -> bytes:
+def pickled_state(env: EnvBase) -> bytes:
     """``env``'s attributes less its ``snapshot_exclude``, pickled; SnapshotError when they are not plain data."""
     state = {k: v for k, v in vars(env).items() if k not in env.snapshot_exclude}
     try:

@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import abc
 import math
-import pickle
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from envkit.core import Snapshot, Task, check_kind, kind_of, pickled_state
+from envkit.core import EnvBase, Forwarding, Snapshot, Task, check_kind
 from envkit.errors import (
     EnvClosedError,
     EpisodeDoneError,
@@ -36,7 +35,6 @@ from envkit.errors import (
 from envkit.messages import Message, is_message, validate_action
 
 if TYPE_CHECKING:
-    from envkit.registry import EnvSpec
     from envkit.tools import Tool
 
 Seat = str
@@ -63,26 +61,16 @@ class Turn:
         return self.terminated or self.truncated
 
 
-class MultiAgentEnv(abc.ABC):
-    """Base class of every multi-agent environment. The docstrings of its methods are the contract."""
+class MultiAgentEnv(EnvBase, abc.ABC):
+    """Base class of every multi-agent environment. The docstrings of its methods (and
+    :class:`~envkit.core.EnvBase`'s: init, close, snapshot, restore) are the contract; ``reward_range`` bounds one
+    seat's reward for one step."""
 
     seats: ClassVar[tuple[Seat, ...]] = ()
     """The seats every episode has, in a fixed order."""
 
     seat_tools: ClassVar[Mapping[Seat, list[Tool]]] = {}
     """Tools each seat may call (a seat missing here has none)."""
-
-    spec: EnvSpec | None = None
-    """The registry spec this env was made from; set by ``envkit.make``."""
-
-    reward_range: tuple[float, float] = (-math.inf, math.inf)
-    """The least and the greatest reward one step can give one seat."""
-
-    snapshot_exclude: ClassVar[frozenset[str]] = frozenset()
-    """Attributes that are resources rather than episode state (see :attr:`envkit.Env.snapshot_exclude`)."""
-
-    async def init(self) -> None:  # noqa: B027 - optional hook with a no-op default
-        """Acquire expensive resources once, before the first reset."""
 
     @abc.abstractmethod
     async def reset(self, *, seed: int | None = None, task: Task | None = None) -> Turn:
@@ -93,9 +81,6 @@ class MultiAgentEnv(abc.ABC):
     async def step(self, actions: dict[Seat, Message]) -> Turn:
         """Apply one assistant message from each seat in the last ``to_act`` (exactly those) and return what
         each seat now sees, its rewards, and who acts next."""
-
-    async def close(self) -> None:  # noqa: B027 - optional hook with a no-op default
-        """Release resources. Must be safe to call more than once."""
 
     def tools(self, seat: Seat) -> list[Tool]:
         """The tools ``seat`` may call."""
@@ -110,38 +95,8 @@ class MultiAgentEnv(abc.ABC):
         plays episodes and fails the env if another seat's view holds any of it. Optional; none by default."""
         return []
 
-    @property
-    def snapshot_kind(self) -> str:
-        """The kind of env this one's snapshots restore into: its type."""
-        return kind_of(self)
 
-    async def snapshot(self) -> Snapshot:
-        """The env's state now, every seat's included, for :meth:`restore` (by default its pickled attributes)."""
-        return Snapshot(self.snapshot_kind, pickled_state(self))
-
-    async def restore(self, snapshot: Snapshot) -> None:
-        """Put this env in ``snapshot``'s state: its next steps go as the original's did."""
-        check_kind(self, snapshot)
-        vars(self).update(pickle.loads(snapshot.state))
-
-    @property
-    def unwrapped(self) -> MultiAgentEnv:
-        """The innermost env, below any wrappers."""
-        return self
-
-    async def __aenter__(self) -> MultiAgentEnv:
-        await self.init()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    def __repr__(self) -> str:
-        name = self.spec.name if self.spec else type(self).__name__
-        return f"<{type(self).__name__} {name!r}>"
-
-
-class SeatsChecker(MultiAgentEnv):
+class SeatsChecker(Forwarding, MultiAgentEnv):
     """Enforces the contract around a multi-agent env: call order, actions from exactly the seats to act, and a
     well-formed :class:`Turn` back (known seats only, chat messages, finite rewards, someone to act until done)."""
 
@@ -157,22 +112,6 @@ class SeatsChecker(MultiAgentEnv):
     @property
     def seats(self) -> tuple[Seat, ...]:  # type: ignore[override]
         return self.env.seats
-
-    @property
-    def spec(self) -> EnvSpec | None:  # type: ignore[override]
-        return self.env.spec
-
-    @spec.setter
-    def spec(self, value: EnvSpec | None) -> None:
-        self.env.spec = value
-
-    @property
-    def reward_range(self) -> tuple[float, float]:  # type: ignore[override]
-        return self.env.reward_range
-
-    @property
-    def unwrapped(self) -> MultiAgentEnv:
-        return self.env.unwrapped
 
     @property
     def snapshot_kind(self) -> str:

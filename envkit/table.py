@@ -15,8 +15,8 @@ import asyncio
 from collections.abc import Awaitable
 from typing import Any
 
-from envkit.core import Env, StepResult, Task
-from envkit.errors import ContractError, EnvError, EpisodeDoneError
+from envkit.core import Env, Snapshot, StepResult, Task
+from envkit.errors import ContractError, EnvError, EpisodeDoneError, SnapshotError
 from envkit.messages import Message
 from envkit.multi_agent import MultiAgentEnv, Seat, Turn
 
@@ -47,8 +47,6 @@ class Table:
         self._taken: set[Seat] = set()
         self._changed = asyncio.Condition()
         self._opening = asyncio.Lock()
-        self.info: dict[str, Any] = {}
-        """The info of the env's last turn (the episode's outcome, once it is done)."""
 
     def view(self, seat: Seat) -> SeatView:
         """``seat``'s episode as a single-agent env (one view per seat)."""
@@ -75,8 +73,7 @@ class Table:
         async with self._opening:
             if self.start is None:
                 self.start = (seed, task)
-                await self.env.init()
-                await self._apply(self.env.reset(seed=seed, task=task))
+                await self._apply(self._open(seed, task))
             elif (seed, task) != (None, None) and (seed, task) != self.start:
                 raise ContractError(f"seat {seat!r} reset with seed={seed!r}, task={task!r}, but the table's episode "
                                     f"started from seed={self.start[0]!r}, task={self.start[1]!r}: a table plays one "
@@ -85,6 +82,10 @@ class Table:
         if result.done:
             raise NoTurn(f"the episode ended before seat {seat!r} had a turn")
         return result.observation
+
+    async def _open(self, seed: int | None, task: Task | None) -> Turn:
+        await self.env.init()
+        return await self.env.reset(seed=seed, task=task)
 
     async def act(self, seat: Seat, action: Message) -> StepResult:
         """Take ``seat``'s action; the env steps once every seat to act has acted. Returns once it is ``seat``'s
@@ -117,7 +118,7 @@ class Table:
             self._inbox[seat].extend(messages)
         for seat, reward in turn.rewards.items():
             self._rewards[seat] += reward
-        self._last, self.info = turn, turn.info
+        self._last = turn
         if locked:
             self._changed.notify_all()
         else:
@@ -169,6 +170,10 @@ class SeatView(Env):
 
     async def close(self) -> None:
         await self.table.leave(self.seat)
+
+    async def snapshot(self) -> Snapshot:
+        raise SnapshotError("one seat's view cannot be snapshotted alone: snapshot the multi-agent env itself "
+                            "(MultiAgentEnv.snapshot), which holds every seat's state")
 
     def __repr__(self) -> str:
         return f"<SeatView {self.seat!r} of {self.table.env!r}>"

@@ -20,7 +20,6 @@ import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from envkit import Env, Message, StepResult, Task, Wrapper
@@ -127,7 +126,13 @@ async def play_episode(seating: Seating, players: Mapping[Seat, Player], *, task
     """One episode, every seat played by its player at once: the trajectory of each seat a generator plays, its
     group ``GROUP_ID/SEAT``. A failure of the env or of any seat's player fails every seat's rollout."""
     seats = list(players)
-    envs = {seat: _Outcome(env) for seat, env in (await seating(seats)).items()}
+    try:
+        envs = {seat: _Outcome(env) for seat, env in (await seating(seats)).items()}
+    except Exception as e:  # no episode to play (a server that refused its sessions): this rollout fails, no other
+        return {seat: Trajectory(group_id=f"{group_id}/{seat}", sample_index=sample_index, seed=seed,
+                                 env_name=env_name, task_id=(task or {}).get("id"), stop_reason="error",
+                                 error=f"{type(e).__name__}: {e}", seat=seat)
+                for seat in seats if isinstance(players[seat], Generator)}
 
     async def play(seat: Seat) -> Trajectory | None:
         player = players[seat]
@@ -152,19 +157,9 @@ async def play_episode(seating: Seating, players: Mapping[Seat, Player], *, task
     return trajs
 
 
-@dataclass(frozen=True)
-class Pairing:
-    """Who plays each seat in a set of episodes, and under which name its results are reported."""
-
-    players: Mapping[Seat, Player]
-    name: str = ""
-
-
 async def play_starts(seating: Seating, players: Mapping[Seat, Player],
                       starts: Sequence[tuple[Task | None, int | None]], *, samples: int = 1, concurrency: int = 64,
-                      env_name: str = "", timeout_s: float = 300.0,
-                      on_done: Callable[[dict[Seat, Trajectory]], None] | None = None
-                      ) -> list[dict[Seat, Trajectory]]:
+                      env_name: str = "", timeout_s: float = 300.0) -> list[dict[Seat, Trajectory]]:
     """``samples`` episodes of each start, ``concurrency`` at a time, in start order; episodes of one start share a
     group per seat."""
     limit = asyncio.Semaphore(concurrency)
@@ -172,11 +167,8 @@ async def play_starts(seating: Seating, players: Mapping[Seat, Player],
     async def one(i: int, task: Task | None, seed: int | None, k: int) -> dict[Seat, Trajectory]:
         group = str(task.get("id", f"task-{i}")) if task is not None else f"seed-{seed}"
         async with limit:
-            trajs = await play_episode(seating, players, task=task, seed=seed, group_id=group, sample_index=k,
-                                       env_name=env_name, timeout_s=timeout_s)
-        if on_done is not None:
-            on_done(trajs)
-        return trajs
+            return await play_episode(seating, players, task=task, seed=seed, group_id=group, sample_index=k,
+                                      env_name=env_name, timeout_s=timeout_s)
 
     return list(await asyncio.gather(*(one(i, task, seed, k) for i, (task, seed) in enumerate(starts)
                                        for k in range(samples))))

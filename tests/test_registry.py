@@ -27,6 +27,8 @@ BUNDLED_ENVS = {
     "calculator": "envkit-calculator",
     "guess-number": "envkit-guess-number",
     "frozenlake": "envkit-frozenlake",
+    "referential": "envkit-referential",
+    "duel": "envkit-duel",
 }
 
 

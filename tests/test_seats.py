@@ -218,17 +218,18 @@ async def test_each_seat_trains_on_its_own_tokens_and_sees_the_others_as_data(vl
 
 
 def test_two_policies_train_in_one_run_each_its_own_and_resume_exactly(tmp_path):
-    """Two policies on the tiny model (HF engine, seeded requests: rollouts reproduce) play GradedPair's seats. Each
-    policy's weights change, differently; each has its own checkpoints; a run killed after its step-1 checkpoint
-    and resumed trains step 2 as the uninterrupted run does, for both policies."""
+    """Two policies on the tiny model (HF engine, seeded requests: rollouts reproduce) play GradedPair's seats, with
+    PPO (so each checkpoint must carry its policy's value head too). Each policy's weights change, differently; each
+    has its own checkpoints; a run killed after its step-1 checkpoint and resumed trains step 2 as the uninterrupted
+    run does, for both policies."""
     from test_trainer import TINY, _metrics, _trainer, _why, kill_at_step_1_checkpoint
     from tiny import on_tiny_model
     from weights import changed_tensors
 
-    common = [*on_tiny_model(), "env.name=seat_envs:GradedPair", "++seats={first: {policy: a}, second: {policy: b}}",
-              "trainer.steps=2", "trainer.save_every=1", "trainer.eval_tasks=2",
-              "trainer.eval_samples=1", "trainer.lr=1e-3", "trainer.warmup_steps=0", "generator.max_turns=2",
-              "generator.max_tokens=8", *TINY[:2]]
+    common = ["algorithm=ppo", *on_tiny_model(), "env.name=seat_envs:GradedPair",
+              "++seats={first: {policy: a}, second: {policy: b}}", "trainer.steps=2", "trainer.save_every=1",
+              "trainer.eval_tasks=2", "trainer.eval_samples=1", "trainer.lr=1e-3", "trainer.warmup_steps=0",
+              "generator.max_turns=2", "generator.max_tokens=8", *TINY[:2]]
     reference = tmp_path / "reference"
     result = _trainer(*common, f"trainer.output_dir={reference}")
     assert result.returncode == 0, _why(result)
@@ -247,7 +248,8 @@ def test_two_policies_train_in_one_run_each_its_own_and_resume_exactly(tmp_path)
     expected, resumed = _metrics(reference)[2], _metrics(killed)[2]
     for policy in ("a", "b"):
         assert expected[f"policy/{policy}/train/grad_norm"] > 0  # what is compared is an update
-        for key in ("reward/mean", "rollout/model_tokens", "train/loss", "train/grad_norm", "train/entropy"):
+        for key in ("reward/mean", "rollout/model_tokens", "train/loss", "train/value_loss", "train/grad_norm",
+                    "train/entropy"):
             key = f"policy/{policy}/{key}"
             assert math.isclose(expected[key], resumed[key], rel_tol=1e-6, abs_tol=1e-9), (key, expected[key],
                                                                                           resumed[key])
@@ -307,3 +309,25 @@ async def test_envkit_eval_plays_the_cross_play_matrix_of_its_policies(tmp_path)
             mine = [t for t in written if t["outcome"]["pairing"] == i and t["seat"] == seat]
             assert len(mine) == 3 and {t["outcome"]["policy"] for t in mine} == {row["players"][seat]}
             assert row[seat]["reward"] == pytest.approx(sum(t["reward"] for t in mine) / 3)
+
+
+def test_two_policies_train_in_async_mode_and_checkpoint_every_seats_drawn_groups(tmp_path):
+    """trainer.mode=async with two policies: episodes for the next step play while one trains (at most
+    max_staleness=1 versions behind), both policies update every step, and a checkpoint holds the drawn-but-untrained
+    groups, each with every seat's trajectories, for a resume to lose none."""
+    from test_trainer import TINY, _metrics, _trainer, _why
+    from tiny import on_tiny_model
+
+    out = tmp_path / "async"
+    result = _trainer(*on_tiny_model(), "trainer.mode=async", "env.name=seat_envs:GradedPair",
+                      "++seats={first: {policy: a}, second: {policy: b}}", "trainer.steps=3", "trainer.save_every=1",
+                      "trainer.eval_tasks=0", "trainer.lr=1e-3", "generator.max_turns=2", "generator.max_tokens=8",
+                      *TINY[:2], f"trainer.output_dir={out}")
+    assert result.returncode == 0, _why(result)
+    steps = _metrics(out)
+    for policy in ("a", "b"):
+        assert all(steps[s][f"policy/{policy}/train/grad_norm"] > 0 for s in (1, 2, 3))
+        assert max(steps[s][f"policy/{policy}/rollout/staleness"] for s in (1, 2, 3)) <= 1
+    pending = json.loads((out / "policies" / "a" / "checkpoints" / "step-000003" / "state.json").read_text())["pending"]
+    done = [group["rollouts"] for group in pending if group["rollouts"]]
+    assert pending and all({t["seat"] for t in rollouts} == {"first", "second"} for rollouts in done)

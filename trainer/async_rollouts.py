@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -68,12 +68,26 @@ class _Group:
     rollouts: list[Trajectory] | None = None
 
 
-class AsyncRollouts:
-    """Draws, generates and hands out groups under the staleness bound (see the module docstring)."""
+GroupGenerator = Callable[[EnvStream, list[Start], Callable[[int, list[Trajectory]], None]], Awaitable[Any]]
+"""How a list of starts is generated: ``(stream, starts, on_group)``, ``on_group(i, rollouts)`` as the i-th's group
+completes."""
 
-    def __init__(self, envs: Mixture, generator: Generator, *, prompts_per_step: int, max_staleness: int) -> None:
+
+class AsyncRollouts:
+    """Draws, generates and hands out groups under the staleness bound (see the module docstring). A group is a
+    start's rollouts by ``generator``, or what ``generate`` makes of it (a multi-agent episode's every seat)."""
+
+    def __init__(self, envs: Mixture, generator: Generator | None, *, prompts_per_step: int, max_staleness: int,
+                 generate: GroupGenerator | None = None) -> None:
         self.envs = envs
-        self.generator = generator
+        if generate is None:
+            assert generator is not None
+
+            def generate(stream: EnvStream, starts: list[Start],
+                         on_group: Callable[[int, list[Trajectory]], None]) -> Awaitable[Any]:
+                return generate_starts(generator, stream, starts, on_group=on_group)
+
+        self.generate = generate
         self.per_step = prompts_per_step
         self.max_staleness = max_staleness
         self.version = 0
@@ -157,8 +171,8 @@ class AsyncRollouts:
             groups[i].rollouts = rollouts
             self._changed.set()
 
-        task = asyncio.create_task(generate_starts(self.generator, groups[0].stream, [g.start for g in groups],
-                                                   on_group=completed), name=f"rollouts-draw-{draw}")
+        task = asyncio.create_task(self.generate(groups[0].stream, [g.start for g in groups], completed),
+                                   name=f"rollouts-draw-{draw}")
         self._tasks.add(task)
         task.add_done_callback(self._finished)
 

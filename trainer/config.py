@@ -544,6 +544,7 @@ class SeatConfig:
     endpoint: str | None = None
     """An OpenAI-compatible endpoint's base URL (chat mode), serving ``endpoint_model``."""
     endpoint_model: str = "policy"
+    """The model name the endpoint serves."""
 
     def __post_init__(self) -> None:
         chosen = [k for k in ("policy", "checkpoint", "script", "endpoint") if getattr(self, k)]
@@ -625,11 +626,8 @@ class Config:
         refused = {
             "no seat names a policy to train: bind one with seats.SEAT.policy=NAME": not self.policies,
             "stages=[rl] only (no SFT stage for seats yet)": self.stages != ["rl"],
-            "trainer.mode=sync only (async rollouts for several policies are not built yet)":
-                self.trainer.mode != "sync",
             "placement.backend=local only (policies on Ray actors are not built yet)":
                 self.placement.backend != "local",
-            "a critic-free algorithm (PPO's value head is not supported with seats yet)": self.algorithm.critic,
             "trainer.backend=fsdp": self.trainer.backend != "fsdp",
             "one env (no env.mixture with seats)": bool(self.env.mixture),
             "no judge (judge.model): a multi-agent env's rewards are its own": self.judge.model is not None,

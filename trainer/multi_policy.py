@@ -8,10 +8,12 @@ among them trained together, each a model of its own. One step:
         update_policy(its backend, batch)                       trainer/loop.py's update, its own optimizer
     for each policy: its weights v(step+1) → its engine
 
-Each policy has its own backend (optimizer, scheduler), engine, weight sync and checkpoints
-(``OUT/policies/NAME/checkpoints``); the run's metrics carry one ``policy/NAME/...`` set per policy. Held-out
-evaluation plays the trained seats together, and each policy with every other trained seat's policy set back to the
-starting model (its frozen initial partner), so co-adaptation shows apart from what one policy learned alone.
+In ``trainer.mode=async`` the episodes come from :class:`~trainer.async_rollouts.AsyncRollouts`, as a single policy's
+rollouts do: the next steps' episodes play while this one trains, each start's trajectories (every seat's) one
+group under the staleness bound. Each policy has its own backend (optimizer, scheduler), engine, weight sync and
+checkpoints (``OUT/policies/NAME/checkpoints``); the run's metrics carry one ``policy/NAME/...`` set per policy.
+Held-out evaluation plays the trained seats together, and each policy in each of its seats with every other trained
+seat played by the starting model, so co-adaptation shows apart from what one policy learned alone.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,13 +32,14 @@ from urllib.parse import urlsplit
 import torch
 
 from envkit.imports import import_ref
-from envkit.multi_agent import Seat
-from generators import ChatTokenizer, Generator, Trajectory
+from envkit.multi_agent import MultiAgentEnv, Seat
+from generators import ChatTokenizer, Generator, GeneratorConfig, Trajectory
 from generators.engines.base import InferenceEngine
 from generators.engines.factory import make_engine
 from generators.models import resolve_model
 from generators.report import passed
 from generators.seats import Player, local_seats, play_starts, remote_seats
+from trainer.async_rollouts import AsyncRollouts, LoopThread
 from trainer.backends import make_backend
 from trainer.backends.base import TrainBackend
 from trainer.checkpoint import CheckpointManager, TrainState
@@ -44,6 +47,7 @@ from trainer.config import Config, ConfigError, InferenceConfig
 from trainer.loop import prepare_batch, update_policy
 from trainer.metrics import RunLogger, rollout_metrics
 from trainer.placement.base import Placement
+from trainer.rollout_source import snapshot_state
 from trainer.runs import sync_weights
 from trainer.sources import EnvStream, Mixture, Start
 
@@ -75,7 +79,7 @@ class PolicyRun:
         self.out = Path(cfg.trainer.output_dir)
         self.model_path = resolve_model(cfg.model.path)
         self.tokenizer = ChatTokenizer.from_pretrained(self.model_path)
-        self.runner = asyncio.Runner()
+        self.runner: asyncio.Runner | LoopThread = LoopThread() if cfg.trainer.mode == "async" else asyncio.Runner()
         placement = Placement(cfg)
         self.envs = Mixture(cfg.env, seed=cfg.trainer.seed, make_env=placement.make_env)
         self.policies: list[Policy] = []
@@ -94,9 +98,9 @@ class PolicyRun:
         if cfg.trainer.eval_tasks:  # the starting model, each trained policy's frozen opponent in evaluation
             self._fixed_player("initial", None, None, "", placement)
         self.logger: RunLogger | None = None
-        name = cfg.env.name
-        self.seating = (remote_seats(name, **cfg.env.kwargs) if urlsplit(name).scheme in ("http", "https", "ws", "wss")
-                        else local_seats(self.stream.make))
+        self.remote = urlsplit(cfg.env.name).scheme in ("http", "https", "ws", "wss")
+        """Whether the env is served (a session per seat on its server) rather than made here."""
+        self.seating = remote_seats(cfg.env.name, **cfg.env.kwargs) if self.remote else local_seats(self.stream.make)
 
     def _fixed_player(self, checkpoint: str | None, script: str | None, endpoint: str | None, endpoint_model: str,
                       placement: Placement) -> Player:
@@ -116,37 +120,49 @@ class PolicyRun:
     def stream(self) -> EnvStream:
         return self.envs.streams[0]
 
-    def players(self) -> dict[Seat, Player]:
-        """Every seat's player: the policy it is bound to, or its frozen, scripted or endpoint player."""
-        out: dict[Seat, Player] = dict(self.fixed)
-        for p in self.policies:
-            for seat in p.seats:
-                out[seat] = p.generator
-        return {seat: out[seat] for seat in self.cfg.seats}
+    def players(self, *, config: GeneratorConfig | None = None, initial: frozenset[Seat] = frozenset()
+                ) -> dict[Seat, Player]:
+        """Every seat's player: the policy it is bound to, or its frozen, scripted or endpoint player; the seats in
+        ``initial`` played by the starting model. With ``config`` the generators are new ones with those settings
+        (held-out evaluation: the ones generating for training, in async mode at the same time, keep theirs)."""
+        policy_of = {seat: p.generator for p in self.policies for seat in p.seats}
+        out: dict[Seat, Player] = {}
+        for seat in self.cfg.seats:
+            player = Generator(self.frozen["initial"], self.tokenizer, self.cfg.generator) if seat in initial \
+                else policy_of.get(seat) or self.fixed[seat]
+            if config is not None and isinstance(player, Generator):
+                player = Generator(player.engine, player.tokenizer, config)
+            out[seat] = player
+        return out
 
     def start(self) -> None:
-        """The env's task lists, then every engine at once."""
+        """The env's seats checked against the binding, its task lists, then every engine at once."""
+        if not self.remote:  # a server checks its sessions' seats itself
+            probe = self.stream.make(here=True)
+            self.runner.run(probe.close())
+            if not isinstance(probe, MultiAgentEnv) or set(probe.seats) != set(self.cfg.seats):
+                has = f"has seats {list(probe.seats)}" if isinstance(probe, MultiAgentEnv) else "has no seats"
+                raise ConfigError(f"env {self.cfg.env.name!r} {has}; seats binds {sorted(self.cfg.seats)}: bind "
+                                  "each of its seats to a player")
         self.runner.run(self.envs.open(pool_size=0))
         engines = [p.engine for p in self.policies] + list(self.frozen.values())
         self.runner.run(_gather(*(e.start() for e in engines)))
 
-    def episodes(self, starts: list[Start], *, samples: int, players: Mapping[Seat, Player] | None = None,
-                 temperature: float | None = None) -> list[dict[Seat, Trajectory]]:
+    async def play(self, starts: list[Start], *, samples: int, players: Mapping[Seat, Player] | None = None
+                   ) -> list[dict[Seat, Trajectory]]:
         """``samples`` episodes of each start with ``players`` (the run's own by default)."""
         g = self.cfg.generator
-        saved = {}
-        if temperature is not None:  # held-out sampling settings, set on every generator for the evaluation
-            for p in self.policies:
-                saved[p.name] = p.generator.config
-                p.generator.config = g.generator_config(temperature=temperature, seed=None, branch_at=0)
-        try:
-            return self.runner.run(play_starts(self.seating, players or self.players(), starts, samples=samples,
-                                               concurrency=g.concurrency, env_name=self.stream.label,
-                                               timeout_s=g.timeout_s))
-        finally:
-            for p in self.policies:
-                if p.name in saved:
-                    p.generator.config = saved[p.name]
+        return await play_starts(self.seating, players or self.players(), starts, samples=samples,
+                                 concurrency=g.concurrency, env_name=self.stream.label, timeout_s=g.timeout_s)
+
+    async def play_groups(self, stream: EnvStream, starts: list[Start],
+                          on_group: Callable[[int, list[Trajectory]], None]) -> None:
+        """Async mode's generation: each start's episodes, every seat's trajectories of them one group."""
+        async def one(i: int, start: Start) -> None:
+            episodes = await self.play([start], samples=self.cfg.generator.samples_per_prompt)
+            on_group(i, [t for episode in episodes for t in episode.values()])
+
+        await asyncio.gather(*(one(i, start) for i, start in enumerate(starts)))
 
     def serve(self, policy: Policy, version: int) -> None:
         """Have ``policy``'s engine serve its backend's weights as ``version``."""
@@ -160,30 +176,22 @@ class PolicyRun:
         starts = [self.stream.eval[i] for i in range(min(t.eval_tasks, len(self.stream.eval)))]
         if not starts:
             return {}
-        episodes = self.episodes(starts, samples=t.eval_samples, temperature=t.eval_temperature)
+        config = self.cfg.generator.generator_config(temperature=t.eval_temperature, seed=None, branch_at=0)
+        episodes = self.runner.run(self.play(starts, samples=t.eval_samples, players=self.players(config=config)))
         results = _outcomes(episodes, "")
-        shown = [traj for e in episodes for traj in e.values()]
         if state.step:
-            initial = Generator(self.frozen["initial"], self.tokenizer, self.cfg.generator.generator_config(
-                temperature=t.eval_temperature, seed=None, branch_at=0))
+            trained = frozenset(seat for p in self.policies for seat in p.seats)
             for p in self.policies:
                 for seat in p.seats:
-                    players = {s: initial if s != seat and player in self.trained else player
-                               for s, player in self.players().items()}
-                    crossed = self.episodes(starts, samples=t.eval_samples, temperature=t.eval_temperature,
-                                            players=players)
+                    players = self.players(config=config, initial=trained - {seat})
+                    crossed = self.runner.run(self.play(starts, samples=t.eval_samples, players=players))
                     mine = [e[seat] for e in crossed if seat in e]
                     results[f"vs_initial/{p.name}@{seat}/accuracy"] = sum(map(passed, mine)) / max(len(mine), 1)
                     results[f"vs_initial/{p.name}@{seat}/reward"] = (
                         sum(traj.reward for traj in mine if not traj.failed) / max(len(mine), 1))
         assert self.logger is not None
-        self.logger.log_eval(state.step, "accuracy", results, shown)
+        self.logger.log_eval(state.step, "accuracy", results, [traj for e in episodes for traj in e.values()])
         return results
-
-    @property
-    def trained(self) -> list[Generator]:
-        """The generators of the policies being trained."""
-        return [p.generator for p in self.policies]
 
     def resume(self) -> TrainState:
         """A fresh state, or every policy's checkpoint of one step (``trainer.resume``: latest or a step dir name)."""
@@ -218,6 +226,7 @@ def train_policies(cfg: Config) -> dict[str, Any]:
     """Train the policies ``cfg.seats`` names for ``trainer.steps`` steps; returns held-out results before and after
     (per seat, and of each policy with its frozen initial partners) and each policy's final weights."""
     run = PolicyRun(cfg)
+    ahead: AsyncRollouts | None = None
     try:
         run.start()
         state = run.resume()
@@ -225,24 +234,32 @@ def train_policies(cfg: Config) -> dict[str, Any]:
         results: dict[str, Any] = {}
         if state.step == 0 and cfg.trainer.eval_tasks:
             results.update({f"{k}_before": v for k, v in run.evaluate(state).items()})
+        if cfg.trainer.mode == "async":
+            ahead = AsyncRollouts(run.envs, None, prompts_per_step=cfg.generator.prompts_per_step,
+                                  max_staleness=cfg.trainer.max_staleness, generate=run.play_groups)
+            run.runner.run(ahead.start(step=state.step, version=state.policy_version, pending=state.pending))
         while state.step < cfg.trainer.steps:
             t0 = time.perf_counter()
-            starts = [s for _, drawn in run.envs.draw(cfg.generator.prompts_per_step) for s in drawn]
-            episodes = run.episodes(starts, samples=cfg.generator.samples_per_prompt)
+            if ahead is not None:
+                everything, stale = run.runner.run(ahead.batch(state.step))
+            else:
+                starts = [s for _, drawn in run.envs.draw(cfg.generator.prompts_per_step) for s in drawn]
+                episodes = run.runner.run(run.play(starts, samples=cfg.generator.samples_per_prompt))
+                everything, stale = [t for episode in episodes for t in episode.values()], 0
             t1 = time.perf_counter()
-            metrics: dict[str, float] = {"time/generate_s": t1 - t0}
-            everything: list[Trajectory] = []
+            metrics: dict[str, float] = {"time/generate_s": t1 - t0, "rollout/stale_dropped": float(stale)}
             for p in run.policies:
-                trajs = [episode[seat] for episode in episodes for seat in p.seats if seat in episode]
+                trajs = [t for t in everything if t.seat in p.seats]
                 batch = prepare_batch(trajs, cfg)
                 trained = update_policy(p.backend, batch, cfg, run.tokenizer.pad_id)
                 for key, value in {**rollout_metrics(trajs, batch, state.policy_version), **trained}.items():
                     metrics[f"policy/{p.name}/{key}"] = value
-                everything += trajs
             t2 = time.perf_counter()
             state.step = state.policy_version = state.step + 1
             for p in run.policies:
                 run.serve(p, state.policy_version)
+            if ahead is not None:
+                run.runner.run(ahead.set_version(state.policy_version))
             ok = [t for t in everything if not t.failed]
             metrics.update({
                 "reward/mean": sum(t.reward for t in ok) / max(len(ok), 1),
@@ -251,12 +268,16 @@ def train_policies(cfg: Config) -> dict[str, Any]:
                 "time/step_s": time.perf_counter() - t0})
             run.logger.log_step(state.step, metrics, everything)
             if state.step % cfg.trainer.save_every == 0 or state.step == cfg.trainer.steps:
-                state.data = run.envs.state()
+                state.data, state.pending = (run.runner.run(snapshot_state(run.envs, ahead)) if ahead is not None
+                                             else (run.envs.state(), []))
                 for p in run.policies:
                     p.checkpoints.save(p.backend, state)
             every = cfg.trainer.eval_every
             if every and state.step % every == 0 and state.step < cfg.trainer.steps:
                 run.evaluate(state)
+        if ahead is not None:  # what it drew for steps past the last is not evaluated or trained
+            run.runner.run(ahead.close())
+            ahead = None
         if cfg.trainer.eval_tasks:
             results.update({f"{k}_after": v for k, v in run.evaluate(state).items()})
         for p in run.policies:
@@ -266,6 +287,8 @@ def train_policies(cfg: Config) -> dict[str, Any]:
             results[f"weights/{p.name}"] = str(weights if state.policy_version else run.model_path)
         return {**results, **run.logger.finish(results)}
     finally:
+        if ahead is not None:
+            run.runner.run(ahead.close())
         run.close()
 
 

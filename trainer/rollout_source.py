@@ -147,7 +147,7 @@ class AsyncSource(SyncSource):
 
     def snapshot(self, state: TrainState) -> None:
         # a consistent cut: nothing runs on the loop meanwhile
-        state.data, state.pending = self.loop.run(_snapshot(self.main.envs, self.rollouts))
+        state.data, state.pending = self.loop.run(snapshot_state(self.main.envs, self.rollouts))
 
     def close(self) -> None:
         if self.started:
@@ -161,6 +161,7 @@ def rollout_source(run: Run) -> RolloutSource:
     return AsyncSource(run) if run.cfg.trainer.mode == "async" else SyncSource(run)
 
 
-async def _snapshot(envs: Mixture, rollouts: AsyncRollouts) -> tuple[dict[str, dict[str, int]], list[dict[str, Any]]]:
+async def snapshot_state(envs: Mixture, rollouts: AsyncRollouts
+                         ) -> tuple[dict[str, dict[str, int]], list[dict[str, Any]]]:
     """The data positions and the drawn-but-untrained groups, taken in one go on the event loop."""
     return envs.state(), rollouts.pending()

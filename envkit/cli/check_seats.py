@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import importlib.util
 import json
-import math
 import socket
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -29,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import envkit
-from envkit.cli.check import Outcome, Row, Start, _guarded, as_json, describe
+from envkit.cli.check import Checker, Outcome, Row, Start, _guarded, as_json, describe
 from envkit.core import Env, Task
 from envkit.errors import EpisodeDoneError, SnapshotError
 from envkit.multi_agent import MultiAgentEnv, Seat, Turn
@@ -114,16 +113,11 @@ async def play_views(views: dict[Seat, Env], start: Start) -> dict[Seat, list[An
     return shown
 
 
-class SeatChecks:
-    """The checks of one multi-agent env, made as ``envkit.make(name, **kwargs)``."""
+class SeatChecks(Checker):
+    """The checks of one multi-agent env, made as ``envkit.make(name, **kwargs)``; the reward range is checked as
+    a single-agent env's is."""
 
-    def __init__(self, name: str, kwargs: dict[str, Any] | None = None, *, seeds: int = 3, max_steps: int = 8,
-                 serve: bool = True) -> None:
-        self.name, self.kwargs = name, dict(kwargs or {})
-        self.seeds, self.max_steps, self.serve = seeds, max_steps, serve
-        self.rewards: list[float] = []
-
-    def make(self) -> MultiAgentEnv:
+    def make(self) -> MultiAgentEnv:  # type: ignore[override]
         env = envkit.make(self.name, **self.kwargs)
         assert isinstance(env, MultiAgentEnv)
         return env
@@ -268,15 +262,6 @@ class SeatChecks:
             if turn.done:
                 break
         return rest
-
-    def _in_range(self) -> Outcome:
-        low, high = self.reward_range
-        if not self.rewards:
-            return "skip", "no reward given"
-        seen = f"rewards seen {min(self.rewards):g} .. {max(self.rewards):g}"
-        if any(not low <= r <= high for r in self.rewards):
-            return "fail", f"{seen}, outside the declared reward_range [{low:g}, {high:g}]"
-        return "pass", seen + ("" if math.isinf(low) and math.isinf(high) else f", within [{low:g}, {high:g}]")
 
 
 def _first_tasks(env: MultiAgentEnv) -> list[Task]:
