@@ -227,6 +227,29 @@ MUTATIONS = [
         "tests/test_deepspeed.py::test_one_rank_export_and_state_round_trip[2-fp32]",
         "an optimizer step with a NaN gradient is applied: the policy turns NaN and reaches the inference engine",
         needs="DeepSpeed"),
+    Mutation(
+        "seat-shown-every-view",
+        "envkit/table.py::Table._apply",
+        "            self._inbox[seat].extend(messages)",
+        "            for every in self._inbox.values():\n                every.extend(messages)",
+        "tests/test_seats.py::test_a_served_multi_agent_env_plays_the_same_episodes_and_shows_each_seat_its_own_view[ws]",
+        "every seat of a multi-agent episode is shown every seat's messages: the listener reads the speaker's "
+        "hidden target"),
+    Mutation(
+        "seat-trains-on-its-partners-words",
+        "generators/episodes/base.py::Rollout.append",
+        "self.traj.loss_mask.extend([1 if logprobs is not None else 0] * len(ids))",
+        "self.traj.loss_mask.extend([1] * len(ids))",
+        "tests/test_seats.py::test_each_seat_trains_on_its_own_tokens_and_sees_the_others_as_data",
+        "a seat's trajectory trains on what its partner wrote (and the env's words) as if the seat had sampled it",
+        needs="vLLM"),
+    Mutation(
+        "policies-share-one-model",
+        "trainer/multi_policy.py::PolicyRun.__init__",
+        "make_backend(cfg, self.model_path),",
+        "self.policies[0].backend if self.policies else make_backend(cfg, self.model_path),",
+        "tests/test_seats.py::test_two_policies_train_in_one_run_each_its_own_and_resume_exactly",
+        "the policies of a multi-agent run are one model trained on every seat's rollouts: two policies in name only"),
 ]
 
 
