@@ -166,6 +166,8 @@ bench: install model docker-up  ## run the benchmarks (installs the peers they c
 	$(PY) benchmarks/sft_vs_trl.py
 	$(PY) benchmarks/sandbox_latency.py
 	$(PY) benchmarks/ray_overhead.py
+	$(PY) benchmarks/two_policies.py
+	$(PY) benchmarks/two_policies.py --serving
 
 # PLACEMENT=ray runs the same job as Ray actors (a one-machine cluster started for the run; see docs/training/multi-node.md).
 PLACEMENT ?= local
