@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import pkgutil
+import re
 from pathlib import Path
 
 import pytest
@@ -37,10 +38,24 @@ def test_every_shipped_config_composes(option: str) -> None:
 
 
 def test_the_agent_recipe_composes_sft_then_rl_on_compute() -> None:
-    assert sorted(path.stem for path in (CONF / "recipe").glob("*.yaml")) == ["tool_agent"]
+    assert sorted(path.stem for path in (CONF / "recipe").glob("*.yaml")) == ["duel", "referential", "tool_agent"]
     cfg = trainer.compose(["+recipe=tool_agent", "trainer.steps=3"])
     assert cfg.stages == ["sft", "rl"] and cfg.env.name == "compute" and cfg.sft.data == "demos"
     assert cfg.trainer.steps == 3  # the user's overrides still win over the recipe's
+
+
+def test_the_seat_recipes_bind_their_seats_and_a_run_with_seats_refuses_what_it_cannot_do() -> None:
+    referential = trainer.compose(["+recipe=referential"])
+    assert referential.env.name == "referential" and referential.policies == ["speaker", "listener"]
+    duel = trainer.compose(["+recipe=duel"])
+    assert duel.policies == ["player"] and sorted(duel.seats) == ["first", "second"]  # self-play: one policy
+    frozen = trainer.compose(["+recipe=referential", "seats.listener={policy: null, checkpoint: initial}"])
+    assert frozen.policies == ["speaker"] and frozen.seats["listener"].checkpoint == "initial"
+    for override, refused in (("placement.backend=ray", "placement.backend=local only"),
+                              ("trainer.backend=deepspeed", "trainer.backend=fsdp"),
+                              ("seats.listener={policy: null, checkpoint: initial, script: x:y}", "exactly one of")):
+        with pytest.raises(ConfigError, match=re.escape(refused)):
+            trainer.compose(["+recipe=referential", override])
 
 
 # compute's opening warms its code sandboxes (code_sandbox=auto): Docker containers where an engine answers

@@ -61,9 +61,10 @@ def test_the_checker_holds_an_env_and_its_players_to_the_contract():
 
 @pytest.mark.parametrize(("env", "fails"), [("seat_envs:GradedPair", []), ("seat_envs:LeakyPair", ["private views"])])
 def test_envkit_check_rows_for_seats_catch_an_env_that_leaks_one_seats_secret(env, fails):
-    from envkit.cli.check import check, failed
+    from envkit.cli.check import failed
+    from envkit.cli.check_seats import check_seats
 
-    rows = {r.check: r for r in check(env, serve=False)}
+    rows = {r.check: r for r in check_seats(env, serve=False)}
     assert [r.check for r in failed(rows.values())] == fails, rows
     assert "turns alternating" in rows["seats"].detail and rows["snapshot"].status == "pass"
     if fails:
@@ -292,9 +293,8 @@ async def test_envkit_eval_plays_the_cross_play_matrix_of_its_policies(tmp_path)
     from tiny import tiny_model_dir
 
     from generators.engines.factory import EngineConfig
-    from generators.eval import EvalConfig
+    from generators.eval import EvalConfig, run_seat_eval
     from generators.rollout import GeneratorConfig
-    from generators.seat_eval import run_seat_eval
 
     config = EvalConfig("referential", num_tasks=3, out=tmp_path, engine=EngineConfig("hf"),
                         rollout=GeneratorConfig(max_tokens=4, max_turns=1))

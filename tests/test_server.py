@@ -230,6 +230,10 @@ def test_every_error_code_has_its_status_and_a_structured_body(server: Server, h
             ws_call(ws, op="create")
             ws_call(ws, op="reset", seed=4)
             assert ws_call(ws, op="step", action={"role": "assistant", "content": "w4"})["reward"] == 1.0
+    with envkit_serve("referential") as seated:  # a multi-agent env: a session per seat, joined by its table
+        first = httpx.post(seated.url + "/sessions", json={"seat": "speaker"}).json()
+        expect("seat_taken", httpx.post(seated.url + "/sessions", json={"seat": "speaker", "table": first["table"]}))
+        expect("table_not_found", httpx.post(seated.url + "/sessions", json={"seat": "listener", "table": "none"}))
     # Only a bug in the server itself answers internal_error; every other code must have been exercised here.
     assert set(seen) == set(ERROR_STATUS) - {"internal_error"}
 

@@ -38,7 +38,6 @@ from envkit.agents.agent import AgentEnv
 from envkit.core import Env, Task
 from envkit.distribution import install_hint
 from envkit.errors import SnapshotError
-from envkit.multi_agent import MultiAgentEnv
 
 CHECKS = ("contract", "same start", "close twice", "isolated sessions", "ws round trip", "snapshot",
           "disjoint splits", "reward range", "speed")
@@ -400,18 +399,8 @@ def _short(value: Any, limit: int = 160) -> str:
 
 def check(name: str, kwargs: dict[str, Any] | None = None, **options: Any) -> list[Row]:
     """Run every check on ``envkit.make(name, **kwargs)`` (``options``: seeds, max_steps, serve); a multi-agent env's
-    are envkit/cli/check_seats.py's."""
-    return asyncio.run(_checks(name, kwargs, options))
-
-
-async def _checks(name: str, kwargs: dict[str, Any] | None, options: dict[str, Any]) -> list[Row]:
-    probe = envkit.make(name, **(kwargs or {}))
-    await probe.close()
-    if isinstance(probe, MultiAgentEnv):
-        from envkit.cli.check_seats import SeatChecks
-
-        return await SeatChecks(name, kwargs, **options).run()
-    return await Checker(name, kwargs, **options).run()
+    are :func:`envkit.cli.check_seats.check_seats`."""
+    return asyncio.run(Checker(name, kwargs, **options).run())
 
 
 def failed(rows: Iterable[Row]) -> list[Row]:

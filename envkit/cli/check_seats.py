@@ -264,6 +264,19 @@ class SeatChecks(Checker):
         return rest
 
 
+def has_seats(name: str, kwargs: dict[str, Any] | None = None) -> bool:
+    """Whether ``envkit.make(name, **kwargs)`` is a multi-agent env (whose checks are these)."""
+    env = envkit.make(name, **(kwargs or {}))
+    asyncio.run(env.close())
+    return isinstance(env, MultiAgentEnv)
+
+
+def check_seats(name: str, kwargs: dict[str, Any] | None = None, **options: Any) -> list[Row]:
+    """Run every check of a multi-agent env, ``envkit.make(name, **kwargs)`` (``options``: seeds, max_steps,
+    serve)."""
+    return asyncio.run(SeatChecks(name, kwargs, **options).run())
+
+
 def _first_tasks(env: MultiAgentEnv) -> list[Task]:
     try:
         listed = env.tasks("train")

@@ -131,9 +131,11 @@ def _cmd_info(args: argparse.Namespace, console: Console) -> int:
 
 def _cmd_check(args: argparse.Namespace, console: Console) -> int:
     from envkit.cli.check import check, failed
+    from envkit.cli.check_seats import check_seats, has_seats
 
-    rows = check(args.name, _json_kwargs(args.kwargs), seeds=args.seeds, max_steps=args.max_steps,
-                 serve=not args.no_serve)
+    kwargs = _json_kwargs(args.kwargs)
+    checks = check_seats if has_seats(args.name, kwargs) else check  # a multi-agent env has rows of its own
+    rows = checks(args.name, kwargs, seeds=args.seeds, max_steps=args.max_steps, serve=not args.no_serve)
     if args.json:
         print(json.dumps([vars(r) for r in rows], indent=2))
     else:
