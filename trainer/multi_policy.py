@@ -19,7 +19,6 @@ seat played by the starting model, so co-adaptation shows apart from what one po
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import random
 import time
@@ -50,9 +49,6 @@ from trainer.placement.base import Placement
 from trainer.rollout_source import snapshot_state
 from trainer.runs import sync_weights
 from trainer.sources import EnvStream, Mixture, Start
-
-log = logging.getLogger(__name__)
-
 
 @dataclass
 class Policy:
