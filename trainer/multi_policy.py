@@ -50,6 +50,7 @@ from trainer.rollout_source import snapshot_state
 from trainer.runs import sync_weights
 from trainer.sources import EnvStream, Mixture, Start
 
+
 @dataclass
 class Policy:
     """One policy of the run: what trains it, what serves it, where it is checkpointed, and the seats it plays."""
