@@ -39,7 +39,15 @@ from generators.engines.base import EngineError, publish_judge, publish_policy, 
 from generators.engines.factory import EngineConfig, make_engine, make_judge
 from generators.models import BUNDLED
 from generators.parsers import REASONING_PARSER_CHOICES, TOOL_PARSER_CHOICES
-from generators.report import EvalSummary, describe_rubric, describe_tools, passed, summarize, write_html_report
+from generators.report import (
+    EvalSummary,
+    describe_rubric,
+    describe_tools,
+    passed,
+    seat_results,
+    summarize,
+    write_html_report,
+)
 from generators.rollout import GeneratorConfig
 from generators.signals import exit_status, handled_signals
 from generators.tool_prompt import TOOL_PROMPT_CHOICES
@@ -223,10 +231,7 @@ async def run_seat_eval(config: EvalConfig, policies: dict[str, str], *, console
                 trajs = [e[seat] for e in episodes if seat in e]
                 for t in trajs:
                     t.outcome = {**t.outcome, "policy": row["players"][seat], "pairing": len(rows)}
-                n = max(len(trajs), 1)
-                row[seat] = {"accuracy": sum(passed(t, config.pass_threshold) for t in trajs) / n,
-                             "reward": sum(t.reward for t in trajs if not t.failed) / n,
-                             "failed": sum(t.failed for t in trajs)}
+                row[seat] = seat_results(trajs, config.pass_threshold)
                 everything += trajs
             rows.append(row)
             say("  " + ", ".join(f"{s}={p}" for s, p in row["players"].items()) + ": "

@@ -31,6 +31,15 @@ def passed(trajectory: Trajectory, pass_threshold: float = 1.0) -> bool:
     return not trajectory.failed and trajectory.reward >= pass_threshold
 
 
+def seat_results(trajectories: list[Trajectory], pass_threshold: float = 1.0) -> dict[str, float]:
+    """One seat's rollouts: the share that ``passed`` (``accuracy``), the mean reward of the finished ones over all
+    (``reward``), and how many ``failed``."""
+    n = max(len(trajectories), 1)
+    return {"accuracy": sum(passed(t, pass_threshold) for t in trajectories) / n,
+            "reward": sum(t.reward for t in trajectories if not t.failed) / n,
+            "failed": sum(t.failed for t in trajectories)}
+
+
 @dataclass(frozen=True)
 class EvalSummary:
     """Aggregate results of one evaluation run.

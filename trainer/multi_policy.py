@@ -36,7 +36,7 @@ from generators import ChatTokenizer, Generator, GeneratorConfig, Trajectory
 from generators.engines.base import InferenceEngine
 from generators.engines.factory import make_engine
 from generators.models import resolve_model
-from generators.report import passed
+from generators.report import passed, seat_results
 from generators.seats import Player, local_seats, play_starts, remote_seats
 from trainer.async_rollouts import AsyncRollouts, LoopThread
 from trainer.backends import make_backend
@@ -93,7 +93,7 @@ class PolicyRun:
                                                                      s.endpoint_model, placement)
                                           for seat, s in cfg.seats.items() if not s.policy}
         if cfg.trainer.eval_tasks:  # the starting model, each trained policy's frozen opponent in evaluation
-            self._fixed_player("initial", None, None, "", placement)
+            self._frozen_engine("initial", placement)
         self.logger: RunLogger | None = None
         self.remote = urlsplit(cfg.env.name).scheme in ("http", "https", "ws", "wss")
         """Whether the env is served (a session per seat on its server) rather than made here."""
@@ -108,10 +108,14 @@ class PolicyRun:
             engine = make_engine(InferenceConfig(engine="openai", url=endpoint), endpoint_model)
             return Generator(engine, None, self.cfg.generator)
         assert checkpoint is not None
-        path = self.model_path if checkpoint == "initial" else resolve_model(checkpoint)
+        return Generator(self._frozen_engine(checkpoint, placement), self.tokenizer, self.cfg.generator)
+
+    def _frozen_engine(self, checkpoint: str, placement: Placement) -> InferenceEngine:
+        """The engine serving ``checkpoint`` (a dir, or ``initial``: the starting model), one per checkpoint."""
         if checkpoint not in self.frozen:
+            path = self.model_path if checkpoint == "initial" else resolve_model(checkpoint)
             self.frozen[checkpoint] = placement.engine(path, self.out / "frozen" / Path(checkpoint).name)
-        return Generator(self.frozen[checkpoint], self.tokenizer, self.cfg.generator)
+        return self.frozen[checkpoint]
 
     @property
     def stream(self) -> EnvStream:
@@ -182,10 +186,8 @@ class PolicyRun:
                 for seat in p.seats:
                     players = self.players(config=config, initial=trained - {seat})
                     crossed = self.runner.run(self.play(starts, samples=t.eval_samples, players=players))
-                    mine = [e[seat] for e in crossed if seat in e]
-                    results[f"vs_initial/{p.name}@{seat}/accuracy"] = sum(map(passed, mine)) / max(len(mine), 1)
-                    results[f"vs_initial/{p.name}@{seat}/reward"] = (
-                        sum(traj.reward for traj in mine if not traj.failed) / max(len(mine), 1))
+                    mine = seat_results([e[seat] for e in crossed if seat in e])
+                    results.update({f"vs_initial/{p.name}@{seat}/{key}": mine[key] for key in ("accuracy", "reward")})
         assert self.logger is not None
         self.logger.log_eval(state.step, "accuracy", results, [traj for e in episodes for traj in e.values()])
         return results
@@ -295,10 +297,8 @@ def _outcomes(episodes: list[dict[Seat, Trajectory]], prefix: str) -> dict[str, 
     out: dict[str, float] = {}
     seats = sorted({seat for episode in episodes for seat in episode})
     for seat in seats:
-        trajs = [e[seat] for e in episodes if seat in e]
-        n = max(len(trajs), 1)
-        out[f"{prefix}{seat}/accuracy"] = sum(passed(t) for t in trajs) / n
-        out[f"{prefix}{seat}/reward"] = sum(t.reward for t in trajs if not t.failed) / n
+        results = seat_results([e[seat] for e in episodes if seat in e])
+        out.update({f"{prefix}{seat}/{key}": results[key] for key in ("accuracy", "reward")})
     n = max(len(episodes), 1)
     out[f"{prefix}accuracy"] = sum(bool(e) and all(passed(t) for t in e.values()) for e in episodes) / n
     out[f"{prefix}reward"] = sum(out[f"{prefix}{seat}/reward"] for seat in seats) / max(len(seats), 1)
