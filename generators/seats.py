@@ -6,7 +6,8 @@ trajectory per seat.
     trajs = await play_episode(seats, players, ...)   every seat plays its own view at once
 
 A player is a :class:`~generators.rollout.Generator` (a policy: one being trained, a frozen checkpoint, any
-OpenAI-compatible endpoint) or a :data:`Script`. A generator plays its seat's view as any chat episode
+OpenAI-compatible endpoint), an :class:`AgentPlayer` (an agent that owns its loop, calling a generator's policy
+through its capture gateway) or a :data:`Script`. A generator plays its seat's view as any chat episode
 (generators/episodes/chat.py): the tokens it sampled have loss_mask 1, everything the env showed that seat (other
 seats' moves among it, rendered as data) mask 0. So no trajectory holds another seat's tokens as its own, by
 construction, and each seat's trajectory belongs to its own group (``GROUP/SEAT``): advantages compare a seat's
@@ -20,9 +21,11 @@ import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from envkit import Env, Message, StepResult, Task, Wrapper
+from envkit import Env, Message, StepResult, Task, Wrapper, assistant
+from envkit.agents.agent import Agent, AgentClient, AgentEnv
 from envkit.errors import EpisodeDoneError
 from envkit.multi_agent import MultiAgentEnv, Seat
 from envkit.table import EpisodeAborted, Table
@@ -34,7 +37,21 @@ log = logging.getLogger(__name__)
 Script = Callable[[list[Message]], Message | str | Awaitable[Message | str]]
 """A scripted player: the seat's chat so far -> its next assistant message (or its text)."""
 
-Player = Generator | Script
+
+
+@dataclass(frozen=True)
+class AgentPlayer:
+    """A seat played by an agent that owns its loop: an :data:`~envkit.agents.agent.Agent` (an async callable, or a
+    :class:`~envkit.agents.agent.Command` process, isolated as every agent process is), its model calls served by
+    ``policy``'s capture gateway. It is run at each of its seat's turns with the seat's chat so far as its task's
+    ``messages`` (and the seat's ``tools``); what it returns is the seat's move. The tokens its calls sampled are
+    its seat's trajectory (mask 1), as in any agent env's episode; the seat's rewards are its reward."""
+
+    agent: Agent
+    policy: Generator
+
+
+Player = Generator | AgentPlayer | Script
 
 Seating = Callable[[Sequence[Seat]], Awaitable[dict[Seat, Env]]]
 """Where one episode is played: the seats' names -> each seat's view of a fresh episode, as an env."""
@@ -98,6 +115,43 @@ class _Outcome(Wrapper):
         return result
 
 
+class AgentTurns(AgentEnv):
+    """A seat's view played by an :class:`AgentPlayer`'s agent, one run of it per turn (see there)."""
+
+    def __init__(self, view: Env, agent: Agent) -> None:
+        super().__init__(agent=agent, agent_fields=("messages", "tools"))
+        self.view = view
+        self.chat: list[Message] = []
+
+    async def init(self) -> None:
+        await self.view.init()
+
+    async def reset(self, *, seed: int | None = None, task: Task | None = None) -> tuple[list[Message], dict]:
+        messages, info = await self.view.reset(seed=seed, task=task)
+        self.chat = list(messages)
+        return messages, info
+
+    async def run(self, client: AgentClient) -> float:
+        """Play the seat's turns until the episode ends; the seat's total reward."""
+        total = 0.0
+        while True:
+            tools = self.view.tools
+            self.task = {"messages": list(self.chat), **({"tools": tools} if tools else {})}
+            reply = await super().run(client)
+            action: Message = reply if isinstance(reply, dict) else assistant(str(reply))
+            result = await self.view.step(action)
+            total += result.reward
+            self.chat += [action, *result.observation]
+            if result.done:
+                return total
+
+    async def grade(self, result: Any) -> float:
+        return float(result)
+
+    async def close(self) -> None:
+        await self.view.close()
+
+
 async def play_script(script: Script, view: Env, *, timeout_s: float, seed: int | None = None,
                       task: Task | None = None) -> None:
     """Play ``view`` with ``script`` until the episode ends (a scripted seat yields no trajectory)."""
@@ -132,14 +186,16 @@ async def play_episode(seating: Seating, players: Mapping[Seat, Player], *, task
         return {seat: Trajectory(group_id=f"{group_id}/{seat}", sample_index=sample_index, seed=seed,
                                  env_name=env_name, task_id=(task or {}).get("id"), stop_reason="error",
                                  error=f"{type(e).__name__}: {e}", seat=seat)
-                for seat in seats if isinstance(players[seat], Generator)}
+                for seat in seats if isinstance(players[seat], Generator | AgentPlayer)}
 
     async def play(seat: Seat) -> Trajectory | None:
-        player = players[seat]
+        player, view = players[seat], envs[seat]
+        if isinstance(player, AgentPlayer):
+            player, view = player.policy, AgentTurns(view, player.agent)
         if not isinstance(player, Generator):
-            await play_script(player, envs[seat], timeout_s=timeout_s, seed=seed, task=task)
+            await play_script(player, view, timeout_s=timeout_s, seed=seed, task=task)
             return None
-        traj = await player.rollout(lambda: envs[seat], task=task, seed=seed, group_id=f"{group_id}/{seat}",
+        traj = await player.rollout(lambda: view, task=task, seed=seed, group_id=f"{group_id}/{seat}",
                                     sample_index=sample_index, env_name=env_name)
         traj.seat = seat
         return traj

@@ -4,7 +4,10 @@ instead tries a TCP connection to each address and a DNS lookup, and prints what
 a policy-driven process gone bad and prints what it got, as JSON: the keys of other episodes it finds in /proc, what
 its endpoint answers to a peer's key (by header and by path), and what each of the task's ``targets`` answers.
 ``scout FILE HOST:PORT...`` asks the question once and prints, as JSON, its answer with what an agent on a cluster's
-node may reach for: its uid, each address (a TCP connection), the file (read) and other episodes' keys in /proc."""
+node may reach for: its uid, each address (a TCP connection), the file (read) and other episodes' keys in /proc.
+``seat`` plays one turn of a multi-agent env's seat (the task's ``messages``: its chat so far) with one call, and
+prints, as JSON, its ``move`` and what it found of other seats' secrets: the tasks of other agent processes, read
+from their environment in /proc, for up to ``SECONDS``."""
 
 from __future__ import annotations
 
@@ -58,8 +61,8 @@ def status(url: str, key: str = "", body: dict | None = None) -> int | str:
         return f"unreachable: {e}"
 
 
-def peers_keys(own: str) -> list[str]:
-    """The OPENAI_API_KEY of every process whose environment this one may read, but its own."""
+def peers(variable: str, own: str) -> list[str]:
+    """``variable`` in the environment of every process whose environment this one may read, but its own value."""
     found = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -67,14 +70,23 @@ def peers_keys(own: str) -> list[str]:
                 variables = f.read().split(b"\0")
         except OSError:
             continue
-        found |= {v.split(b"=", 1)[1].decode() for v in variables if v.startswith(b"OPENAI_API_KEY=")}
+        found |= {v.split(b"=", 1)[1].decode() for v in variables if v.startswith(variable.encode() + b"=")}
     return sorted(found - {own})
+
+
+def seat(task: dict, seconds: float) -> dict:
+    move = chat(task["messages"])
+    deadline, found = time.monotonic() + seconds, []
+    while not found and time.monotonic() < deadline:  # the other seat's process may start a moment later
+        found = peers("ENVKIT_TASK", os.environ.get("ENVKIT_TASK", ""))
+        time.sleep(0.05)
+    return {"move": move, "found": found, "uid": os.getuid()}
 
 
 def hostile(task: dict) -> dict:
     own, base = os.environ["OPENAI_API_KEY"], os.environ["OPENAI_BASE_URL"]
     root = base.removesuffix("/v1")
-    found = peers_keys(own)
+    found = peers("OPENAI_API_KEY", own)
     peer = task["peer_key"]
     return {"env": sorted(os.environ), "task": task, "found_keys": found,
             "peer_key": {"header": status(f"{base}/models", peer), "path": status(f"{root}/e/{peer}/v1/models")},
@@ -90,7 +102,7 @@ def read(path: str) -> None:
 def scout(task: dict, path: str, addresses: list[str]) -> dict:
     answer = chat([{"role": "user", "content": task["question"]}])
     return {"answer": answer, "uid": os.getuid(), "reached": probe(addresses), "read": attempt(read, path),
-            "found_keys": peers_keys(os.environ["OPENAI_API_KEY"])}
+            "found_keys": peers("OPENAI_API_KEY", os.environ["OPENAI_API_KEY"])}
 
 
 def main() -> None:
@@ -103,6 +115,9 @@ def main() -> None:
         return
     if sys.argv[1:2] == ["scout"]:
         print(json.dumps(scout(task, sys.argv[2], sys.argv[3:])))
+        return
+    if sys.argv[1:2] == ["seat"]:
+        print(json.dumps(seat(task, float(sys.argv[2]))))
         return
     if sys.argv[1:2] == ["hold"]:
         chat([{"role": "user", "content": task["question"]}])

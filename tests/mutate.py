@@ -250,6 +250,13 @@ MUTATIONS = [
         "self.policies[0].backend if self.policies else make_backend(cfg, self.model_path),",
         "tests/test_seats.py::test_two_policies_train_in_one_run_each_its_own_and_resume_exactly",
         "the policies of a multi-agent run are one model trained on every seat's rollouts: two policies in name only"),
+    Mutation(
+        "seat-agent-ignored",
+        "trainer/multi_policy.py::PolicyRun.players",
+        "AgentPlayer(self.agents[seat], player) if seat in self.agents else player",
+        "player",
+        "tests/test_seats.py::test_two_policies_train_in_async_mode_and_checkpoint_every_seats_drawn_groups",
+        "a seat bound to an agent that owns its loop is played by its policy directly: the agent never runs"),
 ]
 
 

@@ -2,7 +2,9 @@
 
 ``GradedPair``: two seats take turns twice each, every seat told a secret of its own that the other must never see;
 its per-seat reward varies with any reply (so a tiny model's groups are never flat and every step updates both
-policies). ``Simultaneous``: both seats move at once each round, each seeing the other's last move.
+policies). ``Simultaneous``: both seats move at once each round, each seeing the other's last move;
+``SecretDuet``, the same with a secret told to each seat. ``one_call`` is an agent that owns its loop, at its
+simplest.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import random
 
 from envkit import Message, Task, system, user
+from envkit.agents.agent import AgentClient
 from envkit.multi_agent import MultiAgentEnv, Seat, Turn
 
 
@@ -79,6 +82,30 @@ class Simultaneous(MultiAgentEnv):
                     to_act=() if done else self.seats, terminated=done,
                     rewards={seat: float(words[seat] > words[other])
                              for seat, other in (("east", "west"), ("west", "east"))})
+
+
+class SecretDuet(Simultaneous):
+    """Simultaneous, each seat told a secret of its own first: two agent processes hold theirs at the same time."""
+
+    async def reset(self, *, seed: int | None = None, task: Task | None = None) -> Turn:
+        self.seed = seed
+        turn = await super().reset(seed=seed, task=task)
+        for seat in self.seats:
+            turn.observations[seat].insert(0, system(f"Keep this to yourself: {secret(seat, seed)}."))
+        return turn
+
+    def secrets(self, seat: Seat) -> list[str]:
+        return [secret(seat, self.seed)]
+
+
+async def one_call(task: Task, client: AgentClient) -> str:
+    """An agent for a seat: one call per turn with the seat's chat so far, through the openai SDK; its move is the
+    reply signed ``[one_call]``."""
+    from openai import AsyncOpenAI
+
+    async with AsyncOpenAI(base_url=client.base_url, api_key=client.api_key, max_retries=0) as llm:
+        reply = await llm.chat.completions.create(model=client.model, messages=task["messages"])
+    return f"{reply.choices[0].message.content or ''} [one_call]"
 
 
 class LeakyPair(GradedPair):

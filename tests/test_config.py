@@ -53,7 +53,8 @@ def test_the_seat_recipes_bind_their_seats_and_a_run_with_seats_refuses_what_it_
     assert frozen.policies == ["speaker"] and frozen.seats["listener"].checkpoint == "initial"
     for override, refused in (("placement.backend=ray", "placement.backend=local only"),
                               ("trainer.backend=deepspeed", "trainer.backend=fsdp"),
-                              ("seats.listener={policy: null, checkpoint: initial, script: x:y}", "exactly one of")):
+                              ("seats.listener={policy: null, checkpoint: initial, script: x:y}", "exactly one of"),
+                              ("seats.listener={policy: null, script: x:y, agent: a:b}", "not a script")):
         with pytest.raises(ConfigError, match=re.escape(refused)):
             trainer.compose(["+recipe=referential", override])
 

@@ -12,14 +12,14 @@ from pathlib import Path
 import httpx
 import pytest
 from remote_envs import Server, envkit_serve, error_code
-from seat_envs import GradedPair, Simultaneous, secret
+from seat_envs import GradedPair, SecretDuet, Simultaneous, secret
 
 import envkit
 from envkit.errors import InvalidActionError, InvalidStepResultError, ResetNeededError
 from envkit.multi_agent import MultiAgentEnv, SeatsChecker, Turn
 from envkit.sync import SyncMultiAgentEnv
 from envkit.table import EpisodeAborted, Table
-from generators.seats import local_seats, play_episode, play_starts, remote_seats
+from generators.seats import AgentPlayer, local_seats, play_episode, play_starts, remote_seats
 
 
 def speaker(chat: list[envkit.Message]) -> str:
@@ -287,6 +287,53 @@ async def test_textarena_two_player_games_become_seats_and_a_seat_without_a_turn
     await engine.stop()
 
 
+@pytest.mark.parametrize("isolate", [True, False], ids=["isolated", "control: unisolated"])
+async def test_seats_played_by_agent_processes_train_on_their_gateway_calls_and_cannot_read_each_other(isolate):
+    """Both seats of SecretDuet played by agent processes (Command, one run per turn) calling the tiny model (HF
+    engine) through the capture gateway: each seat's trajectory is its own calls' sampled tokens, never the other
+    seat's secret. Both processes hold their seat's chat (its secret in it) at once, and each hunts /proc for the
+    other's: isolated, neither finds it; unisolated (the control), each does."""
+    from tiny import tiny_model_dir
+
+    from envkit.agents.agent import Command
+    from envkit.agents.untrusted import python
+    from generators import ChatTokenizer, Generator, GeneratorConfig
+    from generators.engines.hf import HFEngine
+
+    engine = HFEngine(tiny_model_dir())
+    await engine.start()
+    tokenizer = ChatTokenizer.from_pretrained(tiny_model_dir())
+    gen = Generator(engine, tokenizer, GeneratorConfig(max_tokens=6, max_turns=4))
+    runs: dict[str, list[dict]] = {"east": [], "west": []}
+
+    async def agent(task, client):
+        seen = json.loads(await Command([python(), str(Path(__file__).with_name("docker_agent.py")), "seat", "3"],
+                                        timeout_s=120, isolate=isolate)(task, client))
+        runs["east" if secret("east", 4) in json.dumps(task) else "west"].append(seen)
+        return seen["move"]
+
+    players = {"east": AgentPlayer(agent, gen), "west": AgentPlayer(agent, gen)}
+    episode = await play_episode(local_seats(SecretDuet), players, seed=4, group_id="g")
+    await engine.stop()
+    for seat, other in (("east", "west"), ("west", "east")):
+        traj = episode[seat]
+        assert not traj.failed, traj.error
+        assert traj.seat == seat and traj.group_id == f"g/{seat}" and traj.num_turns == 2  # one call per turn
+        mine, theirs = ([len(r["move"].split()) for r in runs[s]] for s in (seat, other))
+        assert len(mine) == 2 and traj.reward == sum(m > o for m, o in zip(mine, theirs, strict=True))
+        sequences = traj.sequences()
+        trained = tokenizer.tokenizer.decode([t for s in sequences for t, m in zip(s.response_ids, s.loss_mask,
+                                                                                   strict=True) if m])
+        assert trained.replace("<|im_end|>", "") == "".join(r["move"] for r in runs[seat])
+        seen = tokenizer.tokenizer.decode([t for s in sequences for t in s.prompt_ids + s.response_ids])
+        assert secret(seat, 4) in seen and secret(other, 4) not in seen
+    found = "".join(f for seat in runs for r in runs[seat] for f in r["found"])
+    if isolate:
+        assert found == ""
+    else:
+        assert secret("east", 4) in found and secret("west", 4) in found
+
+
 async def test_envkit_eval_plays_the_cross_play_matrix_of_its_policies(tmp_path):
     """Two policies (the tiny model twice, on the HF engine) in the referential game's two seats: all four
     assignments are played on the same tasks, and each row's per-seat results come from the trajectories written."""
@@ -312,15 +359,17 @@ async def test_envkit_eval_plays_the_cross_play_matrix_of_its_policies(tmp_path)
 
 
 def test_two_policies_train_in_async_mode_and_checkpoint_every_seats_drawn_groups(tmp_path):
-    """trainer.mode=async with two policies: episodes for the next step play while one trains (at most
-    max_staleness=1 versions behind), both policies update every step, and a checkpoint holds the drawn-but-untrained
-    groups, each with every seat's trajectories, for a resume to lose none."""
+    """trainer.mode=async with two policies, policy b's seat played by an agent that owns its loop (calling b
+    through the capture gateway): episodes for the next step play while one trains (at most max_staleness=1
+    versions behind), both policies update every step (b on its agent's recorded calls), and a checkpoint holds the
+    drawn-but-untrained groups, each with every seat's trajectories, for a resume to lose none."""
     from test_trainer import TINY, _metrics, _trainer, _why
     from tiny import on_tiny_model
 
     out = tmp_path / "async"
     result = _trainer(*on_tiny_model(), "trainer.mode=async", "env.name=seat_envs:GradedPair",
-                      "++seats={first: {policy: a}, second: {policy: b}}", "trainer.steps=3", "trainer.save_every=1",
+                      "++seats={first: {policy: a}, second: {policy: b, agent: 'seat_envs:one_call'}}",
+                      "trainer.steps=3", "trainer.save_every=1",
                       "trainer.eval_tasks=0", "trainer.lr=1e-3", "generator.max_turns=2", "generator.max_tokens=8",
                       *TINY[:2], f"trainer.output_dir={out}")
     assert result.returncode == 0, _why(result)
@@ -328,6 +377,11 @@ def test_two_policies_train_in_async_mode_and_checkpoint_every_seats_drawn_group
     for policy in ("a", "b"):
         assert all(steps[s][f"policy/{policy}/train/grad_norm"] > 0 for s in (1, 2, 3))
         assert max(steps[s][f"policy/{policy}/rollout/staleness"] for s in (1, 2, 3)) <= 1
+    assert all(steps[s]["policy/b/rollout/turns"] == 2 for s in (1, 2, 3))  # its agent's two calls
+    last = [json.loads(line) for line in (out / "final_trajectories.jsonl").read_text().splitlines()]
+    heard = [m["content"] for t in last if t["seat"] == "first" for m in t["messages"]
+             if "partner said" in m["content"]]
+    assert heard and all(h.endswith("[one_call]") for h in heard)  # the agent's moves, as the env took them
     pending = json.loads((out / "policies" / "a" / "checkpoints" / "step-000003" / "state.json").read_text())["pending"]
     done = [group["rollouts"] for group in pending if group["rollouts"]]
     assert pending and all({t["seat"] for t in rollouts} == {"first", "second"} for rollouts in done)

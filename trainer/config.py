@@ -532,7 +532,7 @@ class PlacementConfig:
 @dataclass
 class SeatConfig:
     """Who plays one seat of a multi-agent env: exactly one of ``policy``, ``checkpoint``, ``script`` or
-    ``endpoint``."""
+    ``endpoint``; with ``agent``, an agent that owns its loop plays it, calling the seat's policy or checkpoint."""
 
     policy: str | None = None
     """A policy this run trains, by name: each name is a model of its own (its optimizer, checkpoints, engine and
@@ -545,12 +545,21 @@ class SeatConfig:
     """An OpenAI-compatible endpoint's base URL (chat mode), serving ``endpoint_model``."""
     endpoint_model: str = "policy"
     """The model name the endpoint serves."""
+    agent: str | None = None
+    """``module:attr`` naming an agent that owns its loop (an :data:`~envkit.agents.agent.Agent`: a callable, or a
+    :class:`~envkit.agents.agent.Command`, run isolated): it plays the seat, run at each of its turns
+    (:class:`generators.seats.AgentPlayer`), its model calls served by the seat's ``policy`` or ``checkpoint``
+    through the capture gateway, whose recorded tokens a policy trains on."""
 
     def __post_init__(self) -> None:
         chosen = [k for k in ("policy", "checkpoint", "script", "endpoint") if getattr(self, k)]
         if len(chosen) != 1:
             raise ConfigError(f"a seat is played by exactly one of policy, checkpoint, script or endpoint; got "
                               f"{chosen or 'none'}")
+        if self.agent and (self.script or self.endpoint):
+            raise ConfigError(f"seat agent={self.agent!r} calls its seat's model through the capture gateway, which "
+                              "records token ids: bind the seat to a policy or a checkpoint, not a "
+                              f"{chosen[0]}")
 
 
 @dataclass

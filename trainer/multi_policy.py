@@ -37,7 +37,7 @@ from generators.engines.base import InferenceEngine
 from generators.engines.factory import make_engine
 from generators.models import resolve_model
 from generators.report import passed, seat_results
-from generators.seats import Player, local_seats, play_starts, remote_seats
+from generators.seats import AgentPlayer, Player, local_seats, play_starts, remote_seats
 from trainer.async_rollouts import AsyncRollouts, LoopThread
 from trainer.backends import make_backend
 from trainer.backends.base import TrainBackend
@@ -92,6 +92,8 @@ class PolicyRun:
         self.fixed: dict[Seat, Player] = {seat: self._fixed_player(s.checkpoint, s.script, s.endpoint,
                                                                      s.endpoint_model, placement)
                                           for seat, s in cfg.seats.items() if not s.policy}
+        self.agents = {seat: import_ref(s.agent) for seat, s in cfg.seats.items() if s.agent}
+        """The agents that play seats, each calling its seat's policy or checkpoint through the capture gateway."""
         if cfg.trainer.eval_tasks:  # the starting model, each trained policy's frozen opponent in evaluation
             self._frozen_engine("initial", placement)
         self.logger: RunLogger | None = None
@@ -124,8 +126,9 @@ class PolicyRun:
     def players(self, *, config: GeneratorConfig | None = None, initial: frozenset[Seat] = frozenset()
                 ) -> dict[Seat, Player]:
         """Every seat's player: the policy it is bound to, or its frozen, scripted or endpoint player; the seats in
-        ``initial`` played by the starting model. With ``config`` the generators are new ones with those settings
-        (held-out evaluation: the ones generating for training, in async mode at the same time, keep theirs)."""
+        ``initial`` played by the starting model; an agent's seat played by its agent calling that player. With
+        ``config`` the generators are new ones with those settings (held-out evaluation: the ones generating for
+        training, in async mode at the same time, keep theirs)."""
         policy_of = {seat: p.generator for p in self.policies for seat in p.seats}
         out: dict[Seat, Player] = {}
         for seat in self.cfg.seats:
@@ -133,7 +136,7 @@ class PolicyRun:
                 else policy_of.get(seat) or self.fixed[seat]
             if config is not None and isinstance(player, Generator):
                 player = Generator(player.engine, player.tokenizer, config)
-            out[seat] = player
+            out[seat] = AgentPlayer(self.agents[seat], player) if seat in self.agents else player
         return out
 
     def start(self) -> None:
