@@ -257,6 +257,20 @@ MUTATIONS = [
         "player",
         "tests/test_seats.py::test_two_policies_train_in_async_mode_and_checkpoint_every_seats_drawn_groups",
         "a seat bound to an agent that owns its loop is played by its policy directly: the agent never runs"),
+    Mutation(
+        "lora-adapter-not-reloaded",
+        "trainer/multi_policy.py::PolicyRun.serve",
+        "        self.runner.run(policy.engine.load_weights(path, version))\n"
+        "        for old in (policy.out / \"adapters\").glob(\"v*\"):\n"
+        "            if old != path:\n"
+        "                shutil.rmtree(old, ignore_errors=True)",
+        "        if version == 0:\n"
+        "            self.runner.run(policy.engine.load_weights(path, version))\n"
+        "        policy.engine._version = version",
+        "tests/test_seats.py::test_two_policies_as_lora_adapters_of_one_vllm_server_each_serve_what_trained",
+        "a policy served as a LoRA adapter is tagged with each new version but the server keeps its first adapter: "
+        "every rollout after step 1 comes from the untrained policy",
+        needs="vLLM"),
 ]
 
 

@@ -54,9 +54,19 @@ def test_the_seat_recipes_bind_their_seats_and_a_run_with_seats_refuses_what_it_
     for override, refused in (("placement.backend=ray", "placement.backend=local only"),
                               ("trainer.backend=deepspeed", "trainer.backend=fsdp"),
                               ("seats.listener={policy: null, checkpoint: initial, script: x:y}", "exactly one of"),
-                              ("seats.listener={policy: null, script: x:y, agent: a:b}", "not a script")):
+                              ("seats.listener={policy: null, script: x:y, agent: a:b}", "not a script"),
+                              ("model.lora.serve=adapters", "needs model.lora.r > 0")):
         with pytest.raises(ConfigError, match=re.escape(refused)):
             trainer.compose(["+recipe=referential", override])
+    # two policies with LoRA on vLLM: adapters of one server unless told otherwise; one policy, or HF: merged
+    assert trainer.compose(["+recipe=referential", "model.lora.r=8"]).lora_adapters
+    assert not trainer.compose(["+recipe=referential", "model.lora.r=8", "model.lora.serve=merged"]).lora_adapters
+    assert not trainer.compose(["+recipe=duel", "model.lora.r=8"]).lora_adapters
+    assert trainer.compose(["+recipe=duel", "model.lora.r=8", "model.lora.serve=adapters"]).lora_adapters
+    for overrides, refused in ((["+recipe=referential", "inference.engine=hf"], "inference.engine=vllm"),
+                               ([], "a run with seats")):
+        with pytest.raises(ConfigError, match=re.escape(refused)):
+            trainer.compose([*overrides, "model.lora.r=8", "model.lora.serve=adapters"])
 
 
 # compute's opening warms its code sandboxes (code_sandbox=auto): Docker containers where an engine answers

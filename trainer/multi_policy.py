@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import shutil
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from envkit.multi_agent import MultiAgentEnv, Seat
 from generators import ChatTokenizer, Generator, GeneratorConfig, Trajectory
 from generators.engines.base import InferenceEngine
 from generators.engines.factory import make_engine
+from generators.engines.vllm import VLLMEngine, lora_rank_limit
 from generators.models import resolve_model
 from generators.report import passed, seat_results
 from generators.seats import AgentPlayer, Player, local_seats, play_starts, remote_seats
@@ -79,10 +81,17 @@ class PolicyRun:
         self.runner: asyncio.Runner | LoopThread = LoopThread() if cfg.trainer.mode == "async" else asyncio.Runner()
         placement = Placement(cfg)
         self.envs = Mixture(cfg.env, seed=cfg.trainer.seed, make_env=placement.make_env)
+        self.server: VLLMEngine | None = None
+        """With ``model.lora.serve`` adapters: the one vLLM server, of the base model and each policy's adapter."""
+        if cfg.lora_adapters:
+            server = placement.engine(self.model_path, self.out / "server", max_loras=len(cfg.policies),
+                                      max_lora_rank=lora_rank_limit(cfg.model.lora.r))
+            assert isinstance(server, VLLMEngine)
+            self.server = server
         self.policies: list[Policy] = []
         for name in cfg.policies:
             out = self.out / "policies" / name
-            engine = placement.engine(self.model_path, out)
+            engine = self.server.adapter(name) if self.server else placement.engine(self.model_path, out)
             self.policies.append(Policy(
                 name, [seat for seat, s in cfg.seats.items() if s.policy == name], make_backend(cfg, self.model_path),
                 engine, Generator(engine, self.tokenizer, cfg.generator), out,
@@ -116,7 +125,8 @@ class PolicyRun:
         """The engine serving ``checkpoint`` (a dir, or ``initial``: the starting model), one per checkpoint."""
         if checkpoint not in self.frozen:
             path = self.model_path if checkpoint == "initial" else resolve_model(checkpoint)
-            self.frozen[checkpoint] = placement.engine(path, self.out / "frozen" / Path(checkpoint).name)
+            self.frozen[checkpoint] = self.server if self.server and checkpoint == "initial" else \
+                placement.engine(path, self.out / "frozen" / Path(checkpoint).name)
         return self.frozen[checkpoint]
 
     @property
@@ -169,8 +179,17 @@ class PolicyRun:
         await asyncio.gather(*(one(i, start) for i, start in enumerate(starts)))
 
     def serve(self, policy: Policy, version: int) -> None:
-        """Have ``policy``'s engine serve its backend's weights as ``version``."""
-        sync_weights(policy.backend, policy.engine, self.runner, policy.out, version, self.cfg.weight_sync.mode)
+        """Have ``policy``'s engine serve its backend's weights as ``version``: as an adapter (only the newest is
+        kept on disk), or merged, from memory or disk (``weight_sync``)."""
+        if self.server is None:
+            sync_weights(policy.backend, policy.engine, self.runner, policy.out, version, self.cfg.weight_sync.mode)
+            return
+        path = policy.out / "adapters" / f"v{version}"
+        policy.backend.export_adapter(path)
+        self.runner.run(policy.engine.load_weights(path, version))
+        for old in (policy.out / "adapters").glob("v*"):
+            if old != path:
+                shutil.rmtree(old, ignore_errors=True)
 
     def evaluate(self, state: TrainState) -> dict[str, float]:
         """Held-out results per seat of the run's own pairing, and, once trained, of each policy in each of its seats
@@ -199,6 +218,9 @@ class PolicyRun:
         """A fresh state, or every policy's checkpoint of one step (``trainer.resume``: latest or a step dir name)."""
         resume = self.cfg.trainer.resume
         if not resume:
+            if self.server is not None:  # a server has no adapter until one is loaded: the untrained one, the base's
+                for p in self.policies:
+                    self.serve(p, 0)
             return TrainState()
         states = []
         for p in self.policies:

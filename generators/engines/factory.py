@@ -51,10 +51,14 @@ class EngineConfig:
 
 
 def make_engine(config: EngineConfig, model: str | Path, *, log_dir: Path | None = None,
-                weight_sync: WeightSyncConfig | None = None) -> InferenceEngine:
+                weight_sync: WeightSyncConfig | None = None, max_loras: int = 0, max_lora_rank: int = 0
+                ) -> InferenceEngine:
     """The engine ``config`` names, serving ``model`` (a checkpoint dir; for openai, the served model's name);
     managed servers log to ``log_dir/<engine>.log``. ``weight_sync``: how a training run sends it new weights
-    (checked against the engine)."""
+    (checked against the engine). ``max_loras`` > 0: a vLLM server that also serves that many LoRA adapters of rank
+    up to ``max_lora_rank`` (:meth:`~generators.engines.vllm.VLLMEngine.adapter`)."""
+    if max_loras and config.engine != "vllm":
+        raise ValueError(f"LoRA adapters are served by engine=vllm, not {config.engine}")
     weight_sync = weight_sync or WeightSyncConfig()
     weight_sync.check_engine(config.engine)
     log_path = log_dir / f"{config.engine}.log" if log_dir is not None else None
@@ -80,7 +84,7 @@ def make_engine(config: EngineConfig, model: str | Path, *, log_dir: Path | None
     if config.server_seed is not None:
         options = replace(options, extra_args=("--seed", str(config.server_seed)))
     return VLLMEngine(model, options, kv_cache_gib=config.kv_cache_gib, weight_sync=weight_sync,
-                      cpu_cores=config.cpu_cores)
+                      cpu_cores=config.cpu_cores, max_loras=max_loras, max_lora_rank=max_lora_rank)
 
 
 def make_judge(config: EngineConfig, model: str, *, policy: str | Path, log_dir: Path | None = None

@@ -100,6 +100,7 @@ class ServerBackedEngine(InferenceEngine):
         self._model_path = ""
         self._started = False
         self._restart_lock = asyncio.Lock()
+        self._start_lock = asyncio.Lock()
         self._weights_lock = asyncio.Lock()
         log_path = options.log_path or cache_dir() / "logs" / f"{server_name}-{self.model_name}-{os.getpid()}.log"
         self.server: ManagedServer | AttachedServer = (
@@ -137,17 +138,18 @@ class ServerBackedEngine(InferenceEngine):
         return self._version
 
     async def start(self) -> None:
-        if self._started:
-            return
-        self._model_path = await asyncio.to_thread(resolve_model, self.model)
-        await self.server.start()
-        self._connect()
-        try:
-            await self._on_started()
-        except BaseException:
-            await self.stop()
-            raise
-        self._started = True
+        async with self._start_lock:  # engines sharing this server may start it at once
+            if self._started:
+                return
+            self._model_path = await asyncio.to_thread(resolve_model, self.model)
+            await self.server.start()
+            self._connect()
+            try:
+                await self._on_started()
+            except BaseException:
+                await self.stop()
+                raise
+            self._started = True
 
     async def stop(self) -> None:
         self._started = False

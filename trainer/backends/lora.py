@@ -7,16 +7,21 @@ wrapped model like any other and hands only the trainable parameters to the opti
 memory (no gradients, no Adam moments for the base weights), and checkpoints hold only those parameters (the base
 comes from ``model.path``).
 
-Engines never see the adapters: :func:`merged_state_dict` turns the wrapped model's full state dict into the base
-model's names with ``B A`` merged into each adapted weight, so weight sync (from memory or disk), ``weights/vN`` and
-exported checkpoints are ordinary HF models that load without ``peft``.
+An engine serves the adapters merged (``model.lora.serve=merged``): :func:`merged_state_dict` turns the wrapped
+model's full state dict into the base model's names with ``B A`` merged into each adapted weight, so weight sync
+(from memory or disk), ``weights/vN`` and exported checkpoints are ordinary HF models that load without ``peft``.
+Or it serves them as adapters beside the base model (vLLM's LoRA support, several policies on one server):
+:func:`write_adapter` saves them as ``peft`` does, a few MB that the server loads in place of the last.
 """
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors.torch import save_file
 from transformers import PreTrainedModel
 
 from trainer.backends.base import BackendConfig
@@ -89,3 +94,19 @@ def merged_state_dict(state: dict[str, torch.Tensor], scalings: dict[str, tuple[
 
 def _base_name(key: str) -> str:
     return key.removeprefix(_WRAPPER)
+
+
+def write_adapter(state: dict[str, torch.Tensor], model: PeftModel, path: Path) -> None:
+    """The adapters in a wrapped model's ``state`` (its trainable parameters), saved at ``path`` as ``peft``'s
+    ``save_pretrained`` saves them (adapter_config.json, adapter_model.safetensors); the directory appears
+    atomically."""
+    tensors = {k.replace(f".{ADAPTER}.", "."): v.contiguous() for k, v in state.items() if ".lora_" in k}
+    if not tensors:
+        raise ValueError("the state holds no LoRA adapter tensors")
+    partial = path.with_name(path.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    save_file(tensors, partial / "adapter_model.safetensors", metadata={"format": "pt"})
+    model.peft_config[ADAPTER].save_pretrained(str(partial))
+    shutil.rmtree(path, ignore_errors=True)
+    partial.rename(path)

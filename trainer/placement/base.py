@@ -22,10 +22,11 @@ class Placement:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
 
-    def engine(self, model_path: str | Path, out: Path) -> InferenceEngine:
-        """The engine rank 0 generates with (not started)."""
+    def engine(self, model_path: str | Path, out: Path, *, max_loras: int = 0, max_lora_rank: int = 0
+               ) -> InferenceEngine:
+        """The engine rank 0 generates with (not started); with ``max_loras``, a vLLM server of LoRA adapters too."""
         return make_engine(self.inference(beside_trainer=self.cfg.trainer.mode == "async"), model_path, log_dir=out,
-                           weight_sync=self.cfg.weight_sync)
+                           weight_sync=self.cfg.weight_sync, max_loras=max_loras, max_lora_rank=max_lora_rank)
 
     def inference(self, *, beside_trainer: bool) -> InferenceConfig:
         """The engines' config. ``beside_trainer``: a trainer computes while they generate, so ``cpu_cores=auto``

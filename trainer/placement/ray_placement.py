@@ -39,7 +39,10 @@ class RayPlacement(Placement):
         self.workers = EnvWorkerPool(p.env_workers, p.env_worker_resources,
                                      sandbox_pool_size=share) if p.env_workers else None
 
-    def engine(self, model_path: str | Path, out: Path) -> InferenceEngine:
+    def engine(self, model_path: str | Path, out: Path, *, max_loras: int = 0, max_lora_rank: int = 0
+               ) -> InferenceEngine:
+        if max_loras:
+            raise ValueError("LoRA adapters are served by placement.backend=local's engine only")
         p = self.cfg.placement
         self.group = ready_group(p.replica_resources, p.inference_replicas, "inference replicas")
         # replicas share the nodes with each other and the trainer ranks
