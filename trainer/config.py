@@ -153,8 +153,10 @@ class LoraConfig:
     """How the engine serves them. ``merged``: into the base weights, a model per engine. ``adapters`` (a run with
     seats, on vLLM): one server serves the base model and each policy as a LoRA adapter, its few MB loaded in place
     after every step; the starting model that evaluation plays against is the base model on that server. ``auto``:
-    adapters for a run of several policies on vLLM (two policies' step generated in 0.65x the time and 0.51x the
-    memory of two servers: benchmarks/two_policies.py), merged otherwise (one policy generates fastest merged)."""
+    adapters for a run of several policies on vLLM's GPU build, where two servers would split one GPU's memory;
+    merged otherwise. On the CPU build vLLM's LoRA kernels cost more time than two servers' contention: as
+    adapters, two policies' referential step took 1.21x as long as merged, in 0.65x the memory
+    (benchmarks/two_policies.py --lora)."""
 
     @property
     def enabled(self) -> bool:
@@ -602,9 +604,12 @@ class Config:
     def lora_adapters(self) -> bool:
         """Whether one vLLM server serves the policies as LoRA adapters beside the base model (``model.lora.serve``)."""
         lora = self.model.lora
-        return lora.enabled and (lora.serve == "adapters" or (
-            lora.serve == "auto" and len(self.policies) > 1 and self.inference.engine == "vllm"
-            and self.weight_sync.mode != "memory"))
+        if not lora.enabled or lora.serve != "auto":
+            return lora.enabled and lora.serve == "adapters"
+        from generators.engines.vllm import is_cpu_build  # the openai SDK with it: half a second, for LoRA runs only
+
+        return (len(self.policies) > 1 and self.inference.engine == "vllm" and self.weight_sync.mode != "memory"
+                and not is_cpu_build())
 
     @property
     def mini_batch_size(self) -> int:

@@ -11,7 +11,9 @@ among them trained together, each a model of its own. One step:
 In ``trainer.mode=async`` the episodes come from :class:`~trainer.async_rollouts.AsyncRollouts`, as a single policy's
 rollouts do: the next steps' episodes play while this one trains, each start's trajectories (every seat's) one
 group under the staleness bound. Each policy has its own backend (optimizer, scheduler), engine, weight sync and
-checkpoints (``OUT/policies/NAME/checkpoints``); the run's metrics carry one ``policy/NAME/...`` set per policy.
+checkpoints (``OUT/policies/NAME/checkpoints``); the run's metrics carry one ``policy/NAME/...`` set per policy. An
+engine is a vLLM server of the policy's own, or with LoRA (``model.lora.serve``) the policy's adapter on the run's
+one server, which also serves the base model: its weight sync writes the adapter and has the server load it.
 Held-out evaluation plays the trained seats together, and each policy in each of its seats with every other trained
 seat played by the starting model, so co-adaptation shows apart from what one policy learned alone.
 """

