@@ -277,17 +277,18 @@ def test_two_policies_as_lora_adapters_of_one_vllm_server_each_serve_what_traine
     """model.lora.serve=adapters with two policies: one vLLM server (the run's own, the tiny model) serves the base
     model and each policy as a LoRA adapter, reloaded in place after every step. What each adapter serves is what
     its policy trained: the rollouts' logprobs stay within bf16 noise of the trainer's at every step, where an adapter
-    left as it was after step 0 drifts 0.84-1.66 nats away by step 2-3 (measured with the reload skipped)."""
+    left as it was after step 0 drifts 0.84-1.66 nats away by step 2-3 (measured with the reload skipped). A resumed
+    run serves each policy's adapters from its checkpoint."""
     from test_trainer import TINY, _metrics, _trainer, _why
     from tiny import tiny_model_dir
 
     out = tmp_path / "adapters"
-    result = _trainer(f"model.path={tiny_model_dir()}", "model.lora.r=8", "model.lora.serve=adapters",
-                      "env.name=seat_envs:GradedPair",
-                      "++seats={first: {policy: a}, second: {policy: b}}", "trainer.steps=3", "trainer.save_every=3",
-                      "trainer.eval_tasks=2", "trainer.eval_samples=1", "trainer.lr=1e-2", "trainer.warmup_steps=0",
-                      "generator.max_turns=2", "generator.max_tokens=8", "inference.kv_cache_gib=1", *TINY[:2],
-                      f"trainer.output_dir={out}")
+    common = [f"model.path={tiny_model_dir()}", "model.lora.r=8", "model.lora.serve=adapters",
+              "env.name=seat_envs:GradedPair", "++seats={first: {policy: a}, second: {policy: b}}",
+              "trainer.save_every=3", "trainer.eval_samples=1", "trainer.lr=1e-2", "trainer.warmup_steps=0",
+              "generator.max_turns=2", "generator.max_tokens=8", "inference.kv_cache_gib=1", *TINY[:2],
+              f"trainer.output_dir={out}"]
+    result = _trainer(*common, "trainer.steps=3", "trainer.eval_tasks=2")
     assert result.returncode == 0, _why(result)
     assert [p.relative_to(out) for p in out.rglob("vllm.log")] == [Path("server/vllm.log")]  # one server
     steps = _metrics(out)
@@ -302,6 +303,14 @@ def test_two_policies_as_lora_adapters_of_one_vllm_server_each_serve_what_traine
     summary = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert {"eval/vs_initial/a@first/reward", "eval/vs_initial/b@second/reward"} <= set(summary)  # the base model
     # on the same server played the other seat
+
+    # resumed for a fourth step, a fresh server gets each policy's adapters as its checkpoint left them
+    result = _trainer(*common, "trainer.steps=4", "trainer.resume=latest", "trainer.eval_tasks=0")
+    assert result.returncode == 0, _why(result)
+    step = _metrics(out)[4]
+    for policy in ("a", "b"):
+        assert step[f"policy/{policy}/train/grad_norm"] > 0 and step[f"policy/{policy}/rollout/staleness"] == 0
+        assert step[f"policy/{policy}/mismatch/mean_abs_diff"] < 0.3
 
 
 async def test_textarena_two_player_games_become_seats_and_a_seat_without_a_turn_trains_nothing():
