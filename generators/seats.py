@@ -38,7 +38,6 @@ Script = Callable[[list[Message]], Message | str | Awaitable[Message | str]]
 """A scripted player: the seat's chat so far -> its next assistant message (or its text)."""
 
 
-
 @dataclass(frozen=True)
 class AgentPlayer:
     """A seat played by an agent that owns its loop: an :data:`~envkit.agents.agent.Agent` (an async callable, or a
