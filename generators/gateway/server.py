@@ -99,6 +99,14 @@ class Segment:
         self.written[len(self.messages)] = choice.text
         self.messages = [*self.messages, choice.message]
 
+    def continued_by(self, messages: list[Message], tools: ToolSchemas | None) -> Choice | None:
+        """The pending choice that ``messages`` (a call's chat, tool prompt applied) send back, followed by new
+        messages: the call continues this segment with it. None where the call does not."""
+        at = len(self.messages)
+        if self.tools != tools or len(messages) <= at + 1 or not _same_chat(messages[:at], self.messages):
+            return None
+        return next((c for c in self.pending if _same(messages[at], c.message)), None)
+
     def branch(self, choice: Choice) -> Segment:
         """A copy of this segment (before its pending choices) continued by ``choice``."""
         copy = Segment(list(self.messages), self.template_tools, self.tools, list(self.prompt_ids),
@@ -327,17 +335,19 @@ class Gateway:
                                      for _ in choice.message.get("tool_call_errors") or []]
             return list(choices), len(segment.ids)
 
+    def continues(self, episode: Episode, request: ChatRequest) -> bool:
+        """Whether ``request`` continues one of ``episode``'s segments (sends a reply back with new messages)."""
+        messages, _ = self.tool_prompt.apply(request.chat(), request.tools)
+        return any(s.continued_by(messages, request.tools) for s in episode.segments)
+
     def _continue(self, episode: Episode, messages: list[Message], template_tools: ToolSchemas | None,
                   tools: ToolSchemas | None) -> Segment:
         """The segment this call extends, its new messages appended as observation tokens; else a new segment."""
         for segment in reversed(episode.segments):
-            if segment.tools != tools:
+            chosen = segment.continued_by(messages, tools)
+            if chosen is None:
                 continue
             at = len(segment.messages)
-            matching = [c for c in segment.pending if at < len(messages) and _same(messages[at], c.message)]
-            if not matching or not _same_chat(messages[:at], segment.messages) or len(messages) == at + 1:
-                continue
-            chosen = matching[0]
             episode.segments += [segment.branch(c) for c in segment.pending if c is not chosen]
             segment.pending = []
             segment.take(chosen)

@@ -1,0 +1,285 @@
+"""Serving the policy to real clients (``envkit serve-policy``, generators/serving): calls kept exactly, with consent,
+redacted before they are stored, durable before they are answered; feedback from the client served and no other;
+bad input refused, overload shed, SIGTERM drained, ``kill -9`` survived."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+from tiny import tiny_model_dir
+
+from generators.serving import CAPTURE_HEADER, VERSION_HEADER, CallStore, Client, PolicyServer, ServingConfig
+from generators.serving.store import StoredCall
+
+SECRET = "SSN 078-05-1120"
+ADMIN = "admin-key-for-tests"
+
+
+def scrub(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The redaction hook the tests set: social security numbers out."""
+    return [{**m, "content": re.sub(r"\d{3}-\d{2}-\d{4}", "[removed]", m["content"])}
+            if isinstance(m.get("content"), str) else m for m in messages]
+
+
+def on_disk(directory: Path, text: str) -> bool:
+    """Whether ``text`` is in any file under ``directory`` (the database, its log), as bytes."""
+    return any(text.encode() in p.read_bytes() for p in directory.iterdir() if p.is_file())
+
+
+@pytest.fixture
+async def served(vllm_engine, chat_tokenizer, tmp_path: Path) -> AsyncIterator[tuple[PolicyServer, str]]:
+    """The session's vLLM server behind a policy server on loopback, for clients acme (consenting), quiet (not)
+    and rival (consenting), with the redaction hook set."""
+    config = ServingConfig([Client("acme", "key-acme"), Client("quiet", "key-quiet", capture=False),
+                            Client("rival", "key-rival")], admin_key=ADMIN, redact=scrub)
+    from generators.rollout import GeneratorConfig
+
+    with CallStore(tmp_path / "store") as store:
+        server = PolicyServer(vllm_engine, chat_tokenizer, config, store, GeneratorConfig(max_tokens=24))
+        ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(server.serve(on_ready=ready.set_result, handle_signals=False))
+        url = await asyncio.wait_for(ready, 30)
+        try:
+            yield server, url
+        finally:
+            server.stop()
+            await task
+
+
+def client(url: str, key: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+
+
+async def test_calls_are_stored_exactly_with_consent_redacted_first_and_scored_only_by_their_client(served,
+                                                                                                  chat_tokenizer):
+    server, url = served
+    store = server.store
+    assert store is not None
+    acme = client(url, "key-acme")
+
+    # a conversation of two calls: the second sends the first reply back, so it continues its token sequence
+    first = await acme.chat.completions.with_raw_response.create(
+        model="policy", messages=[{"role": "user", "content": "Name a fruit."}])
+    reply = first.parse()
+    assert first.headers[VERSION_HEADER] == str(server.model_version)
+    assert first.headers["x-envkit-response-id"] == reply.id
+    chat = [{"role": "user", "content": "Name a fruit."},
+            reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Another one."}]
+    second = await acme.chat.completions.create(model="policy", messages=chat)
+    one, two = store.calls(client="acme")
+    assert (one.response_id, two.response_id) == (reply.id, second.id)
+    assert one.context_ids == chat_tokenizer.prompt_ids(chat[:1])
+    assert chat_tokenizer.decode(one.reply_ids).removesuffix(chat_tokenizer.tokenizer.eos_token) == \
+        reply.choices[0].message.content
+    assert len(one.logprobs) == len(one.reply_ids) > 0 and all(lp <= 0 for lp in one.logprobs)
+    assert (two.episode, two.segment) == (one.episode, one.segment)
+    assert two.context_ids[:len(one.context_ids) + len(one.reply_ids)] == one.context_ids + one.reply_ids
+    assert two.messages == chat and not one.redacted
+
+    # other dialects, streamed, are stored too
+    streamed = await acme.responses.create(model="policy", input="Say hi.", stream=True)
+    events = [e async for e in streamed]
+    anthropic_client = anthropic.AsyncAnthropic(base_url=url, api_key="key-acme", max_retries=0)
+    async with anthropic_client.messages.stream(model="policy", max_tokens=16,
+                                                messages=[{"role": "user", "content": "Say bye."}]) as stream:
+        message = await stream.get_final_message()
+    kept = {c.response_id: c.dialect for c in store.calls(client="acme")}
+    assert kept[events[-1].response.id] == "responses" and kept[message.id] == "messages"
+
+    # opting out: the call is not kept, nor is the later call that continues it; the same call without the
+    # header is kept (the control)
+    asked = [{"role": "user", "content": "Keep this private."}]
+    hidden = await acme.chat.completions.create(model="policy", messages=asked,
+                                                extra_headers={CAPTURE_HEADER: "off"})
+    after = await acme.chat.completions.create(model="policy", messages=[
+        *asked, hidden.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "And?"}])
+    shown = await acme.chat.completions.create(model="policy", messages=asked)
+    kept_ids = {c.response_id for c in store.calls()}
+    assert hidden.id not in kept_ids and after.id not in kept_ids and shown.id in kept_ids
+    quiet = await client(url, "key-quiet").chat.completions.create(model="policy", messages=asked)
+    assert quiet.id and store.calls(client="quiet") == []
+
+    # redaction runs before storage: the secret is nowhere in the files; without the hook it is (the control)
+    told = await acme.chat.completions.create(model="policy", messages=[{"role": "user", "content": f"My {SECRET}."}])
+    [redacted] = [c for c in store.calls() if c.response_id == told.id]
+    assert redacted.redacted and redacted.messages == [{"role": "user", "content": "My SSN [removed]."}]
+    assert redacted.context_ids == chat_tokenizer.prompt_ids(redacted.messages)
+    assert not on_disk(store.directory, "078-05-1120")
+    server.config.redact = None
+    await acme.chat.completions.create(model="policy", messages=[{"role": "user", "content": f"My {SECRET}."}])
+    assert on_disk(store.directory, "078-05-1120")
+
+    # feedback: from the client served (accepted, kept); another client naming the same response is told it does
+    # not exist and changes nothing
+    async with httpx.AsyncClient(base_url=url) as http:
+        stolen = await http.post("/v1/feedback", headers={"authorization": "Bearer key-rival"},
+                                 json={"response_id": reply.id, "score": 0.0})
+        assert stolen.status_code == 404 and store.feedbacks() == []
+        own = await http.post("/v1/feedback", headers={"authorization": "Bearer key-acme"},
+                              json={"response_id": reply.id, "thumbs": "up", "text": "good"})
+        assert own.status_code == 200, own.text
+        assert [(f.response_id, f.client, f.score, f.text) for f in store.feedbacks()] == [
+            (reply.id, "acme", 1.0, "good")]
+        unstored = await http.post("/v1/feedback", headers={"authorization": "Bearer key-acme"},
+                                   json={"response_id": hidden.id, "score": 1})
+        assert unstored.status_code == 404
+
+        # the admin deletes one client's data, from the files too; a client's key cannot
+        refused = await http.delete("/v1/admin/clients/acme/data", headers={"authorization": "Bearer key-acme"})
+        assert refused.status_code == 403 and store.calls(client="acme")
+        deleted = await http.delete("/v1/admin/clients/acme/data", headers={"authorization": f"Bearer {ADMIN}"})
+        assert deleted.json()["deleted"] > 0
+    assert store.calls(client="acme") == [] and store.feedbacks() == []
+    assert not on_disk(store.directory, "078-05-1120")
+
+
+async def test_bad_requests_get_4xx_overload_gets_429_and_the_server_keeps_serving(served):
+    server, url = served
+    headers = {"authorization": "Bearer key-acme"}
+    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+        for body, status in [(b"{not json", 400), (b'{"model": "policy"}', 400),
+                             (b'{"model": "policy", "messages": [], "n": 2}', 400),
+                             (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}).encode(),
+                              400)]:
+            r = await http.post("/v1/chat/completions", content=body, headers=headers)
+            assert r.status_code == status, (body, r.text)
+            assert r.json()["error"]["code"]
+        assert (await http.post("/v1/chat/completions", headers={"authorization": "Bearer nope"},
+                                json={"messages": [{"role": "user", "content": "x"}]})).status_code == 401
+        assert (await http.post("/v1/feedback", headers=headers, json={"response_id": "x", "score": 7})
+                ).status_code == 400
+
+        # past max_concurrent, calls are shed with 429 and a retry-after, never queued without end
+        server.config.max_concurrent = 2
+        answers = await asyncio.gather(*(http.post("/v1/chat/completions", headers=headers, json={
+            "messages": [{"role": "user", "content": f"Count to {i}."}], "max_tokens": 24}) for i in range(6)))
+        codes = sorted(r.status_code for r in answers)
+        assert codes.count(200) >= 2 and set(codes) <= {200, 429} and 429 in codes, codes
+        shed = next(r for r in answers if r.status_code == 429)
+        assert shed.headers["retry-after"] == "1" and shed.json()["error"]["code"] == "overloaded"
+        server.config.max_concurrent = 64
+        ok = await http.post("/v1/chat/completions", headers=headers,
+                             json={"messages": [{"role": "user", "content": "Still there?"}], "max_tokens": 8})
+        assert ok.status_code == 200
+        metrics = (await http.get("/metrics")).text
+    served_ok = re.search(r'envkit_serving_requests_total\{route="/v1/chat/completions",status="200"\} (\d+)', metrics)
+    shed_count = re.search(r'envkit_serving_requests_total\{route="/v1/chat/completions",status="429"\} (\d+)', metrics)
+    assert served_ok and int(served_ok[1]) == codes.count(200) + 1
+    assert shed_count and int(shed_count[1]) == codes.count(429)
+    assert "envkit_serving_captured_total" in metrics and "envkit_serving_model_version" in metrics
+
+
+def test_the_store_commits_writes_together_fails_one_alone_and_applies_retention(tmp_path: Path):
+    def call(i: int, client: str = "a", text: str = "hello") -> StoredCall:
+        return StoredCall(f"r{i}", client, "e", 0, 0, "completions", [{"role": "user", "content": text}], None,
+                          {"role": "assistant", "content": "x"}, "stop", [1, 2, 3], [4, 5], [-0.5, -0.25], [[0, 0]])
+
+    async def main() -> None:
+        with CallStore(tmp_path, max_bytes=200_000) as store:
+            writes = [store.put(call(i)) for i in range(50)] + [store.put(call(3))]  # r3 twice: that write fails
+            results = await asyncio.gather(*writes, return_exceptions=True)
+            assert sum(isinstance(r, Exception) for r in results) == 1 and len(store.calls()) == 50
+            assert store.calls()[0].logprobs == [-0.5, -0.25] and store.calls()[0].context_ids == [1, 2, 3]
+            assert await store.prune() == 0
+            for i in range(50, 450):  # past max_bytes: the oldest go
+                await store.put(call(i, text="x" * 2000))
+            assert await store.prune() > 0
+            kept = store.calls()
+            assert kept[-1].response_id == "r449" and kept[0].response_id != "r0"
+            store.max_age_s = 0.0
+            assert await store.prune() == len(kept) and store.calls() == []
+
+    asyncio.run(main())
+
+
+def test_serve_policy_drains_on_sigterm_and_loses_no_answered_call_to_kill_9(tmp_path: Path):
+    """The front door (``envkit serve-policy``, in-process transformers on the tiny model): a ``kill -9`` under
+    load loses no call that was answered; a restart serves from the same store; SIGTERM lets the call in flight
+    finish, be stored, and exits 0; ``--forget`` deletes a client's data offline."""
+    (tmp_path / "clients.json").write_text(json.dumps([{"name": "acme", "key": "key-acme"}]))
+    store = tmp_path / "store"
+    command = [sys.executable, "-m", "envkit", "serve-policy", "--engine", "hf", "--model", str(tiny_model_dir()),
+               "--clients", str(tmp_path / "clients.json"), "--store", str(store), "--port", "0",
+               "--max-tokens", "24"]
+
+    def start() -> tuple[subprocess.Popen[str], str]:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert process.stdout is not None
+        for line in process.stdout:
+            if found := re.search(r"at (http://[\d.:]+)/v1", line):
+                return process, found[1]
+        raise AssertionError(f"serve-policy exited {process.wait()} before serving")
+
+    async def load(url: str, acked: list[str], enough: asyncio.Event, stop: asyncio.Event) -> None:
+        api = client(url, "key-acme")
+        i = 0
+        while not stop.is_set():
+            i += 1
+            try:
+                reply = await api.chat.completions.create(
+                    model="policy", messages=[{"role": "user", "content": f"Tell me about {i}."}])
+            except openai.APIConnectionError:
+                return
+            acked.append(reply.id)
+            if len(acked) >= 8:
+                enough.set()
+
+    async def kill_under_load(process: subprocess.Popen[str], url: str) -> list[str]:
+        acked: list[str] = []
+        enough, stop = asyncio.Event(), asyncio.Event()
+        senders = [asyncio.create_task(load(url, acked, enough, stop)) for _ in range(4)]
+        await asyncio.wait_for(enough.wait(), 120)
+        process.kill()
+        stop.set()
+        await asyncio.gather(*senders)
+        return acked
+
+    process, url = start()
+    try:
+        acked = asyncio.run(kill_under_load(process, url))
+    finally:
+        process.kill()
+        process.wait()
+    with CallStore(store) as kept:
+        assert set(acked) <= {c.response_id for c in kept.calls()}, "an answered call was lost to kill -9"
+
+    process, url = start()
+    try:
+        async def calls_then_terminate() -> list[str]:
+            api = client(url, "key-acme")
+            pending = [asyncio.create_task(api.chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": f"One last thing, {i}."}])) for i in range(4)]
+            async with httpx.AsyncClient(base_url=url) as http:  # signal once a call is being answered
+                for _ in range(6000):
+                    if "envkit_serving_inflight 0.0" not in (await http.get("/metrics")).text:
+                        break
+                    await asyncio.sleep(0.005)
+            process.send_signal(signal.SIGTERM)
+            return [r.id for r in await asyncio.gather(*pending)]
+
+        last = asyncio.run(calls_then_terminate())
+        output = process.communicate(timeout=60)[0]
+    finally:
+        process.kill()
+    assert process.returncode == 0, output
+    assert "calls in flight were answered and stored" in output
+    with CallStore(store) as kept:
+        assert set(last) <= {c.response_id for c in kept.calls()}
+        count = len(kept.calls())
+    forget = subprocess.run([*command[:4], "--store", str(store), "--forget", "acme"], capture_output=True, text=True,
+                            timeout=120)
+    assert forget.returncode == 0 and f"deleted {count} stored calls" in forget.stdout, forget.stderr
+    with CallStore(store) as kept:
+        assert kept.calls() == []
