@@ -20,7 +20,9 @@ import openai
 import pytest
 from tiny import tiny_model_dir
 
+from envkit.rewards.rubrics import Check
 from generators.serving import CAPTURE_HEADER, VERSION_HEADER, CallStore, Client, PolicyServer, ServingConfig
+from generators.serving.episodes import RewardRule, assemble, due
 from generators.serving.store import StoredCall
 
 SECRET = "SSN 078-05-1120"
@@ -130,8 +132,8 @@ async def test_calls_are_stored_exactly_with_consent_redacted_first_and_scored_o
         own = await http.post("/v1/feedback", headers={"authorization": "Bearer key-acme"},
                               json={"response_id": reply.id, "thumbs": "up", "text": "good"})
         assert own.status_code == 200, own.text
-        assert [(f.response_id, f.client, f.score, f.text) for f in store.feedbacks()] == [
-            (reply.id, "acme", 1.0, "good")]
+        assert [(f.response_id, f.client, f.source, f.score, f.text) for f in store.feedbacks()] == [
+            (reply.id, "acme", "client", 1.0, "good")]
         unstored = await http.post("/v1/feedback", headers={"authorization": "Bearer key-acme"},
                                    json={"response_id": hidden.id, "score": 1})
         assert unstored.status_code == 404
@@ -143,6 +145,50 @@ async def test_calls_are_stored_exactly_with_consent_redacted_first_and_scored_o
         assert deleted.json()["deleted"] > 0
     assert store.calls(client="acme") == [] and store.feedbacks() == []
     assert not on_disk(store.directory, "078-05-1120")
+
+
+async def test_conversations_come_back_as_trajectories_with_their_late_reward(served, chat_tokenizer):
+    """A conversation's calls rebuild one token sequence (replies mask 1 with their logprobs, the rest mask 0); its
+    reward is its client's feedback once it settles, else the rubric's past the deadline; a round takes each once."""
+    server, url = served
+    store = server.store
+    assert store is not None
+    server.config.rubric = Check(lambda episode: 1.0 - min(len(episode.reply), 100) / 100, name="brevity")
+    acme = client(url, "key-acme")
+    chat = [{"role": "user", "content": "Name a colour."}]
+    first = await acme.chat.completions.create(model="policy", messages=chat)
+    chat += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Why?"}]
+    second = await acme.chat.completions.create(model="policy", messages=chat)
+    alone = await acme.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Hi."}])
+    async with httpx.AsyncClient(base_url=url) as http:
+        assert (await http.post("/v1/feedback", headers={"authorization": "Bearer key-acme"},
+                                json={"response_id": second.id, "score": 0.25})).status_code == 200
+    for _ in range(200):  # the rubric scores in the background
+        if sum(f.source == "rubric" for f in store.feedbacks()) == 3:
+            break
+        await asyncio.sleep(0.05)
+    rubric = {f.response_id: f.score for f in store.feedbacks() if f.source == "rubric"}
+    assert set(rubric) == {first.id, second.id, alone.id}
+
+    one, two = store.calls(episode=store.calls()[0].episode)
+    traj = assemble([one, two])
+    traj.check()
+    assert traj.prompt_ids == one.context_ids and not traj.segments
+    observation = two.context_ids[len(one.context_ids) + len(one.reply_ids):]
+    assert traj.response_ids == one.reply_ids + observation + two.reply_ids
+    assert traj.loss_mask == [1] * len(one.reply_ids) + [0] * len(observation) + [1] * len(two.reply_ids)
+    assert traj.rollout_logprobs == one.logprobs + [0.0] * len(observation) + two.logprobs
+    assert chat_tokenizer.decode(observation).strip().endswith("Why?<|im_end|>\n<|im_start|>assistant")
+
+    last = max(c.created for c in store.calls())
+    rule = RewardRule(settle_s=30, deadline_s=300)
+    assert due(store, rule, now=last) == ([], [])  # feedback waits for the conversation to settle
+    ready, dropped = due(store, rule, now=last + 60)
+    assert [(t.task_id, t.reward) for t in ready] == [(one.episode, 0.25)] and dropped == []
+    ready, _ = due(store, rule, now=last + 600)  # past the deadline, the rubric's score stands in
+    assert {t.task_id: t.reward for t in ready} == {one.episode: 0.25, store.calls()[-1].episode: rubric[alone.id]}
+    await store.take({t.task_id: t.reward for t in ready if t.task_id == one.episode}, 1)
+    assert [t.task_id for t in due(store, rule, now=last + 600)[0]] == [store.calls()[-1].episode]
 
 
 async def test_bad_requests_get_4xx_overload_gets_429_and_the_server_keeps_serving(served):

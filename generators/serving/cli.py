@@ -13,6 +13,7 @@ from pathlib import Path
 from rich.console import Console
 
 from envkit.imports import import_ref
+from envkit.rewards.rubrics import load_rubric
 from generators.engines.base import EngineError
 from generators.engines.factory import EngineConfig, make_engine
 from generators.models import BUNDLED
@@ -65,6 +66,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="the share of consenting conversations stored (default: 1)")
     p.add_argument("--redact", metavar="MODULE:ATTR", help="a redaction hook run on each call before it is stored: "
                                                           "messages (the reply last) in, messages out")
+    p.add_argument("--rubric", metavar="MODULE:ATTR",
+                   help="an envkit rubric (e.g. an LLM judge) that scores stored calls in the background: the reward "
+                        "of conversations no client scored in time")
+    p.add_argument("--rubric-rate", type=float, default=1.0, metavar="P",
+                   help="the share of stored calls the rubric scores (default: 1)")
     p.add_argument("--max-concurrent", type=int, default=64, metavar="N",
                    help="calls answered at once; past it, 429 with retry-after (default: 64)")
     p.add_argument("--max-age-days", type=float, metavar="DAYS", help="delete stored calls older than this")
@@ -101,9 +107,11 @@ def _serving_config(args: argparse.Namespace) -> ServingConfig:
         if not callable(redact):
             raise _InputError(f"the redaction hook {args.redact!r} is not callable")
     try:
+        rubric = load_rubric(args.rubric) if args.rubric else None
         return ServingConfig(clients=_clients(args.clients), admin_key=os.environ.get(ADMIN_KEY_ENV) or None,
-                             sample_rate=args.sample_rate, redact=redact, max_concurrent=args.max_concurrent)
-    except ValueError as e:
+                             sample_rate=args.sample_rate, redact=redact, max_concurrent=args.max_concurrent,
+                             rubric=rubric, rubric_rate=args.rubric_rate)
+    except (ValueError, TypeError) as e:
         raise _InputError(str(e)) from None
 
 

@@ -25,6 +25,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from envkit import Message
+from envkit.errors import RubricError
+from envkit.rewards.rubrics import Episode as RubricEpisode
+from envkit.rewards.rubrics import Rubric
 from generators.chat import ChatTokenizer
 from generators.engines.base import EngineError, InferenceEngine
 from generators.gateway.app import DIALECTS
@@ -81,10 +84,16 @@ class ServingConfig:
     """Open conversations per client that a call may continue (the least recent is let go past it)."""
     conversation_idle_s: float = 1800.0
     """A conversation untouched this long is let go: a later call starts a new one."""
+    rubric: Rubric | None = None
+    """Scores stored calls in the background (the chat as stored, the reply last): the reward of a conversation no
+    client scored in time (:class:`~generators.serving.episodes.RewardRule`). An LLM judge is the usual one."""
+    rubric_rate: float = 1.0
+    """The share of stored calls the rubric scores."""
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.sample_rate <= 1.0:
-            raise ValueError(f"sample_rate must be in [0, 1], got {self.sample_rate}")
+        for name in ("sample_rate", "rubric_rate"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.max_concurrent < 1:
             raise ValueError(f"max_concurrent must be >= 1, got {self.max_concurrent}")
         keys = [c.key for c in self.clients]
@@ -144,6 +153,7 @@ class PolicyServer:
         self.engine, self.tokenizer, self.config, self.store = engine, tokenizer, config, store
         self._clients = {c.key: _ClientState(c, Episode(f"history-{c.name}")) for c in config.clients}
         self.active = 0
+        self._scoring: set[asyncio.Task[None]] = set()
         self._server: uvicorn.Server | None = None
         self.metrics = _Metrics(self)
 
@@ -196,11 +206,15 @@ class PolicyServer:
             if on_ready is not None:
                 on_ready(f"http://{host}:{sock.getsockname()[1]}")
             await serving
+            if self._scoring:  # the rubric's scores of the last calls, within what is left of the drain
+                await asyncio.wait(self._scoring, timeout=drain_s)
         finally:
             for sig in signals:
                 loop.remove_signal_handler(sig)
             if pruning is not None:
                 pruning.cancel()
+            for task in self._scoring:
+                task.cancel()
 
     def stop(self) -> None:
         """Stop taking calls; :meth:`serve` returns once those in flight are answered."""
@@ -327,6 +341,22 @@ class PolicyServer:
             finish=choice.finish, context_ids=context_ids, reply_ids=list(reply_ids), logprobs=list(logprobs),
             version_spans=[list(s) for s in spans], redacted=redacted))
         self.metrics.captured.inc()
+        if self.config.rubric is not None and random.random() < self.config.rubric_rate:
+            task = asyncio.create_task(self._score(response_id, [*messages, reply]))
+            self._scoring.add(task)
+            task.add_done_callback(self._scoring.discard)
+
+    async def _score(self, response_id: str, chat: list[Message]) -> None:
+        """The rubric's score of a stored call, stored beside it; a rubric that fails leaves the call unscored."""
+        assert self.config.rubric is not None and self.store is not None
+        try:
+            score = await self.config.rubric.score(RubricEpisode(task=None, messages=chat))
+        except RubricError as e:
+            log.warning("the rubric could not score %s: %s", response_id, e)
+            self.metrics.rubric.labels("failed").inc()
+            return
+        await self.store.rubric_score(response_id, score.value)
+        self.metrics.rubric.labels("scored").inc()
 
     async def _models(self, request: Request) -> Response:
         try:
@@ -388,6 +418,8 @@ class _Metrics:
         self.not_captured = Counter("envkit_serving_not_captured", "Calls or conversations not stored, and why",
                                     ["reason"], registry=self.registry)
         self.feedback = Counter("envkit_serving_feedback", "Feedback received", ["outcome"], registry=self.registry)
+        self.rubric = Counter("envkit_serving_rubric", "Stored calls the rubric scored", ["outcome"],
+                              registry=self.registry)
         Gauge("envkit_serving_inflight", "Calls being answered", registry=self.registry).set_function(
             lambda: server.active)
         Gauge("envkit_serving_model_version", "The weight version answering", registry=self.registry).set_function(

@@ -51,11 +51,17 @@ CREATE TABLE IF NOT EXISTS feedback (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
     response_id TEXT NOT NULL REFERENCES calls (response_id) ON DELETE CASCADE,
     client TEXT NOT NULL,
+    source TEXT NOT NULL,
     created REAL NOT NULL,
     score REAL NOT NULL,
     text TEXT
 );
 CREATE INDEX IF NOT EXISTS feedback_response ON feedback (response_id);
+CREATE TABLE IF NOT EXISTS taken (
+    episode TEXT PRIMARY KEY,
+    round INTEGER NOT NULL,
+    reward REAL
+);
 """
 
 _BATCH = 256
@@ -93,10 +99,11 @@ class StoredCall:
 
 @dataclass(frozen=True)
 class Feedback:
-    """A client's score for one of its responses."""
+    """A score for one stored response: its client's (``source`` client) or the rubric's (``source`` rubric)."""
 
     response_id: str
     client: str
+    source: str
     score: float
     text: str | None
     created: float
@@ -209,11 +216,35 @@ class CallStore:
             owner = db.execute("SELECT client FROM calls WHERE response_id = ?", (response_id,)).fetchone()
             if owner is None or owner[0] != client:
                 return False
-            db.execute("INSERT INTO feedback (response_id, client, created, score, text) VALUES (?, ?, ?, ?, ?)",
-                       (response_id, client, time.time(), score, text))
+            db.execute("INSERT INTO feedback (response_id, client, source, created, score, text) "
+                       "VALUES (?, ?, 'client', ?, ?, ?)", (response_id, client, time.time(), score, text))
             return True
 
         return await self._run(insert)
+
+    async def rubric_score(self, response_id: str, score: float) -> None:
+        """Record the rubric's score for a stored response (one that was deleted meanwhile is skipped)."""
+        await self._run(lambda db: db.execute(
+            "INSERT INTO feedback (response_id, client, source, created, score) SELECT response_id, client, "
+            "'rubric', ?, ? FROM calls WHERE response_id = ?", (time.time(), score, response_id)))
+
+    def untaken(self) -> list[tuple[str, float]]:
+        """The conversations no round has taken yet, each with its last call's time, oldest first."""
+        with self._reader() as db:
+            return db.execute("SELECT episode, MAX(created) FROM calls WHERE episode NOT IN (SELECT episode FROM "
+                              "taken) GROUP BY episode ORDER BY MIN(seq)").fetchall()
+
+    def scores(self) -> dict[tuple[str, str], float]:
+        """The latest score of each stored response, by (source, response id): source client or rubric."""
+        with self._reader() as db:
+            rows = db.execute("SELECT source, response_id, score FROM feedback ORDER BY seq").fetchall()
+        return {(source, response_id): score for source, response_id, score in rows}
+
+    async def take(self, episodes: dict[str, float | None], round_: int) -> None:
+        """Mark ``episodes`` (with the reward each trained with; None: dropped unscored) as taken by ``round_``:
+        no later round trains on them again, across restarts."""
+        await self._run(lambda db: db.executemany("INSERT OR IGNORE INTO taken (episode, round, reward) "
+                                                  "VALUES (?, ?, ?)", [(e, round_, r) for e, r in episodes.items()]))
 
     async def forget(self, client: str) -> int:
         """Delete every call of ``client`` and its feedback, from the files too; returns the calls deleted."""
@@ -251,13 +282,15 @@ class CallStore:
 
         await self._run(compact, alone=True)
 
-    def calls(self, *, client: str | None = None, after: int = 0) -> list[StoredCall]:
-        """The stored calls (of ``client``), in the order they were stored, from place ``after`` on."""
+    def calls(self, *, client: str | None = None, episode: str | None = None, after: int = 0) -> list[StoredCall]:
+        """The stored calls (of ``client``, of ``episode``), in the order they were stored, from place ``after``
+        on."""
         with self._reader() as db:
             rows = db.execute("SELECT seq, response_id, client, episode, segment, created, model_version, dialect, "
                               "messages, tools, reply, finish, context_ids, reply_ids, logprobs, version_spans, "
-                              "redacted FROM calls WHERE seq > ? AND (? IS NULL OR client = ?) ORDER BY seq",
-                              (after, client, client)).fetchall()
+                              "redacted FROM calls WHERE seq > ? AND (? IS NULL OR client = ?) AND "
+                              "(? IS NULL OR episode = ?) ORDER BY seq",
+                              (after, client, client, episode, episode)).fetchall()
         return [StoredCall(response_id=r[1], client=r[2], episode=r[3], segment=r[4], created=r[5],
                            model_version=r[6], dialect=r[7], messages=json.loads(r[8]),
                            tools=json.loads(r[9]) if r[9] else None, reply=json.loads(r[10]), finish=r[11],
@@ -266,9 +299,9 @@ class CallStore:
                            seq=r[0]) for r in rows]
 
     def feedbacks(self, *, client: str | None = None) -> list[Feedback]:
-        """The feedback received (from ``client``), oldest first."""
+        """The scores received (for ``client``'s responses), oldest first."""
         with self._reader() as db:
-            rows = db.execute("SELECT response_id, client, score, text, created FROM feedback "
+            rows = db.execute("SELECT response_id, client, source, score, text, created FROM feedback "
                               "WHERE ? IS NULL OR client = ? ORDER BY seq", (client, client)).fetchall()
         return [Feedback(*r) for r in rows]
 
