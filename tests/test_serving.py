@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
+import os
+import random
 import re
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -18,12 +23,15 @@ import anthropic
 import httpx
 import openai
 import pytest
-from tiny import tiny_model_dir
+from remote_envs import free_port
+from tiny import env_with_tests, on_tiny_model, tiny_model_dir
 
 from envkit.rewards.rubrics import Check
 from generators.serving import CAPTURE_HEADER, VERSION_HEADER, CallStore, Client, PolicyServer, ServingConfig
 from generators.serving.episodes import RewardRule, assemble, due
 from generators.serving.store import StoredCall
+from generators.serving.users import User, run_users
+from trainer.online import paired, verdict
 
 SECRET = "SSN 078-05-1120"
 ADMIN = "admin-key-for-tests"
@@ -250,59 +258,18 @@ def test_the_store_commits_writes_together_fails_one_alone_and_applies_retention
     asyncio.run(main())
 
 
-def test_serve_policy_drains_on_sigterm_and_loses_no_answered_call_to_kill_9(tmp_path: Path):
-    """The front door (``envkit serve-policy``, in-process transformers on the tiny model): a ``kill -9`` under
-    load loses no call that was answered; a restart serves from the same store; SIGTERM lets the call in flight
-    finish, be stored, and exits 0; ``--forget`` deletes a client's data offline."""
+def test_serve_policy_drains_on_sigterm_and_forgets_a_client_offline(tmp_path: Path):
+    """The front door (``envkit serve-policy``, in-process transformers on the tiny model): SIGTERM lets the calls in
+    flight finish and be stored, and exits 0; ``--forget`` deletes a client's data offline."""
     (tmp_path / "clients.json").write_text(json.dumps([{"name": "acme", "key": "key-acme"}]))
     store = tmp_path / "store"
     command = [sys.executable, "-m", "envkit", "serve-policy", "--engine", "hf", "--model", str(tiny_model_dir()),
                "--clients", str(tmp_path / "clients.json"), "--store", str(store), "--port", "0",
                "--max-tokens", "24"]
-
-    def start() -> tuple[subprocess.Popen[str], str]:
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        assert process.stdout is not None
-        for line in process.stdout:
-            if found := re.search(r"at (http://[\d.:]+)/v1", line):
-                return process, found[1]
-        raise AssertionError(f"serve-policy exited {process.wait()} before serving")
-
-    async def load(url: str, acked: list[str], enough: asyncio.Event, stop: asyncio.Event) -> None:
-        api = client(url, "key-acme")
-        i = 0
-        while not stop.is_set():
-            i += 1
-            try:
-                reply = await api.chat.completions.create(
-                    model="policy", messages=[{"role": "user", "content": f"Tell me about {i}."}])
-            except openai.APIConnectionError:
-                return
-            acked.append(reply.id)
-            if len(acked) >= 8:
-                enough.set()
-
-    async def kill_under_load(process: subprocess.Popen[str], url: str) -> list[str]:
-        acked: list[str] = []
-        enough, stop = asyncio.Event(), asyncio.Event()
-        senders = [asyncio.create_task(load(url, acked, enough, stop)) for _ in range(4)]
-        await asyncio.wait_for(enough.wait(), 120)
-        process.kill()
-        stop.set()
-        await asyncio.gather(*senders)
-        return acked
-
-    process, url = start()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        acked = asyncio.run(kill_under_load(process, url))
-    finally:
-        process.kill()
-        process.wait()
-    with CallStore(store) as kept:
-        assert set(acked) <= {c.response_id for c in kept.calls()}, "an answered call was lost to kill -9"
+        url = serving_url(process)
 
-    process, url = start()
-    try:
         async def calls_then_terminate() -> list[str]:
             api = client(url, "key-acme")
             pending = [asyncio.create_task(api.chat.completions.create(
@@ -322,10 +289,101 @@ def test_serve_policy_drains_on_sigterm_and_loses_no_answered_call_to_kill_9(tmp
     assert process.returncode == 0, output
     assert "calls in flight were answered and stored" in output
     with CallStore(store) as kept:
-        assert set(last) <= {c.response_id for c in kept.calls()}
-        count = len(kept.calls())
+        assert set(last) == {c.response_id for c in kept.calls()}
     forget = subprocess.run([*command[:4], "--store", str(store), "--forget", "acme"], capture_output=True, text=True,
                             timeout=120)
-    assert forget.returncode == 0 and f"deleted {count} stored calls" in forget.stdout, forget.stderr
+    assert forget.returncode == 0 and "deleted 4 stored calls" in forget.stdout, forget.stderr
     with CallStore(store) as kept:
         assert kept.calls() == []
+
+
+def serving_url(process: subprocess.Popen[str]) -> str:
+    """The URL a starting server prints, read off its output."""
+    assert process.stdout is not None
+    for line in process.stdout:
+        if found := re.search(r"at (http://[\d.:]+)/v1", line):
+            return found[1]
+    raise AssertionError(f"it exited {process.wait()} before serving")
+
+
+def test_the_online_stage_promotes_while_serving_and_a_kill_9_loses_no_answered_call(tmp_path: Path):
+    """``python -m trainer stages=[online]`` on the tiny model (in-process transformers), two simulated users in
+    processes of their own: rounds train on their scored traffic and promote while the server answers; a ``kill -9``
+    of the whole run loses no answered call; the restart serves the last promoted version and trains on from the
+    store, taking no conversation twice."""
+    clients = [{"name": f"user{i}", "key": f"key-user{i}"} for i in range(2)]
+    (tmp_path / "clients.json").write_text(json.dumps(clients))
+    port, out = free_port(), tmp_path / "run"
+    command = [sys.executable, "-m", "trainer", "stages=[online]", *on_tiny_model(), "generator.max_tokens=16",
+               f"online.clients={tmp_path / 'clients.json'}", f"online.port={port}", "trainer.steps=6",
+               "online.round_episodes=8", "online.min_episodes=8", "online.settle_s=0", "online.gate_tasks=4",
+               "online.gate_samples=1", "online.gate_replay=4", "online.rubric=tiny:graded",
+               "+env.kwargs.rubric=tiny:graded", "online.gate_margin=1.0", f"trainer.output_dir={out}",
+               "logging.progress=false", "logging.tensorboard=false"]
+    users = [User(c["name"], c["key"], "short", rate=3.0, seed=i, timeout_s=30) for i, c in enumerate(clients)]
+    events: list[dict[str, Any]] = []
+    enough = multiprocessing.get_context("spawn").Event()
+    traffic = threading.Thread(target=lambda: events.extend(run_users(users, f"http://127.0.0.1:{port}", 300,
+                                                                      tmp_path / "users", stop=enough)))
+
+    def decisions() -> list[dict[str, Any]]:
+        path = out / "gate.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env=env_with_tests(), start_new_session=True)
+    try:
+        serving_url(first)
+        traffic.start()
+        for _ in range(1200):
+            if len(decisions()) >= 2 or first.poll() is not None:
+                break
+            time.sleep(0.05)
+        os.killpg(first.pid, signal.SIGKILL)  # mid-run: some rounds done, the next one under way
+        before = decisions()
+        assert len(before) < 6 and [d["promoted"] for d in before[:2]] == [True, True], before
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    with CallStore(out / "store") as store:
+        answered_before = {e["id"] for e in run_events(tmp_path / "users") if e["status"] == 200}
+        assert answered_before <= {c.response_id for c in store.calls()}, "an answered call was lost to kill -9"
+
+    restarted = time.time()
+    second = subprocess.run([*command, "trainer.resume=latest"], capture_output=True, text=True, timeout=240,
+                            env=env_with_tests())
+    enough.set()
+    traffic.join()
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    promoted = max(d["candidate"] for d in before if d["promoted"])  # its checkpoint is the one resumed from
+    assert f"serving weight version {promoted} at" in second.stdout + second.stderr
+    rounds = decisions()
+    assert {d["round"] for d in rounds} == set(range(1, 7)) and rounds[-1]["round"] == 6
+    answered = [e for e in events if e["status"] == 200]
+    assert {0, 1, promoted} <= {e["version"] for e in answered}
+    assert all(e["version"] >= promoted for e in answered if e["t_abs"] > restarted)
+    with CallStore(out / "store") as store:
+        assert {e["id"] for e in answered} <= {c.response_id for c in store.calls()}
+    failed = [e for e in events if e["status"] not in (200, "connection")]
+    assert failed == [], failed  # refused or timed out: none; only calls made while no run was up went unanswered
+
+
+def run_events(directory: Path) -> list[dict[str, Any]]:
+    """The users' events written so far."""
+    return [json.loads(line) for p in directory.glob("*.jsonl") for line in p.read_text().splitlines()]
+
+
+def test_the_gate_refuses_a_worse_candidate_with_its_numbers_and_passes_one_as_good():
+    """The paired bootstrap over tasks: a candidate 0.3 worse on 32 noisy tasks is refused on the test it fails, with
+    the numbers; the same scores as the serving policy's pass a margin of 0.02, and so does a better one."""
+    rng = random.Random(0)
+    serving = [rng.random() for _ in range(32)]
+    worse = [max(0.0, s - 0.3 + rng.uniform(-0.1, 0.1)) for s in serving]
+    better = [min(1.0, s + 0.1) for s in serving]
+    refused = verdict({"held_out": paired(worse, serving, 0.95), "replay": paired(serving, serving, 0.95)}, 0.02, 0.95)
+    assert not refused["promoted"] and refused["reason"] == "worse on held_out: lower bound < -0.02"
+    assert refused["held_out"]["n"] == 32 and refused["held_out"]["lower"] < -0.2
+    assert refused["held_out"]["candidate"] < refused["held_out"]["serving"] - 0.2
+    assert verdict({"held_out": paired(serving, serving, 0.95)}, 0.02, 0.95)["promoted"]
+    assert verdict({"held_out": paired(better, serving, 0.95)}, 0.0, 0.95)["promoted"]
+    assert not verdict({"held_out": paired([], [], 0.95)}, 0.02, 0.95)["promoted"]  # nothing measured: no promotion

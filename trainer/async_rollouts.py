@@ -17,6 +17,7 @@ their rollouts, groups still in flight as their starts (generated again on resum
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
@@ -40,6 +41,10 @@ class LoopThread:
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the loop and wait for its result."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def spawn(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start ``coro`` on the loop without waiting for it (a server that runs until stopped)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def close(self) -> None:
         """Cancel what is still running, stop the loop and join its thread."""

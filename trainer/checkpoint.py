@@ -37,6 +37,8 @@ class TrainState:
     """Each env's data position (epoch, position in the epoch's order, prompts drawn), by label."""
     pending: list[dict[str, Any]] = field(default_factory=list)
     """Async mode: groups drawn but not trained (trainer/async_rollouts.py), so a resume loses none of them."""
+    promoted: list[int] = field(default_factory=lambda: [0])
+    """The online stage: the weight versions promoted to serve, in order (0: the starting weights)."""
 
 
 class CheckpointError(RuntimeError):

@@ -30,7 +30,7 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and the fix."""
 
 
-STAGES = ("sft", "rl")
+STAGES = ("sft", "rl", "online")
 SFT_DATA = ("demos", "trajectories", "chat")
 TASK_SOURCES = ("auto", "env", "seeds", "dataset")
 SANDBOXES = ("docker", "local", "auto")
@@ -499,6 +499,63 @@ class LoggingConfig:
 
 
 @dataclass
+class OnlineConfig:
+    """``stages=[online]``: serve the policy to clients, train on their traffic, promote what the gate passes
+    (trainer/online.py; docs/serving.md)."""
+
+    clients: str | None = None
+    """The clients file (JSON: ``[{"name", "key", "capture"}]``, as ``envkit serve-policy --clients``); required."""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    """Where clients call (0: a free port, printed)."""
+    store: str | None = None
+    """Where the calls and feedback are kept (default: ``trainer.output_dir/store``)."""
+    sample_rate: float = 1.0
+    """The share of consenting conversations stored."""
+    redact: str | None = None
+    """A redaction hook, ``module:attr``, run on each call before it is stored."""
+    rubric: str | None = None
+    """An envkit rubric, ``module:attr`` (an LLM judge, say), scoring stored calls in the background: the reward
+    of conversations without feedback past ``deadline_s``, and the gate's score of replayed traffic."""
+    max_concurrent: int = 64
+    """Calls answered at once; past it, 429."""
+    round_episodes: int = 32
+    """A round trains once this many conversations have their reward..."""
+    round_s: float = 300.0
+    """...or this long after the round before, with at least ``min_episodes``."""
+    min_episodes: int = 8
+    settle_s: float = 30.0
+    """Feedback counts once its conversation has been quiet this long."""
+    deadline_s: float = 120.0
+    """A conversation no client scored this long after its last call takes the rubric's score (none: dropped)."""
+    gate_tasks: int = 32
+    """Held-out tasks of the env's eval split that each candidate and the serving policy are scored on."""
+    gate_samples: int = 2
+    """Samples per held-out task."""
+    gate_replay: int = 32
+    """Recent stored calls answered again by the candidate and scored by the rubric beside the served reply."""
+    gate_margin: float = 0.02
+    """How much worse than the serving policy a candidate may score and still be promoted (a candidate no better
+    than it would fail a margin of 0 half the time by chance)."""
+    gate_confidence: float = 0.95
+    """The paired bootstrap's one-sided confidence: promoted if that lower bound of (candidate - serving) is at
+    least ``-gate_margin``, on the held-out tasks and on the replay alike."""
+
+    def __post_init__(self) -> None:
+        for name in ("sample_rate",):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ConfigError(f"online.{name} must be in [0, 1], got {getattr(self, name)}")
+        if not 0.5 <= self.gate_confidence < 1:
+            raise ConfigError(f"online.gate_confidence must be in [0.5, 1), got {self.gate_confidence}")
+        for name in ("round_episodes", "min_episodes", "max_concurrent", "gate_samples"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"online.{name} must be >= 1, got {getattr(self, name)}")
+        if self.min_episodes > self.round_episodes:
+            raise ConfigError(f"online.min_episodes ({self.min_episodes}) must be <= online.round_episodes "
+                              f"({self.round_episodes})")
+
+
+@dataclass
 class PlacementConfig:
     """Where the run's processes live: all in this one (``local``; ``torchrun`` for more ranks), or as actors of a
     Ray cluster (``ray``): trainer ranks, inference replicas and env workers. See docs/training/multi-node.md."""
@@ -591,6 +648,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    online: OnlineConfig = field(default_factory=OnlineConfig)
     seats: dict[str, SeatConfig] = field(default_factory=dict)
     """A multi-agent env's seats, each bound to its player (trainer/multi_policy.py); empty for a single-agent env.
     The policies the seats name are trained together, one model each."""
@@ -648,6 +706,8 @@ class Config:
         _checked("weight_sync", lambda: self.weight_sync.check_placement(self.placement.backend))
         if self.seats:
             self._check_seats()
+        if "online" in self.stages:
+            self._check_online()
         if self.model.lora.serve == "adapters":
             refused = {
                 "model.lora.r > 0": not self.model.lora.enabled,
@@ -662,6 +722,20 @@ class Config:
                     raise ConfigError(f"model.lora.serve=adapters needs {what}")
         if self.algorithm.aggregation == "seq-mean-token-sum-norm" and self.generator.max_total_tokens < 1:
             raise ConfigError("seq-mean-token-sum-norm normalizes by generator.max_total_tokens, which must be >= 1")
+
+    def _check_online(self) -> None:
+        """The online stage serves one policy from this machine: what it cannot do, said before anything starts."""
+        refused = {
+            "online.clients (the clients file)": self.online.clients is None,
+            "stages=[online] alone or after sft": self.stages not in (["online"], ["sft", "online"]),
+            "placement.backend=local, one rank": self.placement.backend != "local",
+            "no seats": bool(self.seats),
+            "a token-in/token-out engine (vllm, sglang or hf): the store keeps token ids":
+                self.inference.engine == "openai" or bool(self.inference.url),
+        }
+        for what, violated in refused.items():
+            if violated:
+                raise ConfigError(f"the online stage needs {what}")
 
     def _check_seats(self) -> None:
         """What a run of several policies supports yet; the rest refused by name."""

@@ -29,10 +29,11 @@ from trainer.checkpoint import CheckpointManager
 from trainer.config import Config
 from trainer.loop import train
 from trainer.metrics import EVAL_GROUPS, is_eval_row, sample_groups
+from trainer.online import train_online
 from trainer.report import Phase, RunRecord, write_run_report
 from trainer.sft import train_sft
 
-RUNS: dict[str, Callable[..., dict[str, Any]]] = {"sft": train_sft, "rl": train}
+RUNS: dict[str, Callable[..., dict[str, Any]]] = {"sft": train_sft, "rl": train, "online": train_online}
 """What runs each stage (``config.STAGES`` names them): ``run(cfg, evaluate_before=...) -> results``, built on
 trainer/runs.py. A new stage is a module with such a function, and a line here and in ``config.STAGES``."""
 

@@ -278,8 +278,9 @@ class PolicyServer:
         if request.headers.get(CAPTURE_HEADER, "").strip().lower() in _OFF:
             conversation.captured = False  # its later calls carry this one's text: none of them is kept
             self.metrics.not_captured.labels("opted_out").inc()
-        version = self.model_version
         choices, prompt_tokens = await self.gateway.chat(conversation.episode, call.chat)
+        spans = choices[0].spans
+        version = spans[0][1] if spans else self.model_version  # the weights that sampled it (a swap may follow)
         body = dialect.answer(call, choices, prompt_tokens, self.engine.model_name, state.history)
         _trim(state.history.responses)
         if conversation.captured and self.store is not None:

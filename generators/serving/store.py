@@ -298,6 +298,14 @@ class CallStore:
                            logprobs=list(array("d", r[14])), version_spans=json.loads(r[15]), redacted=bool(r[16]),
                            seq=r[0]) for r in rows]
 
+    def recent(self, limit: int, *, model_version: int | None = None) -> list[StoredCall]:
+        """The ``limit`` calls stored last (answered by ``model_version``), oldest first."""
+        with self._reader() as db:
+            after = db.execute("SELECT MIN(seq) - 1 FROM (SELECT seq FROM calls WHERE ? IS NULL OR model_version = ? "
+                               "ORDER BY seq DESC LIMIT ?)", (model_version, model_version, limit)).fetchone()[0]
+        calls = self.calls(after=after or 0)
+        return [c for c in calls if model_version is None or c.model_version == model_version][-limit:]
+
     def feedbacks(self, *, client: str | None = None) -> list[Feedback]:
         """The scores received (for ``client``'s responses), oldest first."""
         with self._reader() as db:
