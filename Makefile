@@ -168,6 +168,7 @@ bench: install model docker-up  ## run the benchmarks (installs the peers they c
 	$(PY) benchmarks/ray_overhead.py
 	$(PY) benchmarks/two_policies.py
 	$(PY) benchmarks/two_policies.py --lora
+	$(PY) benchmarks/serving.py
 
 # PLACEMENT=ray runs the same job as Ray actors (a one-machine cluster started for the run; see docs/training/multi-node.md).
 PLACEMENT ?= local

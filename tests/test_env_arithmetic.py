@@ -268,3 +268,22 @@ def test_followups_out_of_range_is_refused() -> None:
         ArithmeticEnv(followups=-1)
     with pytest.raises(ValueError, match=r"lets marked wrong answers reach reward 1\.0"):
         ArithmeticEnv(followups=1, format_bonus=0.5)  # right + marked-wrong would score 0.75 + 0.25
+
+
+async def test_the_answer_rubric_grades_a_chat_as_the_env_does():
+    """Traffic the env never produced (a served policy's calls) is graded from the chat alone, as step() grades it;
+    what is not a problem scores 0 and is never evaluated as code."""
+    from envkit_arithmetic.rubric import answer, expected_answer
+
+    from envkit.rewards.rubrics import Episode
+
+    env = envkit.make("arithmetic", level=4)
+    for task in list(env.tasks("test"))[:20]:
+        assert expected_answer(task["question"]) == task["answer"]
+        for reply in (f"The answer is {task['answer']}.", f"The answer is {task['answer'] + 1}."):
+            messages, _ = await env.reset(task=task)
+            graded = await env.step(envkit.assistant(reply))
+            chat = [*messages, {"role": "assistant", "content": reply}]
+            assert (await answer.score(Episode(None, chat))).value == float(graded.info["correct"])
+    assert expected_answer("What is __import__('os').system('id')?") is None
+    assert expected_answer("What is 2 ** 99999?") is None

@@ -310,7 +310,7 @@ def test_the_online_stage_promotes_while_serving_and_a_kill_9_loses_no_answered_
     """``python -m trainer stages=[online]`` on the tiny model (in-process transformers), two simulated users in
     processes of their own: rounds train on their scored traffic and promote while the server answers; a ``kill -9``
     of the whole run loses no answered call; the restart serves the last promoted version and trains on from the
-    store, taking no conversation twice."""
+    store; an admin's rollback serves an earlier version again."""
     clients = [{"name": f"user{i}", "key": f"key-user{i}"} for i in range(2)]
     (tmp_path / "clients.json").write_text(json.dumps(clients))
     port, out = free_port(), tmp_path / "run"
@@ -349,19 +349,41 @@ def test_the_online_stage_promotes_while_serving_and_a_kill_9_loses_no_answered_
         answered_before = {e["id"] for e in run_events(tmp_path / "users") if e["status"] == 200}
         assert answered_before <= {c.response_id for c in store.calls()}, "an answered call was lost to kill -9"
 
+    # the restart serves the last promoted version; an admin rolls back to version 1 while it trains on
     restarted = time.time()
-    second = subprocess.run([*command, "trainer.resume=latest"], capture_output=True, text=True, timeout=240,
-                            env=env_with_tests())
+    with open(tmp_path / "second.log", "w") as log:
+        second = subprocess.Popen([*command, "trainer.resume=latest"], stdout=log, stderr=subprocess.STDOUT,
+                                  env={**env_with_tests(), "ENVKIT_ADMIN_KEY": ADMIN})
+    try:
+        for _ in range(1200):
+            if "serving weight version" in (tmp_path / "second.log").read_text() or second.poll() is not None:
+                break
+            time.sleep(0.05)
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+            assert http.post("/v1/admin/rollback", json={"version": 1},
+                             headers={"authorization": "Bearer key-user0"}).status_code == 403
+            assert http.post("/v1/admin/rollback", json={"version": 99},
+                             headers={"authorization": f"Bearer {ADMIN}"}).status_code == 404
+            rolled = http.post("/v1/admin/rollback", json={"version": 1},
+                               headers={"authorization": f"Bearer {ADMIN}"})
+            assert rolled.status_code == 202, rolled.text
+        rolled_back = time.time()
+        second.wait(timeout=240)
+    finally:
+        second.kill()
+    output = (tmp_path / "second.log").read_text()
     enough.set()
     traffic.join()
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert second.returncode == 0, output[-3000:]
     promoted = max(d["candidate"] for d in before if d["promoted"])  # its checkpoint is the one resumed from
-    assert f"serving weight version {promoted} at" in second.stdout + second.stderr
+    assert f"serving weight version {promoted} at" in output
     rounds = decisions()
     assert {d["round"] for d in rounds} == set(range(1, 7)) and rounds[-1]["round"] == 6
+    assert [d["rollback"] for d in rounds if "rollback" in d] == [1]
     answered = [e for e in events if e["status"] == 200]
     assert {0, 1, promoted} <= {e["version"] for e in answered}
-    assert all(e["version"] >= promoted for e in answered if e["t_abs"] > restarted)
+    assert all(e["version"] >= promoted for e in answered if restarted < e["t_abs"] < rolled_back)
+    assert any(e["version"] == 1 for e in answered if e["t_abs"] > rolled_back)  # served again after the rollback
     with CallStore(out / "store") as store:
         assert {e["id"] for e in answered} <= {c.response_id for c in store.calls()}
     failed = [e for e in events if e["status"] not in (200, "connection")]

@@ -39,6 +39,9 @@ class TrainState:
     """Async mode: groups drawn but not trained (trainer/async_rollouts.py), so a resume loses none of them."""
     promoted: list[int] = field(default_factory=lambda: [0])
     """The online stage: the weight versions promoted to serve, in order (0: the starting weights)."""
+    lineage: list[int] = field(default_factory=lambda: [0])
+    """The online stage: the versions the trainer's weights came through since it last started from a serving
+    version (that version first): how many updates apart two of them are."""
 
 
 class CheckpointError(RuntimeError):

@@ -16,6 +16,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 
 from envkit.ref import EnvRef
+from generators.engines.base import check_cpu_cores
 from generators.engines.factory import EngineConfig
 from generators.engines.weight_sync import WeightSyncConfig
 from generators.rollout import GeneratorConfig
@@ -519,6 +520,9 @@ class OnlineConfig:
     of conversations without feedback past ``deadline_s``, and the gate's score of replayed traffic."""
     max_concurrent: int = 64
     """Calls answered at once; past it, 429."""
+    serving_cpu_cores: str = "auto"
+    """vllm on CPU: the cores the serving engine computes on (``inference.cpu_cores`` is the candidate's). Two
+    servers that both bind every core spin against each other: give each its own (on 2 cores: 0 and 1)."""
     round_episodes: int = 32
     """A round trains once this many conversations have their reward..."""
     round_s: float = 300.0
@@ -550,6 +554,7 @@ class OnlineConfig:
         for name in ("round_episodes", "min_episodes", "max_concurrent", "gate_samples"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"online.{name} must be >= 1, got {getattr(self, name)}")
+        _checked("online.serving_cpu_cores", lambda: check_cpu_cores(self.serving_cpu_cores))
         if self.min_episodes > self.round_episodes:
             raise ConfigError(f"online.min_episodes ({self.min_episodes}) must be <= online.round_episodes "
                               f"({self.round_episodes})")

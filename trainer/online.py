@@ -1,4 +1,4 @@
-"""Training while serving (``stages=[online]``; docs/serving.md), top to bottom:
+"""Training while serving (``stages=[online]``; docs/training/online.md), top to bottom:
 
     serving engine  the promoted policy, answering clients through a PolicyServer (generators/serving) whose store
                     keeps their consenting calls and feedback; it never stops answering while the trainer works
@@ -7,14 +7,17 @@
     each round (trainer.steps of them):
         wait     until online.round_episodes conversations have their reward (the client's late feedback; past
                  online.deadline_s, the rubric's), or online.round_s with at least online.min_episodes
-        trajs    = those conversations, less any served more than trainer.max_staleness promotions ago (dropped)
+        trajs    = those conversations, less any sampled more than trainer.max_staleness updates before the
+                   trainer's weights (dropped, counted)
         update   = the RL step on them (trainer/loop.py) as one group: each reward against the round's mean; TIS
                    corrects with the logprobs captured when each call was served
         gate     = candidate vs serving, paired: on the env's held-out tasks (its reward), and on the latest served
                    calls answered again (the rubric): promoted if the one-sided paired-bootstrap lower bound of the
                    difference is at least -online.gate_margin on both
         promoted → the serving engine loads it (vLLM pauses and resumes its requests: none is dropped); checkpoint
-        refused  → the trainer goes back to the serving weights (that checkpoint): it never drifts from what serves
+        refused  → the next round trains on from the candidate, while what serves is within trainer.max_staleness
+                   updates of it (small gains add up to one the gate can see); past that, the trainer goes back to
+                   the serving weights (that checkpoint), so it never drifts far from what serves
         every decision, with its numbers → OUT/gate.jsonl; the round's conversations are taken (never trained again)
 """
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import random
 import time
 from collections import defaultdict
@@ -39,7 +43,7 @@ from generators.gateway import ChatRequest, Episode, Gateway, Limits
 from generators.gateway.chat import openai_message
 from generators.serving import CallStore, PolicyServer, ServingConfig
 from generators.serving.episodes import RewardRule, due
-from generators.serving.server import Client
+from generators.serving.server import ADMIN_KEY_ENV, Client
 from trainer.async_rollouts import LoopThread
 from trainer.backends import make_backend
 from trainer.backends.base import TrainBackend
@@ -63,18 +67,30 @@ def train_online(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]
         run.start()
         state = run.resume(backend, total_steps=cfg.trainer.steps, stage="online")
         serving.start(state)
+        _leave_cores(cfg.online.serving_cpu_cores)
         gate = Gate(cfg, run, serving)
         baseline = gate.held_out()  # the run engine holds the serving weights now
         if not run.checkpoints.all():
             run.save(backend, state)  # the weights a refused candidate goes back to
         decisions: list[dict[str, Any]] = []
         while state.step < cfg.trainer.steps:
+            if serving.server.rollback_to is not None:
+                del backend  # its memory, before the one from the earlier weights is built
+                backend = serving.roll_back(state)
+                run.serve(backend, state.policy_version)
+                baseline = gate.held_out()
+                run.save(backend, state)
+                continue
             t0 = time.perf_counter()
             trajs, dropped, stale = serving.next_round(state)
+            if serving.server.rollback_to is not None:  # asked for meanwhile: first that, then the round
+                continue
             t1 = time.perf_counter()
             batch = prepare_batch(trajs, cfg)
             metrics = update_policy(backend, batch, cfg, run.tokenizer.pad_id)
             state.step = state.policy_version = state.step + 1
+            if "train/skipped_update" not in metrics:
+                state.lineage.append(state.policy_version)
             t2 = time.perf_counter()
             decision: dict[str, Any] = {"round": state.step, "serving": state.promoted[-1], "trained": len(trajs),
                                         "stale_dropped": stale, "reward": _mean([t.reward for t in trajs])}
@@ -85,14 +101,18 @@ def train_online(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]
                 candidate = gate.held_out()
                 decision.update(candidate=state.policy_version, **gate.decide(candidate, baseline))
                 if decision["promoted"]:
+                    swap = time.time()
                     serving.promote(backend, state.policy_version)
+                    decision["swap"] = [swap, time.time()]
                     state.promoted.append(state.policy_version)
                     baseline = candidate
                     run.save(backend, state)
-                else:
+                elif len(state.lineage) - 1 - state.lineage.index(state.promoted[-1]) > cfg.trainer.max_staleness:
+                    # what serves would sample the next round too many updates behind: start again from it
                     rounds, version = state.step, state.policy_version
                     state = replace(run.checkpoints.load(run.checkpoints.all()[-1], backend), step=rounds,
-                                    policy_version=version)
+                                    policy_version=version, lineage=[state.promoted[-1]])
+                    decision["reverted"] = state.promoted[-1]
             serving.take(trajs, dropped, state.step)
             decision["gate_s"] = round(time.perf_counter() - t2, 1)
             serving.log(decision)
@@ -110,6 +130,19 @@ def train_online(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]
         run.close()
 
 
+def _leave_cores(cores: str) -> None:
+    """Train on as many threads as there are cores besides the serving engine's (where it has its own): on a CPU,
+    an update on every core starves the answers to clients."""
+    if "-" not in cores and "," not in cores and not cores.isdigit():
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    serving = {c for span in cores.split(",") for c in range(int(span.split("-")[0]), int(span.split("-")[-1]) + 1)}
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0) - serving)))
+
+
 class Serving:
     """The serving half: the promoted policy's engine, its PolicyServer on the run's event loop, the store."""
 
@@ -125,10 +158,12 @@ class Serving:
             clients = [Client(str(r["name"]), str(r["key"]), bool(r.get("capture", True)))
                        for r in json.loads(Path(o.clients).read_text())]
             config = ServingConfig(clients, sample_rate=o.sample_rate, max_concurrent=o.max_concurrent,
-                                   redact=import_ref(o.redact) if o.redact else None, rubric=self.rubric)
+                                   redact=import_ref(o.redact) if o.redact else None, rubric=self.rubric,
+                                   admin_key=os.environ.get(ADMIN_KEY_ENV) or None, versions=self.versions)
         except (OSError, ValueError, TypeError, KeyError, ImportError, AttributeError) as e:
             raise ConfigError(f"online: {type(e).__name__}: {e}") from None
-        self.engine = make_engine(cfg.inference, run.model_path, log_dir=self.out / "serving")
+        self.engine = make_engine(replace(cfg.inference, cpu_cores=o.serving_cpu_cores), run.model_path,
+                                  log_dir=self.out / "serving")
         self.server = PolicyServer(self.engine, run.tokenizer, config, self.store, cfg.generator)
         self.url: str | None = None
         self._serving: Any = None
@@ -165,15 +200,16 @@ class Serving:
         and how many were dropped as stale."""
         o = self.cfg.online
         until = time.monotonic() + o.round_s
-        while True:
+        while self.server.rollback_to is None:
             ready, dropped = due(self.store, self.rule)
             if len(ready) >= o.round_episodes or (time.monotonic() >= until and len(ready) >= o.min_episodes):
                 break
             time.sleep(0.5)
+        else:
+            return [], [], 0
         ready = ready[:o.round_episodes]
-        served = {version: i for i, version in enumerate(state.promoted)}
-        fresh = [t for t in ready if len(state.promoted) - 1 - served.get(t.policy_version, -10**9)
-                 <= self.cfg.trainer.max_staleness]
+        behind = {version: len(state.lineage) - 1 - i for i, version in enumerate(state.lineage)}
+        fresh = [t for t in ready if behind.get(t.policy_version, 10**9) <= self.cfg.trainer.max_staleness]
         stale = [t.task_id for t in ready if t not in fresh]
         round_group = f"round-{state.step + 1}"
         return [replace(t, group_id=round_group) for t in fresh], dropped + [k for k in stale if k], len(stale)
@@ -183,6 +219,26 @@ class Serving:
         taken: dict[str, float | None] = {key: None for key in dropped}
         taken.update({t.task_id: t.reward for t in trajs if t.task_id})
         self.run.runner.run(self.store.take(taken, round_))  # type: ignore[union-attr]
+
+    def versions(self) -> list[int]:
+        """The weight versions there are to serve: 0 (the starting model) and each one promoted."""
+        promoted = self.out / "promoted"
+        found = [int(p.name[1:]) for p in promoted.iterdir() if p.name[1:].isdigit()] if promoted.is_dir() else []
+        return [0, *sorted(found)]
+
+    def roll_back(self, state: TrainState) -> TrainBackend:
+        """Serve the version an admin asked for again, and a trainer from its weights (a fresh optimizer): the
+        rounds after it train from what serves."""
+        version = self.server.rollback_to
+        assert version is not None
+        path = self.weights(version)
+        self.run.runner.run(self.engine.load_weights(path, version))  # type: ignore[union-attr]
+        state.promoted.append(version)
+        state.lineage = [version]
+        self.server.rollback_to = None
+        self.log({"round": state.step, "candidate": None, "promoted": False, "rollback": version,
+                  "reason": f"an admin rolled back to version {version}"})
+        return make_backend(self.cfg, str(path))
 
     def weights(self, version: int) -> Path:
         """Where promoted ``version``'s weights are (0: the starting model)."""
@@ -199,6 +255,9 @@ class Serving:
         """Append one gate decision to ``OUT/gate.jsonl``."""
         with open(self.out / "gate.jsonl", "a") as f:
             f.write(json.dumps({"time": time.time(), **decision}) + "\n")
+        if "rollback" in decision:
+            log.warning("after round %d: rolled back to version %d", decision["round"], decision["rollback"])
+            return
         verdict = "promoted" if decision["promoted"] else "refused"
         log.warning("round %d: candidate %s %s (%s)", decision["round"], decision["candidate"], verdict,
                     decision.get("reason", ""))

@@ -18,11 +18,8 @@ from generators.engines.base import EngineError
 from generators.engines.factory import EngineConfig, make_engine
 from generators.models import BUNDLED
 from generators.rollout import GeneratorConfig
-from generators.serving.server import Client, PolicyServer, ServingConfig
+from generators.serving.server import ADMIN_KEY_ENV, Client, PolicyServer, ServingConfig
 from generators.serving.store import CallStore
-
-ADMIN_KEY_ENV = "ENVKIT_ADMIN_KEY"
-"""Where the admin key is read from (never the command line, which other processes can read in /proc)."""
 
 _EPILOG = f"""\
 clients file (JSON): a list of {{"name": ..., "key": ..., "capture": true|false}}; a client with

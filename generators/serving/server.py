@@ -49,6 +49,9 @@ VERSION_HEADER = "x-envkit-model-version"
 RESPONSE_HEADER = "x-envkit-response-id"
 """On every response: its id, what feedback names (also the body's ``id``)."""
 
+ADMIN_KEY_ENV = "ENVKIT_ADMIN_KEY"
+"""Where the admin key is read from (never the command line, which other processes can read in /proc)."""
+
 Redactor = Callable[[list[Message]], list[Message]]
 """A redaction hook: a call's messages, the reply last, in; the same messages with what must not be kept removed,
 out. It runs before anything of the call is stored."""
@@ -89,6 +92,9 @@ class ServingConfig:
     client scored in time (:class:`~generators.serving.episodes.RewardRule`). An LLM judge is the usual one."""
     rubric_rate: float = 1.0
     """The share of stored calls the rubric scores."""
+    versions: Callable[[], list[int]] | None = None
+    """The weight versions an admin may roll back to (``POST /v1/admin/rollback``); None: no rollback here. The
+    owner of the engine carries a request out (:attr:`PolicyServer.rollback_to`)."""
 
     def __post_init__(self) -> None:
         for name in ("sample_rate", "rubric_rate"):
@@ -123,6 +129,13 @@ class FeedbackRequest(BaseModel):
         return 1.0 if self.thumbs == "up" else 0.0
 
 
+class RollbackRequest(BaseModel):
+    """``POST /v1/admin/rollback``."""
+
+    model_config = ConfigDict(extra="forbid")
+    version: int = Field(ge=0)
+
+
 @dataclass
 class _Conversation:
     episode: Episode
@@ -153,6 +166,8 @@ class PolicyServer:
         self.engine, self.tokenizer, self.config, self.store = engine, tokenizer, config, store
         self._clients = {c.key: _ClientState(c, Episode(f"history-{c.name}")) for c in config.clients}
         self.active = 0
+        self.rollback_to: int | None = None
+        """The version an admin asked to serve again, until the engine's owner carries it out."""
         self._scoring: set[asyncio.Task[None]] = set()
         self._server: uvicorn.Server | None = None
         self.metrics = _Metrics(self)
@@ -170,6 +185,7 @@ class PolicyServer:
         app.add_api_route("/v1/models", self._models, methods=["GET"])
         app.add_api_route("/v1/feedback", self._feedback, methods=["POST"])
         app.add_api_route("/v1/admin/clients/{name}/data", self._forget, methods=["DELETE"])
+        app.add_api_route("/v1/admin/rollback", self._rollback, methods=["POST"])
         app.add_api_route("/metrics", self.metrics.endpoint, methods=["GET"])
         return app
 
@@ -383,10 +399,29 @@ class PolicyServer:
         self.metrics.feedback.labels("accepted").inc()
         return JSONResponse({"response_id": feedback.response_id, "score": score})
 
+    def _admin(self, request: Request) -> bool:
+        given = _key(request) or ""
+        return self.config.admin_key is not None and secrets.compare_digest(given, self.config.admin_key)
+
+    async def _rollback(self, request: Request) -> Response:
+        """Ask for an earlier weight version to serve again (admin key only): ``{"version": N}``, answered 202; the
+        engine's owner swaps it in (a training run, between its rounds)."""
+        if not self._admin(request):
+            return openai_error(403, "forbidden", "a rollback needs the admin key")
+        try:
+            version = parse(RollbackRequest, await read_json(request)).version
+        except GatewayError as e:
+            return openai_error(e.status, e.code, str(e))
+        known = self.config.versions() if self.config.versions is not None else []
+        if version not in known:
+            return openai_error(404, "version_not_found", f"no weight version {version} to roll back to; known: "
+                                                          f"{known}")
+        self.rollback_to = version
+        return JSONResponse({"version": version, "status": "scheduled"}, status_code=202)
+
     async def _forget(self, name: str, request: Request) -> Response:
         """Delete one client's stored calls and feedback (admin key only)."""
-        given = _key(request) or ""
-        if self.config.admin_key is None or not secrets.compare_digest(given, self.config.admin_key):
+        if not self._admin(request):
             return openai_error(403, "forbidden", "deleting a client's data needs the admin key")
         if self.store is None:
             return JSONResponse({"client": name, "deleted": 0})
