@@ -271,6 +271,33 @@ MUTATIONS = [
         "a policy served as a LoRA adapter is tagged with each new version but the server keeps its first adapter: "
         "every rollout after step 1 comes from the untrained policy",
         needs="vLLM"),
+    Mutation(
+        "serving-opt-out-ignored",
+        "generators/serving/server.py::PolicyServer._answer",
+        "            conversation.captured = False  # its later calls carry this one's text: none of them is kept",
+        "            pass",
+        "tests/test_serving.py::test_calls_are_stored_exactly_with_consent_redacted_first_and_scored_only_by_their_"
+        "client",
+        "a call sent with x-envkit-capture: off is stored like any other: a client's opt-out is ignored",
+        needs="vLLM"),
+    Mutation(
+        "serving-redaction-skipped",
+        "generators/serving/server.py::PolicyServer._capture",
+        "        if self.config.redact is not None:",
+        "        if False:",
+        "tests/test_serving.py::test_calls_are_stored_exactly_with_consent_redacted_first_and_scored_only_by_their_"
+        "client",
+        "the redaction hook never runs: what it should remove is written to the store",
+        needs="vLLM"),
+    Mutation(
+        "serving-feedback-from-anyone",
+        "generators/serving/store.py::CallStore.feedback",
+        "            if owner is None or owner[0] != client:",
+        "            if owner is None:",
+        "tests/test_serving.py::test_calls_are_stored_exactly_with_consent_redacted_first_and_scored_only_by_their_"
+        "client",
+        "feedback on a response is taken from any client's key: anyone can set another client's rewards",
+        needs="vLLM"),
 ]
 
 

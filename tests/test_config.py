@@ -38,7 +38,8 @@ def test_every_shipped_config_composes(option: str) -> None:
 
 
 def test_the_agent_recipe_composes_sft_then_rl_on_compute() -> None:
-    assert sorted(path.stem for path in (CONF / "recipe").glob("*.yaml")) == ["duel", "referential", "tool_agent"]
+    assert sorted(path.stem for path in (CONF / "recipe").glob("*.yaml")) == ["duel", "online", "referential",
+                                                                              "tool_agent"]
     cfg = trainer.compose(["+recipe=tool_agent", "trainer.steps=3"])
     assert cfg.stages == ["sft", "rl"] and cfg.env.name == "compute" and cfg.sft.data == "demos"
     assert cfg.trainer.steps == 3  # the user's overrides still win over the recipe's
@@ -67,6 +68,23 @@ def test_the_seat_recipes_bind_their_seats_and_a_run_with_seats_refuses_what_it_
                                ([], "a run with seats")):
         with pytest.raises(ConfigError, match=re.escape(refused)):
             trainer.compose([*overrides, "model.lora.r=8", "model.lora.serve=adapters"])
+
+
+def test_the_online_recipe_serves_on_a_core_of_its_own_and_the_stage_refuses_what_it_cannot_do() -> None:
+    cfg = trainer.compose(["+recipe=online", "online.clients=clients.json"])
+    assert cfg.stages == ["online"] and cfg.online.rubric == "envkit_arithmetic.rubric:answer"
+    assert (cfg.online.serving_cpu_cores, cfg.inference.cpu_cores) == ("0", "1")
+    assert trainer.compose(["stages=[sft,online]", "online.clients=c.json", "sft.data=demos"]).stages == ["sft",
+                                                                                                         "online"]
+    for overrides, refused in ((["+recipe=online"], "online.clients"),
+                               (["stages=[online,rl]"], "stages=[online] alone or after sft"),
+                               (["placement.backend=ray"], "placement.backend=local"),
+                               (["inference.url=http://127.0.0.1:8000"], "engines it starts (no inference.url)"),
+                               (["online.min_episodes=64"], "online.min_episodes (64) must be <="),
+                               (["online.serving_cpu_cores=x"], "cpu_cores must be auto")):
+        with pytest.raises(ConfigError, match=re.escape(refused)):
+            trainer.compose(["stages=[online]", "online.clients=c.json", *overrides]
+                            if overrides != ["+recipe=online"] else overrides)
 
 
 # compute's opening warms its code sandboxes (code_sandbox=auto): Docker containers where an engine answers

@@ -42,6 +42,12 @@ class LoopThread:
         """Run ``coro`` on the loop and wait for its result."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
+    @property
+    def native_id(self) -> int:
+        """The loop thread's id in the OS (for its scheduling priority)."""
+        assert self._thread.native_id is not None  # started in __init__
+        return self._thread.native_id
+
     def spawn(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Start ``coro`` on the loop without waiting for it (a server that runs until stopped)."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop)

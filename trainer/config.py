@@ -735,8 +735,7 @@ class Config:
             "stages=[online] alone or after sft": self.stages not in (["online"], ["sft", "online"]),
             "placement.backend=local, one rank": self.placement.backend != "local",
             "no seats": bool(self.seats),
-            "a token-in/token-out engine (vllm, sglang or hf): the store keeps token ids":
-                self.inference.engine == "openai" or bool(self.inference.url),
+            "engines it starts (no inference.url): one serves, the other holds the candidate": bool(self.inference.url),
         }
         for what, violated in refused.items():
             if violated:

@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -68,6 +69,7 @@ def train_online(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]
         state = run.resume(backend, total_steps=cfg.trainer.steps, stage="online")
         serving.start(state)
         _leave_cores(cfg.online.serving_cpu_cores)
+        serving.take_priority()
         gate = Gate(cfg, run, serving)
         baseline = gate.held_out()  # the run engine holds the serving weights now
         if not run.checkpoints.all():
@@ -195,24 +197,40 @@ class Serving:
             self._serving.result()  # raises why it did not start
             raise RuntimeError("the policy server did not start")
 
+    def take_priority(self) -> None:
+        """Answering clients comes first: the trainer's threads and the candidate's engine compute at a lower
+        priority (nice 10) than the serving engine and the threads that answer and store calls, so an update or a
+        gate on the same cores does not stall a client's answer."""
+        runner = self.run.runner
+        assert isinstance(runner, LoopThread)
+        serving = {runner.native_id, self.store.writer_id}
+        for task in os.listdir("/proc/self/task"):
+            if int(task) not in serving:
+                with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                    os.setpriority(os.PRIO_PROCESS, int(task), 10)
+        server = getattr(getattr(self.run.engine, "server", None), "process", None)
+        if server is not None:  # a managed server leads a process group of its own
+            os.setpriority(os.PRIO_PGRP, server.pid, 10)
+
     def next_round(self, state: TrainState) -> tuple[list[Trajectory], list[str], int]:
-        """The round's conversations (blocks until enough have their reward), the keys of those dropped unscored,
-        and how many were dropped as stale."""
+        """The round's conversations (blocks until enough have their reward), the keys of those dropped (unscored,
+        or sampled more than ``trainer.max_staleness`` updates before the trainer's weights), and how many of them
+        were stale."""
         o = self.cfg.online
+        behind = {version: len(state.lineage) - 1 - i for i, version in enumerate(state.lineage)}
         until = time.monotonic() + o.round_s
         while self.server.rollback_to is None:
             ready, dropped = due(self.store, self.rule)
-            if len(ready) >= o.round_episodes or (time.monotonic() >= until and len(ready) >= o.min_episodes):
+            fresh = [t for t in ready if behind.get(t.policy_version, 10**9) <= self.cfg.trainer.max_staleness]
+            if len(fresh) >= o.round_episodes or (time.monotonic() >= until and len(fresh) >= o.min_episodes):
                 break
             time.sleep(0.5)
         else:
             return [], [], 0
-        ready = ready[:o.round_episodes]
-        behind = {version: len(state.lineage) - 1 - i for i, version in enumerate(state.lineage)}
-        fresh = [t for t in ready if behind.get(t.policy_version, 10**9) <= self.cfg.trainer.max_staleness]
-        stale = [t.task_id for t in ready if t not in fresh]
-        round_group = f"round-{state.step + 1}"
-        return [replace(t, group_id=round_group) for t in fresh], dropped + [k for k in stale if k], len(stale)
+        kept = {id(t) for t in fresh}
+        stale = [t.task_id for t in ready if id(t) not in kept and t.task_id]
+        fresh = fresh[-o.round_episodes:]  # the newest: traffic faster than the rounds leaves the rest for later
+        return [replace(t, group_id=f"round-{state.step + 1}") for t in fresh], dropped + stale, len(stale)
 
     def take(self, trajs: list[Trajectory], dropped: list[str], round_: int) -> None:
         """Mark the round's conversations taken: trained (with their reward) or dropped."""

@@ -183,6 +183,12 @@ class CallStore:
         self._queue.put(_Write(work, future, alone))
         return await asyncio.wrap_future(future)
 
+    @property
+    def writer_id(self) -> int:
+        """The writer thread's id in the OS (for its scheduling priority)."""
+        assert self._thread.native_id is not None  # started in __init__
+        return self._thread.native_id
+
     def close(self) -> None:
         """Commit what is queued and close; idempotent."""
         if self._thread.is_alive():
