@@ -507,8 +507,9 @@ class OnlineConfig:
     clients: str | None = None
     """The clients file (JSON: ``[{"name", "key", "capture"}]``, as ``envkit serve-policy --clients``); required."""
     host: str = "127.0.0.1"
+    """The address clients call (0.0.0.0: every interface; the engines stay on loopback)."""
     port: int = 8000
-    """Where clients call (0: a free port, printed)."""
+    """The port clients call (0: a free one, printed)."""
     store: str | None = None
     """Where the calls and feedback are kept (default: ``trainer.output_dir/store``)."""
     sample_rate: float = 1.0
@@ -528,6 +529,7 @@ class OnlineConfig:
     round_s: float = 300.0
     """...or this long after the round before, with at least ``min_episodes``."""
     min_episodes: int = 8
+    """The fewest conversations a round trains on once ``round_s`` has passed."""
     settle_s: float = 30.0
     """Feedback counts once its conversation has been quiet this long."""
     deadline_s: float = 120.0
