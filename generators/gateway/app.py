@@ -13,7 +13,7 @@ from envkit import tracing
 from generators.engines.base import EngineError
 from generators.gateway.anthropic import Messages
 from generators.gateway.chat import ChatCompletions, openai_error
-from generators.gateway.dialect import Dialect, GatewayError, read_json
+from generators.gateway.dialect import Dialect, GatewayError, models_list, read_json, request_key
 from generators.gateway.responses import Responses
 
 if TYPE_CHECKING:
@@ -64,8 +64,7 @@ def _models(gateway: Gateway) -> Handler:
             _episode(gateway, request, key)
         except GatewayError as e:
             return openai_error(e.status, e.code, str(e))
-        return JSONResponse({"object": "list", "data": [{"id": gateway.engine.model_name, "object": "model",
-                                                         "created": 0, "owned_by": "envkit"}]})
+        return models_list(gateway.engine.model_name)
 
     return models
 
@@ -74,7 +73,6 @@ def _episode(gateway: Gateway, request: Request, key: str | None) -> Episode:
     """The episode a request calls in: by the key in its path, else its bearer token or ``x-api-key``, on the port
     it came in on."""
     if key is None:
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        key = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key")
+        key = request_key(request)
     server = request.scope.get("server")
     return gateway.episode(key, server[1] if server else None)

@@ -88,6 +88,18 @@ def parse(model: type[_Body], data: Any) -> _Body:
         raise GatewayError(400, "invalid_request", f"{where}: {detail['msg']}" if where else detail["msg"]) from None
 
 
+def request_key(request: Request) -> str | None:
+    """The API key a request carries: its bearer token, else its ``x-api-key`` (Anthropic's SDK sends that)."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key")
+
+
+def models_list(model: str) -> JSONResponse:
+    """``GET /v1/models``'s answer: the one model served."""
+    return JSONResponse({"object": "list", "data": [{"id": model, "object": "model", "created": 0,
+                                                     "owned_by": "envkit"}]})
+
+
 def no_retry(status: int) -> dict[str, str]:
     """The header that keeps the OpenAI and Anthropic SDKs from retrying a refusal (by default they retry 409 and
     429, with back-off: a finished episode's agent would wait seconds to be refused again)."""

@@ -80,8 +80,11 @@ def due(store: CallStore, rule: RewardRule, *, now: float | None = None) -> tupl
     now = time.time() if now is None else now
     scores = store.scores()
     ready, dropped = [], []
-    for episode, last in store.untaken():
-        calls = store.calls(episode=episode)
+    conversations: dict[str, list[StoredCall]] = {}
+    for call in store.calls(untaken=True):  # one read: this is polled while a round waits
+        conversations.setdefault(call.episode, []).append(call)
+    for episode, calls in conversations.items():
+        last = max(c.created for c in calls)
         feedback = [scores[("client", c.response_id)] for c in calls if ("client", c.response_id) in scores]
         rubric = [scores[("rubric", c.response_id)] for c in calls if ("rubric", c.response_id) in scores]
         reward = rule.reward(now - last, feedback, rubric)

@@ -32,7 +32,7 @@ from generators.chat import ChatTokenizer
 from generators.engines.base import EngineError, InferenceEngine
 from generators.gateway.app import DIALECTS
 from generators.gateway.chat import ChatRequest, openai_error, openai_message
-from generators.gateway.dialect import Dialect, GatewayError, parse, read_json
+from generators.gateway.dialect import Dialect, GatewayError, models_list, parse, read_json, request_key
 from generators.gateway.server import KEEP_ALIVE_S, Choice, Episode, Gateway, Limits
 from generators.rollout import Generator, GeneratorConfig
 from generators.serving.store import CallStore, StoredCall
@@ -247,7 +247,7 @@ class PolicyServer:
 
     def _client(self, request: Request) -> _ClientState:
         """The client whose key the request carries (bearer token or ``x-api-key``); 401 for any other."""
-        key = _key(request)
+        key = request_key(request)
         state = self._clients.get(key or "")
         if state is None:
             raise GatewayError(401, "invalid_api_key", "unknown API key")
@@ -380,8 +380,7 @@ class PolicyServer:
             self._client(request)
         except GatewayError as e:
             return openai_error(e.status, e.code, str(e))
-        return JSONResponse({"object": "list", "data": [{"id": self.engine.model_name, "object": "model",
-                                                         "created": 0, "owned_by": "envkit"}]})
+        return models_list(self.engine.model_name)
 
     async def _feedback(self, request: Request) -> Response:
         """A client's score for one of its own responses; any other response id is unknown to it (404)."""
@@ -400,7 +399,7 @@ class PolicyServer:
         return JSONResponse({"response_id": feedback.response_id, "score": score})
 
     def _admin(self, request: Request) -> bool:
-        given = _key(request) or ""
+        given = request_key(request) or ""
         return self.config.admin_key is not None and secrets.compare_digest(given, self.config.admin_key)
 
     async def _rollback(self, request: Request) -> Response:
@@ -426,11 +425,6 @@ class PolicyServer:
         if self.store is None:
             return JSONResponse({"client": name, "deleted": 0})
         return JSONResponse({"client": name, "deleted": await self.store.forget(name)})
-
-
-def _key(request: Request) -> str | None:
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    return token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key")
 
 
 def _trim(responses: dict[str, Any]) -> None:

@@ -234,12 +234,6 @@ class CallStore:
             "INSERT INTO feedback (response_id, client, source, created, score) SELECT response_id, client, "
             "'rubric', ?, ? FROM calls WHERE response_id = ?", (time.time(), score, response_id)))
 
-    def untaken(self) -> list[tuple[str, float]]:
-        """The conversations no round has taken yet, each with its last call's time, oldest first."""
-        with self._reader() as db:
-            return db.execute("SELECT episode, MAX(created) FROM calls WHERE episode NOT IN (SELECT episode FROM "
-                              "taken) GROUP BY episode ORDER BY MIN(seq)").fetchall()
-
     def scores(self) -> dict[tuple[str, str], float]:
         """The latest score of each stored response, by (source, response id): source client or rubric."""
         with self._reader() as db:
@@ -288,15 +282,16 @@ class CallStore:
 
         await self._run(compact, alone=True)
 
-    def calls(self, *, client: str | None = None, episode: str | None = None, after: int = 0) -> list[StoredCall]:
-        """The stored calls (of ``client``, of ``episode``), in the order they were stored, from place ``after``
-        on."""
+    def calls(self, *, client: str | None = None, episode: str | None = None, after: int = 0,
+              untaken: bool = False) -> list[StoredCall]:
+        """The stored calls (of ``client``, of ``episode``; ``untaken``: of conversations no round has taken), in
+        the order they were stored, from place ``after`` on."""
         with self._reader() as db:
             rows = db.execute("SELECT seq, response_id, client, episode, segment, created, model_version, dialect, "
                               "messages, tools, reply, finish, context_ids, reply_ids, logprobs, version_spans, "
                               "redacted FROM calls WHERE seq > ? AND (? IS NULL OR client = ?) AND "
-                              "(? IS NULL OR episode = ?) ORDER BY seq",
-                              (after, client, client, episode, episode)).fetchall()
+                              "(? IS NULL OR episode = ?) AND (NOT ? OR episode NOT IN (SELECT episode FROM taken)) "
+                              "ORDER BY seq", (after, client, client, episode, episode, untaken)).fetchall()
         return [StoredCall(response_id=r[1], client=r[2], episode=r[3], segment=r[4], created=r[5],
                            model_version=r[6], dialect=r[7], messages=json.loads(r[8]),
                            tools=json.loads(r[9]) if r[9] else None, reply=json.loads(r[10]), finish=r[11],
