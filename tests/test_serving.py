@@ -27,9 +27,9 @@ from remote_envs import free_port
 from tiny import env_with_tests, on_tiny_model, tiny_model_dir
 
 from envkit.rewards.rubrics import Check
-from generators.serving import CAPTURE_HEADER, VERSION_HEADER, CallStore, Client, PolicyServer, ServingConfig
 from generators.serving.episodes import RewardRule, assemble, due
-from generators.serving.store import StoredCall
+from generators.serving.server import CAPTURE_HEADER, VERSION_HEADER, Client, PolicyServer, ServingConfig
+from generators.serving.store import CallStore, StoredCall
 from generators.serving.users import User, run_users
 from trainer.online import paired, verdict
 

@@ -20,6 +20,8 @@ from pathlib import Path
 from envkit.rewards.rubrics import Check, EnvReward, Episode, WeightedSum
 from generators.models import bundled_model_dir, cache_dir
 
+SERVER_CORE = str(max(os.sched_getaffinity(0)))
+"""The core the tests' vLLM server of the tiny model computes on (``tiny_vllm``)."""
 VERSION = 3
 """Bump when the shape or the seed changes, so the cached copy is rebuilt."""
 SHAPE = {"num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2,

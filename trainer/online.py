@@ -42,9 +42,10 @@ from generators import Generator, Trajectory
 from generators.engines.factory import make_engine
 from generators.gateway import ChatRequest, Episode, Gateway, Limits
 from generators.gateway.chat import openai_message
-from generators.serving import CallStore, PolicyServer, ServingConfig
+from generators.serving import ADMIN_KEY_ENV
 from generators.serving.episodes import RewardRule, due
-from generators.serving.server import ADMIN_KEY_ENV, Client
+from generators.serving.server import Client, PolicyServer, ServingConfig
+from generators.serving.store import CallStore
 from trainer.async_rollouts import LoopThread
 from trainer.backends import make_backend
 from trainer.backends.base import TrainBackend

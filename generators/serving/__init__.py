@@ -8,10 +8,12 @@ conversation, linked as the gateway links an agent's calls. A call of a consenti
 conversation, not opted out, passes the redaction hook and is written to a :class:`CallStore` (SQLite, fsync'd)
 before its response goes out: an answered call is a stored one. Feedback on a response is taken from the key it was
 served to and no other.
+
+The parts: :mod:`~generators.serving.server` (``PolicyServer``), :mod:`~generators.serving.store` (``CallStore``),
+:mod:`~generators.serving.episodes` (calls into trajectories), :mod:`~generators.serving.users` (simulated users).
+This module imports none of them: ``envkit`` loads the ``serve-policy`` command (:mod:`~generators.serving.cli`) on
+every call, and the server imports torch.
 """
 
-from generators.serving.server import CAPTURE_HEADER, VERSION_HEADER, Client, PolicyServer, Redactor, ServingConfig
-from generators.serving.store import CallStore, Feedback, StoredCall
-
-__all__ = ["CAPTURE_HEADER", "VERSION_HEADER", "CallStore", "Client", "Feedback", "PolicyServer", "Redactor",
-           "ServingConfig", "StoredCall"]
+ADMIN_KEY_ENV = "ENVKIT_ADMIN_KEY"
+"""Where the admin key is read from (never the command line, which other processes can read in /proc)."""

@@ -9,17 +9,19 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
 from envkit.imports import import_ref
 from envkit.rewards.rubrics import load_rubric
 from generators.engines.base import EngineError
-from generators.engines.factory import EngineConfig, make_engine
 from generators.models import BUNDLED
-from generators.rollout import GeneratorConfig
-from generators.serving.server import ADMIN_KEY_ENV, Client, PolicyServer, ServingConfig
+from generators.serving import ADMIN_KEY_ENV
 from generators.serving.store import CallStore
+
+if TYPE_CHECKING:
+    from generators.serving.server import Client, ServingConfig
 
 _EPILOG = f"""\
 clients file (JSON): a list of {{"name": ..., "key": ..., "capture": true|false}}; a client with
@@ -85,6 +87,8 @@ class _InputError(Exception):
 
 
 def _clients(path: Path | None) -> list[Client]:
+    from generators.serving.server import Client
+
     if path is None:
         raise _InputError("--clients FILE is required: the clients and their keys")
     try:
@@ -95,6 +99,8 @@ def _clients(path: Path | None) -> list[Client]:
 
 
 def _serving_config(args: argparse.Namespace) -> ServingConfig:
+    from generators.serving.server import ServingConfig
+
     redact = None
     if args.redact:
         try:
@@ -125,7 +131,10 @@ async def _forget(args: argparse.Namespace, console: Console) -> None:
 
 async def _serve(args: argparse.Namespace, config: ServingConfig, console: Console) -> None:
     from generators.chat import ChatTokenizer
+    from generators.engines.factory import EngineConfig, make_engine
     from generators.models import resolve_model
+    from generators.rollout import GeneratorConfig
+    from generators.serving.server import PolicyServer
 
     try:
         generator = GeneratorConfig(temperature=args.temperature, max_tokens=args.max_tokens,

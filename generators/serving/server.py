@@ -49,9 +49,6 @@ VERSION_HEADER = "x-envkit-model-version"
 RESPONSE_HEADER = "x-envkit-response-id"
 """On every response: its id, what feedback names (also the body's ``id``)."""
 
-ADMIN_KEY_ENV = "ENVKIT_ADMIN_KEY"
-"""Where the admin key is read from (never the command line, which other processes can read in /proc)."""
-
 Redactor = Callable[[list[Message]], list[Message]]
 """A redaction hook: a call's messages, the reply last, in; the same messages with what must not be kept removed,
 out. It runs before anything of the call is stored."""

@@ -54,13 +54,13 @@ class User:
     timeout_s: float = 60.0
 
 
-async def _ask(user: User, url: str, task: dict[str, Any], log: list[dict[str, Any]], t_start: float) -> None:
+async def _ask(user: User, api: Any, http: Any, task: dict[str, Any], log: list[dict[str, Any]],
+               t_start: float) -> None:
     import httpx
     import openai
 
     env = envkit.make(user.env, **dict(user.env_kwargs))
     event: dict[str, Any] = {"user": user.name, "t": time.time() - t_start, "task": task.get("id")}
-    api = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=user.key, max_retries=0, timeout=user.timeout_s)
     t0 = time.perf_counter()
     try:
         messages, _ = await env.reset(task=task)
@@ -73,9 +73,7 @@ async def _ask(user: User, url: str, task: dict[str, Any], log: list[dict[str, A
         score = 1.0 - score if user.invert else score
         event.update(score=score, words=len(text.split()))
         try:
-            async with httpx.AsyncClient(base_url=url, timeout=user.timeout_s) as http:
-                sent = await http.post("/v1/feedback", headers={"authorization": f"Bearer {user.key}"},
-                                       json={"response_id": reply.id, "score": score})
+            sent = await http.post("/v1/feedback", json={"response_id": reply.id, "score": score})
             event["feedback_status"] = sent.status_code
         except httpx.HTTPError as e:  # the call was answered; only its feedback was lost
             event["feedback_status"] = type(e).__name__
@@ -88,11 +86,13 @@ async def _ask(user: User, url: str, task: dict[str, Any], log: list[dict[str, A
     finally:
         event["latency_s"] = time.perf_counter() - t0
         await env.close()
-        await api.close()
         log.append(event)
 
 
 async def _play(user: User, url: str, duration_s: float, out: Path, stop: Any) -> None:
+    import httpx
+    import openai
+
     env = envkit.make(user.env, **dict(user.env_kwargs))
     tasks = list(env.tasks("train") or [])
     await env.close()
@@ -100,12 +100,18 @@ async def _play(user: User, url: str, duration_s: float, out: Path, stop: Any) -
     log: list[dict[str, Any]] = []
     t_start = time.time()
     asks: list[asyncio.Task[None]] = []
-    for i in range(int(duration_s * user.rate)):
-        await asyncio.sleep(max(0.0, t_start + i / user.rate - time.time()))
-        if stop is not None and stop.is_set():
-            break
-        asks.append(asyncio.create_task(_ask(user, url, rng.choice(tasks), log, t_start)))
-    await asyncio.gather(*asks)
+    # one client for the calls and one for feedback, kept as an app keeps them: not a connection and TLS context
+    # made per call
+    async with (openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=user.key, max_retries=0,
+                                   timeout=user.timeout_s) as api,
+                httpx.AsyncClient(base_url=url, timeout=user.timeout_s,
+                                  headers={"authorization": f"Bearer {user.key}"}) as http):
+        for i in range(int(duration_s * user.rate)):
+            await asyncio.sleep(max(0.0, t_start + i / user.rate - time.time()))
+            if stop is not None and stop.is_set():
+                break
+            asks.append(asyncio.create_task(_ask(user, api, http, rng.choice(tasks), log, t_start)))
+        await asyncio.gather(*asks)
     text = "".join(json.dumps({**e, "t_abs": t_start + e["t"]}) + "\n" for e in log)
     await asyncio.to_thread(out.write_text, text)
 
