@@ -43,6 +43,7 @@ from generators.report import (
     EvalSummary,
     describe_rubric,
     describe_tools,
+    pass_rates,
     passed,
     seat_results,
     summarize,
@@ -88,6 +89,8 @@ class EvalConfig:
     pass_threshold: float = 1.0
     out: Path | None = None
     """Output dir; None means ``runs/eval/<env>-<YYYYmmdd-HHMMSS>``."""
+    pass_rates: Path | None = None
+    """Also write each task's rollouts passed and tried here (JSON): the file ``curriculum.pass_rates`` reads."""
     rollout: GeneratorConfig = field(default_factory=_greedy)
     """Samples per task, sampling, turn and time limits: greedy by default, so a checkpoint's pass rate does not
     move between runs."""
@@ -182,6 +185,9 @@ async def run_eval(config: EvalConfig, *, console: Console | None = None
     write_jsonl(trajectories, out / "trajectories.jsonl")
     write_html_report(trajectories, summary, out / "report.html", title=f"envkit eval: {config.env.name}", config=meta)
     _write_json({**summary.to_json(), "config": meta}, out / "summary.json")
+    if config.pass_rates is not None:
+        _write_json({"env": config.env.name, "split": config.split, "pass_threshold": config.pass_threshold,
+                     "tasks": pass_rates(trajectories, config.pass_threshold)}, config.pass_rates)
     return summary, trajectories, out
 
 
@@ -488,6 +494,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help=f"wall-clock limit per rollout (default: {_LIBRARY.timeout_s:g})")
     p.add_argument("--pass-threshold", type=float, default=1.0, metavar="REWARD",
                    help="a rollout passes with reward >= this (default: 1.0)")
+    p.add_argument("--pass-rates", type=Path, metavar="FILE",
+                   help="also write each task's rollouts passed and tried to FILE (JSON): the difficulty profile "
+                        "the trainer's curriculum.pass_rates reads (profile the train split: --split train)")
     p.add_argument("--env-arg", type=_env_arg, action="append", default=[], metavar="KEY=VALUE",
                    help="keyword argument for the env, repeatable; VALUE is parsed as JSON if it can be")
     p.add_argument("--sandbox", choices=("docker", "local", "auto"),
@@ -546,8 +555,8 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
     if args.judge_api_key and not args.judge_url:
         raise EvalInputError("--judge-api-key is for --judge-url (an external judge); a served judge needs none")
     return EvalConfig(env=env, model=args.model or BUNDLED, num_tasks=args.num_tasks, split=args.split,
-                      pass_threshold=args.pass_threshold, out=args.out, rollout=rollout, engine=engine,
-                      judge_model=args.judge_model, judge=judge)
+                      pass_threshold=args.pass_threshold, out=args.out, pass_rates=args.pass_rates, rollout=rollout,
+                      engine=engine, judge_model=args.judge_model, judge=judge)
 
 
 def _has_seats(config: EvalConfig) -> bool:
@@ -578,4 +587,6 @@ def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
         errors.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
         return 2
     print_summary(console, summary, out)
+    if config.pass_rates is not None:
+        console.print(f"pass rates of {summary.n} rollouts by task: {config.pass_rates}", highlight=False)
     return 0

@@ -31,6 +31,16 @@ def passed(trajectory: Trajectory, pass_threshold: float = 1.0) -> bool:
     return not trajectory.failed and trajectory.reward >= pass_threshold
 
 
+def pass_rates(trajectories: list[Trajectory], pass_threshold: float = 1.0) -> dict[str, dict[str, int]]:
+    """Each task's rollouts passed and tried, by its group id (the task's id, or ``seed-N``)."""
+    tasks: dict[str, dict[str, int]] = {}
+    for t in trajectories:
+        row = tasks.setdefault(t.group_id, {"passed": 0, "tried": 0})
+        row["tried"] += 1
+        row["passed"] += passed(t, pass_threshold)
+    return tasks
+
+
 def seat_results(trajectories: list[Trajectory], pass_threshold: float = 1.0) -> dict[str, float]:
     """One seat's rollouts: the share that ``passed`` (``accuracy``), the mean reward of the finished ones over all
     (``reward``), and how many ``failed``."""

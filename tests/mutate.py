@@ -298,6 +298,21 @@ MUTATIONS = [
         "client",
         "feedback on a response is taken from any client's key: anyone can set another client's rewards",
         needs="vLLM"),
+    Mutation(
+        "curriculum-draws-lost-on-resume",
+        "trainer/curriculum.py::Band.load_state",
+        "        self.rng.setstate((version, tuple(inner), gauss))",
+        "        del version, inner, gauss",
+        "tests/test_trainer.py::test_kill_9_then_resume_reproduces_the_next_step",
+        "a resumed run's band sampler starts its draws over: after a crash it trains on other tasks than the run "
+        "it resumes would have"),
+    Mutation(
+        "curriculum-band-ignores-pass-rates",
+        "trainer/curriculum.py::Band.set_aside",
+        "        return \"solved\" if rate > high else \"hopeless\" if rate < low else None",
+        "        return None",
+        "tests/test_curriculum.py::test_the_band_draws_tasks_whose_groups_vary_and_sets_the_solved_and_hopeless_aside",
+        "the band sampler draws solved and hopeless tasks like any other: their flat groups teach nothing"),
 ]
 
 

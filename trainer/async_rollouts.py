@@ -180,6 +180,7 @@ class AsyncRollouts:
     def _launch(self, draw: int, groups: list[_Group]) -> None:
         def completed(i: int, rollouts: list[Trajectory]) -> None:
             groups[i].rollouts = rollouts
+            groups[i].stream.observe(groups[i].start, rollouts)
             self._changed.set()
 
         task = asyncio.create_task(self.generate(groups[0].stream, [g.start for g in groups], completed),

@@ -345,6 +345,48 @@ class SFTConfig:
 
 
 @dataclass
+class CurriculumConfig:
+    """Which train tasks each step draws (trainer/curriculum.py), per env of the run, and the pass rates it keeps.
+    ``band`` draws the tasks whose groups have variance, and sets the solved and the hopeless aside."""
+
+    sampler: str = "uniform"
+    """uniform (every task once per epoch, shuffled), band (tasks with a pass rate inside ``band``, and untried
+    ones), or ``package.module:Class`` (a ``trainer.curriculum.Sampler`` subclass)."""
+    pass_rates: list[str] = field(default_factory=list)
+    """Files ``envkit eval --pass-rates`` wrote (of the train split): the tasks' starting pass rates; else every
+    task starts untried. The run keeps them live from its own rollouts."""
+    pass_threshold: float = 1.0
+    """An episode passes with at least this reward."""
+    window: int = 16
+    """A task's pass rate is over its latest this-many episodes."""
+    band: list[float] = field(default_factory=lambda: [0.1, 0.9])
+    """band: ``[low, high]``: a task tried ``min_tries`` times with a pass rate above high (solved) or below low
+    (hopeless) is set aside."""
+    min_tries: int = 4
+    """band: episodes of a task before its pass rate can set it aside."""
+    retry: float = 0.1
+    """band: the chance that a draw goes to a set-aside task instead (one that became learnable comes back)."""
+    refill: int = 0
+    """Dynamic sampling: up to this many rounds per step that draw one more prompt for each flat group of the round
+    before (its rewards all equal), so more of the step's groups teach something; the extra prompts are logged as
+    ``curriculum/refilled``. Sync mode only."""
+
+    def __post_init__(self) -> None:
+        if self.window < 1 or self.min_tries < 1:
+            raise ConfigError(f"curriculum.window and curriculum.min_tries must be >= 1, got {self.window} and "
+                              f"{self.min_tries}")
+        if len(self.band) != 2 or not 0 <= self.band[0] <= self.band[1] <= 1:
+            raise ConfigError(f"curriculum.band must be [low, high] with 0 <= low <= high <= 1, got {list(self.band)}")
+        if not 0 <= self.retry <= 1:
+            raise ConfigError(f"curriculum.retry must be in [0, 1], got {self.retry}")
+        if self.refill < 0:
+            raise ConfigError(f"curriculum.refill must be >= 0, got {self.refill}")
+        if self.min_tries > self.window:
+            raise ConfigError(f"curriculum.min_tries ({self.min_tries}) cannot exceed curriculum.window "
+                              f"({self.window}): a rate never has that many tries")
+
+
+@dataclass
 class InferenceConfig(EngineConfig):
     """The inference engine the rollouts use (shared with ``envkit eval``; see ``generators/engines/factory.py``)."""
 
@@ -656,6 +698,7 @@ class Config:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     online: OnlineConfig = field(default_factory=OnlineConfig)
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     seats: dict[str, SeatConfig] = field(default_factory=dict)
     """A multi-agent env's seats, each bound to its player (trainer/multi_policy.py); empty for a single-agent env.
     The policies the seats name are trained together, one model each."""
@@ -713,6 +756,9 @@ class Config:
         _checked("weight_sync", lambda: self.weight_sync.check_placement(self.placement.backend))
         if self.seats:
             self._check_seats()
+        if self.curriculum.refill and self.trainer.mode != "sync":
+            raise ConfigError(f"curriculum.refill={self.curriculum.refill} draws again within a step: it needs "
+                              "trainer.mode=sync (async mode fills its steps from groups generated ahead)")
         if "online" in self.stages:
             self._check_online()
         if self.model.lora.serve == "adapters":
@@ -754,6 +800,8 @@ class Config:
             "one env (no env.mixture with seats)": bool(self.env.mixture),
             "no judge (judge.model): a multi-agent env's rewards are its own": self.judge.model is not None,
             "no inference.url: each policy needs an engine of its own": bool(self.inference.url),
+            "curriculum.sampler=uniform and no curriculum.refill (a seat's rewards are not its task's difficulty)":
+                self.curriculum.sampler != "uniform" or bool(self.curriculum.refill),
         }
         for what, violated in refused.items():
             if violated:

@@ -82,7 +82,8 @@ class PolicyRun:
         self.tokenizer = ChatTokenizer.from_pretrained(self.model_path)
         self.runner: asyncio.Runner | LoopThread = LoopThread() if cfg.trainer.mode == "async" else asyncio.Runner()
         placement = Placement(cfg)
-        self.envs = Mixture(cfg.env, seed=cfg.trainer.seed, make_env=placement.make_env)
+        self.envs = Mixture(cfg.env, seed=cfg.trainer.seed, make_env=placement.make_env,
+                            curriculum=cfg.curriculum)
         self.server: VLLMEngine | None = None
         """With ``model.lora.serve`` adapters: the one vLLM server, of the base model and each policy's adapter."""
         if cfg.lora_adapters:

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from envkit import tracing
 from generators import Trajectory
@@ -95,8 +96,9 @@ class SyncSource(RolloutSource):
         self.generator.config = replace(self.generator.config, timeout_s=self.deadline.seconds)
         try:
             # each rollout's trace says the step it is generated for
-            trajs = run.runner.run(tracing.within(run.envs.rollouts(self.generator, run.cfg.generator.prompts_per_step),
-                                                  step=state.step + 1))
+            rollouts = run.envs.rollouts(self.generator, run.cfg.generator.prompts_per_step,
+                                         refill=run.cfg.curriculum.refill)
+            trajs = run.runner.run(tracing.within(rollouts, step=state.step + 1))
         except PartLost as e:
             lost = PartLost(f"step {state.step + 1}: {e}")
             log.error("%s: the run stops (its checkpoints are intact)", lost)  # now, not after the teardown
@@ -112,10 +114,15 @@ class SyncSource(RolloutSource):
             log.warning("step %d: %d of %d rollouts failed and were not trained on; first errors: %s; by env: %s",
                         state.step, batch.counts["failed"], len(trajs), first_errors(failed, limit=3),
                         ", ".join(f"{env} {n}" for env, n in by_env.most_common()))
-        metrics = {**rollout_metrics(trajs, batch, state.policy_version - 1), **metrics,
+        metrics = {**rollout_metrics(trajs, batch, state.policy_version - 1), **metrics, **self.curriculum(),
                    **self.main.placement.metrics(), "rollout/deadline_s": self.generator.config.timeout_s}
         self.main.logger.log_step(state.step, metrics, trajs)
         self.deadline.slowest_s = max(self.deadline.slowest_s, metrics["time/step_s"])
+
+
+    def curriculum(self) -> dict[str, float]:
+        """The samplers' metrics (trainer/curriculum.py)."""
+        return self.main.envs.metrics()
 
 
 class AsyncSource(SyncSource):
@@ -145,6 +152,9 @@ class AsyncSource(SyncSource):
             self.loop.run(self.rollouts.set_version(version))
         return from_memory
 
+    def curriculum(self) -> dict[str, float]:
+        return self.loop.run(_on_loop(self.main.envs.metrics))  # the samplers draw and observe on the loop
+
     def snapshot(self, state: TrainState) -> None:
         # a consistent cut: nothing runs on the loop meanwhile
         state.data, state.pending = self.loop.run(snapshot_state(self.main.envs, self.rollouts))
@@ -161,7 +171,14 @@ def rollout_source(run: Run) -> RolloutSource:
     return AsyncSource(run) if run.cfg.trainer.mode == "async" else SyncSource(run)
 
 
+T = TypeVar("T")
+
+
+async def _on_loop(call: Callable[[], T]) -> T:
+    return call()
+
+
 async def snapshot_state(envs: Mixture, rollouts: AsyncRollouts
-                         ) -> tuple[dict[str, dict[str, int]], list[dict[str, Any]]]:
+                         ) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
     """The data positions and the drawn-but-untrained groups, taken in one go on the event loop."""
     return envs.state(), rollouts.pending()

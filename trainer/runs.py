@@ -145,7 +145,8 @@ class MainRun(Run):
         self.runner = runner or asyncio.Runner()
         self.placement = placement
         self.judge = judge_engine(cfg, self.out, model_path)
-        self.envs = Mixture(cfg.env, seed=cfg.trainer.seed, make_env=placement.make_env)
+        self.envs = Mixture(cfg.env, seed=cfg.trainer.seed, make_env=placement.make_env,
+                            curriculum=cfg.curriculum)
         self.engine = placement.engine(model_path, self.out) if engine else None
         self.generator = Generator(self.engine, tokenizer, cfg.generator) if self.engine is not None else None
 

@@ -23,7 +23,8 @@ from envkit import Env, Task
 from envkit.errors import ResetNeededError
 from envkit.ref import EnvRef, WarmPool
 from generators import Generator, Trajectory
-from trainer.config import ConfigError, EnvConfig, TaskSourceConfig
+from trainer.config import ConfigError, CurriculumConfig, EnvConfig, TaskSourceConfig
+from trainer.curriculum import Sampler, make_sampler
 
 log = logging.getLogger(__name__)
 
@@ -98,16 +99,18 @@ def rows_to_tasks(rows: list[dict[str, Any]], columns: dict[str, str], *, prefix
 
 @dataclass
 class EnvStream:
-    """One env of the run and where its next episodes come from; ``epoch``/``pos``/``drawn`` are its data
-    position (in the checkpoint)."""
+    """One env of the run and where its next episodes come from: its sampler (trainer/curriculum.py) and
+    ``drawn`` are its data position (in the checkpoint)."""
 
     cfg: EnvConfig
     label: str
     train: Sequence[Start] = ()
     eval: Sequence[Start] = ()
-    epoch: int = 0
-    pos: int = 0
-    """Next index into this epoch's order of the train starts."""
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
+    seed: int = 0
+    """Seeds the sampler's draws."""
+    sampler: Sampler | None = None
+    """Which train starts come next (made once they are loaded)."""
     drawn: int = 0
     """Prompts drawn so far (what the mixture's quotas balance)."""
     pool: WarmPool | None = None
@@ -116,7 +119,6 @@ class EnvStream:
     """Whether the env offers the model tools: known once opened where its task lists are read from an env."""
     make_env: Callable[[EnvRef], Env] = EnvRef.make
     """``EnvRef.make`` or the placement's (an env in an env worker)."""
-    _order: tuple[int, list[int]] | None = field(default=None, repr=False)
 
     def make(self, *, here: bool = False) -> Env:
         """A fresh env for one rollout (``here``: in this process, wherever the placement runs envs)."""
@@ -135,6 +137,8 @@ class EnvStream:
         self.train, self.eval = await self._load_starts()
         if not self.train:
             raise ConfigError(f"env {self.label!r} has no training episodes ({self.cfg.train_split} split is empty)")
+        self.sampler = make_sampler(self.curriculum, self.train, self.seed,
+                                    shuffle=self.cfg.tasks.shuffle and not isinstance(self.train, SeedStarts))
         log.info("env %s: %d train and %d eval starts (%s)", self.label, len(self.train), len(self.eval),
                  type(self.train).__name__)
 
@@ -212,44 +216,41 @@ class EnvStream:
         finally:
             await env.close()
 
-    def next_starts(self, k: int, seed: int) -> list[Start]:
-        """The next ``k`` train starts: an order shuffled per epoch (seed, epoch), continuing where the last ended."""
-        chosen: list[Start] = []
-        while len(chosen) < k:
-            order = self._epoch_order(seed)
-            take = order[self.pos:self.pos + k - len(chosen)]
-            chosen.extend(self.train[i] for i in take)
-            self.pos += len(take)
-            if self.pos >= len(self.train):
-                self.epoch, self.pos = self.epoch + 1, 0
+    def next_starts(self, k: int) -> list[Start]:
+        """The next ``k`` train starts, as the sampler draws them."""
+        assert self.sampler is not None, "open() the stream first"
+        chosen = [self.train[i] for i in self.sampler.draw(k)]
         self.drawn += k
         return chosen
 
-    def _epoch_order(self, seed: int) -> list[int] | range:
-        if not self.cfg.tasks.shuffle or isinstance(self.train, SeedStarts):
-            return range(len(self.train))
-        if self._order is None or self._order[0] != self.epoch:
-            order = list(range(len(self.train)))
-            random.Random(seed * 1_000_003 + self.epoch).shuffle(order)
-            self._order = (self.epoch, order)
-        return self._order[1]
+    def observe(self, start: Start, group: list[Trajectory]) -> None:
+        """A completed group of a train start: its finished rollouts' outcomes go to the sampler's pass rates."""
+        if self.sampler is not None:
+            self.sampler.observe(start, [t.reward for t in group if not t.failed])
 
-    def state(self) -> dict[str, int]:
-        """The data position, for the checkpoint."""
-        return {"epoch": self.epoch, "pos": self.pos, "drawn": self.drawn}
+    def state(self) -> dict[str, Any]:
+        """The data position (the sampler's state and the prompts drawn), for the checkpoint."""
+        assert self.sampler is not None
+        return {"drawn": self.drawn, **self.sampler.state()}
 
-    def load_state(self, state: dict[str, int]) -> None:
+    def load_state(self, state: dict[str, Any]) -> None:
         """Continue from a checkpoint's data position."""
-        self.epoch, self.pos, self.drawn = state["epoch"], state["pos"], state["drawn"]
+        assert self.sampler is not None
+        self.drawn = state["drawn"]
+        self.sampler.load_state(state)
 
 
 class Mixture:
     """The envs of a run (``env`` or ``env.mixture``), each step's prompts split among them by weight."""
 
-    def __init__(self, cfg: EnvConfig, *, seed: int, make_env: Callable[[EnvRef], Env] = EnvRef.make) -> None:
-        self.streams = [EnvStream(c, c.display_name, make_env=make_env) for c in cfg.members]
+    def __init__(self, cfg: EnvConfig, *, seed: int, make_env: Callable[[EnvRef], Env] = EnvRef.make,
+                 curriculum: CurriculumConfig | None = None) -> None:
+        self.streams = [EnvStream(c, c.display_name, make_env=make_env, curriculum=curriculum or CurriculumConfig(),
+                                  seed=seed) for c in cfg.members]
         self.weights = [c.weight for c in cfg.members]
         self.seed = seed
+        self.refilled = 0
+        """Prompts drawn again for flat groups (``rollouts(refill=...)``), since the last :meth:`metrics`."""
 
     @property
     def labels(self) -> list[str]:
@@ -283,14 +284,39 @@ class Mixture:
 
     def draw(self, k: int) -> list[tuple[EnvStream, list[Start]]]:
         """The next ``k`` prompts split among the envs by quota: each env that gets some, with its starts."""
-        return [(stream, stream.next_starts(quota, self.seed))
+        return [(stream, stream.next_starts(quota))
                 for stream, quota in zip(self.streams, self.quotas(k), strict=True) if quota]
 
-    async def rollouts(self, generator: Generator, k: int) -> list[Trajectory]:
+    async def rollouts(self, generator: Generator, k: int, *, refill: int = 0) -> list[Trajectory]:
         """The generator's ``samples_per_prompt`` rollouts for each of the next ``k`` prompts, split among the envs
-        by quota."""
-        jobs = [generate_starts(generator, stream, starts) for stream, starts in self.draw(k)]
-        return [t for trajs in await asyncio.gather(*jobs) for t in trajs]
+        by quota; each group's outcomes go to its env's pass rates. ``refill`` rounds draw one more prompt for each
+        flat group (rewards all equal: it teaches nothing) of the round before (dynamic sampling; counted in
+        :attr:`refilled`)."""
+        trajs = await self._generate(generator, k)
+        flat = _flat_groups(trajs)
+        for round_ in range(1, refill + 1):
+            if not flat:
+                break
+            more = await self._generate(generator, flat, tag=f"#refill-{round_}")
+            self.refilled += flat
+            trajs += more
+            flat = _flat_groups(more)
+        return trajs
+
+    async def _generate(self, generator: Generator, k: int, *, tag: str = "") -> list[Trajectory]:
+        jobs = [generate_starts(generator, stream, starts, _observer(stream, starts))
+                for stream, starts in self.draw(k)]
+        trajs = [t for group in await asyncio.gather(*jobs) for t in group]
+        for t in trajs:  # a task drawn again in a refill round is a group of its own
+            t.group_id += tag
+        return trajs
+
+    def metrics(self) -> dict[str, float]:
+        """Each env's sampler's view of its tasks (``curriculum/LABEL/...``): pass rates' spread, set-aside tasks;
+        and the prompts drawn again for flat groups since the last call (``curriculum/refilled``)."""
+        refilled, self.refilled = self.refilled, 0
+        return {"curriculum/refilled": refilled, **{f"curriculum/{s.label}/{k}": v for s in self.streams
+                                                    if s.sampler is not None for k, v in s.sampler.metrics().items()}}
 
     async def eval_rollouts(self, generator: Generator, limit: int) -> list[Trajectory]:
         """The generator's ``samples_per_prompt`` rollouts of each env's first ``limit`` held-out starts."""
@@ -298,17 +324,30 @@ class Mixture:
                 for s in self.streams]
         return [t for trajs in await asyncio.gather(*jobs) for t in trajs]
 
-    def state(self) -> dict[str, dict[str, int]]:
+    def state(self) -> dict[str, dict[str, Any]]:
         """Every env's data position, by label."""
         return {s.label: s.state() for s in self.streams}
 
-    def load_state(self, state: dict[str, dict[str, int]]) -> None:
+    def load_state(self, state: dict[str, dict[str, Any]]) -> None:
         """Restore the data positions of a checkpoint (of a run with the same envs)."""
         if sorted(state) != sorted(self.labels):
             raise ConfigError(f"the checkpoint was written by a run of envs {sorted(state)}, this one trains "
                               f"{sorted(self.labels)}: resume with the same env config")
         for stream in self.streams:
             stream.load_state(state[stream.label])
+
+
+def _flat_groups(trajs: list[Trajectory]) -> int:
+    """Groups whose finished rollouts all got the same reward (or that have none)."""
+    groups: dict[str, list[float]] = {}
+    for t in trajs:
+        groups.setdefault(t.group_id, []).extend(() if t.failed else (t.reward,))
+    return sum(not rewards or max(rewards) == min(rewards) for rewards in groups.values())
+
+
+def _observer(stream: EnvStream, starts: list[Start]) -> Callable[[int, list[Trajectory]], None]:
+    """An ``on_group`` that tells ``stream`` each group of ``starts`` as it completes."""
+    return lambda i, group: stream.observe(starts[i], group)
 
 
 def _listed_tasks(env: Env, split: str) -> list[Task] | None:

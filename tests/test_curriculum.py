@@ -1,0 +1,139 @@
+"""The task samplers (trainer/curriculum.py): the band draws the tasks whose groups vary and sets the solved and the
+hopeless aside, retrying them now and then; pass rates start from ``envkit eval --pass-rates`` files and stay live;
+a sampler's state resumes its draws exactly; a sampler of one's own plugs in by name. Exact resume inside a training
+run is in test_trainer (``test_kill_9_then_resume_reproduces_the_next_step``)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+import trainer
+from trainer.config import ConfigError, CurriculumConfig
+from trainer.curriculum import Band, Sampler, Uniform, make_sampler
+from trainer.sources import Mixture, TaskStarts
+
+TASKS = TaskStarts([{"id": f"t{i}"} for i in range(10)])
+
+
+def _band(**kwargs: object) -> Band:
+    sampler = make_sampler(CurriculumConfig(sampler="band", **kwargs), TASKS, seed=0)  # type: ignore[arg-type]
+    assert isinstance(sampler, Band)
+    return sampler
+
+
+def _play(sampler: Sampler, index: int, passed: int, tried: int = 4) -> None:
+    sampler.observe(TASKS[index], [1.0] * passed + [0.0] * (tried - passed))
+
+
+def test_the_band_draws_tasks_whose_groups_vary_and_sets_the_solved_and_hopeless_aside():
+    band = _band(retry=0.0)
+    for i in range(10):  # 0-2 always solved, 3-5 never, 6-9 half the time
+        _play(band, i, 4 if i < 3 else 0 if i < 6 else 2)
+    drawn = Counter(band.draw(40))
+    assert set(drawn) == {6, 7, 8, 9} and set(drawn.values()) == {10}  # each in-band task as often as the others
+    assert band.metrics() == {"tasks_at_0": 3, "tasks_between": 4, "tasks_at_1": 3, "tasks_untried": 0,
+                              "solved_aside": 3, "hopeless_aside": 3, "retried": 0}
+    _play(band, 3, 4, tried=8)  # a hopeless task that became learnable: 4 passes in the 12 outcomes it has
+    assert 3 in band.draw(40)
+
+
+def test_set_aside_tasks_are_retried_at_the_configured_rate_and_untried_ones_are_drawn():
+    band = _band(retry=0.25)
+    for i in range(5):
+        _play(band, i, 4)  # solved; 5-9 untried: drawn until tried min_tries times
+    drawn = [i for _ in range(100) for i in band.draw(4)]  # 100 steps of 4 prompts
+    retried = sum(i < 5 for i in drawn)
+    assert 60 < retried < 140 and band.metrics()["retried"] == retried  # 100 expected of 400
+    assert band.metrics()["retried"] == 0  # counted per step: the metrics read it out
+    assert all(len(set(band.draw(4))) == 4 for _ in range(50))  # never the same task twice in a step
+    assert _band(retry=0.0, min_tries=8).set_aside("t0") is None  # untried
+    everything = _band(retry=0.0)
+    for i in range(10):
+        _play(everything, i, 4)
+    assert sorted(everything.draw(12)[:10]) == list(range(10))  # all solved: each retried before any twice
+    assert everything.metrics()["retried"] == 12
+
+
+def test_a_sampler_resumed_from_its_state_draws_what_the_original_draws_next():
+    for make in (lambda: _band(), lambda: make_sampler(CurriculumConfig(), TASKS, seed=3)):
+        original = make()
+        for step in range(7):
+            for i in original.draw(3):
+                _play(original, i, step % 5)
+        resumed = make()
+        resumed.load_state(json.loads(json.dumps(original.state())))  # as it comes back from state.json
+        assert resumed.draw(12) == original.draw(12)
+        assert resumed.metrics() == original.metrics()
+    assert isinstance(make(), Uniform)
+
+
+def test_pass_rates_start_from_an_eval_file_and_a_file_of_other_tasks_is_refused(tmp_path: Path):
+    profile = tmp_path / "rates.json"
+    profile.write_text(json.dumps({"env": "x", "split": "train", "pass_threshold": 1.0, "tasks": {
+        "t0": {"passed": 8, "tried": 8}, "t1": {"passed": 0, "tried": 8}, "t2": {"passed": 3, "tried": 8}}}))
+    band = _band(pass_rates=[str(profile)], retry=0.0)
+    assert band.set_aside("t0") == "solved" and band.set_aside("t1") == "hopeless" and band.set_aside("t2") is None
+    assert not {0, 1} & set(band.draw(20))
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"tasks": {"test-1-0": {"passed": 1, "tried": 1}}}))
+    with pytest.raises(ConfigError, match=r"name none of this env's 10 train tasks: profile the split it trains on"):
+        _band(pass_rates=[str(other)])
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ConfigError, match=r"curriculum\.pass_rates: cannot read"):
+        _band(pass_rates=[str(tmp_path / "bad.json")])
+
+
+class Reversed(Sampler):
+    """A sampler of one's own: the train tasks from the last."""
+
+    def draw(self, k: int) -> list[int]:
+        return [len(self.starts) - 1 - i % len(self.starts) for i in range(k)]
+
+
+def test_a_sampler_of_ones_own_plugs_in_by_name_and_bad_names_or_settings_are_refused():
+    assert make_sampler(CurriculumConfig(sampler=f"{__name__}:Reversed"), TASKS, seed=0).draw(3) == [9, 8, 7]
+    with pytest.raises(ConfigError, match=r"is not a trainer.curriculum.Sampler subclass"):
+        make_sampler(CurriculumConfig(sampler="json:loads"), TASKS, seed=0)
+    with pytest.raises(ConfigError, match=r"curriculum.sampler='nowhere:Thing': ModuleNotFoundError"):
+        make_sampler(CurriculumConfig(sampler="nowhere:Thing"), TASKS, seed=0)
+    for override, message in (("curriculum.band=[0.9,0.1]", r"curriculum.band must be \[low, high\]"),
+                              ("curriculum.retry=2", r"curriculum.retry must be in \[0, 1\]"),
+                              ("curriculum.min_tries=20", r"min_tries \(20\) cannot exceed curriculum.window")):
+        with pytest.raises(ConfigError, match=message):
+            trainer.compose([override])
+
+
+async def test_refill_draws_a_prompt_again_for_each_flat_group_and_counts_what_it_cost():
+    """Dynamic sampling on real rollouts: the tiny model never answers an arithmetic problem right, so the env's
+    own grade makes every group flat, and each refill round draws one more prompt per flat group (tasks the band
+    set aside as hopeless are not drawn again). With a reward that varies (tiny:graded), nothing is drawn again."""
+    from tiny import tiny_model_dir
+
+    from generators import ChatTokenizer, Generator, GeneratorConfig
+    from generators.engines.hf import HFEngine
+
+    band = CurriculumConfig(sampler="band", min_tries=2, retry=0.0)
+    async with HFEngine(tiny_model_dir()) as engine:
+        generator = Generator(engine, ChatTokenizer.from_pretrained(tiny_model_dir()),
+                              GeneratorConfig(samples_per_prompt=2, max_tokens=4, seed=1))
+        results = {}
+        for rubric in ("env", "tiny:graded"):
+            kwargs = [] if rubric == "env" else [f"+env.kwargs.rubric={rubric}"]
+            mixture = Mixture(trainer.compose(kwargs).env, seed=0, curriculum=band)
+            await mixture.open(pool_size=1)
+            try:
+                results[rubric] = (await mixture.rollouts(generator, 2, refill=2), mixture.metrics())
+            finally:
+                await mixture.close()
+    trajs, metrics = results["env"]
+    groups = Counter(t.group_id for t in trajs)
+    assert len(groups) == 6 and set(groups.values()) == {2} and all(t.reward == 0 for t in trajs)
+    assert sum("#refill-1" in g for g in groups) == sum("#refill-2" in g for g in groups) == 2
+    assert len({t.task_id for t in trajs}) == 6  # a task set aside as hopeless is not drawn again
+    assert metrics["curriculum/refilled"] == 4 and metrics["curriculum/arithmetic/hopeless_aside"] == 6
+    trajs, metrics = results["tiny:graded"]
+    assert len({t.group_id for t in trajs}) == 2 and metrics["curriculum/refilled"] == 0

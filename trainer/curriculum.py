@@ -1,0 +1,247 @@
+"""Which train tasks each step draws (``curriculum.sampler``), and each task's pass rate as the run sees it.
+
+    PassRates   per task, its latest outcomes (passed: reward >= curriculum.pass_threshold), at most
+                curriculum.window of them; seeded from files ``envkit eval --pass-rates`` wrote, kept live from
+                the run's own rollouts
+    Sampler     one class: ``draw(k)`` gives indices into the env's train starts, ``observe`` takes a group's
+                rewards, ``state``/``load_state`` go into the checkpoint (resume draws what the run would have)
+    uniform     every task once per epoch, in an order shuffled per epoch (seed, epoch): the default
+    band        tasks whose pass rate is inside curriculum.band, and tasks not yet tried curriculum.min_tries times;
+                a task solved (above the band) or hopeless (below it) is set aside, and each draw retries a set-aside
+                task with probability curriculum.retry, so one that became learnable comes back
+
+A group whose rewards are all equal teaches GRPO nothing: the band keeps drawing the tasks whose groups vary. A
+sampler of your own is ``curriculum.sampler=package.module:Class``, a :class:`Sampler` subclass.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from envkit.imports import import_ref
+from trainer.config import ConfigError, CurriculumConfig
+
+if TYPE_CHECKING:
+    from trainer.sources import Start
+
+
+def start_key(start: Start, index: int) -> str:
+    """A train start's name in pass rates: its task's id (what ``envkit eval`` names it by), ``seed-N``, or
+    ``task-I`` by its place in the train list."""
+    task, seed = start
+    if task is not None:
+        return str(task.get("id", f"task-{index}"))
+    return f"seed-{seed}"
+
+
+class PassRates:
+    """Each task's latest outcomes (1 passed, 0 not), at most ``window`` of them."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.outcomes: dict[str, deque[int]] = {}
+
+    def add(self, key: str, passed: Sequence[bool]) -> None:
+        """Record one group's outcomes for ``key``."""
+        self.outcomes.setdefault(key, deque(maxlen=self.window)).extend(int(p) for p in passed)
+
+    def tried(self, key: str) -> int:
+        """Outcomes known for ``key`` (up to the window)."""
+        return len(self.outcomes.get(key, ()))
+
+    def rate(self, key: str) -> float | None:
+        """The share passed of ``key``'s latest outcomes; None before any."""
+        seen = self.outcomes.get(key)
+        return sum(seen) / len(seen) if seen else None
+
+    def seed_from(self, path: str | Path) -> int:
+        """Start from a pass-rates file (``envkit eval --pass-rates``): each task's rate as that many passes of its
+        tries (up to the window); returns how many tasks it named."""
+        try:
+            tasks = json.loads(Path(path).read_text())["tasks"]
+            for key, row in tasks.items():
+                tried = min(int(row["tried"]), self.window)
+                passed = round(int(row["passed"]) / int(row["tried"]) * tried) if tried else 0
+                self.outcomes[key] = deque([1] * passed + [0] * (tried - passed), maxlen=self.window)
+        except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError) as e:
+            raise ConfigError(f"curriculum.pass_rates: cannot read {path}: {type(e).__name__}: {e}") from None
+        return len(tasks)
+
+    def state(self) -> dict[str, list[int]]:
+        """The outcomes, for the checkpoint."""
+        return {key: list(seen) for key, seen in self.outcomes.items()}
+
+    def load_state(self, state: dict[str, list[int]]) -> None:
+        """Continue from a checkpoint's outcomes."""
+        self.outcomes = {key: deque(seen, maxlen=self.window) for key, seen in state.items()}
+
+
+class Sampler:
+    """Draws an env's train starts for each step, told each group's outcome as it completes."""
+
+    def __init__(self, starts: Sequence[Start], cfg: CurriculumConfig, seed: int) -> None:
+        self.starts, self.cfg, self.seed = starts, cfg, seed
+        self.rates = PassRates(cfg.window)
+        for path in cfg.pass_rates:
+            self.rates.seed_from(path)
+
+    def draw(self, k: int) -> list[int]:
+        """The indices of the next ``k`` train starts."""
+        raise NotImplementedError
+
+    def key(self, i: int) -> str:
+        """Train start ``i``'s name in the pass rates."""
+        return start_key(self.starts[i], i)
+
+    def observe(self, start: Start, rewards: Sequence[float]) -> None:
+        """One completed group of ``start`` (a train start): its finished rollouts' rewards."""
+        task, _ = start
+        if task is not None and "id" not in task:  # named by its place in the list
+            key = next((self.key(i) for i, (listed, _) in enumerate(self.starts) if listed is task), None)
+        else:
+            key = start_key(start, -1)
+        if key is not None:
+            self.rates.add(key, [r >= self.cfg.pass_threshold for r in rewards])
+
+    def state(self) -> dict[str, Any]:
+        """Everything the next draws depend on, for the checkpoint (JSON)."""
+        return {"rates": self.rates.state()}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's :meth:`state`."""
+        self.rates.load_state(state.get("rates", {}))
+
+    def metrics(self) -> dict[str, float]:
+        """The pass rates' spread over the tasks tried: how many are at 0, in between and at 1, and how many are
+        untried."""
+        rates = [r for key in self.rates.outcomes if (r := self.rates.rate(key)) is not None]
+        return {"tasks_at_0": sum(r == 0 for r in rates), "tasks_between": sum(0 < r < 1 for r in rates),
+                "tasks_at_1": sum(r == 1 for r in rates), "tasks_untried": max(0, len(self.starts) - len(rates))}
+
+
+class Uniform(Sampler):
+    """Every task once per epoch, in an order shuffled per epoch (``seed``, epoch); seeds in order."""
+
+    def __init__(self, starts: Sequence[Start], cfg: CurriculumConfig, seed: int, *, shuffle: bool = True) -> None:
+        super().__init__(starts, cfg, seed)
+        self.shuffle = shuffle
+        self.epoch = self.pos = 0
+        self._order: tuple[int, list[int]] | None = None
+
+    def draw(self, k: int) -> list[int]:
+        chosen: list[int] = []
+        while len(chosen) < k:
+            order = self._epoch_order()
+            take = order[self.pos:self.pos + k - len(chosen)]
+            chosen.extend(take)
+            self.pos += len(take)
+            if self.pos >= len(self.starts):
+                self.epoch, self.pos = self.epoch + 1, 0
+        return chosen
+
+    def _epoch_order(self) -> Sequence[int]:
+        if not self.shuffle:
+            return range(len(self.starts))
+        if self._order is None or self._order[0] != self.epoch:
+            order = list(range(len(self.starts)))
+            random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
+            self._order = (self.epoch, order)
+        return self._order[1]
+
+    def state(self) -> dict[str, Any]:
+        return {**super().state(), "epoch": self.epoch, "pos": self.pos}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        super().load_state(state)
+        self.epoch, self.pos = state["epoch"], state["pos"]
+
+
+BAND_LIMIT = 100_000
+"""The most train tasks the band sampler weighs."""
+
+
+class Band(Sampler):
+    """The tasks whose pass rate gives a group variance; the solved and the hopeless set aside, retried now and
+    then."""
+
+    def __init__(self, starts: Sequence[Start], cfg: CurriculumConfig, seed: int, *, shuffle: bool = True) -> None:
+        super().__init__(starts, cfg, seed)
+        if len(starts) > BAND_LIMIT:
+            raise ConfigError(f"curriculum.sampler=band weighs every train task at each draw: {len(starts)} is too "
+                              f"many (at most {BAND_LIMIT}; for a seeded env, narrow env.tasks.train_seeds)")
+        self.keys = [self.key(i) for i in range(len(starts))]
+        if cfg.pass_rates and not any(key in self.rates.outcomes for key in self.keys):
+            raise ConfigError(f"curriculum.pass_rates {list(cfg.pass_rates)} name none of this env's {len(starts)} "
+                              "train tasks: profile the split it trains on (envkit eval NAME --split train "
+                              "--pass-rates FILE)")
+        self.rng = random.Random(seed)
+        self.retried = 0
+        """Draws of a set-aside task, since the last metrics."""
+
+    def set_aside(self, key: str) -> str | None:
+        """Why ``key`` is set aside (solved or hopeless), or None while it is drawn."""
+        rate = self.rates.rate(key)
+        if rate is None or self.rates.tried(key) < self.cfg.min_tries:
+            return None
+        low, high = self.cfg.band
+        return "solved" if rate > high else "hopeless" if rate < low else None
+
+    def draw(self, k: int) -> list[int]:
+        active = [i for i, key in enumerate(self.keys) if self.set_aside(key) is None]
+        aside = [i for i, key in enumerate(self.keys) if self.set_aside(key) is not None]
+        every = active or list(aside)  # with every task set aside, all of them are retried
+        chosen: list[int] = []
+        pool: list[int] = []
+        for _ in range(k):
+            if aside and (not active or self.rng.random() < self.cfg.retry):
+                chosen.append(aside.pop(self.rng.randrange(len(aside))))
+                self.retried += 1
+                continue
+            if not pool:  # each task once before any twice
+                pool = [i for i in every if i not in chosen] or list(every)
+                self.rng.shuffle(pool)
+            chosen.append(pool.pop())
+            self.retried += not active
+        return chosen
+
+    def state(self) -> dict[str, Any]:
+        rng = self.rng.getstate()
+        return {**super().state(), "rng": [rng[0], list(rng[1]), rng[2]], "retried": self.retried}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        super().load_state(state)
+        version, inner, gauss = state["rng"]
+        self.rng.setstate((version, tuple(inner), gauss))
+        self.retried = state["retried"]
+
+    def metrics(self) -> dict[str, float]:
+        rates = [self.rates.rate(key) for key in self.keys]
+        reasons = [self.set_aside(key) for key in self.keys]
+        retried, self.retried = self.retried, 0
+        return {"tasks_at_0": rates.count(0.0), "tasks_between": sum(r is not None and 0 < r < 1 for r in rates),
+                "tasks_at_1": rates.count(1.0), "tasks_untried": rates.count(None),
+                "solved_aside": reasons.count("solved"), "hopeless_aside": reasons.count("hopeless"),
+                "retried": retried}
+
+
+SAMPLERS: dict[str, type[Sampler]] = {"uniform": Uniform, "band": Band}
+"""The built-in samplers, by their ``curriculum.sampler`` name."""
+
+
+def make_sampler(cfg: CurriculumConfig, starts: Sequence[Start], seed: int, *, shuffle: bool = True) -> Sampler:
+    """The configured sampler over ``starts`` (built-in by name, or ``module:Class``)."""
+    if cfg.sampler in SAMPLERS:
+        return SAMPLERS[cfg.sampler](starts, cfg, seed, shuffle=shuffle)  # type: ignore[call-arg]
+    try:
+        cls = import_ref(cfg.sampler)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError(f"curriculum.sampler={cfg.sampler!r}: {type(e).__name__}: {e}") from None
+    if not (isinstance(cls, type) and issubclass(cls, Sampler)):
+        raise ConfigError(f"curriculum.sampler={cfg.sampler!r} is not a trainer.curriculum.Sampler subclass")
+    return cls(starts, cfg, seed)
+
