@@ -184,7 +184,9 @@ def test_trains_on_every_kind_of_env_at_once(tiny_url, docker_client, arithmetic
     assert all(t["num_turns"] == 8 and t["stop_reason"] == "max_turns" for t in trained["openenv"])
     # the gym env is drawn by seed: seeds 0 and 1, in order, one a step; replies it cannot read end an episode
     state = json.loads((out / "checkpoints" / "step-000002" / "state.json").read_text())
-    assert state["data"]["gym"] == {"epoch": 0, "pos": 2, "drawn": 2}
+    gym = state["data"]["gym"]
+    assert {k: gym[k] for k in ("epoch", "pos", "drawn")} == {"epoch": 0, "pos": 2, "drawn": 2}
+    assert sorted(gym["rates"]) == ["seed-0", "seed-1"] and all(len(v) == 4 for v in gym["rates"].values())
     assert all(t["stop_reason"] == "done" for t in trained["gym"]), trained["gym"]
     assert all(t["num_turns"] > 1 for t in trained["guess"])  # wrong guesses get hints and another turn
     assert all(t["num_turns"] <= 4 for t in trained["ta"])  # 2 guesses, each after at most one rejected reply
