@@ -169,7 +169,7 @@ class Band(Sampler):
     """The tasks whose pass rate gives a group variance; the solved and the hopeless set aside, retried now and
     then."""
 
-    def __init__(self, starts: Sequence[Start], cfg: CurriculumConfig, seed: int, *, shuffle: bool = True) -> None:
+    def __init__(self, starts: Sequence[Start], cfg: CurriculumConfig, seed: int) -> None:
         super().__init__(starts, cfg, seed)
         if len(starts) > BAND_LIMIT:
             raise ConfigError(f"curriculum.sampler=band weighs every train task at each draw: {len(starts)} is too "
@@ -234,9 +234,12 @@ SAMPLERS: dict[str, type[Sampler]] = {"uniform": Uniform, "band": Band}
 
 
 def make_sampler(cfg: CurriculumConfig, starts: Sequence[Start], seed: int, *, shuffle: bool = True) -> Sampler:
-    """The configured sampler over ``starts`` (built-in by name, or ``module:Class``)."""
+    """The configured sampler over ``starts`` (built-in by name, or ``module:Class``); ``shuffle`` is uniform's
+    (``env.tasks.shuffle``; seeds are drawn in order)."""
+    if cfg.sampler == "uniform":
+        return Uniform(starts, cfg, seed, shuffle=shuffle)
     if cfg.sampler in SAMPLERS:
-        return SAMPLERS[cfg.sampler](starts, cfg, seed, shuffle=shuffle)  # type: ignore[call-arg]
+        return SAMPLERS[cfg.sampler](starts, cfg, seed)
     try:
         cls = import_ref(cfg.sampler)
     except (ImportError, AttributeError, ValueError) as e:
