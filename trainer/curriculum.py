@@ -192,8 +192,9 @@ class Band(Sampler):
         return "solved" if rate > high else "hopeless" if rate < low else None
 
     def draw(self, k: int) -> list[int]:
-        active = [i for i, key in enumerate(self.keys) if self.set_aside(key) is None]
-        aside = [i for i, key in enumerate(self.keys) if self.set_aside(key) is not None]
+        reasons = [self.set_aside(key) for key in self.keys]
+        active = [i for i, reason in enumerate(reasons) if reason is None]
+        aside = [i for i, reason in enumerate(reasons) if reason is not None]
         every = active or list(aside)  # with every task set aside, all of them are retried
         chosen: list[int] = []
         pool: list[int] = []

@@ -46,6 +46,7 @@ from trainer.distributed import all_reduce_values, broadcast_from_rank0, max_ove
 from trainer.placement import make_placement
 from trainer.rollout_source import rollout_source
 from trainer.runs import open_run
+from trainer.sources import flat_groups
 
 
 @dataclass
@@ -107,10 +108,7 @@ def prepare_batch(trajs: list[Trajectory], cfg: Config) -> StepBatch:
     counts = Counter(failed=sum(t.failed for t in trajs))
     kept = [t for t in trajs if not t.failed and t.response_ids]
     if cfg.algorithm.filter_zero_variance_groups:
-        by_group: dict[str, list[float]] = {}
-        for t in kept:
-            by_group.setdefault(t.group_id, []).append(t.reward)
-        flat = {g for g, rewards in by_group.items() if max(rewards) == min(rewards)}
+        flat = flat_groups(kept)
         counts["zero_variance_groups"] = len(flat)
         kept = [t for t in kept if t.group_id not in flat]
     group_index = {g: i for i, g in enumerate(dict.fromkeys(t.group_id for t in kept))}

@@ -293,14 +293,14 @@ class Mixture:
         flat group (rewards all equal: it teaches nothing) of the round before (dynamic sampling; counted in
         :attr:`refilled`)."""
         trajs = await self._generate(generator, k)
-        flat = _flat_groups(trajs)
+        flat = len(flat_groups(trajs))
         for round_ in range(1, refill + 1):
             if not flat:
                 break
             more = await self._generate(generator, flat, tag=f"#refill-{round_}")
             self.refilled += flat
             trajs += more
-            flat = _flat_groups(more)
+            flat = len(flat_groups(more))
         return trajs
 
     async def _generate(self, generator: Generator, k: int, *, tag: str = "") -> list[Trajectory]:
@@ -337,12 +337,12 @@ class Mixture:
             stream.load_state(state[stream.label])
 
 
-def _flat_groups(trajs: list[Trajectory]) -> int:
-    """Groups whose finished rollouts all got the same reward (or that have none)."""
+def flat_groups(trajs: list[Trajectory]) -> set[str]:
+    """The groups whose finished rollouts all got the same reward, or that have none: they teach GRPO nothing."""
     groups: dict[str, list[float]] = {}
     for t in trajs:
         groups.setdefault(t.group_id, []).extend(() if t.failed else (t.reward,))
-    return sum(not rewards or max(rewards) == min(rewards) for rewards in groups.values())
+    return {g for g, rewards in groups.items() if not rewards or max(rewards) == min(rewards)}
 
 
 def _observer(stream: EnvStream, starts: list[Start]) -> Callable[[int, list[Trajectory]], None]:
