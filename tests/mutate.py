@@ -313,6 +313,22 @@ MUTATIONS = [
         "        return None",
         "tests/test_curriculum.py::test_the_band_draws_tasks_whose_groups_vary_and_sets_the_solved_and_hopeless_aside",
         "the band sampler draws solved and hopeless tasks like any other: their flat groups teach nothing"),
+    Mutation(
+        "distill-ignores-the-teacher",
+        "trainer/distill.py::token_advantages",
+        "    return distill.reward_weight * env - distill.kl_weight * kl, kl",
+        "    return distill.reward_weight * env, kl",
+        "tests/test_distill.py::test_distillation_trains_on_the_teachers_kl_and_on_groups_rl_drops_as_flat",
+        "distillation logs the teacher's KL but trains on the env's reward alone: the student never moves toward "
+        "its teacher"),
+    Mutation(
+        "distill-tokenizer-unchecked",
+        "trainer/distill.py::check_tokenizers",
+        "    _refuse(differences, name)",
+        "    _refuse([], name)",
+        "tests/test_distill.py::test_a_teacher_with_another_tokenizer_fails_at_start_with_a_clear_message",
+        "a teacher with another vocabulary or chat template is accepted: its logprobs score other tokens than the "
+        "student sampled"),
 ]
 
 

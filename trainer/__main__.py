@@ -40,6 +40,9 @@ def main(raw: DictConfig) -> None:
     except RunFailed as e:
         print(f"run failed: {e}", file=sys.stderr)
         sys.exit(1)
+    except ConfigError as e:  # found once the run could look: a profile of other tasks, a teacher's tokenizer
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
     except KeyboardInterrupt:
         if terminated:
             sys.exit(exit_status())

@@ -31,7 +31,7 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and the fix."""
 
 
-STAGES = ("sft", "rl", "online")
+STAGES = ("sft", "rl", "distill", "online")
 SFT_DATA = ("demos", "trajectories", "chat")
 TASK_SOURCES = ("auto", "env", "seeds", "dataset")
 SANDBOXES = ("docker", "local", "auto")
@@ -387,6 +387,28 @@ class CurriculumConfig:
 
 
 @dataclass
+class DistillConfig:
+    """On-policy distillation (``stages=[distill]``; trainer/distill.py): the policy samples on the env's tasks and
+    learns each sampled token's log-probability under a teacher, alone or with the env's reward."""
+
+    teacher: str | None = None
+    """The teacher: an HF checkpoint dir, a run's output dir (its final weights), or the URL of a vLLM server
+    (``http://host:port``) that returns prompt logprobs. It must share the policy's tokenizer."""
+    teacher_model: str | None = None
+    """The served model's name at a teacher URL (default: the server's only model)."""
+    kl_weight: float = 1.0
+    """Weight of the teacher's signal: each sampled token's advantage gains ``kl_weight × (log p_teacher − log
+    p_policy)``, so the update lowers the reverse KL(policy ‖ teacher) on the policy's own samples."""
+    reward_weight: float = 0.0
+    """Weight of the env reward's advantage (``algorithm.advantage``) added to every token's (0: the teacher alone)."""
+
+    def __post_init__(self) -> None:
+        if self.kl_weight < 0 or self.reward_weight < 0 or self.kl_weight + self.reward_weight == 0:
+            raise ConfigError(f"distill.kl_weight and distill.reward_weight must be >= 0 and not both 0, got "
+                              f"{self.kl_weight} and {self.reward_weight}")
+
+
+@dataclass
 class InferenceConfig(EngineConfig):
     """The inference engine the rollouts use (shared with ``envkit eval``; see ``generators/engines/factory.py``)."""
 
@@ -699,6 +721,7 @@ class Config:
     sft: SFTConfig = field(default_factory=SFTConfig)
     online: OnlineConfig = field(default_factory=OnlineConfig)
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     seats: dict[str, SeatConfig] = field(default_factory=dict)
     """A multi-agent env's seats, each bound to its player (trainer/multi_policy.py); empty for a single-agent env.
     The policies the seats name are trained together, one model each."""
@@ -736,7 +759,7 @@ class Config:
             raise ConfigError("the sft stage runs with placement.backend=local (torchrun for more ranks); "
                               "drop placement.backend=ray or the sft stage")
         batch = self.generator.batch_size
-        rl = "rl" in self.stages  # the sft stage has no rollout batch and no groups
+        rl = bool({"rl", "distill"} & set(self.stages))  # the sft stage has no rollout batch and no groups
         if rl and (self.mini_batch_size > batch or batch % self.mini_batch_size):
             raise ConfigError(
                 f"trainer.mini_batch_size={self.mini_batch_size} must divide the rollout batch "
@@ -761,6 +784,8 @@ class Config:
                               "trainer.mode=sync (async mode fills its steps from groups generated ahead)")
         if "online" in self.stages:
             self._check_online()
+        if "distill" in self.stages:
+            self._check_distill()
         if self.model.lora.serve == "adapters":
             refused = {
                 "model.lora.r > 0": not self.model.lora.enabled,
@@ -788,6 +813,21 @@ class Config:
         for what, violated in refused.items():
             if violated:
                 raise ConfigError(f"the online stage needs {what}")
+
+    def _check_distill(self) -> None:
+        """What a distillation stage needs, said before anything starts."""
+        teacher = self.distill.teacher
+        refused = {
+            "distill.teacher (a checkpoint dir, a run's output dir or a vLLM server's URL)": not teacher,
+            "generator.temperature=1 with a teacher URL: a server's prompt logprobs are at temperature 1":
+                bool(teacher) and str(teacher).startswith(("http://", "https://"))
+                and self.generator.temperature != 1.0,
+            "algorithm.advantage other than gae (the teacher's signal is the per-token advantage)":
+                self.algorithm.critic,
+        }
+        for what, violated in refused.items():
+            if violated:
+                raise ConfigError(f"the distill stage needs {what}")
 
     def _check_seats(self) -> None:
         """What a run of several policies supports yet; the rest refused by name."""

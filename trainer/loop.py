@@ -13,6 +13,8 @@
         optimizer step
     weights v(step+1) → engine                                             broadcast from memory, or a checkpoint
 
+``stages=[distill]`` runs this loop with a teacher's per-token signal in the advantages (trainer/distill.py).
+
 The rollouts come from a source picked once (trainer/rollout_source.py): rank 0's generates them each step
 (``trainer.mode=sync``), or while the step before trains, at most ``trainer.max_staleness`` weight versions behind
 (``async``); ranks above 0 receive rank 0's. The step reads the same in every mode and on every rank.
@@ -42,10 +44,11 @@ from trainer.backends import make_backend
 from trainer.backends.base import Batch, TrainBackend
 from trainer.batching import micro_batches, mini_batch_order, stack_rows, to_padded
 from trainer.config import Config
+from trainer.distill import Teacher, open_teacher, token_advantages
 from trainer.distributed import all_reduce_values, broadcast_from_rank0, max_over_ranks
 from trainer.placement import make_placement
 from trainer.rollout_source import rollout_source
-from trainer.runs import open_run
+from trainer.runs import MainRun, open_run
 from trainer.sources import flat_groups
 
 
@@ -56,18 +59,24 @@ class StepBatch:
     trajectories: list[Trajectory]
     advantages: torch.Tensor  # (B,); zeros with a critic, whose advantages are per token
     counts: dict[str, int] = field(default_factory=dict)
+    teacher_logprobs: dict[int, torch.Tensor] | None = None
+    """Distillation: the teacher's logprob of each trajectory's model tokens (trainer/distill.py)."""
 
 
-def train(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]:
+def train(cfg: Config, *, evaluate_before: bool = True, stage: str = "rl") -> dict[str, Any]:
     """Run ``cfg.trainer.steps`` training steps; returns the final metrics (held-out accuracy before/after) and the
     final weights' dir. ``evaluate_before=False`` skips the evaluation of the initial policy (a later stage's, which
-    the stage before it evaluated last)."""
+    the stage before it evaluated last). ``stage="distill"`` learns from ``cfg.distill.teacher``."""
     run = open_run(cfg, placement=make_placement, runner=LoopThread if cfg.trainer.mode == "async" else asyncio.Runner)
     source = rollout_source(run)
+    teacher: Teacher | None = None
     try:
+        distill = stage == "distill"
+        if distill and isinstance(run, MainRun):  # before anything starts: a teacher of other tokens fails here
+            teacher = open_teacher(cfg, run.tokenizer)
         backend = make_backend(cfg, run.model_path)
         run.start()
-        state = run.resume(backend, total_steps=cfg.trainer.steps, stage="rl")
+        state = run.resume(backend, total_steps=cfg.trainer.steps, stage=stage)
         results = run.results_before(state, evaluate_before=evaluate_before)
         source.start(state)
         while state.step < cfg.trainer.steps:
@@ -75,8 +84,11 @@ def train(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]:
             trajs, stale = source.next(state)
             trajs = broadcast_from_rank0(trajs)  # ranks > 0 get rank 0's rollouts
             t1 = time.perf_counter()
-            batch = prepare_batch(trajs, cfg)
+            batch = prepare_batch(trajs, cfg, keep_flat=distill)
             batch.counts["stale_dropped"] = stale
+            if distill:  # rank 0 holds the teacher
+                batch.teacher_logprobs = broadcast_from_rank0(teacher.logprobs(batch.trajectories) if teacher else None)
+            t_teacher = time.perf_counter() - t1
             with tracing.span("update", root=True, step=state.step + 1, rollouts=len(trajs)):
                 train_metrics = update_policy(backend, batch, cfg, run.tokenizer.pad_id)
             t2 = time.perf_counter()
@@ -88,7 +100,8 @@ def train(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]:
             # before and logs the step again (the last row of a step counts); the other way round, a run killed
             # there would resume past a step whose metrics were never written.
             source.log_step(state, trajs, batch, {
-                **train_metrics, "time/generate_s": t1 - t0, "time/train_s": t2 - t1, "time/sync_s": t3 - t2,
+                **train_metrics, "time/generate_s": t1 - t0, "time/train_s": t2 - t1 - t_teacher,
+                **({"time/teacher_s": t_teacher} if distill else {}), "time/sync_s": t3 - t2,
                 "weights/from_memory": float(from_memory), "time/step_s": time.perf_counter() - t_step})
             if run.due(state, last=state.step == cfg.trainer.steps):
                 source.snapshot(state)
@@ -103,14 +116,15 @@ def train(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------- the update
 
 
-def prepare_batch(trajs: list[Trajectory], cfg: Config) -> StepBatch:
-    """Drop failed rollouts and (optionally) zero-variance groups; compute one advantage per rollout."""
+def prepare_batch(trajs: list[Trajectory], cfg: Config, *, keep_flat: bool = False) -> StepBatch:
+    """Drop failed rollouts and (optionally) zero-variance groups, which are counted but kept with ``keep_flat``
+    (distillation: the teacher grades them); compute one advantage per rollout."""
     counts = Counter(failed=sum(t.failed for t in trajs))
     kept = [t for t in trajs if not t.failed and t.response_ids]
     if cfg.algorithm.filter_zero_variance_groups:
         flat = flat_groups(kept)
         counts["zero_variance_groups"] = len(flat)
-        kept = [t for t in kept if t.group_id not in flat]
+        kept = [t for t in kept if keep_flat or t.group_id not in flat]
     group_index = {g: i for i, g in enumerate(dict.fromkeys(t.group_id for t in kept))}
     rewards = torch.tensor([t.reward for t in kept], dtype=torch.float32)  # (B,)
     groups = torch.tensor([group_index[t.group_id] for t in kept], dtype=torch.long)  # (B,)
@@ -159,8 +173,12 @@ def update_policy(backend: TrainBackend, batch: StepBatch, cfg: Config, pad_id: 
                 old = logprobs.detach() if before is None else stack_rows(before["logprobs"], rows, logprobs.shape)
                 adv_tok = (batch.advantages[rows][:, None].expand_as(logprobs) if targets is None
                            else stack_rows(targets["advantages"], rows, logprobs.shape))
-                loss_tok, diag = policy_loss(logprobs, old, adv_tok, mask)
                 share = _share(mask, totals, cfg) * weight
+                if batch.teacher_logprobs is not None:
+                    adv_tok, kl = token_advantages(adv_tok, stack_rows(batch.teacher_logprobs, rows, logprobs.shape),
+                                                   mb["rollout_logprobs"], mask, cfg.distill)
+                    _accumulate(weighted, "distill/teacher_kl", algo.masked_mean(kl, mask), share)
+                loss_tok, diag = policy_loss(logprobs, old, adv_tok, mask)
                 if a.tis_cap is not None:  # correct for sampler/trainer logprob mismatch (vLLM bf16 vs ours)
                     loss_tok = loss_tok * algo.tis_weights(old, mb["rollout_logprobs"], cap=a.tis_cap)
                 if a.kl_coef > 0:

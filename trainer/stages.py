@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import gc
 import io
 import json
@@ -33,7 +34,9 @@ from trainer.online import train_online
 from trainer.report import Phase, RunRecord, write_run_report
 from trainer.sft import train_sft
 
-RUNS: dict[str, Callable[..., dict[str, Any]]] = {"sft": train_sft, "rl": train, "online": train_online}
+RUNS: dict[str, Callable[..., dict[str, Any]]] = {"sft": train_sft, "rl": train,
+                                                  "distill": functools.partial(train, stage="distill"),
+                                                  "online": train_online}
 """What runs each stage (``config.STAGES`` names them): ``run(cfg, evaluate_before=...) -> results``, built on
 trainer/runs.py. A new stage is a module with such a function, and a line here and in ``config.STAGES``."""
 

@@ -1,0 +1,198 @@
+"""Uniform sampling, the band curriculum and on-policy distillation on arithmetic level 3, at equal wall time.
+
+    python examples/curriculum/compare.py --out runs/cmp                      # every arm, seeds 0 and 1
+    python examples/curriculum/compare.py --out runs/cmp --arms uniform band  # the curriculum alone
+    python examples/curriculum/compare.py --out runs/cmp --report             # the table and plot of what ran
+
+Arms (each ``python -m trainer`` on the same env, model and settings; runs that finished are not run again):
+
+    uniform   RL from scratch, tasks in shuffled order (the default)
+    band      RL from scratch, curriculum.sampler=band from a train-split profile (``envkit eval --pass-rates``,
+              made once in OUT/train-rates.json; its cost is printed, as it is paid once per task set)
+    distill   stages=[distill] from the fresh model, the teacher ``--teacher`` (default: uniform seed 0's final
+              weights, so run that arm first); ``--distill-samples`` per prompt (default 4: distillation needs no
+              groups to compare, and each token carries its own signal)
+
+Each run evaluates the first ``--eval-tasks`` test tasks every 10 steps, ``--eval-samples`` samples each at
+temperature 1; the evaluation's wall time is taken from the run's start, so engine start-up (and the teacher's
+load) counts. "Hard" test tasks are those whose starting pass rate, pooled over every run's step-0 evaluation,
+is 5-30%. The report prints flat groups per step and held-out accuracy (all tasks, hard ones) against wall time
+per run, the wall time at which each run first reached 90% of the teacher's final held-out accuracy (interpolated
+between evaluations), and writes OUT/compare.json, OUT/compare-curriculum.png and OUT/compare-distill.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ENV = ["+env.kwargs.level=3", "+env.kwargs.num_train=300"]
+ARMS = ("uniform", "band", "distill")
+HARD = (0.05, 0.30)
+COLORS = {"uniform": "tab:gray", "band": "tab:blue", "distill": "tab:green"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("runs/compare"))
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    parser.add_argument("--steps", type=int, default=60, help="RL steps per run (default: 60)")
+    parser.add_argument("--distill-steps", type=int, default=30, help="distillation steps per run (default: 30)")
+    parser.add_argument("--distill-samples", type=int, default=4, help="distill's samples per prompt (default: 4)")
+    parser.add_argument("--teacher", help="distill's teacher (default: OUT/uniform-0, its final weights)")
+    parser.add_argument("--eval-tasks", type=int, default=200)
+    parser.add_argument("--eval-samples", type=int, default=2)
+    parser.add_argument("--report", action="store_true", help="only report the runs in OUT")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not args.report:
+        for seed in args.seeds:
+            for arm in args.arms:
+                run_arm(args, arm, seed)
+    report(args.out, Path(args.teacher) if args.teacher else args.out / "uniform-0")
+
+
+def run_arm(args: argparse.Namespace, arm: str, seed: int) -> None:
+    """One ``python -m trainer`` run, its start and end times beside it; skipped if it finished before."""
+    out = args.out / f"{arm}-{seed}"
+    if (out / "summary.json").is_file():
+        return
+    extra: list[str] = []
+    steps = args.steps
+    if arm == "band":
+        extra = ["curriculum.sampler=band", f"curriculum.pass_rates=[{profile(args.out)}]"]
+    elif arm == "distill":
+        extra = ["stages=[distill]", f"distill.teacher={args.teacher or args.out / 'uniform-0'}",
+                 f"generator.samples_per_prompt={args.distill_samples}"]
+        steps = args.distill_steps
+    command = [sys.executable, "-m", "trainer", *ENV, f"trainer.seed={seed}", f"trainer.steps={steps}",
+               "trainer.eval_every=10", f"trainer.eval_tasks={args.eval_tasks}",
+               f"trainer.eval_samples={args.eval_samples}", "trainer.eval_greedy=false", "trainer.save_every=1000",
+               f"trainer.output_dir={out}", "logging.progress=false", *extra]
+    print(f"{arm} seed {seed}: {' '.join(command[1:])}", flush=True)
+    (args.out / f"{arm}-{seed}.start").write_text(str(time.time()))
+    with (args.out / f"{arm}-{seed}.log").open("w") as log:
+        subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=True)
+    (args.out / f"{arm}-{seed}.end").write_text(str(time.time()))
+
+
+def profile(out: Path) -> Path:
+    """The train split's pass rates at the start (4 samples per task at temperature 1), made once."""
+    rates = out / "train-rates.json"
+    if not rates.is_file():
+        start = time.time()
+        subprocess.run(["envkit", "eval", "arithmetic", "--env-arg", "level=3", "--env-arg", "num_train=300",
+                        "--split", "train", "-n", "300", "--samples", "4", "--temperature", "1",
+                        "--pass-rates", str(rates), "--out", str(out / "profile")], check=True)
+        print(f"train-split profile: {time.time() - start:.0f} s (paid once per task set)")
+    return rates
+
+
+def report(out: Path, teacher: Path) -> None:
+    """Flat groups per step and held-out accuracy against wall time for every run in ``out``, and when each first
+    reached 90% of the ``teacher`` run's final accuracy; the plot."""
+    runs = sorted(p for p in out.iterdir() if p.is_dir() and (p / "evals").is_dir() and p.name.split("-")[0] in ARMS)
+    start: dict[str, list[bool]] = {}
+    for run in runs:
+        for t in _rollouts(run / "evals" / "step-000000.jsonl"):
+            start.setdefault(t["task_id"], []).append(t["reward"] >= 1.0)
+    rates = {task: sum(v) / len(v) for task, v in start.items()}
+    hard = {task for task, rate in rates.items() if HARD[0] <= rate <= HARD[1]}
+    print(f"{len(rates)} test tasks, starting pass rate {statistics.mean(rates.values()):.3f} "
+          f"({len(next(iter(start.values())))} samples each, pooled); hard (5-30%): {len(hard)}")
+    finals = sorted((teacher / "evals").glob("step-*.jsonl"))
+    target = 0.9 * _passed(_rollouts(finals[-1])) if finals else None
+    if target is not None:
+        print(f"teacher {teacher}: final held-out accuracy {target / 0.9:.3f}; 90% of it: {target:.3f}")
+    summary = {"hard_tasks": sorted(hard), "target": target, "runs": {}}
+    for run in runs:
+        t0 = float((out / f"{run.name}.start").read_text())
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        steps = list({r["step"]: r for r in rows if "reward/mean" in r}.values())
+        flat = [r.get("rollout/zero_variance_groups", 0) for r in steps]
+        evals = []
+        for file in sorted((run / "evals").glob("step-*.jsonl")):
+            trajs = _rollouts(file)
+            evals.append({"step": int(file.stem[5:]), "wall_s": round(file.stat().st_mtime - t0),
+                          "accuracy": _passed(trajs), "hard_accuracy": _passed([t for t in trajs
+                                                                                 if t["task_id"] in hard])})
+        reached = _reached(evals, target) if target is not None else None
+        summary["runs"][run.name] = {"flat_groups_per_step": flat, "evals": evals, "reached_target_s": reached}
+        print(f"{run.name}: {len(steps)} steps, flat groups per step {statistics.mean(flat):.2f}, "
+              f"90% of the teacher at {'never' if reached is None else f'{reached:.0f} s'}")
+        for e in evals:
+            print(f"  step {e['step']:3d}  {e['wall_s']:5d} s  all {e['accuracy']:.3f}  hard {e['hard_accuracy']:.3f}")
+    (out / "compare.json").write_text(json.dumps(summary, indent=1) + "\n")
+    plot(summary, len(hard), out)
+
+
+def plot(summary: dict, hard: int, out: Path) -> None:
+    """OUT/compare-curriculum.png (uniform and band: hard-task accuracy against wall time, flat groups per step) and
+    OUT/compare-distill.png (uniform and distill: accuracy against wall time, and 90% of the teacher's)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figures = {"curriculum": (("uniform", "band"), ("hard_accuracy", "flat")),
+               "distill": (("uniform", "distill"), ("accuracy",))}
+    for name, (arms, panels) in figures.items():
+        fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.8), squeeze=False)
+        for run_name, run in summary["runs"].items():
+            arm, seed = run_name.split("-")
+            if arm not in arms:
+                continue
+            style = {"color": COLORS[arm], "linestyle": "-" if seed == "0" else "--", "label": f"{arm}, seed {seed}"}
+            minutes = [e["wall_s"] / 60 for e in run["evals"]]
+            for ax, panel in zip(axes[0], panels, strict=True):
+                if panel == "flat":
+                    flat = run["flat_groups_per_step"]
+                    ax.plot(range(1, len(flat) + 1), flat, **style)
+                else:
+                    ax.plot(minutes, [e[panel] for e in run["evals"]], marker="o", **style)
+        for ax, panel in zip(axes[0], panels, strict=True):
+            if panel == "flat":
+                ax.set_xlabel("step")
+                ax.set_ylabel("flat groups per step")
+            else:
+                ax.set_xlabel("wall time (min, engine start-up included)")
+                ax.set_ylabel(f"held-out accuracy, {hard} hard tasks" if panel == "hard_accuracy"
+                              else "held-out accuracy, all tasks")
+            if panel == "accuracy" and summary["target"] is not None:
+                ax.axhline(summary["target"], color="black", linewidth=0.8, linestyle=":",
+                           label="90% of the teacher's")
+            ax.grid(alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / f"compare-{name}.png", dpi=90)
+        plt.close(fig)
+        print(f"plot: {out / f'compare-{name}.png'}")
+
+
+def _reached(evals: list[dict], target: float) -> float | None:
+    """The wall time at which held-out accuracy first reached ``target``, linear between evaluations."""
+    for before, after in itertools.pairwise(evals):
+        if after["accuracy"] >= target > before["accuracy"]:
+            share = (target - before["accuracy"]) / (after["accuracy"] - before["accuracy"])
+            return before["wall_s"] + share * (after["wall_s"] - before["wall_s"])
+    return None
+
+
+def _rollouts(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def _passed(trajs: list[dict]) -> float:
+    return round(sum(t["reward"] >= 1.0 for t in trajs) / max(1, len(trajs)), 3)
+
+
+if __name__ == "__main__":
+    main()

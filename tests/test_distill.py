@@ -1,0 +1,150 @@
+"""On-policy distillation (``stages=[distill]``, trainer/distill.py): a teacher with another tokenizer is refused
+at start; a run trains on the teacher's per-token KL, on groups RL would drop as flat; a vLLM server's prompt
+logprobs score the policy's tokens as the checkpoint does here."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tiny import env_with_tests, on_tiny_model, tiny_model_dir
+from weights import changed_tensors
+
+import trainer
+from generators import ChatTokenizer, Trajectory
+from trainer.config import ConfigError
+from trainer.distill import LocalTeacher, ServedTeacher, check_served_tokenizer, check_tokenizers, teacher_checkpoint
+
+REPO = Path(__file__).resolve().parent.parent
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+def _teacher(out: Path) -> Path:
+    """A teacher the tiny policy can learn in a few steps: the tiny model with its final norm doubled, so its
+    next-token distributions are the policy's at half the temperature (sharper, its tokens' logprobs differ)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir(), dtype=torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(2.0)
+    model.save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (tiny_model_dir() / name).is_file():
+            shutil.copy(tiny_model_dir() / name, out / name)
+    return out
+
+
+def _retokenized(out: Path, *, extra_token: bool = False, template: bool = False) -> Path:
+    """The tiny model's weights with a tokenizer made here: one special token more, or another chat template."""
+    from transformers import AutoTokenizer
+
+    shutil.copytree(tiny_model_dir(), out, ignore=shutil.ignore_patterns(*TOKENIZER_FILES))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir())
+    if extra_token:
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<|teacher|>"]})
+    if template:
+        tokenizer.chat_template = tokenizer.chat_template.replace("<|im_start|>", "<|im_start|> ")
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def _trainer(*overrides: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "trainer", *overrides], capture_output=True, text=True, cwd=REPO,
+                          timeout=timeout, env=env_with_tests())
+
+
+def test_a_teacher_with_another_tokenizer_fails_at_start_with_a_clear_message(tmp_path: Path):
+    policy = ChatTokenizer.from_pretrained(tiny_model_dir())
+    check_tokenizers(policy, ChatTokenizer.from_pretrained(_teacher(tmp_path / "same")), "same")  # control: passes
+    for name, kwargs, message in (("vocab", {"extra_token": True}, r"vocabularies differ \(49152 vs 49153 tokens"),
+                                  ("template", {"template": True}, "chat templates differ")):
+        other = ChatTokenizer.from_pretrained(_retokenized(tmp_path / name, **kwargs))
+        with pytest.raises(ConfigError, match=message):
+            check_tokenizers(policy, other, name)
+    # a run's output dir names its final weights; a dir with none is refused by name
+    run = tmp_path / "run"
+    (run / "weights").mkdir(parents=True)
+    (tmp_path / "same").rename(run / "weights" / "v12")
+    assert teacher_checkpoint(str(run)) == str((run / "weights" / "v12").resolve())
+    with pytest.raises(ConfigError, match="neither a checkpoint dir"):
+        teacher_checkpoint(str(tmp_path))
+    for overrides, message in ((["stages=[distill]"], "needs distill.teacher"),
+                               (["stages=[distill]", "distill.teacher=http://127.0.0.1:1", "generator.temperature=0.7"],
+                                "prompt logprobs are at temperature 1"),
+                               (["stages=[distill]", "distill.teacher=x", "distill.kl_weight=0"], "not both 0")):
+        with pytest.raises(ConfigError, match=message):
+            trainer.compose(overrides)
+    # from the front door: refused before the policy is loaded or an engine started
+    out = tmp_path / "out"
+    result = _trainer("stages=[distill]", f"distill.teacher={tmp_path / 'vocab'}", *on_tiny_model(),
+                      f"trainer.output_dir={out}", timeout=180)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "config error: distill.teacher=" in result.stderr
+    assert "does not share the policy's tokenizer" in result.stderr
+    assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
+
+
+@pytest.mark.e2e
+def test_distillation_trains_on_the_teachers_kl_and_on_groups_rl_drops_as_flat(tmp_path: Path):
+    """The tiny model never answers arithmetic right, so every group is flat under the env's own grade: RL would
+    skip every update. Distillation trains on all of them, on the loss whose advantage is the teacher's
+    ``log p_teacher − log p_policy``: with one update per batch (ratio 1) that loss is the mean reverse KL per
+    token, sign included. That the student moves toward its teacher is measured on the bundled model
+    (docs/training/distillation.md): the tiny one's near-uniform replies learn nothing in a few steps."""
+    teacher = _teacher(tmp_path / "teacher")
+    out = tmp_path / "out"
+    result = _trainer("stages=[distill]", f"distill.teacher={teacher}", *on_tiny_model(), "trainer.steps=3",
+                      "+env.kwargs.followups=1",  # two model turns, the env's between them: masked as in RL
+                      "generator.prompts_per_step=2", "generator.samples_per_prompt=4", "generator.max_tokens=16",
+                      "trainer.eval_tasks=0", "logging.progress=false", f"trainer.output_dir={out}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward/mean" in r]
+    assert len(steps) == 3
+    assert all(r["reward/mean"] == 0 and r["rollout/zero_variance_groups"] == 2 for r in steps)  # all flat
+    assert all(r["rollout/turns"] == 2 for r in steps)
+    assert all(r["rollout/trained"] == 8 and r["train/grad_norm"] > 0 for r in steps)  # and all trained
+    for r in steps:  # the sampler's and the trainer's logprobs differ a little (TIS weights near 1)
+        assert r["distill/teacher_kl"] > 0.5 and r["train/loss"] == pytest.approx(r["distill/teacher_kl"], rel=0.05)
+        assert r["time/teacher_s"] > 0
+    assert changed_tensors(tiny_model_dir(), out / "weights" / "v3") > 0
+
+
+@pytest.mark.vllm
+async def test_a_served_teacher_scores_the_policys_tokens_as_the_checkpoint_does(tiny_url: str, tmp_path: Path):
+    """vLLM's prompt logprobs of a multi-turn rollout's model tokens (env tokens between them) against the same
+    checkpoint's forward pass here; and the served tokenizer check, which refuses a policy of other tokens."""
+    tokenizer = ChatTokenizer.from_pretrained(tiny_model_dir())
+    prompt = tokenizer.render([{"role": "user", "content": "What is 3 + 5?"}])
+    model = tokenizer.tokenizer.encode("The answer is 8.", add_special_tokens=False)
+    env = tokenizer.tokenizer.encode("<|im_end|>\n<|im_start|>user\nNow add 2.<|im_end|>\n<|im_start|>assistant\n",
+                                     add_special_tokens=False)
+    response = [*model, *env, *model[:3]]
+    mask = [1] * len(model) + [0] * len(env) + [1] * 3
+    trajs = [Trajectory(prompt_ids=prompt, response_ids=response, loss_mask=mask,
+                        rollout_logprobs=[0.0] * len(response)),
+             Trajectory(prompt_ids=prompt[:-2], response_ids=model, loss_mask=[1] * len(model),
+                        rollout_logprobs=[0.0] * len(model))]
+    served = await asyncio.to_thread(ServedTeacher, tiny_url, None)
+    await asyncio.to_thread(check_served_tokenizer, tokenizer, served)
+    remote = await asyncio.to_thread(served.logprobs, trajs)
+    local = LocalTeacher(str(tiny_model_dir()), temperature=1.0, pad_id=tokenizer.pad_id, budget=4096).logprobs(trajs)
+    for i, t in enumerate(trajs):
+        on = [len(t.prompt_ids) + j for j, m in enumerate(t.loss_mask) if m]
+        off = [p for p in range(len(t.prompt_ids) + len(t.response_ids)) if p not in on]
+        assert remote[i].shape == local[i].shape == (len(t.prompt_ids) + len(t.response_ids),)
+        assert (remote[i][off] == 0).all() and (local[i][off] == 0).all()
+        assert (local[i][on] < 0).all()
+        # vLLM computes in bf16: about 1% of a logprob's size apart; one token out of place is nats apart
+        torch.testing.assert_close(remote[i][on], local[i][on], rtol=0.03, atol=0.05)
+        assert (remote[i][on][1:] - local[i][on][:-1]).abs().max() > 1.0
+    other = ChatTokenizer.from_pretrained(_retokenized(tmp_path / "other", template=True))
+    with pytest.raises(ConfigError, match="renders a probe chat to other token ids"):
+        await asyncio.to_thread(check_served_tokenizer, other, served)
