@@ -97,7 +97,12 @@ class ServedTeacher(Teacher):
         return list(response.json()["tokens"])
 
     def logprobs(self, trajectories: list[Trajectory]) -> dict[int, torch.Tensor]:
-        return asyncio.run(self._all(trajectories))
+        # A loop of its own, never made the thread's current one: the run's runner keeps its own.
+        loop = asyncio.new_event_loop()
+        try:
+            return loop.run_until_complete(self._all(trajectories))
+        finally:
+            loop.close()
 
     async def _all(self, trajectories: list[Trajectory]) -> dict[int, torch.Tensor]:
         limit = asyncio.Semaphore(self.concurrency)
