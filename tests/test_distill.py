@@ -25,9 +25,9 @@ REPO = Path(__file__).resolve().parent.parent
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 
-def _teacher(out: Path) -> Path:
-    """A teacher the tiny policy can learn in a few steps: the tiny model with its final norm doubled, so its
-    next-token distributions are the policy's at half the temperature (sharper, its tokens' logprobs differ)."""
+def _sharpened(out: Path) -> Path:
+    """The tiny model with its final norm doubled: its next-token distributions are the tiny model's at half the
+    temperature, so each model's logprobs of the other's tokens differ everywhere."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -62,7 +62,7 @@ def _trainer(*overrides: str, timeout: float = 600) -> subprocess.CompletedProce
 
 def test_a_teacher_with_another_tokenizer_fails_at_start_with_a_clear_message(tmp_path: Path):
     policy = ChatTokenizer.from_pretrained(tiny_model_dir())
-    check_tokenizers(policy, ChatTokenizer.from_pretrained(_teacher(tmp_path / "same")), "same")  # control: passes
+    check_tokenizers(policy, ChatTokenizer.from_pretrained(_sharpened(tmp_path / "same")), "same")  # control: passes
     for name, kwargs, message in (("vocab", {"extra_token": True}, r"vocabularies differ \(49152 vs 49153 tokens"),
                                   ("template", {"template": True}, "chat templates differ")):
         other = ChatTokenizer.from_pretrained(_retokenized(tmp_path / name, **kwargs))
@@ -91,16 +91,13 @@ def test_a_teacher_with_another_tokenizer_fails_at_start_with_a_clear_message(tm
     assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
 
 
-@pytest.mark.e2e
-def test_distillation_trains_on_the_teachers_kl_and_on_groups_rl_drops_as_flat(tmp_path: Path):
-    """The tiny model never answers arithmetic right, so every group is flat under the env's own grade: RL would
-    skip every update. Distillation trains on all of them, on the loss whose advantage is the teacher's
-    ``log p_teacher − log p_policy``: with one update per batch (ratio 1) that loss is the mean reverse KL per
-    token, sign included. That the student moves toward its teacher is measured on the bundled model
-    (docs/training/distillation.md): the tiny one's near-uniform replies learn nothing in a few steps."""
-    teacher = _teacher(tmp_path / "teacher")
-    out = tmp_path / "out"
-    result = _trainer("stages=[distill]", f"distill.teacher={teacher}", *on_tiny_model(), "trainer.steps=3",
+def _distill(out: Path, student: Path, teacher: str) -> None:
+    """Three distillation steps of ``student`` from ``teacher`` through the front door, on two-turn episodes, and
+    what every step must show: all groups flat under the env's own grade (the tiny models never answer arithmetic
+    right, so RL would skip every update), all of them trained, on a loss that is the mean reverse KL per token
+    (the advantage is ``log p_teacher − log p_policy``; with one update per batch the ratio is 1), sign included."""
+    result = _trainer("stages=[distill]", f"distill.teacher={teacher}", "inference.engine=hf", f"model.path={student}",
+                      "generator.seed=7", "trainer.steps=3",
                       "+env.kwargs.followups=1",  # two model turns, the env's between them: masked as in RL
                       "generator.prompts_per_step=2", "generator.samples_per_prompt=4", "generator.max_tokens=16",
                       "trainer.eval_tasks=0", "logging.progress=false", f"trainer.output_dir={out}")
@@ -114,13 +111,22 @@ def test_distillation_trains_on_the_teachers_kl_and_on_groups_rl_drops_as_flat(t
     for r in steps:  # the sampler's and the trainer's logprobs differ a little (TIS weights near 1)
         assert r["distill/teacher_kl"] > 0.5 and r["train/loss"] == pytest.approx(r["distill/teacher_kl"], rel=0.05)
         assert r["time/teacher_s"] > 0
-    assert changed_tensors(tiny_model_dir(), out / "weights" / "v3") > 0
+    assert changed_tensors(student, out / "weights" / "v3") > 0
+
+
+@pytest.mark.e2e
+def test_distillation_trains_on_the_teachers_kl_and_on_groups_rl_drops_as_flat(tmp_path: Path):
+    """A checkpoint as the teacher, scored in the trainer. That the student moves toward its teacher is measured on
+    the bundled model (docs/training/distillation.md): the tiny model's near-uniform replies learn nothing in a few
+    steps."""
+    _distill(tmp_path / "out", tiny_model_dir(), str(_sharpened(tmp_path / "teacher")))
 
 
 @pytest.mark.vllm
 async def test_a_served_teacher_scores_the_policys_tokens_as_the_checkpoint_does(tiny_url: str, tmp_path: Path):
     """vLLM's prompt logprobs of a multi-turn rollout's model tokens (env tokens between them) against the same
-    checkpoint's forward pass here; and the served tokenizer check, which refuses a policy of other tokens."""
+    checkpoint's forward pass here; the served tokenizer check, which refuses a policy of other tokens; and a
+    distillation run whose teacher is the server."""
     tokenizer = ChatTokenizer.from_pretrained(tiny_model_dir())
     prompt = tokenizer.render([{"role": "user", "content": "What is 3 + 5?"}])
     model = tokenizer.tokenizer.encode("The answer is 8.", add_special_tokens=False)
@@ -148,3 +154,5 @@ async def test_a_served_teacher_scores_the_policys_tokens_as_the_checkpoint_does
     other = ChatTokenizer.from_pretrained(_retokenized(tmp_path / "other", template=True))
     with pytest.raises(ConfigError, match="renders a probe chat to other token ids"):
         await asyncio.to_thread(check_served_tokenizer, other, served)
+    # and a run from the front door with the server as its teacher
+    await asyncio.to_thread(_distill, tmp_path / "out", _sharpened(tmp_path / "student"), tiny_url)
