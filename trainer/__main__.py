@@ -6,6 +6,7 @@
     python -m trainer placement.backend=ray placement.trainer_ranks=2 placement.inference_replicas=2   # on Ray
     python -m trainer stages=[sft] env=compute sft.data=demos            # supervised: an env's demonstrations
     python -m trainer +recipe=tool_agent                                  # SFT, then GRPO: an agent that uses a tool
+    python -m trainer stages=[distill] distill.teacher=runs/teacher        # learn a teacher's tokens on-policy
     python -m trainer --help                            # every group and field
 """
 

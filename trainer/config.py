@@ -706,8 +706,9 @@ class Config:
 
     stages: list[str] = field(default_factory=lambda: ["rl"])
     """What the run does, in order, each stage from the weights the one before it left: ``[rl]`` (the default),
-    ``[sft]``, or ``[sft, rl]`` (supervised warm-up, then RL: ``+recipe=tool_agent``). With more than one stage
-    each writes into ``trainer.output_dir/<stage>``."""
+    ``[sft]``, ``[sft, rl]`` (supervised warm-up, then RL: ``+recipe=tool_agent``), ``[distill]`` (learn a
+    teacher's tokens: ``distill.teacher``) or ``[online]``. With more than one stage each writes into
+    ``trainer.output_dir/<stage>``."""
     env: EnvConfig = field(default_factory=EnvConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
