@@ -28,16 +28,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 def _sharpened(out: Path) -> Path:
     """The tiny model with its final norm doubled: its next-token distributions are the tiny model's at half the
     temperature, so each model's logprobs of the other's tokens differ everywhere."""
-    import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir(), dtype=torch.float32)
+    shutil.copytree(tiny_model_dir(), out)  # its tokenizer and config; the weights are written over
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     with torch.no_grad():
         model.model.norm.weight.mul_(2.0)
     model.save_pretrained(out)
-    for name in TOKENIZER_FILES:
-        if (tiny_model_dir() / name).is_file():
-            shutil.copy(tiny_model_dir() / name, out / name)
     return out
 
 

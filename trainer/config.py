@@ -402,6 +402,11 @@ class DistillConfig:
     reward_weight: float = 0.0
     """Weight of the env reward's advantage (``algorithm.advantage``) added to every token's (0: the teacher alone)."""
 
+    @property
+    def served(self) -> bool:
+        """Whether the teacher is a server's URL rather than a checkpoint."""
+        return str(self.teacher).startswith(("http://", "https://"))
+
     def __post_init__(self) -> None:
         if self.kl_weight < 0 or self.reward_weight < 0 or self.kl_weight + self.reward_weight == 0:
             raise ConfigError(f"distill.kl_weight and distill.reward_weight must be >= 0 and not both 0, got "
@@ -817,12 +822,10 @@ class Config:
 
     def _check_distill(self) -> None:
         """What a distillation stage needs, said before anything starts."""
-        teacher = self.distill.teacher
         refused = {
-            "distill.teacher (a checkpoint dir, a run's output dir or a vLLM server's URL)": not teacher,
+            "distill.teacher (a checkpoint dir, a run's output dir or a vLLM server's URL)": not self.distill.teacher,
             "generator.temperature=1 with a teacher URL: a server's prompt logprobs are at temperature 1":
-                bool(teacher) and str(teacher).startswith(("http://", "https://"))
-                and self.generator.temperature != 1.0,
+                self.distill.served and self.generator.temperature != 1.0,
             "algorithm.advantage other than gae (the teacher's signal is the per-token advantage)":
                 self.algorithm.critic,
         }

@@ -188,7 +188,7 @@ def _refuse(differences: list[str], name: str) -> None:
 def open_teacher(cfg: Config, policy: ChatTokenizer) -> Teacher:
     """The run's teacher (``cfg.distill.teacher``), its tokenizer checked against the policy's."""
     spec = str(cfg.distill.teacher)
-    if spec.startswith(("http://", "https://")):
+    if cfg.distill.served:
         served = ServedTeacher(spec, cfg.distill.teacher_model)
         check_served_tokenizer(policy, served)
         return served

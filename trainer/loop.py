@@ -86,9 +86,10 @@ def train(cfg: Config, *, evaluate_before: bool = True, stage: str = "rl") -> di
             t1 = time.perf_counter()
             batch = prepare_batch(trajs, cfg, keep_flat=distill)
             batch.counts["stale_dropped"] = stale
+            t_teacher = time.perf_counter()
             if distill:  # rank 0 holds the teacher
                 batch.teacher_logprobs = broadcast_from_rank0(teacher.logprobs(batch.trajectories) if teacher else None)
-            t_teacher = time.perf_counter() - t1
+            t_teacher = time.perf_counter() - t_teacher
             with tracing.span("update", root=True, step=state.step + 1, rollouts=len(trajs)):
                 train_metrics = update_policy(backend, batch, cfg, run.tokenizer.pad_id)
             t2 = time.perf_counter()

@@ -88,9 +88,9 @@ def profile(out: Path) -> Path:
     rates = out / "train-rates.json"
     if not rates.is_file():
         start = time.time()
-        subprocess.run(["envkit", "eval", "arithmetic", "--env-arg", "level=3", "--env-arg", "num_train=300",
-                        "--split", "train", "-n", "300", "--samples", "4", "--temperature", "1",
-                        "--pass-rates", str(rates), "--out", str(out / "profile")], check=True)
+        subprocess.run([sys.executable, "-m", "envkit", "eval", "arithmetic", "--env-arg", "level=3",
+                        "--env-arg", "num_train=300", "--split", "train", "-n", "300", "--samples", "4",
+                        "--temperature", "1", "--pass-rates", str(rates), "--out", str(out / "profile")], check=True)
         print(f"train-split profile: {time.time() - start:.0f} s (paid once per task set)")
     return rates
 
