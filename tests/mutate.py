@@ -314,6 +314,14 @@ MUTATIONS = [
         "tests/test_curriculum.py::test_the_band_draws_tasks_whose_groups_vary_and_sets_the_solved_and_hopeless_aside",
         "the band sampler draws solved and hopeless tasks like any other: their flat groups teach nothing"),
     Mutation(
+        "curriculum-band-has-no-floor",
+        "trainer/curriculum.py::Band.draw",
+        "        if len(active) < self.cfg.min_active and aside:",
+        "        if False:",
+        "tests/test_curriculum.py::test_a_band_its_policy_emptied_keeps_min_active_tasks_the_set_aside_nearest_it_"
+        "rejoining_first",
+        "a band its policy emptied trains on its last few tasks over and over: flat groups climb back"),
+    Mutation(
         "distill-ignores-the-teacher",
         "trainer/distill.py::token_advantages",
         "    return distill.reward_weight * env - distill.kl_weight * kl, kl",
@@ -321,6 +329,14 @@ MUTATIONS = [
         "tests/test_distill.py::test_distillation_trains_on_the_teachers_kl_and_on_groups_rl_drops_as_flat",
         "distillation logs the teacher's KL but trains on the env's reward alone: the student never moves toward "
         "its teacher"),
+    Mutation(
+        "distill-trusts-the-teacher",
+        "trainer/distill.py::ServedTeacher._one",
+        "        if not bool(torch.all(out <= 0)):",
+        "        if False:",
+        "tests/test_distill.py::test_a_teacher_server_that_fails_or_lies_ends_the_run_clearly_and_one_that_wants_a_"
+        "key_gets_it",
+        "a teacher server's logprob of 1e9 (or NaN) goes into the advantages: the update follows whatever it says"),
     Mutation(
         "distill-tokenizer-unchecked",
         "trainer/distill.py::check_tokenizers",

@@ -20,6 +20,7 @@ TASKS = TaskStarts([{"id": f"t{i}"} for i in range(10)])
 
 
 def _band(**kwargs: object) -> Band:
+    kwargs.setdefault("min_active", 0)  # the floor has its own test: 10 tasks are fewer than its default
     sampler = make_sampler(CurriculumConfig(sampler="band", **kwargs), TASKS, seed=0)  # type: ignore[arg-type]
     assert isinstance(sampler, Band)
     return sampler
@@ -36,9 +37,28 @@ def test_the_band_draws_tasks_whose_groups_vary_and_sets_the_solved_and_hopeless
     drawn = Counter(band.draw(40))
     assert set(drawn) == {6, 7, 8, 9} and set(drawn.values()) == {10}  # each in-band task as often as the others
     assert band.metrics() == {"tasks_at_0": 3, "tasks_between": 4, "tasks_at_1": 3, "tasks_untried": 0,
-                              "solved_aside": 3, "hopeless_aside": 3, "retried": 0}
+                              "solved_aside": 3, "hopeless_aside": 3, "retried": 0, "rejoined": 0}
     _play(band, 3, 4, tried=8)  # a hopeless task that became learnable: 4 passes in the 12 outcomes it has
     assert 3 in band.draw(40)
+
+
+def test_a_band_its_policy_emptied_keeps_min_active_tasks_the_set_aside_nearest_it_rejoining_first():
+    band = _band(retry=0.0, min_active=5)
+    tries = {0: (0, 4), 1: (0, 4), 2: (0, 4), 3: (0, 16), 4: (0, 16), 5: (0, 16), 6: (1, 12), 7: (16, 16),
+             8: (16, 16), 9: (2, 4)}  # only 9 is in the band
+    for i, (passed, tried) in tries.items():
+        _play(band, i, passed, tried)
+    drawn = Counter(band.draw(50))
+    # nearest: 6 passed once; then the never-passed tried least (each rate pulled toward the pool's 35/108)
+    assert set(drawn) == {0, 1, 2, 6, 9} and set(drawn.values()) == {10}
+    assert band.metrics()["rejoined"] == 4 and band.metrics()["hopeless_aside"] == 7
+    wider = _band(retry=0.0, min_active=8)
+    wider.rates.load_state(band.rates.state())
+    drawn = Counter(wider.draw(80))
+    assert len(drawn) == 8 and {0, 1, 2, 6, 7, 8, 9} < set(drawn) and set(drawn.values()) == {10}
+    unfloored = _band(retry=0.0)
+    unfloored.rates.load_state(band.rates.state())
+    assert set(unfloored.draw(8)) == {9}  # without the floor: the one task in the band, over and over
 
 
 def test_set_aside_tasks_are_retried_at_the_configured_rate_and_untried_ones_are_drawn():
@@ -59,7 +79,7 @@ def test_set_aside_tasks_are_retried_at_the_configured_rate_and_untried_ones_are
 
 
 def test_a_sampler_resumed_from_its_state_draws_what_the_original_draws_next():
-    for make in (lambda: _band(), lambda: make_sampler(CurriculumConfig(), TASKS, seed=3)):
+    for make in (lambda: _band(), lambda: _band(min_active=6), lambda: make_sampler(CurriculumConfig(), TASKS, seed=3)):
         original = make()
         for step in range(7):
             for i in original.draw(3):
@@ -102,6 +122,7 @@ def test_a_sampler_of_ones_own_plugs_in_by_name_and_bad_names_or_settings_are_re
         make_sampler(CurriculumConfig(sampler="nowhere:Thing"), TASKS, seed=0)
     for override, message in (("curriculum.band=[0.9,0.1]", r"curriculum.band must be \[low, high\]"),
                               ("curriculum.retry=2", r"curriculum.retry must be in \[0, 1\]"),
+                              ("curriculum.min_active=-1", r"curriculum.min_active must be >= 0"),
                               ("curriculum.min_tries=20", r"min_tries \(20\) cannot exceed curriculum.window")):
         with pytest.raises(ConfigError, match=message):
             trainer.compose([override])

@@ -9,6 +9,8 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,8 @@ import trainer
 from generators import ChatTokenizer, Trajectory
 from trainer.config import ConfigError
 from trainer.distill import LocalTeacher, ServedTeacher, check_served_tokenizer, check_tokenizers, teacher_checkpoint
+from trainer.placement import RunFailed
+from trainer.report import RunRecord, write_run_report
 
 REPO = Path(__file__).resolve().parent.parent
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -52,9 +56,11 @@ def _retokenized(out: Path, *, extra_token: bool = False, template: bool = False
     return out
 
 
-def _trainer(*overrides: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "trainer", *overrides], capture_output=True, text=True, cwd=REPO,
-                          timeout=timeout, env=env_with_tests())
+def _trainer(*overrides: str, ranks: int = 1, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    # --standalone: a free rendezvous port, so concurrent jobs never collide on 29500
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)] if ranks > 1 else []
+    return subprocess.run([sys.executable, *launcher, "-m", "trainer", *overrides], capture_output=True, text=True,
+                          cwd=REPO, timeout=timeout, env=env_with_tests())
 
 
 def test_a_teacher_with_another_tokenizer_fails_at_start_with_a_clear_message(tmp_path: Path):
@@ -88,8 +94,9 @@ def test_a_teacher_with_another_tokenizer_fails_at_start_with_a_clear_message(tm
     assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
 
 
-def _distill(out: Path, student: Path, teacher: str) -> None:
-    """Three distillation steps of ``student`` from ``teacher`` through the front door, on two-turn episodes, and
+def _distill(out: Path, student: Path, teacher: str, ranks: int = 1) -> None:
+    """Three distillation steps of ``student`` from ``teacher`` through the front door on ``ranks`` trainer ranks
+    (rank 0 scores the teacher and sends its logprobs to the others), on two-turn episodes, and
     what every step must show: all groups flat under the env's own grade (the tiny models never answer arithmetic
     right, so RL would skip every update), all of them trained, on a loss that is the mean reverse KL per token
     (the advantage is ``log p_teacher − log p_policy``; with one update per batch the ratio is 1), sign included."""
@@ -97,7 +104,7 @@ def _distill(out: Path, student: Path, teacher: str) -> None:
                       "generator.seed=7", "trainer.steps=3",
                       "+env.kwargs.followups=1",  # two model turns, the env's between them: masked as in RL
                       "generator.prompts_per_step=2", "generator.samples_per_prompt=4", "generator.max_tokens=16",
-                      "trainer.eval_tasks=0", "logging.progress=false", f"trainer.output_dir={out}")
+                      "trainer.eval_tasks=0", "logging.progress=false", f"trainer.output_dir={out}", ranks=ranks)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward/mean" in r]
@@ -109,14 +116,82 @@ def _distill(out: Path, student: Path, teacher: str) -> None:
         assert r["distill/teacher_kl"] > 0.5 and r["train/loss"] == pytest.approx(r["distill/teacher_kl"], rel=0.05)
         assert r["time/teacher_s"] > 0
     assert changed_tensors(student, out / "weights" / "v3") > 0
+    assert list((out / "checkpoints").glob(f"step-*/dcp/__{ranks - 1}_0.distcp"))  # the last rank held a shard
 
 
 @pytest.mark.e2e
 def test_distillation_trains_on_the_teachers_kl_and_on_groups_rl_drops_as_flat(tmp_path: Path):
-    """A checkpoint as the teacher, scored in the trainer. That the student moves toward its teacher is measured on
-    the bundled model (docs/training/distillation.md): the tiny model's near-uniform replies learn nothing in a few
-    steps."""
-    _distill(tmp_path / "out", tiny_model_dir(), str(_sharpened(tmp_path / "teacher")))
+    """A checkpoint as the teacher, scored in the trainer, on two FSDP2 ranks. That the student moves toward its
+    teacher is measured on the bundled model (docs/training/distillation.md): the tiny model's near-uniform replies
+    learn nothing in a few steps."""
+    _distill(tmp_path / "out", tiny_model_dir(), str(_sharpened(tmp_path / "teacher")), ranks=2)
+
+
+def test_a_teacher_server_that_fails_or_lies_ends_the_run_clearly_and_one_that_wants_a_key_gets_it(tmp_path: Path):
+    """A teacher server on loopback that wants a bearer key, then answers /v1/completions as the test sets: each
+    broken or hostile answer (an error status, no logprobs, another token's, a positive or NaN logprob that the
+    update would follow anywhere) is a RunFailed naming it; an unreachable server is a config error. The key never
+    shows in the run's report."""
+    answer: dict[str, tuple[int, str]] = {}
+    token = {2: "-0.5", 3: "-1.0", 4: "-2.0"}
+
+    class Teacher(BaseHTTPRequestHandler):
+        def _reply(self, status: int, body: str) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        def _keyed(self) -> bool:
+            if self.headers.get("Authorization") == "Bearer sesame":
+                return True
+            self._reply(401, '{"error": "a key is needed"}')
+            return False
+
+        def do_GET(self) -> None:
+            if self._keyed():
+                self._reply(200, '{"data": [{"id": "teacher"}]}')
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            if self._keyed():
+                self._reply(*answer["completions"])
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    def logprobs(entries: dict[int, str]) -> str:
+        rows = ", ".join(f'{{"{t}": {{"logprob": {lp}}}}}' for t, lp in entries.items())
+        return f'{{"choices": [{{"prompt_logprobs": [null, {rows}]}}]}}'
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Teacher)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    with pytest.raises(ConfigError, match=r"answered 401 to /v1/models: set distill.teacher_api_key"):
+        ServedTeacher(url, None)
+    teacher = ServedTeacher(url, None, api_key="sesame")
+    assert teacher.model == "teacher"
+    trajs = [Trajectory(prompt_ids=[1, 2], response_ids=[3, 4], loss_mask=[1, 1], rollout_logprobs=[-1.0, -1.0])]
+    answer["completions"] = (200, logprobs(token))
+    assert teacher.logprobs(trajs)[0].tolist() == [0.0, 0.0, -1.0, -2.0]
+    for status, body, message in (
+            (500, '{"error": "out of memory"}',
+             r"answered 500 to /v1/completions: .*out of memory.*rerun with trainer.resume=latest"),
+            (200, '{"choices": [{"prompt_logprobs": null}]}', r"did not return a prompt logprob for each"),
+            (200, logprobs({2: "-0.5", 3: "-1.0", 7: "-2.0"}), r"did not return a prompt logprob .*KeyError: '4'"),
+            (200, "not json", r"did not return a prompt logprob"),
+            (200, logprobs({**token, 4: "1e9"}), r"log-probabilities that are not <= 0: \[1000000000.0\]"),
+            (200, logprobs({**token, 3: "NaN"}), r"log-probabilities that are not <= 0: \[nan\]")):
+        answer["completions"] = (status, body)
+        with pytest.raises(RunFailed, match=message):
+            teacher.logprobs(trajs)
+    server.shutdown()
+    server.server_close()
+    with pytest.raises(ConfigError, match=rf"distill.teacher={url} cannot be reached \(ConnectError"):
+        ServedTeacher(url, None, api_key="sesame")
+    config = {"distill": {"teacher": url, "teacher_api_key": "sesame"}, "judge": {"api_key": None}}
+    page = write_run_report(RunRecord("a run", config, {}), tmp_path / "report.html").read_text()
+    assert "sesame" not in page and "(set, not shown)" in page
 
 
 @pytest.mark.vllm

@@ -366,6 +366,9 @@ class CurriculumConfig:
     """band: episodes of a task before its pass rate can set it aside."""
     retry: float = 0.1
     """band: the chance that a draw goes to a set-aside task instead (one that became learnable comes back)."""
+    min_active: int = 32
+    """band: the fewest tasks it draws from: while fewer are in the band (or untried), the set-aside tasks nearest
+    it rejoin, each rate pulled toward the pool's by two tries (0: no floor)."""
     refill: int = 0
     """Dynamic sampling: up to this many rounds per step that draw one more prompt for each flat group of the round
     before (its rewards all equal), so more of the step's groups teach something; the extra prompts are logged as
@@ -379,6 +382,8 @@ class CurriculumConfig:
             raise ConfigError(f"curriculum.band must be [low, high] with 0 <= low <= high <= 1, got {list(self.band)}")
         if not 0 <= self.retry <= 1:
             raise ConfigError(f"curriculum.retry must be in [0, 1], got {self.retry}")
+        if self.min_active < 0:
+            raise ConfigError(f"curriculum.min_active must be >= 0, got {self.min_active}")
         if self.refill < 0:
             raise ConfigError(f"curriculum.refill must be >= 0, got {self.refill}")
         if self.min_tries > self.window:
@@ -396,6 +401,9 @@ class DistillConfig:
     (``http://host:port``) that returns prompt logprobs. It must share the policy's tokenizer."""
     teacher_model: str | None = None
     """The served model's name at a teacher URL (default: the server's only model)."""
+    teacher_api_key: str | None = None
+    """The key a teacher URL asks for (vLLM's ``--api-key``), sent as a bearer token. Keep it out of the command
+    line: ``distill.teacher_api_key='${oc.env:TEACHER_API_KEY}'`` (the run's report shows it masked)."""
     kl_weight: float = 1.0
     """Weight of the teacher's signal: each sampled token's advantage gains ``kl_weight × (log p_teacher − log
     p_policy)``, so the update lowers the reverse KL(policy ‖ teacher) on the policy's own samples."""
@@ -411,6 +419,8 @@ class DistillConfig:
         if self.kl_weight < 0 or self.reward_weight < 0 or self.kl_weight + self.reward_weight == 0:
             raise ConfigError(f"distill.kl_weight and distill.reward_weight must be >= 0 and not both 0, got "
                               f"{self.kl_weight} and {self.reward_weight}")
+        if self.teacher_api_key and not self.served:
+            raise ConfigError("distill.teacher_api_key is for a teacher URL; a checkpoint teacher needs none")
 
 
 @dataclass

@@ -8,7 +8,9 @@
     uniform     every task once per epoch, in an order shuffled per epoch (seed, epoch): the default
     band        tasks whose pass rate is inside curriculum.band, and tasks not yet tried curriculum.min_tries times;
                 a task solved (above the band) or hopeless (below it) is set aside, and each draw retries a set-aside
-                task with probability curriculum.retry, so one that became learnable comes back
+                task with probability curriculum.retry, so one that became learnable comes back; while fewer than
+                curriculum.min_active tasks are in the band, the set-aside nearest it rejoin (a band that its policy
+                emptied would otherwise train on the same few tasks again and again)
 
 A group whose rewards are all equal teaches GRPO nothing: the band keeps drawing the tasks whose groups vary. A
 sampler of your own is ``curriculum.sampler=package.module:Class``, a :class:`Sampler` subclass.
@@ -163,6 +165,8 @@ class Uniform(Sampler):
 
 BAND_LIMIT = 100_000
 """The most train tasks the band sampler weighs."""
+PRIOR_TRIES = 2
+"""The band's floor reads a task's rate as if it had this many more tries, passed at the pool's rate."""
 
 
 class Band(Sampler):
@@ -182,6 +186,8 @@ class Band(Sampler):
         self.rng = random.Random(seed)
         self.retried = 0
         """Draws of a set-aside task, since the last metrics."""
+        self.joined = 0
+        """Set-aside tasks the last draw made active again, to keep curriculum.min_active."""
 
     def set_aside(self, key: str) -> str | None:
         """Why ``key`` is set aside (solved or hopeless), or None while it is drawn."""
@@ -191,10 +197,27 @@ class Band(Sampler):
         low, high = self.cfg.band
         return "solved" if rate > high else "hopeless" if rate < low else None
 
+    def _distance(self, i: int, pool_rate: float) -> float:
+        """How far set-aside task ``i``'s pass rate is outside the band, its rate pulled toward the pool's by
+        PRIOR_TRIES tries at that rate: a task that passed once is nearer than one that never did, and of two that
+        never did, the one tried less."""
+        outcomes = self.rates.outcomes[self.keys[i]]
+        rate = (sum(outcomes) + PRIOR_TRIES * pool_rate) / (len(outcomes) + PRIOR_TRIES)
+        low, high = self.cfg.band
+        return max(low - rate, rate - high)
+
     def draw(self, k: int) -> list[int]:
         reasons = [self.set_aside(key) for key in self.keys]
         active = [i for i, reason in enumerate(reasons) if reason is None]
         aside = [i for i, reason in enumerate(reasons) if reason is not None]
+        self.joined = 0
+        if len(active) < self.cfg.min_active and aside:  # too few left in the band: the nearest set-aside rejoin
+            tried = [outcome for outcomes in self.rates.outcomes.values() for outcome in outcomes]
+            pool_rate = sum(tried) / len(tried)  # something is set aside, so something was tried
+            self.rng.shuffle(aside)  # ties in random order
+            aside.sort(key=lambda i: self._distance(i, pool_rate))
+            self.joined = min(len(aside), self.cfg.min_active - len(active))
+            active, aside = active + aside[:self.joined], aside[self.joined:]
         every = active or list(aside)  # with every task set aside, all of them are retried
         chosen: list[int] = []
         pool: list[int] = []
@@ -227,7 +250,7 @@ class Band(Sampler):
         return {"tasks_at_0": rates.count(0.0), "tasks_between": sum(r is not None and 0 < r < 1 for r in rates),
                 "tasks_at_1": rates.count(1.0), "tasks_untried": rates.count(None),
                 "solved_aside": reasons.count("solved"), "hopeless_aside": reasons.count("hopeless"),
-                "retried": retried}
+                "retried": retried, "rejoined": self.joined}
 
 
 SAMPLERS: dict[str, type[Sampler]] = {"uniform": Uniform, "band": Band}

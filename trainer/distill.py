@@ -34,6 +34,7 @@ from trainer.backends.base import BackendConfig
 from trainer.backends.common import load_model, model_logprobs
 from trainer.batching import micro_batches
 from trainer.config import Config, ConfigError, DistillConfig
+from trainer.placement.base import RunFailed
 
 PROBE = [{"role": "system", "content": "You are terse."},
          {"role": "user", "content": "What is 12 + 7? Ünïcödé, 数字 and\ttabs."},
@@ -76,25 +77,48 @@ class LocalTeacher(Teacher):
 
 class ServedTeacher(Teacher):
     """A vLLM server's prompt logprobs (``/v1/completions`` with ``prompt_logprobs``: vLLM's extension, the
-    OpenAI API has none) of each sequence's whole token ids."""
+    OpenAI API has none) of each sequence's whole token ids. Whatever it answers is checked: a server that fails, or
+    answers anything but a log-probability (at most 0) of each of the policy's tokens, ends the run with
+    :class:`RunFailed` naming what it sent, and the run resumes from its last checkpoint."""
 
-    def __init__(self, url: str, model: str | None, *, concurrency: int = 16, timeout_s: float = 300.0) -> None:
+    def __init__(self, url: str, model: str | None, *, api_key: str | None = None, concurrency: int = 16,
+                 timeout_s: float = 300.0) -> None:
         self.url, self.concurrency, self.timeout_s = url.rstrip("/").removesuffix("/v1"), concurrency, timeout_s
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.model = model or self._only_model()
 
+    def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        """A start-up request's JSON; an unreachable or refusing server is a ConfigError."""
+        try:
+            response = httpx.request(method, f"{self.url}{path}", headers=self.headers, timeout=30, **kwargs)
+        except httpx.HTTPError as e:
+            raise ConfigError(f"distill.teacher={self.url} cannot be reached ({type(e).__name__}: {e})") from None
+        if response.status_code != 200:
+            hint = ": set distill.teacher_api_key" if response.status_code == 401 and not self.headers else ""
+            raise ConfigError(f"distill.teacher={self.url} answered {response.status_code} to {path}{hint} "
+                              f"({response.text[:200]})")
+        try:
+            return response.json()
+        except ValueError:
+            raise ConfigError(f"distill.teacher={self.url} answered {path} with no JSON: {response.text[:200]!r}") \
+                from None
+
     def _only_model(self) -> str:
-        models = [m["id"] for m in httpx.get(f"{self.url}/v1/models", timeout=30).raise_for_status().json()["data"]]
+        try:
+            models = [m["id"] for m in self._request("GET", "/v1/models")["data"]]
+        except (KeyError, TypeError) as e:
+            raise ConfigError(f"distill.teacher={self.url}: /v1/models lists no models ({e!r})") from None
         if len(models) != 1:
             raise ConfigError(f"distill.teacher={self.url} serves {models}: name one with distill.teacher_model")
         return models[0]
 
     def tokenize(self, **request: Any) -> list[int]:
         """The server's token ids for a ``/tokenize`` request (``prompt=`` or ``messages=``)."""
-        response = httpx.post(f"{self.url}/tokenize", json={"model": self.model, **request}, timeout=30)
-        if response.status_code != 200:
-            raise ConfigError(f"distill.teacher={self.url} did not tokenize ({response.status_code}: "
-                              f"{response.text[:200]}): its tokenizer cannot be checked against the policy's")
-        return list(response.json()["tokens"])
+        answer = self._request("POST", "/tokenize", json={"model": self.model, **request})
+        if not isinstance(answer, dict) or not isinstance(answer.get("tokens"), list):
+            raise ConfigError(f"distill.teacher={self.url} did not tokenize ({str(answer)[:200]}): its tokenizer "
+                              "cannot be checked against the policy's")
+        return list(answer["tokens"])
 
     def logprobs(self, trajectories: list[Trajectory]) -> dict[int, torch.Tensor]:
         # A loop of its own, never made the thread's current one: the run's runner keeps its own.
@@ -106,7 +130,8 @@ class ServedTeacher(Teacher):
 
     async def _all(self, trajectories: list[Trajectory]) -> dict[int, torch.Tensor]:
         limit = asyncio.Semaphore(self.concurrency)
-        async with httpx.AsyncClient(timeout=self.timeout_s) as client:
+        transport = httpx.AsyncHTTPTransport(retries=3)  # a refused connection is tried again; an answer is not
+        async with httpx.AsyncClient(timeout=self.timeout_s, headers=self.headers, transport=transport) as client:
             async def one(t: Trajectory) -> torch.Tensor:
                 async with limit:
                     return await self._one(client, t)
@@ -116,16 +141,31 @@ class ServedTeacher(Teacher):
 
     async def _one(self, client: httpx.AsyncClient, t: Trajectory) -> torch.Tensor:
         ids = t.prompt_ids + t.response_ids
-        response = await client.post(f"{self.url}/v1/completions", json={
-            "model": self.model, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0})
-        response.raise_for_status()
-        entries = response.json()["choices"][0]["prompt_logprobs"]  # None for the first token, then one per token
+        try:
+            response = await client.post(f"{self.url}/v1/completions", json={
+                "model": self.model, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0})
+        except httpx.HTTPError as e:
+            raise self._failed(f"cannot be reached: {type(e).__name__}: {e}") from None
+        if response.status_code != 200:
+            raise self._failed(f"answered {response.status_code} to /v1/completions: {response.text[:300]}")
         out = torch.zeros(len(ids))
         start = len(t.prompt_ids)
-        for position, (token, mask) in enumerate(zip(t.response_ids, t.loss_mask, strict=True), start):
-            if mask:
-                out[position] = entries[position][str(token)]["logprob"]
+        try:
+            entries = response.json()["choices"][0]["prompt_logprobs"]  # None for the first token, then one per token
+            for position, (token, mask) in enumerate(zip(t.response_ids, t.loss_mask, strict=True), start):
+                if mask:
+                    out[position] = float(entries[position][str(token)]["logprob"])
+        except (ValueError, KeyError, IndexError, TypeError) as e:
+            raise self._failed(f"did not return a prompt logprob for each of the policy's {len(ids)} tokens "
+                               f"({type(e).__name__}: {e}): {response.text[:300]}") from None
+        if not bool(torch.all(out <= 0)):  # NaN and +inf fail too: an advantage the update would follow anywhere
+            wrong = out[out.isnan() | (out > 0)][:5].tolist()
+            raise self._failed(f"answered log-probabilities that are not <= 0: {wrong}")
         return out
+
+    def _failed(self, what: str) -> RunFailed:
+        return RunFailed(f"the teacher at {self.url} {what}. The run's checkpoints are intact: once the teacher "
+                         "answers, rerun with trainer.resume=latest")
 
 
 def teacher_checkpoint(spec: str) -> str:
@@ -189,7 +229,7 @@ def open_teacher(cfg: Config, policy: ChatTokenizer) -> Teacher:
     """The run's teacher (``cfg.distill.teacher``), its tokenizer checked against the policy's."""
     spec = str(cfg.distill.teacher)
     if cfg.distill.served:
-        served = ServedTeacher(spec, cfg.distill.teacher_model)
+        served = ServedTeacher(spec, cfg.distill.teacher_model, api_key=cfg.distill.teacher_api_key)
         check_served_tokenizer(policy, served)
         return served
     path = teacher_checkpoint(spec)

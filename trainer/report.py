@@ -143,11 +143,13 @@ def _filters(phases: list[Phase], envs: list[str]) -> str:
 
 
 def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested config as ``a.b.c: value`` rows; lists of dicts (a mixture) stay JSON."""
+    """Nested config as ``a.b.c: value`` rows, keys masked; lists of dicts (a mixture) stay JSON."""
     rows: dict[str, Any] = {}
     for key, value in config.items():
         if isinstance(value, dict) and value:
             rows.update(_flatten(value, f"{prefix}{key}."))
+        elif key.endswith("api_key") and value:  # a report is for sharing: a key in it would travel with it
+            rows[f"{prefix}{key}"] = "(set, not shown)"
         else:
             rows[f"{prefix}{key}"] = value if isinstance(value, str) else json.dumps(value, default=str)
     return rows

@@ -13,7 +13,7 @@ Arms (each ``python -m trainer`` on the same env, model and settings; runs that 
               weights, so run that arm first); ``--distill-samples`` per prompt (default 4: distillation needs no
               groups to compare, and each token carries its own signal)
 
-Each run evaluates the first ``--eval-tasks`` test tasks every 10 steps, ``--eval-samples`` samples each at
+Each run evaluates the first ``--eval-tasks`` test tasks every ``--eval-every`` steps, ``--eval-samples`` each at
 temperature 1; the evaluation's wall time is taken from the run's start, so engine start-up (and the teacher's
 load) counts. "Hard" test tasks are those whose starting pass rate, pooled over every run's step-0 evaluation,
 is 5-30%. The report prints flat groups per step and held-out accuracy (all tasks, hard ones) against wall time
@@ -32,7 +32,6 @@ import sys
 import time
 from pathlib import Path
 
-ENV = ["+env.kwargs.level=3", "+env.kwargs.num_train=300"]
 ARMS = ("uniform", "band", "distill")
 HARD = (0.05, 0.30)
 COLORS = {"uniform": "tab:gray", "band": "tab:blue", "distill": "tab:green"}
@@ -47,8 +46,10 @@ def main() -> None:
     parser.add_argument("--distill-steps", type=int, default=30, help="distillation steps per run (default: 30)")
     parser.add_argument("--distill-samples", type=int, default=4, help="distill's samples per prompt (default: 4)")
     parser.add_argument("--teacher", help="distill's teacher (default: OUT/uniform-0, its final weights)")
+    parser.add_argument("--train-tasks", type=int, default=1000, help="the train pool (default: 1000)")
     parser.add_argument("--eval-tasks", type=int, default=200)
     parser.add_argument("--eval-samples", type=int, default=2)
+    parser.add_argument("--eval-every", type=int, default=10, help="steps between evaluations (default: 10)")
     parser.add_argument("--report", action="store_true", help="only report the runs in OUT")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -67,13 +68,14 @@ def run_arm(args: argparse.Namespace, arm: str, seed: int) -> None:
     extra: list[str] = []
     steps = args.steps
     if arm == "band":
-        extra = ["curriculum.sampler=band", f"curriculum.pass_rates=[{profile(args.out)}]"]
+        extra = ["curriculum.sampler=band", f"curriculum.pass_rates=[{profile(args.out, args.train_tasks)}]"]
     elif arm == "distill":
         extra = ["stages=[distill]", f"distill.teacher={args.teacher or args.out / 'uniform-0'}",
                  f"generator.samples_per_prompt={args.distill_samples}"]
         steps = args.distill_steps
-    command = [sys.executable, "-m", "trainer", *ENV, f"trainer.seed={seed}", f"trainer.steps={steps}",
-               "trainer.eval_every=10", f"trainer.eval_tasks={args.eval_tasks}",
+    env = ["+env.kwargs.level=3", f"+env.kwargs.num_train={args.train_tasks}"]
+    command = [sys.executable, "-m", "trainer", *env, f"trainer.seed={seed}", f"trainer.steps={steps}",
+               f"trainer.eval_every={args.eval_every}", f"trainer.eval_tasks={args.eval_tasks}",
                f"trainer.eval_samples={args.eval_samples}", "trainer.eval_greedy=false", "trainer.save_every=1000",
                f"trainer.output_dir={out}", "logging.progress=false", *extra]
     print(f"{arm} seed {seed}: {' '.join(command[1:])}", flush=True)
@@ -83,13 +85,13 @@ def run_arm(args: argparse.Namespace, arm: str, seed: int) -> None:
     (args.out / f"{arm}-{seed}.end").write_text(str(time.time()))
 
 
-def profile(out: Path) -> Path:
+def profile(out: Path, tasks: int) -> Path:
     """The train split's pass rates at the start (4 samples per task at temperature 1), made once."""
     rates = out / "train-rates.json"
     if not rates.is_file():
         start = time.time()
         subprocess.run([sys.executable, "-m", "envkit", "eval", "arithmetic", "--env-arg", "level=3",
-                        "--env-arg", "num_train=300", "--split", "train", "-n", "300", "--samples", "4",
+                        "--env-arg", f"num_train={tasks}", "--split", "train", "-n", str(tasks), "--samples", "4",
                         "--temperature", "1", "--pass-rates", str(rates), "--out", str(out / "profile")], check=True)
         print(f"train-split profile: {time.time() - start:.0f} s (paid once per task set)")
     return rates
@@ -129,8 +131,35 @@ def report(out: Path, teacher: Path) -> None:
               f"90% of the teacher at {'never' if reached is None else f'{reached:.0f} s'}")
         for e in evals:
             print(f"  step {e['step']:3d}  {e['wall_s']:5d} s  all {e['accuracy']:.3f}  hard {e['hard_accuracy']:.3f}")
+    equal_time(summary["runs"])
     (out / "compare.json").write_text(json.dumps(summary, indent=1) + "\n")
     plot(summary, len(hard), out)
+
+
+def equal_time(runs: dict[str, dict]) -> None:
+    """Uniform against band at equal wall time: each run's hard-task accuracy interpolated at the time of the
+    earliest final evaluation among them, and its flat groups per step."""
+    rl = {name: run for name, run in runs.items() if name.split("-")[0] in ("uniform", "band") and run["evals"]}
+    if not rl:
+        return
+    t = min(run["evals"][-1]["wall_s"] for run in rl.values())
+    print(f"at equal wall time ({t / 60:.1f} min, the earliest final evaluation):")
+    for arm in ("uniform", "band"):
+        runs_of_arm = {n: r for n, r in rl.items() if n.startswith(f"{arm}-")}
+        if runs_of_arm:
+            hard = [_at(r["evals"], t, "hard_accuracy") for r in runs_of_arm.values()]
+            flat = [statistics.mean(r["flat_groups_per_step"]) for r in runs_of_arm.values()]
+            print(f"  {arm:8s} hard-task accuracy {' / '.join(f'{h:.3f}' for h in hard)}, "
+                  f"flat groups per step {' / '.join(f'{f:.2f}' for f in flat)}")
+
+
+def _at(evals: list[dict], t: float, key: str) -> float:
+    """``key`` at wall time ``t``, linear between the evaluations around it."""
+    for before, after in itertools.pairwise(evals):
+        if before["wall_s"] <= t <= after["wall_s"]:
+            share = (t - before["wall_s"]) / max(1, after["wall_s"] - before["wall_s"])
+            return before[key] + share * (after[key] - before[key])
+    return evals[-1][key]
 
 
 def plot(summary: dict, hard: int, out: Path) -> None:
