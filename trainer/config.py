@@ -368,7 +368,7 @@ class CurriculumConfig:
     """band: the chance that a draw goes to a set-aside task instead (one that became learnable comes back)."""
     min_active: int = 32
     """band: the fewest tasks it draws from: while fewer are in the band (or untried), the set-aside tasks nearest
-    it rejoin, each rate pulled toward the pool's by two tries (0: no floor)."""
+    it rejoin, the hopeless first, each rate pulled toward the pool's by two tries (0: no floor)."""
     refill: int = 0
     """Dynamic sampling: up to this many rounds per step that draw one more prompt for each flat group of the round
     before (its rewards all equal), so more of the step's groups teach something; the extra prompts are logged as

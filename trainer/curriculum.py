@@ -9,8 +9,8 @@
     band        tasks whose pass rate is inside curriculum.band, and tasks not yet tried curriculum.min_tries times;
                 a task solved (above the band) or hopeless (below it) is set aside, and each draw retries a set-aside
                 task with probability curriculum.retry, so one that became learnable comes back; while fewer than
-                curriculum.min_active tasks are in the band, the set-aside nearest it rejoin (a band that its policy
-                emptied would otherwise train on the same few tasks again and again)
+                curriculum.min_active tasks are in the band, set-aside tasks rejoin, the hopeless nearest it first (a
+                band that its policy emptied would otherwise train on the same few tasks again and again)
 
 A group whose rewards are all equal teaches GRPO nothing: the band keeps drawing the tasks whose groups vary. A
 sampler of your own is ``curriculum.sampler=package.module:Class``, a :class:`Sampler` subclass.
@@ -199,8 +199,8 @@ class Band(Sampler):
 
     def _distance(self, i: int, pool_rate: float) -> float:
         """How far set-aside task ``i``'s pass rate is outside the band, its rate pulled toward the pool's by
-        PRIOR_TRIES tries at that rate: a task that passed once is nearer than one that never did, and of two that
-        never did, the one tried less."""
+        PRIOR_TRIES tries at that rate: of two hopeless tasks, one that passed once is nearer than one that never
+        did, and of two that never did, the one tried less."""
         outcomes = self.rates.outcomes[self.keys[i]]
         rate = (sum(outcomes) + PRIOR_TRIES * pool_rate) / (len(outcomes) + PRIOR_TRIES)
         low, high = self.cfg.band
@@ -215,7 +215,8 @@ class Band(Sampler):
             tried = [outcome for outcomes in self.rates.outcomes.values() for outcome in outcomes]
             pool_rate = sum(tried) / len(tried)  # something is set aside, so something was tried
             self.rng.shuffle(aside)  # ties in random order
-            aside.sort(key=lambda i: self._distance(i, pool_rate))
+            # the hopeless first: a policy that learns is likelier to have come within reach of what it failed
+            aside.sort(key=lambda i: (reasons[i] == "solved", self._distance(i, pool_rate)))
             self.joined = min(len(aside), self.cfg.min_active - len(active))
             active, aside = active + aside[:self.joined], aside[self.joined:]
         every = active or list(aside)  # with every task set aside, all of them are retried

@@ -8,7 +8,9 @@ Arms (each ``python -m trainer`` on the same env, model and settings; runs that 
 
     uniform   RL from scratch, tasks in shuffled order (the default)
     band      RL from scratch, curriculum.sampler=band from a train-split profile (``envkit eval --pass-rates``,
-              made once in OUT/train-rates.json; its cost is printed, as it is paid once per task set)
+              made once in OUT/train-rates.json; its cost is printed, as it is paid once per task set), each
+              task's rate over its latest group (curriculum.window=8: a solved task is set aside after one flat
+              group, not two)
     distill   stages=[distill] from the fresh model, the teacher ``--teacher`` (default: uniform seed 0's final
               weights, so run that arm first); ``--distill-samples`` per prompt (default 4: distillation needs no
               groups to compare, and each token carries its own signal)
@@ -68,7 +70,8 @@ def run_arm(args: argparse.Namespace, arm: str, seed: int) -> None:
     extra: list[str] = []
     steps = args.steps
     if arm == "band":
-        extra = ["curriculum.sampler=band", f"curriculum.pass_rates=[{profile(args.out, args.train_tasks)}]"]
+        extra = ["curriculum.sampler=band", f"curriculum.pass_rates=[{profile(args.out, args.train_tasks)}]",
+                 "curriculum.window=8"]
     elif arm == "distill":
         extra = ["stages=[distill]", f"distill.teacher={args.teacher or args.out / 'uniform-0'}",
                  f"generator.samples_per_prompt={args.distill_samples}"]
