@@ -466,9 +466,10 @@ def test_failed_rollouts_are_dropped_and_counted():
                           group_id=group, stop_reason="error" if error else "done", error=error or None)
 
     trajs = [rollout("a", 1.0), rollout("a", 0.0), rollout("a", 1.0, "EngineError: server went away"),
-             rollout("b", 0.0, "ValueError: bad move"), rollout("b", 1.0)]
+             rollout("b", 0.0, "ValueError: bad move"), rollout("b", 1.0), rollout("c", 0.0), rollout("c", 0.0)]
     batch = prepare_batch(trajs, Config())
     assert batch.counts["failed"] == 2 and batch.trajectories == trajs[:2]  # b is flat once its failure is gone
+    assert batch.counts["zero_variance_groups"] == 2 and batch.counts["zero_variance_groups_passed"] == 1  # b; c not
 
 
 def test_an_agent_episodes_segments_train_as_sequences_with_the_episodes_advantage():

@@ -110,6 +110,7 @@ def _distill(out: Path, student: Path, teacher: str, ranks: int = 1) -> None:
     steps = [r for r in rows if "reward/mean" in r]
     assert len(steps) == 3
     assert all(r["reward/mean"] == 0 and r["rollout/zero_variance_groups"] == 2 for r in steps)  # all flat
+    assert all(r["rollout/zero_variance_groups_passed"] == 0 for r in steps)  # flat by failing every time
     assert all(r["rollout/turns"] == 2 for r in steps)
     assert all(r["rollout/trained"] == 8 and r["train/grad_norm"] > 0 for r in steps)  # and all trained
     for r in steps:  # the sampler's and the trainer's logprobs differ a little (TIS weights near 1)

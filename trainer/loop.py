@@ -125,6 +125,9 @@ def prepare_batch(trajs: list[Trajectory], cfg: Config, *, keep_flat: bool = Fal
     if cfg.algorithm.filter_zero_variance_groups:
         flat = flat_groups(kept)
         counts["zero_variance_groups"] = len(flat)
+        # every rollout passed (solved) or none did: which side of a curriculum's band a step's waste is on
+        counts["zero_variance_groups_passed"] = len({t.group_id for t in kept if t.group_id in flat
+                                                     and t.reward >= cfg.curriculum.pass_threshold})
         kept = [t for t in kept if keep_flat or t.group_id not in flat]
     group_index = {g: i for i, g in enumerate(dict.fromkeys(t.group_id for t in kept))}
     rewards = torch.tensor([t.reward for t in kept], dtype=torch.float32)  # (B,)

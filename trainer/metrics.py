@@ -259,6 +259,7 @@ def rollout_metrics(trajs: list[Trajectory], batch: StepBatch, version: int) -> 
         "rollout/trained": batch.counts.get("trained", 0),
         "rollout/failed": batch.counts.get("failed", 0),
         "rollout/zero_variance_groups": batch.counts.get("zero_variance_groups", 0),
+        "rollout/zero_variance_groups_passed": batch.counts.get("zero_variance_groups_passed", 0),
     })
     shared = [t.branch_turn for t in trajs if t.branch_turn is not None and not t.failed]
     if shared:

@@ -129,8 +129,12 @@ def report(out: Path, teacher: Path) -> None:
                           "accuracy": _passed(trajs), "hard_accuracy": _passed([t for t in trajs
                                                                                  if t["task_id"] in hard])})
         reached = _reached(evals, target) if target is not None else None
-        summary["runs"][run.name] = {"flat_groups_per_step": flat, "evals": evals, "reached_target_s": reached}
-        print(f"{run.name}: {len(steps)} steps, flat groups per step {statistics.mean(flat):.2f}, "
+        # the flat groups whose every rollout passed, the rest failed every time (runs before the metric: none)
+        solved = [r["rollout/zero_variance_groups_passed"] for r in steps if "rollout/zero_variance_groups_passed" in r]
+        split = f" ({statistics.mean(solved):.2f} all passed)" if solved and len(solved) == len(steps) else ""
+        summary["runs"][run.name] = {"flat_groups_per_step": flat, "flat_passed_per_step": solved, "evals": evals,
+                                     "reached_target_s": reached}
+        print(f"{run.name}: {len(steps)} steps, flat groups per step {statistics.mean(flat):.2f}{split}, "
               f"90% of the teacher at {'never' if reached is None else f'{reached:.0f} s'}")
         for e in evals:
             print(f"  step {e['step']:3d}  {e['wall_s']:5d} s  all {e['accuracy']:.3f}  hard {e['hard_accuracy']:.3f}")
