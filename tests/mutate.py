@@ -322,6 +322,15 @@ MUTATIONS = [
         "rejoining_first",
         "a band its policy emptied trains on its last few tasks over and over: flat groups climb back"),
     Mutation(
+        "curriculum-band-ignores-groups",
+        "trainer/curriculum.py::Band._distance",
+        "        prior = sum(comebacks) / len(comebacks) if comebacks else pool_rate",
+        "        prior = pool_rate",
+        "tests/test_curriculum.py::test_grouped_the_floor_brings_back_the_group_whose_set_aside_tasks_came_back_"
+        "passing",
+        "a band on a mixture of levels brings back hopeless tasks of every level alike: flat groups stay high once "
+        "the tasks in reach are spent"),
+    Mutation(
         "distill-ignores-the-teacher",
         "trainer/distill.py::token_advantages",
         "    return distill.reward_weight * env - distill.kl_weight * kl, kl",

@@ -17,17 +17,18 @@ from trainer.curriculum import Band, Sampler, Uniform, make_sampler
 from trainer.sources import Mixture, TaskStarts
 
 TASKS = TaskStarts([{"id": f"t{i}"} for i in range(10)])
+LEVELS = TaskStarts([{"id": f"l{i}", "level": i % 2} for i in range(40)])  # two groups, alternating
 
 
-def _band(**kwargs: object) -> Band:
+def _band(tasks: TaskStarts = TASKS, **kwargs: object) -> Band:
     kwargs.setdefault("min_active", 0)  # the floor has its own test: 10 tasks are fewer than its default
-    sampler = make_sampler(CurriculumConfig(sampler="band", **kwargs), TASKS, seed=0)  # type: ignore[arg-type]
+    sampler = make_sampler(CurriculumConfig(sampler="band", **kwargs), tasks, seed=0)  # type: ignore[arg-type]
     assert isinstance(sampler, Band)
     return sampler
 
 
-def _play(sampler: Sampler, index: int, passed: int, tried: int = 4) -> None:
-    sampler.observe(TASKS[index], [1.0] * passed + [0.0] * (tried - passed))
+def _play(sampler: Sampler, index: int, passed: int, tried: int = 4, tasks: TaskStarts = TASKS) -> None:
+    sampler.observe(tasks[index], [1.0] * passed + [0.0] * (tried - passed))
 
 
 def test_the_band_draws_tasks_whose_groups_vary_and_sets_the_solved_and_hopeless_aside():
@@ -61,6 +62,28 @@ def test_a_band_its_policy_emptied_keeps_min_active_tasks_the_set_aside_nearest_
     assert set(unfloored.draw(8)) == {9}  # without the floor: the one task in the band, over and over
 
 
+def test_grouped_the_floor_brings_back_the_group_whose_set_aside_tasks_came_back_passing():
+    band = _band(LEVELS, retry=0.0, min_active=4, group_by="level")
+    control = _band(LEVELS, retry=0.0, min_active=4)
+    for sampler in (band, control):
+        for i in range(40):
+            _play(sampler, i, 0, tasks=LEVELS)  # every task hopeless in the starting profile
+    levels: dict[Band, list[int]] = {band: [], control: []}
+    for _ in range(6):
+        for sampler, seen in levels.items():
+            for i in sampler.draw(4):  # four set-aside tasks rejoin: level 1's pass once in 8, level 0's never
+                seen.append(i % 2)
+                _play(sampler, i, i % 2, tried=8, tasks=LEVELS)
+    assert levels[band][:4] == levels[control][:4] == [0, 0, 1, 1]  # the first comebacks: ties, in random order
+    assert levels[band][4:] == [1] * 20  # then only level 1, whose set-aside tasks came back passing
+    metrics = band.metrics()
+    assert (metrics["comeback_rate/0"], metrics["comeback_rate/1"]) == (0.0, 0.125)  # level 1's passed 1 in 8
+    assert not any(name.startswith("comeback") for name in control.metrics())
+    assert levels[control][4:].count(0) >= 4  # ungrouped: level 0's untried-since rejoin as often as level 1's
+    with pytest.raises(ConfigError, match="group_by='difficulty': none of this env's 40 train tasks"):
+        _band(LEVELS, group_by="difficulty")
+
+
 def test_set_aside_tasks_are_retried_at_the_configured_rate_and_untried_ones_are_drawn():
     band = _band(retry=0.25)
     for i in range(5):
@@ -79,11 +102,15 @@ def test_set_aside_tasks_are_retried_at_the_configured_rate_and_untried_ones_are
 
 
 def test_a_sampler_resumed_from_its_state_draws_what_the_original_draws_next():
-    for make in (lambda: _band(), lambda: _band(min_active=6), lambda: make_sampler(CurriculumConfig(), TASKS, seed=3)):
+    makes = [(TASKS, lambda: _band()), (TASKS, lambda: _band(min_active=6)),
+             (LEVELS, lambda: _band(LEVELS, min_active=6, group_by="level")),
+             (TASKS, lambda: make_sampler(CurriculumConfig(), TASKS, seed=3))]
+    for tasks, make in makes:
         original = make()
         for step in range(7):
-            for i in original.draw(3):
-                _play(original, i, step % 5)
+            drawn = original.draw(3)
+            for i in drawn[:-1]:  # the last one's outcomes still to come
+                _play(original, i, step % 5, tasks=tasks)
         resumed = make()
         resumed.load_state(json.loads(json.dumps(original.state())))  # as it comes back from state.json
         assert resumed.draw(12) == original.draw(12)

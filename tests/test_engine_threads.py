@@ -24,7 +24,7 @@ async def main():
     await run(lambda: big.to(torch.bfloat16).sum())
     x, w = torch.randn(300, 576), torch.randn(576, 1536)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
-    for _ in range(1000):
+    for _ in range(int(sys.argv[2])):
         (x @ w).relu_()
     print(resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - before, len(os.listdir("/proc/self/task")))
 
@@ -32,8 +32,9 @@ asyncio.run(main())
 """
 
 
-def _sleeps_and_threads(way: str) -> tuple[int, int]:
-    out = subprocess.run([sys.executable, "-c", _SCRIPT, way], capture_output=True, text=True, timeout=300, check=True)
+def _sleeps_and_threads(way: str, matmuls: int) -> tuple[int, int]:
+    out = subprocess.run([sys.executable, "-c", _SCRIPT, way, str(matmuls)], capture_output=True, text=True,
+                         timeout=300, check=True)
     sleeps, threads = out.stdout.split()[-2:]
     return int(sleeps), int(threads)
 
@@ -46,8 +47,8 @@ def test_torch_work_off_the_loop_does_not_make_the_main_threads_openmp_team_slee
     # on the control only: a loaded machine (the other test worker) makes any team sleep now and then, 300-550
     # times here with both cores busy against 0 idle, the control's 3,000 either way. The team left alive is the
     # cause, and counting threads does not depend on the load.
-    pooled_sleeps, pooled_threads = _sleeps_and_threads("to_thread")
-    _, fresh_threads = _sleeps_and_threads("torch_in_thread")
+    pooled_sleeps, pooled_threads = _sleeps_and_threads("to_thread", 1000)
+    _, fresh_threads = _sleeps_and_threads("torch_in_thread", 1)  # one matmul starts the main thread's team
     assert pooled_sleeps >= 500, f"the control did not slow: {pooled_sleeps} sleeps"
     # the pool thread, and the team it keeps: a thread per other core, at least one
     assert pooled_threads - fresh_threads >= 2, (pooled_threads, fresh_threads)

@@ -207,6 +207,28 @@ def test_small_spaces_cap_split_sizes() -> None:
     assert 0 < len(env.tasks("test")) < 50
 
 
+def test_a_list_of_levels_mixes_their_problems_in_turn_each_task_naming_its_level() -> None:
+    mixed = ArithmeticEnv(level=[1, 3, 4], num_train=600, num_test=90)
+    train, test = mixed.tasks("train"), mixed.tasks("test")
+    # Each level's problems in its own order, one level after another, until level 1 (80 train problems) runs out.
+    alone = {level: ArithmeticEnv(level=level, num_train=300).tasks("train") for level in (1, 3, 4)}
+    assert [t["level"] for t in train[:9]] == [1, 3, 4] * 3
+    for level in (1, 3, 4):
+        mine = [t["expression"] for t in train if t["level"] == level]
+        assert mine == [t["expression"] for t in alone[level][:len(mine)]]
+    ones = len(alone[1])
+    assert 70 < ones < 90 and [t["level"] for t in train[3 * ones - 1:3 * ones + 4]] == [4, 3, 4, 3, 4]
+    assert all(t["answer"] == _value(t["expression"]) for t in train)
+    assert not {t["expression"] for t in train} & {t["expression"] for t in test}
+    assert [t["id"] for t in test[:2]] == ["test-1-3-4-0", "test-1-3-4-1"] and len(test) == 90
+    assert mixed.spaces()["level"] == [1, 3, 4] and "digits" not in mixed.spaces()
+    for bad in ([], [2, 2], [2, 6]):
+        with pytest.raises(ValueError, match="level must be one of"):
+            ArithmeticEnv(level=bad)
+    with pytest.raises(ValueError, match="not a mixture's"):
+        ArithmeticEnv(level=[2, 3], digits=3)
+
+
 def test_task_i_depends_only_on_split_level_and_index() -> None:
     small, big = ArithmeticEnv(level=4, num_train=20, num_test=5), ArithmeticEnv(level=4)
     assert list(small.tasks("train")) == big.tasks("train")[:20]

@@ -285,7 +285,7 @@ async def test_agents_that_crash_hang_or_run_concurrently_fail_alone_and_never_m
     # Only the hanging episode runs under a short rollout deadline: a loaded machine cannot time the others out.
     gen = generator(vllm_engine, chat_tokenizer)
     trajs, hung = await asyncio.gather(gen.generate(make, tasks=[t for t in tasks if t["id"] != "t5"]),
-                                       generator(vllm_engine, chat_tokenizer, timeout_s=30).generate(
+                                       generator(vllm_engine, chat_tokenizer, timeout_s=5).generate(
                                            make, tasks=[tasks[5]]))
     by_id = {t.task_id: t for t in trajs + hung}
     assert by_id["t3"].stop_reason == "error" and "the agent crashed" in by_id["t3"].error
@@ -534,7 +534,7 @@ async def test_command_agents_run_as_processes_and_fail_alone_with_their_process
     markers = [tasks[4]["marker"], tasks[5]["marker"]]
     (finished, cut), seen = await watching(markers, asyncio.gather(
         generator(vllm_engine, chat_tokenizer).generate(make, tasks=tasks[:-1]),
-        generator(vllm_engine, chat_tokenizer, timeout_s=30).generate(make, tasks=tasks[-1:])))
+        generator(vllm_engine, chat_tokenizer, timeout_s=10).generate(make, tasks=tasks[-1:])))
     by_id = {t.task_id: t for t in finished + cut}
     assert by_id["answer"].stop_reason == "done" and by_id["answer"].num_turns == 1, by_id["answer"].error
     assert answers["answer"].startswith("noise on stdout") and answers["answer"].endswith("answer")

@@ -369,6 +369,9 @@ class CurriculumConfig:
     min_active: int = 32
     """band: the fewest tasks it draws from: while fewer are in the band (or untried), the set-aside tasks nearest
     it rejoin, the hopeless first, each rate pulled toward the pool's by two tries (0: no floor)."""
+    group_by: str = ""
+    """band: a task field whose tasks share a difficulty (e.g. ``level``): the floor brings back first the
+    set-aside tasks of the group whose set-aside tasks passed most when drawn again (empty: no groups)."""
     refill: int = 0
     """Dynamic sampling: up to this many rounds per step that draw one more prompt for each flat group of the round
     before (its rewards all equal), so more of the step's groups teach something; the extra prompts are logged as

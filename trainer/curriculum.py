@@ -10,7 +10,9 @@
                 a task solved (above the band) or hopeless (below it) is set aside, and each draw retries a set-aside
                 task with probability curriculum.retry, so one that became learnable comes back; while fewer than
                 curriculum.min_active tasks are in the band, set-aside tasks rejoin, the hopeless nearest it first (a
-                band that its policy emptied would otherwise train on the same few tasks again and again)
+                band that its policy emptied would otherwise train on the same few tasks again and again); with
+                curriculum.group_by (a task field such as a level), the set-aside of the group whose set-aside tasks
+                passed most when drawn again rejoin first
 
 A group whose rewards are all equal teaches GRPO nothing: the band keeps drawing the tasks whose groups vary. A
 sampler of your own is ``curriculum.sampler=package.module:Class``, a :class:`Sampler` subclass.
@@ -100,8 +102,9 @@ class Sampler:
         """Train start ``i``'s name in the pass rates."""
         return start_key(self.starts[i], i)
 
-    def observe(self, start: Start, rewards: Sequence[float]) -> None:
-        """One completed group of ``start`` (a train start): its finished rollouts' rewards."""
+    def observe(self, start: Start, rewards: Sequence[float]) -> str | None:
+        """One completed group of ``start`` (a train start): its finished rollouts' rewards; returns the task's
+        key (None for a start not in the list)."""
         task, _ = start
         if task is not None and "id" not in task:  # named by its place in the list
             key = next((self.key(i) for i, (listed, _) in enumerate(self.starts) if listed is task), None)
@@ -109,6 +112,7 @@ class Sampler:
             key = start_key(start, -1)
         if key is not None:
             self.rates.add(key, [r >= self.cfg.pass_threshold for r in rewards])
+        return key
 
     def state(self) -> dict[str, Any]:
         """Everything the next draws depend on, for the checkpoint (JSON)."""
@@ -166,7 +170,12 @@ class Uniform(Sampler):
 BAND_LIMIT = 100_000
 """The most train tasks the band sampler weighs."""
 PRIOR_TRIES = 2
-"""The band's floor reads a task's rate as if it had this many more tries, passed at the pool's rate."""
+"""The band's floor reads a task's rate as if it had this many more tries, passed at the pool's rate (or its
+group's comeback rate)."""
+COMEBACK_WINDOW = 64
+"""With curriculum.group_by: a group's comeback rate is over its set-aside tasks' latest this-many outcomes."""
+GROUPS_LOGGED = 16
+"""The most groups whose comeback rates are logged (a field of one value per task would flood the metrics)."""
 
 
 class Band(Sampler):
@@ -184,6 +193,19 @@ class Band(Sampler):
                               "train tasks: profile the split it trains on (envkit eval NAME --split train "
                               "--pass-rates FILE)")
         self.rng = random.Random(seed)
+        self.groups: dict[str, str] = {}
+        """Each task's group (its ``curriculum.group_by`` field), when grouped."""
+        if cfg.group_by:
+            self.groups = {key: str(task.get(cfg.group_by)) for key, (task, _) in zip(self.keys, starts, strict=True)
+                           if task is not None and cfg.group_by in task}
+            if not self.groups:
+                raise ConfigError(f"curriculum.group_by={cfg.group_by!r}: none of this env's {len(starts)} train tasks "
+                                  "has that field")
+        self.comebacks: dict[str, deque[int]] = {}
+        """Per group, the latest outcomes of its tasks drawn while set aside: how likely its set-aside tasks are to
+        have come within reach. Only the set-aside count: the band's own draws were picked for being in reach."""
+        self.pending: set[str] = set()
+        """Tasks drawn while set aside whose outcomes are still to come."""
         self.retried = 0
         """Draws of a set-aside task, since the last metrics."""
         self.joined = 0
@@ -198,11 +220,15 @@ class Band(Sampler):
         return "solved" if rate > high else "hopeless" if rate < low else None
 
     def _distance(self, i: int, pool_rate: float) -> float:
-        """How far set-aside task ``i``'s pass rate is outside the band, its rate pulled toward the pool's by
-        PRIOR_TRIES tries at that rate: of two hopeless tasks, one that passed once is nearer than one that never
-        did, and of two that never did, the one tried less."""
-        outcomes = self.rates.outcomes[self.keys[i]]
-        rate = (sum(outcomes) + PRIOR_TRIES * pool_rate) / (len(outcomes) + PRIOR_TRIES)
+        """How far set-aside task ``i``'s pass rate is outside the band, its rate pulled by PRIOR_TRIES tries
+        toward its group's comeback rate (the pool's, ungrouped or before any comeback): of two hopeless tasks, one
+        that passed once is nearer than one that never did, and of two that never did, the one tried less or the
+        one of a group whose set-aside tasks came back passing."""
+        key = self.keys[i]
+        outcomes = self.rates.outcomes[key]
+        comebacks = self.comebacks.get(self.groups.get(key, ""))
+        prior = sum(comebacks) / len(comebacks) if comebacks else pool_rate
+        rate = (sum(outcomes) + PRIOR_TRIES * prior) / (len(outcomes) + PRIOR_TRIES)
         low, high = self.cfg.band
         return max(low - rate, rate - high)
 
@@ -232,17 +258,32 @@ class Band(Sampler):
                 self.rng.shuffle(pool)
             chosen.append(pool.pop())
             self.retried += not active
+        if self.groups:
+            self.pending.update(self.keys[i] for i in chosen if reasons[i] is not None)
         return chosen
+
+    def observe(self, start: Start, rewards: Sequence[float]) -> str | None:
+        key = super().observe(start, rewards)
+        if key in self.pending and key in self.groups:
+            self.pending.discard(key)
+            self.comebacks.setdefault(self.groups[key], deque(maxlen=COMEBACK_WINDOW)).extend(
+                int(r >= self.cfg.pass_threshold) for r in rewards)
+        return key
 
     def state(self) -> dict[str, Any]:
         rng = self.rng.getstate()
-        return {**super().state(), "rng": [rng[0], list(rng[1]), rng[2]], "retried": self.retried}
+        return {**super().state(), "rng": [rng[0], list(rng[1]), rng[2]], "retried": self.retried,
+                "comebacks": {group: list(seen) for group, seen in self.comebacks.items()},
+                "pending": sorted(self.pending)}
 
     def load_state(self, state: dict[str, Any]) -> None:
         super().load_state(state)
         version, inner, gauss = state["rng"]
         self.rng.setstate((version, tuple(inner), gauss))
         self.retried = state["retried"]
+        self.comebacks = {group: deque(seen, maxlen=COMEBACK_WINDOW)
+                          for group, seen in state.get("comebacks", {}).items()}
+        self.pending = set(state.get("pending", ()))
 
     def metrics(self) -> dict[str, float]:
         rates = [self.rates.rate(key) for key in self.keys]
@@ -251,7 +292,9 @@ class Band(Sampler):
         return {"tasks_at_0": rates.count(0.0), "tasks_between": sum(r is not None and 0 < r < 1 for r in rates),
                 "tasks_at_1": rates.count(1.0), "tasks_untried": rates.count(None),
                 "solved_aside": reasons.count("solved"), "hopeless_aside": reasons.count("hopeless"),
-                "retried": retried, "rejoined": self.joined}
+                "retried": retried, "rejoined": self.joined,
+                **({f"comeback_rate/{group}": sum(seen) / len(seen) for group, seen in sorted(self.comebacks.items())}
+                   if len(set(self.groups.values())) <= GROUPS_LOGGED else {})}
 
 
 SAMPLERS: dict[str, type[Sampler]] = {"uniform": Uniform, "band": Band}

@@ -1,7 +1,8 @@
-"""Uniform sampling, the band curriculum and on-policy distillation on arithmetic level 3, at equal wall time.
+"""Uniform sampling, the band curriculum and on-policy distillation on arithmetic, at equal wall time.
 
     python examples/curriculum/compare.py --out runs/cmp                      # every arm, seeds 0 and 1
     python examples/curriculum/compare.py --out runs/cmp --arms uniform band  # the curriculum alone
+    python examples/curriculum/compare.py --out runs/mix --arms uniform band --level 2 3 4  # on a mixture
     python examples/curriculum/compare.py --out runs/cmp --report             # the table and plot of what ran
 
 Arms (each ``python -m trainer`` on the same env, model and settings; runs that finished are not run again):
@@ -10,7 +11,7 @@ Arms (each ``python -m trainer`` on the same env, model and settings; runs that 
     band      RL from scratch, curriculum.sampler=band from a train-split profile (``envkit eval --pass-rates``,
               made once in OUT/train-rates.json; its cost is printed, as it is paid once per task set), each
               task's rate over its latest group (curriculum.window=8: a solved task is set aside after one flat
-              group, not two)
+              group, not two); on a mixture, grouped by level (curriculum.group_by=level)
     distill   stages=[distill] from the fresh model, the teacher ``--teacher`` (default: uniform seed 0's final
               weights, so run that arm first); ``--distill-samples`` per prompt (default 4: distillation needs no
               groups to compare, and each token carries its own signal)
@@ -48,6 +49,8 @@ def main() -> None:
     parser.add_argument("--distill-steps", type=int, default=30, help="distillation steps per run (default: 30)")
     parser.add_argument("--distill-samples", type=int, default=4, help="distill's samples per prompt (default: 4)")
     parser.add_argument("--teacher", help="distill's teacher (default: OUT/uniform-0, its final weights)")
+    parser.add_argument("--level", nargs="+", type=int, default=[3],
+                        help="arithmetic's level, or several: a mixture taking tasks from each in turn (default: 3)")
     parser.add_argument("--train-tasks", type=int, default=1000, help="the train pool (default: 1000)")
     parser.add_argument("--eval-tasks", type=int, default=200)
     parser.add_argument("--eval-samples", type=int, default=2)
@@ -70,13 +73,13 @@ def run_arm(args: argparse.Namespace, arm: str, seed: int) -> None:
     extra: list[str] = []
     steps = args.steps
     if arm == "band":
-        extra = ["curriculum.sampler=band", f"curriculum.pass_rates=[{profile(args.out, args.train_tasks)}]",
-                 "curriculum.window=8"]
+        extra = ["curriculum.sampler=band", f"curriculum.pass_rates=[{profile(args)}]",
+                 "curriculum.window=8", *(["curriculum.group_by=level"] if len(args.level) > 1 else [])]
     elif arm == "distill":
         extra = ["stages=[distill]", f"distill.teacher={args.teacher or args.out / 'uniform-0'}",
                  f"generator.samples_per_prompt={args.distill_samples}"]
         steps = args.distill_steps
-    env = ["+env.kwargs.level=3", f"+env.kwargs.num_train={args.train_tasks}"]
+    env = [f"+env.kwargs.level={_level(args)}", f"+env.kwargs.num_train={args.train_tasks}"]
     command = [sys.executable, "-m", "trainer", *env, f"trainer.seed={seed}", f"trainer.steps={steps}",
                f"trainer.eval_every={args.eval_every}", f"trainer.eval_tasks={args.eval_tasks}",
                f"trainer.eval_samples={args.eval_samples}", "trainer.eval_greedy=false", "trainer.save_every=1000",
@@ -88,12 +91,18 @@ def run_arm(args: argparse.Namespace, arm: str, seed: int) -> None:
     (args.out / f"{arm}-{seed}.end").write_text(str(time.time()))
 
 
-def profile(out: Path, tasks: int) -> Path:
+def _level(args: argparse.Namespace) -> str:
+    """``--level`` as the env's kwarg: one level, or a JSON list of them."""
+    return str(args.level[0]) if len(args.level) == 1 else json.dumps(args.level).replace(" ", "")
+
+
+def profile(args: argparse.Namespace) -> Path:
     """The train split's pass rates at the start (4 samples per task at temperature 1), made once."""
+    out, tasks = args.out, args.train_tasks
     rates = out / "train-rates.json"
     if not rates.is_file():
         start = time.time()
-        subprocess.run([sys.executable, "-m", "envkit", "eval", "arithmetic", "--env-arg", "level=3",
+        subprocess.run([sys.executable, "-m", "envkit", "eval", "arithmetic", "--env-arg", f"level={_level(args)}",
                         "--env-arg", f"num_train={tasks}", "--split", "train", "-n", str(tasks), "--samples", "4",
                         "--temperature", "1", "--pass-rates", str(rates), "--out", str(out / "profile")], check=True)
         print(f"train-split profile: {time.time() - start:.0f} s (paid once per task set)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import operator
 import random
@@ -94,29 +95,47 @@ class _Space:
         return _Problem(expression, key, answer)
 
 
-def _split_tasks(space: _Space, split: str, level: int, size: int) -> TaskList:
-    """The tasks of one split; task i depends only on (space, split, i).
+def _split_tasks(spaces: dict[int, _Space], split: str, size: int) -> TaskList:
+    """The tasks of one split, taken in turn from each level's problems; task i depends only on (spaces, split, i).
 
-    A seeded walk visits the problem space without repetition and keeps the problems this split owns, so
-    problems never repeat within a split. Small spaces are shuffled whole and the split is capped at the number
-    of problems it owns (level 1 owns about 80 train and 20 test problems). Spaces too large to count are capped
-    at half the split's expected share: far below exhaustion, so sampling stays fast.
+    A seeded walk visits each problem space without repetition and keeps the problems this split owns, so
+    problems never repeat within a split. Small spaces are shuffled whole and hold only the problems they own
+    (level 1 owns about 80 train and 20 test problems): a level that runs out leaves the turns to the others, and
+    the split is capped at what all of them own. Spaces too large to count are capped at half the split's
+    expected share: far below exhaustion, so sampling stays fast.
     """
+    walks, available = [], 0
+    for level, space in spaces.items():
+        walk, owned = _walk(space, split)
+        walks.append(zip(itertools.repeat(level), walk))
+        available += owned
+    tasks = (
+        {"question": f"What is {p.expression}?", "answer": p.answer, "level": level, "expression": p.expression}
+        for level, p in _in_turn(walks)
+    )
+    return TaskList(tasks, min(size, available), prefix="-".join([split, *map(str, spaces)]))
+
+
+def _walk(space: _Space, split: str) -> tuple[Iterator[_Problem], int]:
+    """The problems of ``space`` that ``split`` owns, in a seeded order, and how many it may take."""
     rng = random.Random(f"{split}:{space.digits}:{space.ops}:{space.steps}")
     if space.size <= _ENUMERABLE:
         order = list(range(space.size))
         rng.shuffle(order)
         problems = [p for p in map(space.problem, order) if stable_split(p.key, _TEST_SHARE) == split]
-        walk: Iterator[_Problem] = iter(problems)
-        available = len(problems)
-    else:
-        walk = _sample(space, split, rng)
-        available = int(space.size * (_TEST_SHARE if split == "test" else 1 - _TEST_SHARE) / 2)
-    tasks = (
-        {"question": f"What is {p.expression}?", "answer": p.answer, "level": level, "expression": p.expression}
-        for p in walk
-    )
-    return TaskList(tasks, min(size, available), prefix=f"{split}-{level}")
+        return iter(problems), len(problems)
+    return _sample(space, split, rng), int(space.size * (_TEST_SHARE if split == "test" else 1 - _TEST_SHARE) / 2)
+
+
+def _in_turn(walks: list[Iterator[tuple[int, _Problem]]]) -> Iterator[tuple[int, _Problem]]:
+    """One item from each walk in turn, skipping the walks that ran out."""
+    while walks:
+        for walk in list(walks):
+            item = next(walk, None)
+            if item is None:
+                walks.remove(walk)
+            else:
+                yield item
 
 
 def _sample(space: _Space, split: str, rng: random.Random) -> Iterator[_Problem]:
@@ -130,6 +149,22 @@ def _sample(space: _Space, split: str, rng: random.Random) -> Iterator[_Problem]
                 yield problem
 
 
+def _space(level: int, digits: int | None, ops: str | None, steps: int | None) -> _Space:
+    """``level``'s problem space, with any of its preset's digits, operators and operations overridden."""
+    preset_digits, preset_ops, preset_steps = LEVELS[level]
+    digits = preset_digits if digits is None else digits
+    ops = preset_ops if ops is None else ops
+    steps = preset_steps if steps is None else steps
+    if not 1 <= digits <= 9:
+        raise ValueError(f"digits must be between 1 and 9, got {digits!r}")
+    if not ops or set(ops) - set(_OPS):
+        raise ValueError(f"ops must be a non-empty string of operators from {''.join(_OPS)!r}, got {ops!r}")
+    if not 1 <= steps <= 6:
+        raise ValueError(f"steps must be between 1 and 6, got {steps!r}")
+    # Canonical operator order, so "*+" and "+*" generate the same problems.
+    return _Space(digits, "".join(op for op in _OPS if op in ops), steps)
+
+
 class ArithmeticEnv(Env):
     """Arithmetic: answer "What is 3 + 5?" for reward 1.0; one turn, or several with followups ("Now add 7").
 
@@ -137,6 +172,8 @@ class ArithmeticEnv(Env):
     operands of up to the given number of digits (0..9, 0..99, ...): 1 one-digit addition (100 problems),
     2 two-digit + and -, 3 two-digit +, - and *, 4 two operations with parentheses on two-digit numbers,
     5 three operations on three-digit numbers. ``digits``, ``ops`` and ``steps`` override the level's preset.
+    A list of levels (``level=[2, 3, 4]``) is a mixture of difficulties: each split takes its problems from
+    the levels in turn, and each task names its ``level``.
     Answers are integers and may be negative. Train and test never share a problem: each problem belongs to
     one split by a stable hash of its expression, with a + b and b + a counted as one problem.
 
@@ -155,7 +192,7 @@ class ArithmeticEnv(Env):
     def __init__(
         self,
         *,
-        level: int = 1,
+        level: int | Sequence[int] = 1,
         digits: int | None = None,
         ops: str | None = None,
         steps: int | None = None,
@@ -165,18 +202,12 @@ class ArithmeticEnv(Env):
         num_test: int = 500,
         followups: int = 0,
     ) -> None:
-        if level not in LEVELS:
-            raise ValueError(f"level must be one of {sorted(LEVELS)}, got {level!r}")
-        preset_digits, preset_ops, preset_steps = LEVELS[level]
-        digits = preset_digits if digits is None else digits
-        ops = preset_ops if ops is None else ops
-        steps = preset_steps if steps is None else steps
-        if not 1 <= digits <= 9:
-            raise ValueError(f"digits must be between 1 and 9, got {digits!r}")
-        if not ops or set(ops) - set(_OPS):
-            raise ValueError(f"ops must be a non-empty string of operators from {''.join(_OPS)!r}, got {ops!r}")
-        if not 1 <= steps <= 6:
-            raise ValueError(f"steps must be between 1 and 6, got {steps!r}")
+        levels = [level] if isinstance(level, int) else list(level)
+        if not levels or any(lv not in LEVELS for lv in levels) or len(set(levels)) < len(levels):
+            raise ValueError(f"level must be one of {sorted(LEVELS)}, or a list of distinct ones, got {level!r}")
+        if len(levels) > 1 and (digits, ops, steps) != (None, None, None):
+            raise ValueError(f"digits, ops and steps override one level's preset, not a mixture's (level={level!r})")
+        self._spaces = {lv: _space(lv, digits, ops, steps) for lv in levels}
         if not math.isfinite(format_bonus) or format_bonus < 0:
             raise ValueError(f"format_bonus must be a finite number >= 0, got {format_bonus!r}")
         if num_train < 1:
@@ -188,9 +219,7 @@ class ArithmeticEnv(Env):
         if followups and format_bonus * (followups + 1) >= 1:
             raise ValueError(f"format_bonus={format_bonus!r} with followups={followups!r} lets marked wrong answers "
                              "reach reward 1.0 (a pass): keep format_bonus below 1/(followups+1)")
-        self.level = level
-        # Canonical operator order, so "*+" and "+*" generate the same problems.
-        self._space = _Space(digits, "".join(op for op in _OPS if op in ops), steps)
+        self.level = levels[0] if len(levels) == 1 else levels
         self.format_bonus = float(format_bonus)
         self.reward_range = (0.0, (1.0 + self.format_bonus) / (followups + 1))
         self.system_prompt = DEFAULT_SYSTEM_PROMPT if system_prompt is None else system_prompt
@@ -204,7 +233,7 @@ class ArithmeticEnv(Env):
     def tasks(self, split: str = "train") -> Sequence[Task]:
         """The tasks of ``split`` ("train" or "test") as a lazily generated sequence of task dicts."""
         if check_split(split) not in self._splits:
-            self._splits[split] = _split_tasks(self._space, split, self.level, self._sizes[split])
+            self._splits[split] = _split_tasks(self._spaces, split, self._sizes[split])
         return self._splits[split]
 
     async def reset(self, *, seed: int | None = None, task: Task | None = None) -> tuple[list[Message], dict]:
@@ -245,7 +274,6 @@ class ArithmeticEnv(Env):
             "marked answer (divided alike)",
             "followups": self.followups,
             "level": self.level,
-            "digits": self._space.digits,
-            "ops": self._space.ops,
-            "steps": self._space.steps,
+            **({"digits": space.digits, "ops": space.ops, "steps": space.steps}
+               if len(self._spaces) == 1 and (space := next(iter(self._spaces.values()))) else {}),
         }
