@@ -324,7 +324,7 @@ MUTATIONS = [
     Mutation(
         "curriculum-band-ignores-groups",
         "trainer/curriculum.py::Band._distance",
-        "        prior = sum(comebacks) / len(comebacks) if comebacks else pool_rate",
+        "        prior = priors.get(self.groups.get(key, \"\"), pool_rate)",
         "        prior = pool_rate",
         "tests/test_curriculum.py::test_grouped_the_floor_brings_back_the_group_whose_set_aside_tasks_came_back_"
         "passing",

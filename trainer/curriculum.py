@@ -201,6 +201,7 @@ class Band(Sampler):
             if not self.groups:
                 raise ConfigError(f"curriculum.group_by={cfg.group_by!r}: none of this env's {len(starts)} train tasks "
                                   "has that field")
+        self.log_groups = len(set(self.groups.values())) <= GROUPS_LOGGED
         self.comebacks: dict[str, deque[int]] = {}
         """Per group, the latest outcomes of its tasks drawn while set aside: how likely its set-aside tasks are to
         have come within reach. Only the set-aside count: the band's own draws were picked for being in reach."""
@@ -219,15 +220,14 @@ class Band(Sampler):
         low, high = self.cfg.band
         return "solved" if rate > high else "hopeless" if rate < low else None
 
-    def _distance(self, i: int, pool_rate: float) -> float:
+    def _distance(self, i: int, priors: dict[str, float], pool_rate: float) -> float:
         """How far set-aside task ``i``'s pass rate is outside the band, its rate pulled by PRIOR_TRIES tries
-        toward its group's comeback rate (the pool's, ungrouped or before any comeback): of two hopeless tasks, one
-        that passed once is nearer than one that never did, and of two that never did, the one tried less or the
-        one of a group whose set-aside tasks came back passing."""
+        toward its group's comeback rate in ``priors`` (the pool's, ungrouped or before any comeback): of two
+        hopeless tasks, one that passed once is nearer than one that never did, and of two that never did, the one
+        tried less or the one of a group whose set-aside tasks came back passing."""
         key = self.keys[i]
         outcomes = self.rates.outcomes[key]
-        comebacks = self.comebacks.get(self.groups.get(key, ""))
-        prior = sum(comebacks) / len(comebacks) if comebacks else pool_rate
+        prior = priors.get(self.groups.get(key, ""), pool_rate)
         rate = (sum(outcomes) + PRIOR_TRIES * prior) / (len(outcomes) + PRIOR_TRIES)
         low, high = self.cfg.band
         return max(low - rate, rate - high)
@@ -242,7 +242,8 @@ class Band(Sampler):
             pool_rate = sum(tried) / len(tried)  # something is set aside, so something was tried
             self.rng.shuffle(aside)  # ties in random order
             # the hopeless first: a policy that learns is likelier to have come within reach of what it failed
-            aside.sort(key=lambda i: (reasons[i] == "solved", self._distance(i, pool_rate)))
+            priors = self._comeback_rates()
+            aside.sort(key=lambda i: (reasons[i] == "solved", self._distance(i, priors, pool_rate)))
             self.joined = min(len(aside), self.cfg.min_active - len(active))
             active, aside = active + aside[:self.joined], aside[self.joined:]
         every = active or list(aside)  # with every task set aside, all of them are retried
@@ -258,13 +259,16 @@ class Band(Sampler):
                 self.rng.shuffle(pool)
             chosen.append(pool.pop())
             self.retried += not active
-        if self.groups:
-            self.pending.update(self.keys[i] for i in chosen if reasons[i] is not None)
+        self.pending.update(key for i in chosen if reasons[i] is not None and (key := self.keys[i]) in self.groups)
         return chosen
+
+    def _comeback_rates(self) -> dict[str, float]:
+        """Each group's comeback rate, for the groups with comebacks."""
+        return {group: sum(seen) / len(seen) for group, seen in sorted(self.comebacks.items()) if seen}
 
     def observe(self, start: Start, rewards: Sequence[float]) -> str | None:
         key = super().observe(start, rewards)
-        if key in self.pending and key in self.groups:
+        if key in self.pending:
             self.pending.discard(key)
             self.comebacks.setdefault(self.groups[key], deque(maxlen=COMEBACK_WINDOW)).extend(
                 int(r >= self.cfg.pass_threshold) for r in rewards)
@@ -293,8 +297,8 @@ class Band(Sampler):
                 "tasks_at_1": rates.count(1.0), "tasks_untried": rates.count(None),
                 "solved_aside": reasons.count("solved"), "hopeless_aside": reasons.count("hopeless"),
                 "retried": retried, "rejoined": self.joined,
-                **({f"comeback_rate/{group}": sum(seen) / len(seen) for group, seen in sorted(self.comebacks.items())}
-                   if len(set(self.groups.values())) <= GROUPS_LOGGED else {})}
+                **({f"comeback_rate/{group}": rate for group, rate in self._comeback_rates().items()}
+                   if self.log_groups else {})}
 
 
 SAMPLERS: dict[str, type[Sampler]] = {"uniform": Uniform, "band": Band}
