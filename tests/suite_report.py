@@ -4,10 +4,12 @@
 pytest runs, a single test say, write nothing and so never clobber a full run's record):
 - ``junit.xml``: pytest's own per-test record (``--junitxml``);
 - ``durations.jsonl``: one line per finished test (node id, worker, seconds of setup + call + teardown, start and
-  stop), appended as the run goes, so a run that is killed still says where its time went;
+  stop, the machine's cores busy meanwhile), appended as the run goes, so a run that is killed still says where its
+  time went;
 - ``durations.md``: the pytest phase's wall time against :data:`BUDGET_S`, each worker's wall and busy time, the
-  slowest tests and modules, how many tests exercise each real part (:data:`PARTS`), and the machine's lowest
-  available memory in the run with the tests that were running then, and how busy its cores were on average.
+  slowest tests (with the cores busy while each ran) and modules, how many tests exercise each real part
+  (:data:`PARTS`), and the machine's lowest available memory in the run with the tests that were running then, and
+  how busy its cores were on average.
 
 Memory is watched, not rationed: the tests that once needed most of the machine (an `exclusive` lock idled the other
 worker's end-to-end tests while they ran) now train the tiny model, and the low-water mark shows the margin left.
@@ -58,14 +60,26 @@ class _Run:
     lowest_memory: tuple[float, float] = (float("inf"), 0.0)
     """The least available memory seen (bytes), and when."""
     cpu_at_start: tuple[float, float] = field(default_factory=lambda: _cpu_times())
+    busy_cores: list[tuple[float, float]] = field(default_factory=list)
+    """Each second's end, and how many of the machine's cores were busy in it."""
 
-    def watch_memory(self) -> None:
-        """Sample MemAvailable every second for the rest of the process (a daemon thread's loop)."""
+    def watch_machine(self) -> None:
+        """Sample MemAvailable and the cores busy every second for the rest of the process (a daemon thread's
+        loop)."""
+        cores, before = os.cpu_count() or 1, _cpu_times()
         while True:
-            available = _available_memory()
+            time.sleep(1.0)
+            available, now = _available_memory(), _cpu_times()
             if available < self.lowest_memory[0]:
                 self.lowest_memory = (available, time.time())
-            time.sleep(1.0)
+            busy, total = (end - start for end, start in zip(now, before, strict=True))
+            self.busy_cores.append((time.time(), cores * busy / total if total else 0.0))
+            before = now
+
+    def cores_busy(self, start: float, stop: float) -> float | None:
+        """The machine's busy cores on average from ``start`` to ``stop`` (None for a span not sampled)."""
+        seen = [cores for when, cores in self.busy_cores if start < when <= stop + 1.0]
+        return sum(seen) / len(seen) if seen else None
 
 
 def _cpu_times() -> tuple[float, float]:
@@ -97,7 +111,7 @@ def pytest_configure(config: pytest.Config) -> None:
     global _run
     if REPORT_VAR in os.environ and not hasattr(config, "workerinput"):  # the controller, or pytest without xdist
         _run = _Run()
-        threading.Thread(target=_run.watch_memory, name="memory-watch", daemon=True).start()
+        threading.Thread(target=_run.watch_machine, name="machine-watch", daemon=True).start()
         report_dir().mkdir(parents=True, exist_ok=True)
         (report_dir() / "durations.jsonl").write_text("")
 
@@ -139,8 +153,10 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         test.outcome = "skipped"
     if report.when == "teardown":
         with (report_dir() / "durations.jsonl").open("a") as out:
+            cores = _run.cores_busy(test.start, test.stop)
             out.write(json.dumps({"test": report.nodeid, "worker": test.worker, "seconds": round(test.seconds, 2),
-                                  "start": test.start, "stop": test.stop, "outcome": test.outcome}) + "\n")
+                                  "start": test.start, "stop": test.stop, "outcome": test.outcome,
+                                  "cores_busy": None if cores is None else round(cores, 2)}) + "\n")
 
 
 def _clock(seconds: float) -> str:
@@ -163,9 +179,14 @@ def summary(run: _Run, now: float) -> list[str]:
         busy = sum(t.seconds for t in tests)
         span = max(t.stop for t in tests) - min(t.start for t in tests)
         lines.append(f"| {worker} | {len(tests)} | {_clock(busy)} | {_clock(span)} | {_clock(max(0.0, span - busy))} |")
-    lines += [f"\n## The {SLOWEST} slowest tests (setup + call + teardown)\n", "| s | worker | test |", "|---|---|---|"]
+    lines += [f"\n## The {SLOWEST} slowest tests (setup + call + teardown)\n",
+              "Cores busy: the whole machine's while the test ran, the other worker's tests included; well under "
+              f"{os.cpu_count() or 1}, the machine had time to spare then (a test that waits, or holds it alone).\n",
+              "| s | cores busy | worker | test |", "|---|---|---|---|"]
     ranked = sorted(run.tests.items(), key=lambda kv: -kv[1].seconds)
-    lines += [f"| {t.seconds:.1f} | {t.worker} | {nodeid} |" for nodeid, t in ranked[:SLOWEST]]
+    for nodeid, t in ranked[:SLOWEST]:
+        cores = run.cores_busy(t.start, t.stop)
+        lines.append(f"| {t.seconds:.1f} | {'-' if cores is None else f'{cores:.2f}'} | {t.worker} | {nodeid} |")
     modules: dict[str, list[float]] = defaultdict(list)
     for nodeid, t in run.tests.items():
         modules[nodeid.split("::", 1)[0]].append(t.seconds)

@@ -18,8 +18,8 @@ import pytest
 from agent_envs import ADD, INSTRUCTIONS, add, hosted, llm, run_add, tool_loop
 
 from envkit import Task
+from envkit.agents import process as host_process
 from envkit.agents.agent import AgentClient, AgentEnv
-from envkit.agents.process import CANCEL_ACK_S
 from envkit.errors import AgentProcessError
 from generators.engines.base import ChatCompletion, Completion, InferenceEngine, SamplingParams
 from generators.rollout import Generator, GeneratorConfig
@@ -302,7 +302,8 @@ async def test_agents_that_crash_hang_or_run_concurrently_fail_alone_and_never_m
 
 @pytest.mark.agent_frameworks
 async def test_an_agent_in_a_host_process_is_captured_exactly_and_a_blocked_host_is_replaced(vllm_engine,
-                                                                                              chat_tokenizer):
+                                                                                              chat_tokenizer,
+                                                                                              monkeypatch):
     """agent_process=True: every episode's agent runs in one host process, not this one, and is captured as
     exactly as in-process agents are. An agent that raises fails its rollout alone; one whose synchronous code
     blocks the host's event loop times out, and the host, unable to confirm the cancellation, is killed so that
@@ -340,9 +341,11 @@ async def test_an_agent_in_a_host_process_is_captured_exactly_and_a_blocked_host
     assert sorted(a["answer"] == "honest" for a in answers) == [False, True] and "forged" not in str(answers)
 
     block = {"id": "block", "question": "?"}
+    # the blocked host can never confirm: a short deadline to do so spares the test its 10 s wait
+    monkeypatch.setattr(host_process, "CANCEL_ACK_S", 1.0)
     blocked = await generator(vllm_engine, chat_tokenizer, timeout_s=5).generate(env(block), tasks=[block])
     assert blocked[0].stop_reason == "timeout"
-    await exited(host.pop(), CANCEL_ACK_S + 10)  # killed, having not confirmed
+    await exited(host.pop(), host_process.CANCEL_ACK_S + 10)  # killed, having not confirmed
     answers.clear()
     trajs = await generator(vllm_engine, chat_tokenizer).generate(env(QUESTION), tasks=[QUESTION])
     assert trajs[0].stop_reason == "done", trajs[0].error

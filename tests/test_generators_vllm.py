@@ -198,12 +198,12 @@ async def test_a_branched_group_shares_its_first_turns_and_plays_on_in_restored_
 async def test_failed_rollouts_are_recorded_and_the_batch_completes(vllm_engine, chat_tokenizer):
     # FlakyEnv ignores what the model says: 4 tokens keep generation far inside the timeout on a slow CPU, so only
     # the hanging env reaches it.
-    gen = Generator(vllm_engine, chat_tokenizer, _config(max_tokens=4, timeout_s=20))
+    gen = Generator(vllm_engine, chat_tokenizer, _config(max_tokens=4, timeout_s=8))
     trajs = await gen.generate(FlakyEnv, seeds=range(20))
     reasons = [t.stop_reason for t in trajs]
     assert reasons.count("error") == 4 and reasons.count("timeout") == 1 and reasons.count("done") == 15
     assert all("RuntimeError: env crashed on seed" in t.error for t in trajs if t.stop_reason == "error")
-    assert trajs[7].stop_reason == "timeout" and "exceeded 20 s" in trajs[7].error
+    assert trajs[7].stop_reason == "timeout" and "exceeded 8 s" in trajs[7].error
 
     [failed] = await Generator(vllm_engine, chat_tokenizer, _config(max_total_tokens=8000)).generate(
         LongPromptEnv, seeds=[0])

@@ -149,7 +149,7 @@ def test_trains_on_every_kind_of_env_at_once(tiny_url, docker_client, arithmetic
             since = int(time.time()) - 1
             metrics, pid, _ = train(
                 tmp_path / "run", tiny_url, tiny_model_dir(), _mixture(members),
-                f"generator.prompts_per_step={len(members)}", "generator.max_turns=8",
+                f"generator.prompts_per_step={len(members)}", "generator.max_turns=4",
                 "generator.max_total_tokens=2048", "judge.model=bundled", "judge.kv_cache_gib=1",
                 "trainer.eval_tasks=2", "trainer.eval_samples=1", "trainer.eval_greedy=false",
                 env=env_with_tests(REPO / "examples"))
@@ -181,7 +181,7 @@ def test_trains_on_every_kind_of_env_at_once(tiny_url, docker_client, arithmetic
     assert not [c.name for c in docker_client.containers.list(all=True, filters={"label": OWNER_LABEL})
                 if _owned_by(pid, c.labels)]
     # OpenEnv's echo env never ends before "bye": every episode runs to the turn limit
-    assert all(t["num_turns"] == 8 and t["stop_reason"] == "max_turns" for t in trained["openenv"])
+    assert all(t["num_turns"] == 4 and t["stop_reason"] == "max_turns" for t in trained["openenv"])
     # the gym env is drawn by seed: seeds 0 and 1, in order, one a step; replies it cannot read end an episode
     state = json.loads((out / "checkpoints" / "step-000002" / "state.json").read_text())
     gym = state["data"]["gym"]
