@@ -331,6 +331,15 @@ MUTATIONS = [
         "a band on a mixture of levels brings back hopeless tasks of every level alike: flat groups stay high once "
         "the tasks in reach are spent"),
     Mutation(
+        "curriculum-comebacks-count-the-solved",
+        "trainer/curriculum.py::Band.draw",
+        "if reasons[i] == \"hopeless\" and (key := self.keys[i]) in self.groups)",
+        "if reasons[i] is not None and (key := self.keys[i]) in self.groups)",
+        "tests/test_curriculum.py::test_grouped_the_floor_brings_back_the_group_whose_set_aside_tasks_came_back_"
+        "passing",
+        "a level whose solved tasks are retried looks like one whose hopeless tasks came within reach: the floor "
+        "brings back its hopeless first"),
+    Mutation(
         "distill-ignores-the-teacher",
         "trainer/distill.py::token_advantages",
         "    return distill.reward_weight * env - distill.kl_weight * kl, kl",

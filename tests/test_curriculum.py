@@ -80,6 +80,12 @@ def test_grouped_the_floor_brings_back_the_group_whose_set_aside_tasks_came_back
     assert (metrics["comeback_rate/0"], metrics["comeback_rate/1"]) == (0.0, 0.125)  # level 1's passed 1 in 8
     assert not any(name.startswith("comeback") for name in control.metrics())
     assert levels[control][4:].count(0) >= 4  # ungrouped: level 0's untried-since rejoin as often as level 1's
+    solved = _band(LEVELS, group_by="level")
+    for i in range(40):
+        _play(solved, i, 4, tasks=LEVELS)  # every task solved: all of them retried
+    for i in solved.draw(8):  # passing again, they say nothing of whether a level's hopeless came within reach
+        _play(solved, i, 8, tried=8, tasks=LEVELS)
+    assert not any(name.startswith("comeback") for name in solved.metrics())
     with pytest.raises(ConfigError, match="group_by='difficulty': none of this env's 40 train tasks"):
         _band(LEVELS, group_by="difficulty")
 

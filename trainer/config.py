@@ -371,7 +371,7 @@ class CurriculumConfig:
     it rejoin, the hopeless first, each rate pulled toward the pool's by two tries (0: no floor)."""
     group_by: str = ""
     """band: a task field whose tasks share a difficulty (e.g. ``level``): the floor brings back first the
-    set-aside tasks of the group whose set-aside tasks passed most when drawn again (empty: no groups)."""
+    hopeless tasks of the group whose hopeless tasks passed most when drawn again (empty: no groups)."""
     refill: int = 0
     """Dynamic sampling: up to this many rounds per step that draw one more prompt for each flat group of the round
     before (its rewards all equal), so more of the step's groups teach something; the extra prompts are logged as

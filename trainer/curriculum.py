@@ -11,7 +11,7 @@
                 task with probability curriculum.retry, so one that became learnable comes back; while fewer than
                 curriculum.min_active tasks are in the band, set-aside tasks rejoin, the hopeless nearest it first (a
                 band that its policy emptied would otherwise train on the same few tasks again and again); with
-                curriculum.group_by (a task field such as a level), the set-aside of the group whose set-aside tasks
+                curriculum.group_by (a task field such as a level), the hopeless of the group whose hopeless tasks
                 passed most when drawn again rejoin first
 
 A group whose rewards are all equal teaches GRPO nothing: the band keeps drawing the tasks whose groups vary. A
@@ -203,10 +203,11 @@ class Band(Sampler):
                                   "has that field")
         self.log_groups = len(set(self.groups.values())) <= GROUPS_LOGGED
         self.comebacks: dict[str, deque[int]] = {}
-        """Per group, the latest outcomes of its tasks drawn while set aside: how likely its set-aside tasks are to
-        have come within reach. Only the set-aside count: the band's own draws were picked for being in reach."""
+        """Per group, the latest outcomes of its tasks drawn while set aside as hopeless: how likely its hopeless
+        tasks are to have come within reach. Only those count: the band's own draws were picked for being in reach,
+        and a solved task retried passes again."""
         self.pending: set[str] = set()
-        """Tasks drawn while set aside whose outcomes are still to come."""
+        """Tasks drawn while set aside as hopeless whose outcomes are still to come."""
         self.retried = 0
         """Draws of a set-aside task, since the last metrics."""
         self.joined = 0
@@ -224,7 +225,7 @@ class Band(Sampler):
         """How far set-aside task ``i``'s pass rate is outside the band, its rate pulled by PRIOR_TRIES tries
         toward its group's comeback rate in ``priors`` (the pool's, ungrouped or before any comeback): of two
         hopeless tasks, one that passed once is nearer than one that never did, and of two that never did, the one
-        tried less or the one of a group whose set-aside tasks came back passing."""
+        tried less or the one of a group whose hopeless tasks came back passing."""
         key = self.keys[i]
         outcomes = self.rates.outcomes[key]
         prior = priors.get(self.groups.get(key, ""), pool_rate)
@@ -259,7 +260,8 @@ class Band(Sampler):
                 self.rng.shuffle(pool)
             chosen.append(pool.pop())
             self.retried += not active
-        self.pending.update(key for i in chosen if reasons[i] is not None and (key := self.keys[i]) in self.groups)
+        # only the hopeless: a solved task retried says nothing of whether its group's hopeless came within reach
+        self.pending.update(key for i in chosen if reasons[i] == "hopeless" and (key := self.keys[i]) in self.groups)
         return chosen
 
     def _comeback_rates(self) -> dict[str, float]:

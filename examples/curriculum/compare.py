@@ -3,6 +3,7 @@
     python examples/curriculum/compare.py --out runs/cmp                      # every arm, seeds 0 and 1
     python examples/curriculum/compare.py --out runs/cmp --arms uniform band  # the curriculum alone
     python examples/curriculum/compare.py --out runs/mix --arms uniform band --level 2 3 4  # on a mixture
+    python examples/curriculum/compare.py --out runs/mix-08 --arms band --band 0.1 0.8   # another band
     python examples/curriculum/compare.py --out runs/cmp --report             # the table and plot of what ran
 
 Arms (each ``python -m trainer`` on the same env, model and settings; runs that finished are not run again):
@@ -11,7 +12,8 @@ Arms (each ``python -m trainer`` on the same env, model and settings; runs that 
     band      RL from scratch, curriculum.sampler=band from a train-split profile (``envkit eval --pass-rates``,
               made once in OUT/train-rates.json; its cost is printed, as it is paid once per task set), each
               task's rate over its latest group (curriculum.window=8: a solved task is set aside after one flat
-              group, not two); on a mixture, grouped by level (curriculum.group_by=level)
+              group, not two); on a mixture, grouped by level (curriculum.group_by=level); ``--band LOW HIGH``
+              sets curriculum.band (default: the sampler's, 0.1 0.9)
     distill   stages=[distill] from the fresh model, the teacher ``--teacher`` (default: uniform seed 0's final
               weights, so run that arm first); ``--distill-samples`` per prompt (default 4: distillation needs no
               groups to compare, and each token carries its own signal)
@@ -55,6 +57,8 @@ def main() -> None:
     parser.add_argument("--eval-tasks", type=int, default=200)
     parser.add_argument("--eval-samples", type=int, default=2)
     parser.add_argument("--eval-every", type=int, default=10, help="steps between evaluations (default: 10)")
+    parser.add_argument("--band", nargs=2, type=float, metavar=("LOW", "HIGH"),
+                        help="the band arm's curriculum.band (default: the sampler's, 0.1 0.9)")
     parser.add_argument("--report", action="store_true", help="only report the runs in OUT")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -74,7 +78,8 @@ def run_arm(args: argparse.Namespace, arm: str, seed: int) -> None:
     steps = args.steps
     if arm == "band":
         extra = ["curriculum.sampler=band", f"curriculum.pass_rates=[{profile(args)}]",
-                 "curriculum.window=8", *(["curriculum.group_by=level"] if len(args.level) > 1 else [])]
+                 "curriculum.window=8", *(["curriculum.group_by=level"] if len(args.level) > 1 else []),
+                 *([f"curriculum.band=[{args.band[0]},{args.band[1]}]"] if args.band else [])]
     elif arm == "distill":
         extra = ["stages=[distill]", f"distill.teacher={args.teacher or args.out / 'uniform-0'}",
                  f"generator.samples_per_prompt={args.distill_samples}"]
