@@ -91,7 +91,7 @@ def test_a_run_on_its_own_vllm_server_syncs_weights_dies_whole_under_kill_9_and_
     while not (out / "checkpoints" / "step-000001").is_dir():
         assert process.poll() is None, f"the run ended before its step-1 checkpoint:\n{_tail(tmp_path / 'killed.log')}"
         assert time.monotonic() < deadline, "no step-1 checkpoint within 600 s"  # a hang guard, not a speed check
-        time.sleep(0.2)
+        time.sleep(0.005)
     started = _owned_by(process.pid)
     assert len(started) >= 3, started  # the watchdog, vLLM's API server and its engine core (at least)
     process.kill()
@@ -99,7 +99,7 @@ def test_a_run_on_its_own_vllm_server_syncs_weights_dies_whole_under_kill_9_and_
     # the watchdog polls its owner each second: 30 s is a hang guard, not a speed check
     deadline = time.monotonic() + 30
     while (left := _owned_by(process.pid)) and time.monotonic() < deadline:
-        time.sleep(0.2)
+        time.sleep(0.005)
     assert not left, [Path(f"/proc/{p}/cmdline").read_bytes() for p in left]
     assert sorted(_metrics(out)) == [1]
 
@@ -206,7 +206,8 @@ def kill_at_step_1_checkpoint(out: Path, overrides: list[str], log: Path, *, che
     while not checkpoint.is_dir():
         assert process.poll() is None, f"the run ended before its step-1 checkpoint:\n{log.read_text()[-3000:]}"
         assert time.monotonic() < deadline, "no step-1 checkpoint within 600 s"
-        time.sleep(0.2)
+        # polled often: a step whose groups were generated ahead (async mode) ends ~0.1 s after the checkpoint
+        time.sleep(0.005)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     assert 2 not in _metrics(out)
