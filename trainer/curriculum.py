@@ -173,7 +173,8 @@ PRIOR_TRIES = 2
 """The band's floor reads a task's rate as if it had this many more tries, passed at the pool's rate (or its
 group's comeback rate)."""
 COMEBACK_WINDOW = 64
-"""With curriculum.group_by: a group's comeback rate is over its set-aside tasks' latest this-many outcomes."""
+"""With curriculum.group_by: a group's comeback rate is over its hopeless tasks' latest this-many outcomes when
+drawn again."""
 GROUPS_LOGGED = 16
 """The most groups whose comeback rates are logged (a field of one value per task would flood the metrics)."""
 

@@ -266,6 +266,8 @@ class ArithmeticEnv(Env):
                           info=info)
 
     def spaces(self) -> dict[str, Any]:
+        # one level's preset, as overridden; a mixture has one per level
+        [space, *rest] = self._spaces.values()
         return {
             "observation": 'system prompt, then a user message "What is <expression>?"; with followups, after each '
             'answer: the right value and "Now add <k> to it."',
@@ -274,6 +276,5 @@ class ArithmeticEnv(Env):
             "marked answer (divided alike)",
             "followups": self.followups,
             "level": self.level,
-            **({"digits": space.digits, "ops": space.ops, "steps": space.steps}
-               if len(self._spaces) == 1 and (space := next(iter(self._spaces.values()))) else {}),
+            **({} if rest else {"digits": space.digits, "ops": space.ops, "steps": space.steps}),
         }
