@@ -340,6 +340,22 @@ MUTATIONS = [
         "a level whose solved tasks are retried looks like one whose hopeless tasks came within reach: the floor "
         "brings back its hopeless first"),
     Mutation(
+        "curriculum-bandit-forgets-recency",
+        "trainer/curriculum.py::Bandit._cell",
+        "        state = reason or (\"recent\" if self.step - self.seen_at.get(key, -RECENT_STEPS - 1) <= RECENT_STEPS",
+        "        state = reason or (\"recent\" if False",
+        "tests/test_curriculum.py::test_the_bandit_draws_again_soon_the_tasks_whose_groups_just_varied",
+        "the bandit draws the band's tasks in random order: a task whose group just varied waits until the policy "
+        "has solved it, and its next group is flat"),
+    Mutation(
+        "curriculum-bandit-ignores-variance",
+        "trainer/curriculum.py::Bandit.observe",
+        "            self.cells[cell][len(set(rewards)) <= 1] += 1",
+        "            self.cells[cell][0] += 1",
+        "tests/test_curriculum.py::test_the_bandit_draws_from_the_cells_whose_groups_vary_and_moves_when_the_policy_"
+        "does",
+        "the bandit counts every group as varied: it draws from each cell alike, the solved and hopeless included"),
+    Mutation(
         "distill-ignores-the-teacher",
         "trainer/distill.py::token_advantages",
         "    return distill.reward_weight * env - distill.kl_weight * kl, kl",

@@ -38,7 +38,9 @@ def test_the_band_draws_tasks_whose_groups_vary_and_sets_the_solved_and_hopeless
     drawn = Counter(band.draw(40))
     assert set(drawn) == {6, 7, 8, 9} and set(drawn.values()) == {10}  # each in-band task as often as the others
     assert band.metrics() == {"tasks_at_0": 3, "tasks_between": 4, "tasks_at_1": 3, "tasks_untried": 0,
-                              "solved_aside": 3, "hopeless_aside": 3, "retried": 0, "rejoined": 0}
+                              "solved_aside": 3, "hopeless_aside": 3, "retried": 0, "rejoined": 0,
+                              **{f"{count}_from_{origin}": 0 for count in ("groups", "flat", "passed")
+                                 for origin in ("band", "rejoined", "retried")}}
     _play(band, 3, 4, tried=8)  # a hopeless task that became learnable: 4 passes in the 12 outcomes it has
     assert 3 in band.draw(40)
 
@@ -60,6 +62,28 @@ def test_a_band_its_policy_emptied_keeps_min_active_tasks_the_set_aside_nearest_
     unfloored = _band(retry=0.0)
     unfloored.rates.load_state(band.rates.state())
     assert set(unfloored.draw(8)) == {9}  # without the floor: the one task in the band, over and over
+
+
+def test_the_band_counts_its_groups_and_their_flat_ones_by_why_it_drew_them():
+    band = _band(retry=0.0, min_active=3)
+    for i in range(10):
+        _play(band, i, 2 if i >= 8 else 0)  # 8 and 9 in the band, the rest hopeless
+    drawn = band.draw(6)  # the floor brings one back: three tasks, each twice
+    for i in drawn:
+        _play(band, i, 2 if i >= 8 else 0, tried=8)  # the rejoined one fails again: a flat group
+    metrics = band.metrics()
+    assert {name: n for name, n in metrics.items() if "_from_" in name} == {
+        "groups_from_band": 4, "groups_from_rejoined": 2, "groups_from_retried": 0,
+        "flat_from_band": 0, "flat_from_rejoined": 2, "flat_from_retried": 0,
+        "passed_from_band": 0, "passed_from_rejoined": 0, "passed_from_retried": 0}
+    assert band.metrics()["groups_from_band"] == 0  # counted per step: the metrics read them out
+    retrying = _band(retry=1.0)
+    for i in range(10):
+        _play(retrying, i, 4 if i < 5 else 2)
+    for i in retrying.draw(2):  # both set-aside tasks, solved: they pass again
+        _play(retrying, i, 8, tried=8)
+    metrics = retrying.metrics()
+    assert metrics["flat_from_retried"] == metrics["passed_from_retried"] == 2
 
 
 def test_grouped_the_floor_brings_back_the_group_whose_set_aside_tasks_came_back_passing():
@@ -90,6 +114,53 @@ def test_grouped_the_floor_brings_back_the_group_whose_set_aside_tasks_came_back
         _band(LEVELS, group_by="difficulty")
 
 
+def test_the_bandit_draws_from_the_cells_whose_groups_vary_and_moves_when_the_policy_does():
+    def run(sampler: Sampler, outcome: dict[int, int], steps: int) -> tuple[list[int], int]:
+        drawn, flat = [], 0
+        for _ in range(steps):
+            for i in sampler.draw(4):
+                drawn.append(i % 2)
+                flat += outcome[i % 2] in (0, 8)
+                _play(sampler, i, outcome[i % 2], tried=8, tasks=LEVELS)
+        return drawn, flat
+
+    bandit = make_sampler(CurriculumConfig(sampler="bandit", group_by="level"), LEVELS, seed=0)
+    band = _band(LEVELS, group_by="level")  # the control: the band's fixed retry rate and floor
+    for sampler in (bandit, band):
+        for i in range(40):
+            _play(sampler, i, 2 * (i % 2), tasks=LEVELS)  # level 0's tasks hopeless, level 1's in the band
+    # level 1's groups vary, and its draws are all the band holds; level 0's fail
+    drawn, flat = run(bandit, {0: 0, 1: 4}, 10)
+    assert drawn[8:].count(1) >= 0.9 * len(drawn[8:])
+    # the policy learns: level 1's tasks now pass every time (set aside as solved), and level 0's came within reach
+    drawn, flat = run(bandit, {0: 4, 1: 8}, 20)
+    _, control_flat = run(band, {0: 4, 1: 8}, 20)
+    assert drawn[-40:].count(0) >= 0.9 * 40  # the bandit moved to level 0's set-aside tasks, whose groups vary
+    assert flat <= control_flat / 2, (flat, control_flat)
+    metrics = bandit.metrics()
+    assert metrics["cell_varied/0/hopeless"] > 0.8 > 0.25 >= metrics["cell_varied/1/solved"]
+
+
+def test_the_bandit_draws_again_soon_the_tasks_whose_groups_just_varied():
+    def flat_groups(sampler: Sampler) -> int:
+        last: dict[int, int] = {}
+        flat = 0
+        for step in range(30):
+            for i in sampler.draw(4):  # a task varies when new or drawn again within 3 steps; later it is solved
+                passed = 4 if i not in last or step - last[i] <= 3 else 8
+                flat += passed == 8
+                last[i] = step
+                _play(sampler, i, passed, tried=8, tasks=LEVELS)
+        return flat
+
+    bandit = make_sampler(CurriculumConfig(sampler="bandit"), LEVELS, seed=0)
+    band = _band(LEVELS)  # the control: the band draws its tasks in random order
+    for sampler in (bandit, band):
+        for i in range(40):
+            _play(sampler, i, 2, tasks=LEVELS)
+    assert flat_groups(bandit) <= 5 < 30 <= flat_groups(band)  # of 120 groups each
+
+
 def test_set_aside_tasks_are_retried_at_the_configured_rate_and_untried_ones_are_drawn():
     band = _band(retry=0.25)
     for i in range(5):
@@ -110,6 +181,7 @@ def test_set_aside_tasks_are_retried_at_the_configured_rate_and_untried_ones_are
 def test_a_sampler_resumed_from_its_state_draws_what_the_original_draws_next():
     makes = [(TASKS, lambda: _band()), (TASKS, lambda: _band(min_active=6)),
              (LEVELS, lambda: _band(LEVELS, min_active=6, group_by="level")),
+             (LEVELS, lambda: make_sampler(CurriculumConfig(sampler="bandit", group_by="level"), LEVELS, seed=1)),
              (TASKS, lambda: make_sampler(CurriculumConfig(), TASKS, seed=3))]
     for tasks, make in makes:
         original = make()
@@ -117,8 +189,10 @@ def test_a_sampler_resumed_from_its_state_draws_what_the_original_draws_next():
             drawn = original.draw(3)
             for i in drawn[:-1]:  # the last one's outcomes still to come
                 _play(original, i, step % 5, tasks=tasks)
+        state = json.loads(json.dumps(original.state()))  # as it comes back from state.json
+        original.metrics()  # a step's counts are read out after its checkpoint: resumed, the next counts its own
         resumed = make()
-        resumed.load_state(json.loads(json.dumps(original.state())))  # as it comes back from state.json
+        resumed.load_state(state)
         assert resumed.draw(12) == original.draw(12)
         assert resumed.metrics() == original.metrics()
     assert isinstance(make(), Uniform)

@@ -351,7 +351,8 @@ class CurriculumConfig:
 
     sampler: str = "uniform"
     """uniform (every task once per epoch, shuffled), band (tasks with a pass rate inside ``band``, and untried
-    ones), or ``package.module:Class`` (a ``trainer.curriculum.Sampler`` subclass)."""
+    ones), bandit (the band's tasks in cells, each draw to the cell whose groups varied most lately), or
+    ``package.module:Class`` (a ``trainer.curriculum.Sampler`` subclass)."""
     pass_rates: list[str] = field(default_factory=list)
     """Files ``envkit eval --pass-rates`` wrote (of the train split): the tasks' starting pass rates; else every
     task starts untried. The run keeps them live from its own rollouts."""
@@ -360,18 +361,21 @@ class CurriculumConfig:
     window: int = 16
     """A task's pass rate is over its latest this-many episodes."""
     band: list[float] = field(default_factory=lambda: [0.1, 0.9])
-    """band: ``[low, high]``: a task tried ``min_tries`` times with a pass rate above high (solved) or below low
-    (hopeless) is set aside."""
+    """band and bandit: ``[low, high]``: a task tried ``min_tries`` times with a pass rate above high (solved) or
+    below low (hopeless) is set aside."""
     min_tries: int = 4
-    """band: episodes of a task before its pass rate can set it aside."""
+    """band and bandit: episodes of a task before its pass rate can set it aside."""
     retry: float = 0.1
-    """band: the chance that a draw goes to a set-aside task instead (one that became learnable comes back)."""
+    """band (bandit learns it per cell): the chance that a draw goes to a set-aside task instead (one that became
+    learnable comes back)."""
     min_active: int = 32
-    """band: the fewest tasks it draws from: while fewer are in the band (or untried), the set-aside tasks nearest
-    it rejoin, the hopeless first, each rate pulled toward the pool's by two tries (0: no floor)."""
+    """band (bandit has no floor): the fewest tasks it draws from: while fewer are in the band (or untried), the
+    set-aside tasks nearest it rejoin, the hopeless first, each rate pulled toward the pool's by two tries (0: no
+    floor)."""
     group_by: str = ""
-    """band: a task field whose tasks share a difficulty (e.g. ``level``): the floor brings back first the
-    hopeless tasks of the group whose hopeless tasks passed most when drawn again (empty: no groups)."""
+    """band and bandit: a task field whose tasks share a difficulty (e.g. ``level``): band's floor brings back first
+    the hopeless tasks of the group whose hopeless tasks passed most when drawn again; bandit keeps cells per group
+    (empty: no groups)."""
     refill: int = 0
     """Dynamic sampling: up to this many rounds per step that draw one more prompt for each flat group of the round
     before (its rewards all equal), so more of the step's groups teach something; the extra prompts are logged as

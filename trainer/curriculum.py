@@ -13,6 +13,9 @@
                 band that its policy emptied would otherwise train on the same few tasks again and again); with
                 curriculum.group_by (a task field such as a level), the hopeless of the group whose hopeless tasks
                 passed most when drawn again rejoin first
+    bandit      the band's tasks in cells (per group: those in the band drawn in the last few steps, the rest of
+                the band, the solved, the hopeless); each draw goes to the cell whose groups varied most lately
+                (Thompson sampling): no fixed retry rate or floor, the draws follow where the variance is
 
 A group whose rewards are all equal teaches GRPO nothing: the band keeps drawing the tasks whose groups vary. A
 sampler of your own is ``curriculum.sampler=package.module:Class``, a :class:`Sampler` subclass.
@@ -175,6 +178,8 @@ group's comeback rate)."""
 COMEBACK_WINDOW = 64
 """With curriculum.group_by: a group's comeback rate is over its hopeless tasks' latest this-many outcomes when
 drawn again."""
+ORIGINS = ("band", "rejoined", "retried")
+"""Why the band drew a task: in the band (or untried), brought back by the floor, or a set-aside task retried."""
 GROUPS_LOGGED = 16
 """The most groups whose comeback rates are logged (a field of one value per task would flood the metrics)."""
 
@@ -213,6 +218,13 @@ class Band(Sampler):
         """Draws of a set-aside task, since the last metrics."""
         self.joined = 0
         """Set-aside tasks the last draw made active again, to keep curriculum.min_active."""
+        self.drawn_as: dict[str, deque[str]] = {}
+        """Per task, why each of its groups still to come was drawn (ORIGINS), oldest first."""
+        self.groups_from = dict.fromkeys(ORIGINS, 0)
+        self.flat_from = dict.fromkeys(ORIGINS, 0)
+        self.passed_from = dict.fromkeys(ORIGINS, 0)
+        """Groups observed, the flat ones among them, and the flat ones that all passed, by why they were drawn,
+        since the last metrics."""
 
     def set_aside(self, key: str) -> str | None:
         """Why ``key`` is set aside (solved or hopeless), or None while it is drawn."""
@@ -255,15 +267,20 @@ class Band(Sampler):
             if aside and (not active or self.rng.random() < self.cfg.retry):
                 chosen.append(aside.pop(self.rng.randrange(len(aside))))
                 self.retried += 1
+                self._drawn(chosen[-1], "retried")
                 continue
             if not pool:  # each task once before any twice
                 pool = [i for i in every if i not in chosen] or list(every)
                 self.rng.shuffle(pool)
             chosen.append(pool.pop())
             self.retried += not active
+            self._drawn(chosen[-1], "band" if reasons[chosen[-1]] is None else "rejoined" if active else "retried")
         # only the hopeless: a solved task retried says nothing of whether its group's hopeless came within reach
         self.pending.update(key for i in chosen if reasons[i] == "hopeless" and (key := self.keys[i]) in self.groups)
         return chosen
+
+    def _drawn(self, i: int, origin: str) -> None:
+        self.drawn_as.setdefault(self.keys[i], deque()).append(origin)
 
     def _comeback_rates(self) -> dict[str, float]:
         """Each group's comeback rate, for the groups with comebacks."""
@@ -271,6 +288,10 @@ class Band(Sampler):
 
     def observe(self, start: Start, rewards: Sequence[float]) -> str | None:
         key = super().observe(start, rewards)
+        if (origin := _oldest(self.drawn_as, key)) is not None:
+            self.groups_from[origin] += 1
+            self.flat_from[origin] += len(set(rewards)) <= 1  # none finished: flat too (flat_groups)
+            self.passed_from[origin] += bool(rewards) and min(rewards) >= self.cfg.pass_threshold
         if key in self.pending:
             self.pending.discard(key)
             self.comebacks.setdefault(self.groups[key], deque(maxlen=COMEBACK_WINDOW)).extend(
@@ -279,32 +300,142 @@ class Band(Sampler):
 
     def state(self) -> dict[str, Any]:
         rng = self.rng.getstate()
-        return {**super().state(), "rng": [rng[0], list(rng[1]), rng[2]], "retried": self.retried,
+        # not the per-step counts (retried, groups_from, ...): the checkpoint is taken before its step's metrics
+        # read them out, and the step after a resume counts its own
+        return {**super().state(), "rng": [rng[0], list(rng[1]), rng[2]],
                 "comebacks": {group: list(seen) for group, seen in self.comebacks.items()},
-                "pending": sorted(self.pending)}
+                "pending": sorted(self.pending), "drawn_as": {key: list(o) for key, o in self.drawn_as.items()}}
 
     def load_state(self, state: dict[str, Any]) -> None:
         super().load_state(state)
         version, inner, gauss = state["rng"]
         self.rng.setstate((version, tuple(inner), gauss))
-        self.retried = state["retried"]
         self.comebacks = {group: deque(seen, maxlen=COMEBACK_WINDOW)
                           for group, seen in state.get("comebacks", {}).items()}
         self.pending = set(state.get("pending", ()))
+        self.drawn_as = {key: deque(origins) for key, origins in state.get("drawn_as", {}).items()}
 
     def metrics(self) -> dict[str, float]:
         rates = [self.rates.rate(key) for key in self.keys]
         reasons = [self.set_aside(key) for key in self.keys]
         retried, self.retried = self.retried, 0
+        origins = {f"{name}_from_{origin}": n for name, counts in
+                   (("groups", self.groups_from), ("flat", self.flat_from), ("passed", self.passed_from))
+                   for origin, n in counts.items()}
+        self.groups_from, self.flat_from, self.passed_from = (dict.fromkeys(ORIGINS, 0) for _ in range(3))
         return {"tasks_at_0": rates.count(0.0), "tasks_between": sum(r is not None and 0 < r < 1 for r in rates),
                 "tasks_at_1": rates.count(1.0), "tasks_untried": rates.count(None),
                 "solved_aside": reasons.count("solved"), "hopeless_aside": reasons.count("hopeless"),
-                "retried": retried, "rejoined": self.joined,
+                "retried": retried, "rejoined": self.joined, **origins,
                 **({f"comeback_rate/{group}": rate for group, rate in self._comeback_rates().items()}
                    if self.log_groups else {})}
 
 
-SAMPLERS: dict[str, type[Sampler]] = {"uniform": Uniform, "band": Band}
+CELL_DECAY = 0.9
+"""bandit: each step multiplies every cell's counts by this, so a cell not drawn lately grows uncertain again and
+is tried again (the policy has moved since)."""
+RECENT_STEPS = 3
+"""bandit: a task in the band whose latest group came at most this many steps ago is in its own cell. Drawn again
+soon, such a task mostly varies again; drawn much later, the policy has mostly solved it meanwhile."""
+ASIDE_PRIOR = (1.0, 3.0)
+"""bandit: the (varied, flat) groups a set-aside cell starts with, as if 3 of its first 4 were flat: its tasks were
+set aside for a reason. A band cell starts at (1, 1)."""
+
+
+class Bandit(Band):
+    """The band's tasks in cells (per group: those in the band whose latest group came in the last RECENT_STEPS
+    steps, the rest of the band, the solved and the hopeless), each draw going to the cell whose groups varied most
+    lately (Thompson sampling on decayed counts): a band whose tasks the policy solves between two draws is left
+    for a set-aside cell whose groups came to vary."""
+
+    def __init__(self, starts: Sequence[Start], cfg: CurriculumConfig, seed: int) -> None:
+        super().__init__(starts, cfg, seed)
+        self.cells: dict[str, list[float]] = {}
+        """Per cell, its groups that varied and that were flat (priors included), decayed by CELL_DECAY a step."""
+        self.cell_of: dict[str, deque[str]] = {}
+        """Per task, the cell each of its groups still to come was drawn from, oldest first."""
+        self.step = 0
+        """Draws so far (one a step)."""
+        self.seen_at: dict[str, int] = {}
+        """Per task, the draw its latest group came in."""
+
+    def _cell(self, key: str, reason: str | None) -> str:
+        state = reason or ("recent" if self.step - self.seen_at.get(key, -RECENT_STEPS - 1) <= RECENT_STEPS
+                           else "band")
+        return f"{self.groups[key]}/{state}" if key in self.groups else state
+
+    def draw(self, k: int) -> list[int]:
+        self.step += 1
+        reasons = [self.set_aside(key) for key in self.keys]
+        for counts in self.cells.values():
+            counts[0], counts[1] = counts[0] * CELL_DECAY, counts[1] * CELL_DECAY
+        tried = [outcome for outcomes in self.rates.outcomes.values() for outcome in outcomes]
+        pool_rate = sum(tried) / max(1, len(tried))
+        members: dict[str, list[int]] = {}
+        chosen: list[int] = []
+        for _ in range(k):
+            if not any(members.values()):  # each task once before any twice
+                members = self._members(reasons, pool_rate)
+            open_cells = sorted(cell for cell, ids in members.items() if ids)
+            cell = max(open_cells, key=lambda c: self.rng.betavariate(*self._counts(c, members[c][-1], reasons)))
+            i = members[cell].pop()
+            chosen.append(i)
+            self.cell_of.setdefault(self.keys[i], deque()).append(cell)
+            self.retried += reasons[i] is not None
+            self._drawn(i, "band" if reasons[i] is None else "retried")
+        return chosen
+
+    def _members(self, reasons: list[str | None], pool_rate: float) -> dict[str, list[int]]:
+        """Each cell's tasks in the order its draws take them (from the end): the band's in random order, a
+        set-aside cell's nearest the band first."""
+        members: dict[str, list[int]] = {}
+        for i, reason in enumerate(reasons):
+            members.setdefault(self._cell(self.keys[i], reason), []).append(i)
+        for ids in members.values():
+            self.rng.shuffle(ids)  # ties in random order
+            if reasons[ids[0]] is not None:
+                ids.sort(key=lambda i: -self._distance(i, {}, pool_rate))
+        return members
+
+    def _counts(self, cell: str, i: int, reasons: list[str | None]) -> list[float]:
+        """``cell``'s (varied, flat) counts, its prior included (``i``, one of its tasks, says which prior)."""
+        counts = self.cells.setdefault(cell, list(ASIDE_PRIOR) if reasons[i] is not None else [1.0, 1.0])
+        return [counts[0], counts[1]]
+
+    def observe(self, start: Start, rewards: Sequence[float]) -> str | None:
+        key = super().observe(start, rewards)
+        if (cell := _oldest(self.cell_of, key)) is not None:
+            self.cells[cell][len(set(rewards)) <= 1] += 1
+        if key is not None:
+            self.seen_at[key] = self.step
+        return key
+
+    def state(self) -> dict[str, Any]:
+        return {**super().state(), "cells": self.cells, "step": self.step, "seen_at": self.seen_at,
+                "cell_of": {key: list(cells) for key, cells in self.cell_of.items()}}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        super().load_state(state)
+        self.cells = {cell: list(counts) for cell, counts in state["cells"].items()}
+        self.cell_of = {key: deque(cells) for key, cells in state["cell_of"].items()}
+        self.step, self.seen_at = state["step"], dict(state["seen_at"])
+
+    def metrics(self) -> dict[str, float]:
+        varied = {f"cell_varied/{cell}": round(v / (v + f), 3) for cell, (v, f) in sorted(self.cells.items())}
+        return {**super().metrics(), **(varied if len(varied) <= GROUPS_LOGGED else {})}
+
+
+def _oldest(pending: dict[str, deque[str]], key: str | None) -> str | None:
+    """``key``'s oldest entry in ``pending``, taken out (None if it has none)."""
+    if key is None or not (entries := pending.get(key)):
+        return None
+    entry = entries.popleft()
+    if not entries:
+        del pending[key]
+    return entry
+
+
+SAMPLERS: dict[str, type[Sampler]] = {"uniform": Uniform, "band": Band, "bandit": Bandit}
 """The built-in samplers, by their ``curriculum.sampler`` name."""
 
 

@@ -4,6 +4,7 @@
     python examples/curriculum/compare.py --out runs/cmp --arms uniform band  # the curriculum alone
     python examples/curriculum/compare.py --out runs/mix --arms uniform band --level 2 3 4  # on a mixture
     python examples/curriculum/compare.py --out runs/mix-08 --arms band --band 0.1 0.8   # another band
+    python examples/curriculum/compare.py --out runs/m13 --arms uniform bandit --level 1 2 3  # the bandit
     python examples/curriculum/compare.py --out runs/cmp --report             # the table and plot of what ran
 
 Arms (each ``python -m trainer`` on the same env, model and settings; runs that finished are not run again):
@@ -14,6 +15,9 @@ Arms (each ``python -m trainer`` on the same env, model and settings; runs that 
               task's rate over its latest group (curriculum.window=8: a solved task is set aside after one flat
               group, not two); on a mixture, grouped by level (curriculum.group_by=level); ``--band LOW HIGH``
               sets curriculum.band (default: the sampler's, 0.1 0.9)
+    bandit    as band, with curriculum.sampler=bandit: each draw goes to the cell of tasks (per level: drawn in the
+              last few steps and still in the band, the rest of the band, the solved, the hopeless) whose groups
+              varied most lately
     distill   stages=[distill] from the fresh model, the teacher ``--teacher`` (default: uniform seed 0's final
               weights, so run that arm first); ``--distill-samples`` per prompt (default 4: distillation needs no
               groups to compare, and each token carries its own signal)
@@ -37,9 +41,10 @@ import sys
 import time
 from pathlib import Path
 
-ARMS = ("uniform", "band", "distill")
+ARMS = ("uniform", "band", "bandit", "distill")
+RL_ARMS = ("uniform", "band", "bandit")
 HARD = (0.05, 0.30)
-COLORS = {"uniform": "tab:gray", "band": "tab:blue", "distill": "tab:green"}
+COLORS = {"uniform": "tab:gray", "band": "tab:blue", "bandit": "tab:orange", "distill": "tab:green"}
 
 
 def main() -> None:
@@ -76,8 +81,8 @@ def run_arm(args: argparse.Namespace, arm: str, seed: int) -> None:
         return
     extra: list[str] = []
     steps = args.steps
-    if arm == "band":
-        extra = ["curriculum.sampler=band", f"curriculum.pass_rates=[{profile(args)}]",
+    if arm in ("band", "bandit"):
+        extra = [f"curriculum.sampler={arm}", f"curriculum.pass_rates=[{profile(args)}]",
                  "curriculum.window=8", *(["curriculum.group_by=level"] if len(args.level) > 1 else []),
                  *([f"curriculum.band=[{args.band[0]},{args.band[1]}]"] if args.band else [])]
     elif arm == "distill":
@@ -158,14 +163,14 @@ def report(out: Path, teacher: Path) -> None:
 
 
 def equal_time(runs: dict[str, dict]) -> None:
-    """Uniform against band at equal wall time: each run's hard-task accuracy interpolated at the time of the
+    """Uniform against the curricula at equal wall time: each run's hard-task accuracy interpolated at the time of the
     earliest final evaluation among them, and its flat groups per step."""
-    rl = {name: run for name, run in runs.items() if name.split("-")[0] in ("uniform", "band") and run["evals"]}
+    rl = {name: run for name, run in runs.items() if name.split("-")[0] in RL_ARMS and run["evals"]}
     if not rl:
         return
     t = min(run["evals"][-1]["wall_s"] for run in rl.values())
     print(f"at equal wall time ({t / 60:.1f} min, the earliest final evaluation):")
-    for arm in ("uniform", "band"):
+    for arm in RL_ARMS:
         runs_of_arm = {n: r for n, r in rl.items() if n.startswith(f"{arm}-")}
         if runs_of_arm:
             hard = [_at(r["evals"], t, "hard_accuracy") for r in runs_of_arm.values()]
@@ -184,14 +189,14 @@ def _at(evals: list[dict], t: float, key: str) -> float:
 
 
 def plot(summary: dict, hard: int, out: Path) -> None:
-    """OUT/compare-curriculum.png (uniform and band: hard-task accuracy against wall time, flat groups per step) and
-    OUT/compare-distill.png (uniform and distill: accuracy against wall time, and 90% of the teacher's)."""
+    """OUT/compare-curriculum.png (uniform and the curricula: hard-task accuracy against wall time, flat groups per
+    step) and OUT/compare-distill.png (uniform and distill: accuracy against wall time, and 90% of the teacher's)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figures = {"curriculum": (("uniform", "band"), ("hard_accuracy", "flat")),
+    figures = {"curriculum": (RL_ARMS, ("hard_accuracy", "flat")),
                "distill": (("uniform", "distill"), ("accuracy",))}
     for name, (arms, panels) in figures.items():
         fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.8), squeeze=False)
