@@ -234,6 +234,11 @@ class Band(Sampler):
         low, high = self.cfg.band
         return "solved" if rate > high else "hopeless" if rate < low else None
 
+    def _pool_rate(self) -> float:
+        """The share passed of every task's latest outcomes (0 before any)."""
+        tried = [outcome for outcomes in self.rates.outcomes.values() for outcome in outcomes]
+        return sum(tried) / max(1, len(tried))
+
     def _distance(self, i: int, priors: dict[str, float], pool_rate: float) -> float:
         """How far set-aside task ``i``'s pass rate is outside the band, its rate pulled by PRIOR_TRIES tries
         toward its group's comeback rate in ``priors`` (the pool's, ungrouped or before any comeback): of two
@@ -252,8 +257,7 @@ class Band(Sampler):
         aside = [i for i, reason in enumerate(reasons) if reason is not None]
         self.joined = 0
         if len(active) < self.cfg.min_active and aside:  # too few left in the band: the nearest set-aside rejoin
-            tried = [outcome for outcomes in self.rates.outcomes.values() for outcome in outcomes]
-            pool_rate = sum(tried) / len(tried)  # something is set aside, so something was tried
+            pool_rate = self._pool_rate()
             self.rng.shuffle(aside)  # ties in random order
             # the hopeless first: a policy that learns is likelier to have come within reach of what it failed
             priors = self._comeback_rates()
@@ -369,8 +373,7 @@ class Bandit(Band):
         reasons = [self.set_aside(key) for key in self.keys]
         for counts in self.cells.values():
             counts[0], counts[1] = counts[0] * CELL_DECAY, counts[1] * CELL_DECAY
-        tried = [outcome for outcomes in self.rates.outcomes.values() for outcome in outcomes]
-        pool_rate = sum(tried) / max(1, len(tried))
+        pool_rate = self._pool_rate()
         members: dict[str, list[int]] = {}
         chosen: list[int] = []
         for _ in range(k):
