@@ -348,6 +348,14 @@ MUTATIONS = [
         "the bandit draws the band's tasks in random order: a task whose group just varied waits until the policy "
         "has solved it, and its next group is flat"),
     Mutation(
+        "curriculum-bandit-draws-a-cell-in-random-order",
+        "trainer/curriculum.py::Bandit._members",
+        "                ids.sort(key=lambda i: -abs(self._rate_or_even(i) - 0.5))",
+        "                pass",
+        "tests/test_curriculum.py::test_the_bandit_draws_first_the_tasks_of_a_cell_whose_latest_rate_is_nearest_even",
+        "the bandit draws a band cell's tasks in random order: a task at 7 of 8, likely solved by now, as soon as one "
+        "at 4 of 8"),
+    Mutation(
         "curriculum-bandit-ignores-variance",
         "trainer/curriculum.py::Bandit.observe",
         "            self.cells[cell][len(set(rewards)) <= 1] += 1",

@@ -87,7 +87,7 @@ def test_the_band_counts_its_groups_and_their_flat_ones_by_why_it_drew_them():
 
 
 def test_grouped_the_floor_brings_back_the_group_whose_set_aside_tasks_came_back_passing():
-    band = _band(LEVELS, retry=0.0, min_active=4, group_by="level")
+    band = _band(LEVELS, retry=0.0, min_active=4, group_by=["level"])
     control = _band(LEVELS, retry=0.0, min_active=4)
     for sampler in (band, control):
         for i in range(40):
@@ -104,14 +104,17 @@ def test_grouped_the_floor_brings_back_the_group_whose_set_aside_tasks_came_back
     assert (metrics["comeback_rate/0"], metrics["comeback_rate/1"]) == (0.0, 0.125)  # level 1's passed 1 in 8
     assert not any(name.startswith("comeback") for name in control.metrics())
     assert levels[control][4:].count(0) >= 4  # ungrouped: level 0's untried-since rejoin as often as level 1's
-    solved = _band(LEVELS, group_by="level")
+    solved = _band(LEVELS, group_by=["level"])
     for i in range(40):
         _play(solved, i, 4, tasks=LEVELS)  # every task solved: all of them retried
     for i in solved.draw(8):  # passing again, they say nothing of whether a level's hopeless came within reach
         _play(solved, i, 8, tried=8, tasks=LEVELS)
     assert not any(name.startswith("comeback") for name in solved.metrics())
-    with pytest.raises(ConfigError, match="group_by='difficulty': none of this env's 40 train tasks"):
-        _band(LEVELS, group_by="difficulty")
+    with pytest.raises(ConfigError, match=r"group_by=\['difficulty'\]: none of this env's 40 train tasks"):
+        _band(LEVELS, group_by=["difficulty"])
+    assert _band(LEVELS, group_by=["level", "id"]).groups["l3"] == "1,l3"  # several fields name a group together
+    with pytest.raises(ConfigError, match=r"group_by is a list of task fields: \[level\], not 'level'"):
+        CurriculumConfig(group_by="level")  # type: ignore[arg-type]
 
 
 def test_the_bandit_draws_from_the_cells_whose_groups_vary_and_moves_when_the_policy_does():
@@ -124,8 +127,8 @@ def test_the_bandit_draws_from_the_cells_whose_groups_vary_and_moves_when_the_po
                 _play(sampler, i, outcome[i % 2], tried=8, tasks=LEVELS)
         return drawn, flat
 
-    bandit = make_sampler(CurriculumConfig(sampler="bandit", group_by="level"), LEVELS, seed=0)
-    band = _band(LEVELS, group_by="level")  # the control: the band's fixed retry rate and floor
+    bandit = make_sampler(CurriculumConfig(sampler="bandit", group_by=["level"]), LEVELS, seed=0)
+    band = _band(LEVELS, group_by=["level"])  # the control: the band's fixed retry rate and floor
     for sampler in (bandit, band):
         for i in range(40):
             _play(sampler, i, 2 * (i % 2), tasks=LEVELS)  # level 0's tasks hopeless, level 1's in the band
@@ -161,6 +164,14 @@ def test_the_bandit_draws_again_soon_the_tasks_whose_groups_just_varied():
     assert flat_groups(bandit) <= 5 < 30 <= flat_groups(band)  # of 120 groups each
 
 
+def test_the_bandit_draws_first_the_tasks_of_a_cell_whose_latest_rate_is_nearest_even():
+    bandit = make_sampler(CurriculumConfig(sampler="bandit"), TASKS, seed=0)
+    for i, passed in enumerate([1, 7, 4, 2, 6, 1, 7, 4, 7, 1]):  # all in the band, in one cell
+        _play(bandit, i, passed, tried=8)
+    drawn = bandit.draw(4)  # 4 of 8 first, then 2 and 6 of 8: 7 of 8 most likely passes next, 1 of 8 fails
+    assert sorted(drawn[:2]) == [2, 7] and sorted(drawn[2:]) == [3, 4]
+
+
 def test_set_aside_tasks_are_retried_at_the_configured_rate_and_untried_ones_are_drawn():
     band = _band(retry=0.25)
     for i in range(5):
@@ -180,8 +191,8 @@ def test_set_aside_tasks_are_retried_at_the_configured_rate_and_untried_ones_are
 
 def test_a_sampler_resumed_from_its_state_draws_what_the_original_draws_next():
     makes = [(TASKS, lambda: _band()), (TASKS, lambda: _band(min_active=6)),
-             (LEVELS, lambda: _band(LEVELS, min_active=6, group_by="level")),
-             (LEVELS, lambda: make_sampler(CurriculumConfig(sampler="bandit", group_by="level"), LEVELS, seed=1)),
+             (LEVELS, lambda: _band(LEVELS, min_active=6, group_by=["level"])),
+             (LEVELS, lambda: make_sampler(CurriculumConfig(sampler="bandit", group_by=["level"]), LEVELS, seed=1)),
              (TASKS, lambda: make_sampler(CurriculumConfig(), TASKS, seed=3))]
     for tasks, make in makes:
         original = make()

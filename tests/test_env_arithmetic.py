@@ -147,6 +147,7 @@ def test_levels_get_harder(level: int, max_operand: int, ops: set[str], steps: i
         assert all(0 <= n <= max_operand for n in _numbers(expression))
         assert task["answer"] == _value(expression)
         assert task["level"] == level and task["id"].startswith(f"train-{level}-")
+        assert task["ops"] == "".join(op for op in "+-*" if op in _ops(expression))  # a curriculum groups by it
         seen_ops.update(_ops(expression))
     assert seen_ops == ops
     # Operands reach the level's digit count, not just its upper bound.

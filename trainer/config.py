@@ -372,10 +372,10 @@ class CurriculumConfig:
     """band (bandit has no floor): the fewest tasks it draws from: while fewer are in the band (or untried), the
     set-aside tasks nearest it rejoin, the hopeless first, each rate pulled toward the pool's by two tries (0: no
     floor)."""
-    group_by: str = ""
-    """band and bandit: a task field whose tasks share a difficulty (e.g. ``level``): band's floor brings back first
-    the hopeless tasks of the group whose hopeless tasks passed most when drawn again; bandit keeps cells per group
-    (empty: no groups)."""
+    group_by: list[str] = field(default_factory=list)
+    """band and bandit: task fields whose values together name a group of tasks that share a difficulty (e.g.
+    ``[level]``, or ``[level,ops]``): band's floor brings back first the hopeless tasks of the group whose hopeless
+    tasks passed most when drawn again; bandit keeps cells per group (empty: no groups)."""
     refill: int = 0
     """Dynamic sampling: up to this many rounds per step that draw one more prompt for each flat group of the round
     before (its rewards all equal), so more of the step's groups teach something; the extra prompts are logged as
@@ -393,6 +393,8 @@ class CurriculumConfig:
             raise ConfigError(f"curriculum.min_active must be >= 0, got {self.min_active}")
         if self.refill < 0:
             raise ConfigError(f"curriculum.refill must be >= 0, got {self.refill}")
+        if isinstance(self.group_by, str):
+            raise ConfigError(f"curriculum.group_by is a list of task fields: [{self.group_by}], not {self.group_by!r}")
         if self.min_tries > self.window:
             raise ConfigError(f"curriculum.min_tries ({self.min_tries}) cannot exceed curriculum.window "
                               f"({self.window}): a rate never has that many tries")

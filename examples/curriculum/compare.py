@@ -13,7 +13,7 @@ Arms (each ``python -m trainer`` on the same env, model and settings; runs that 
     band      RL from scratch, curriculum.sampler=band from a train-split profile (``envkit eval --pass-rates``,
               made once in OUT/train-rates.json; its cost is printed, as it is paid once per task set), each
               task's rate over its latest group (curriculum.window=8: a solved task is set aside after one flat
-              group, not two); on a mixture, grouped by level (curriculum.group_by=level); ``--band LOW HIGH``
+              group, not two); on a mixture, grouped by level (``--group-by``: curriculum.group_by); ``--band LOW HIGH``
               sets curriculum.band (default: the sampler's, 0.1 0.9)
     bandit    as band, with curriculum.sampler=bandit: each draw goes to the cell of tasks (per level: drawn in the
               last few steps and still in the band, the rest of the band, the solved, the hopeless) whose groups
@@ -64,8 +64,13 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=10, help="steps between evaluations (default: 10)")
     parser.add_argument("--band", nargs=2, type=float, metavar=("LOW", "HIGH"),
                         help="the band arm's curriculum.band (default: the sampler's, 0.1 0.9)")
+    parser.add_argument("--group-by", nargs="+", metavar="FIELD",
+                        help="band's and bandit's curriculum.group_by: task fields naming a group (default: level, on "
+                             "a mixture; arithmetic's tasks also name their operators: --group-by level ops)")
     parser.add_argument("--report", action="store_true", help="only report the runs in OUT")
     args = parser.parse_args()
+    if args.group_by is None:
+        args.group_by = ["level"] if len(args.level) > 1 else []
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.report:
         for seed in args.seeds:
@@ -82,8 +87,8 @@ def run_arm(args: argparse.Namespace, arm: str, seed: int) -> None:
     extra: list[str] = []
     steps = args.steps
     if arm in ("band", "bandit"):
-        extra = [f"curriculum.sampler={arm}", f"curriculum.pass_rates=[{profile(args)}]",
-                 "curriculum.window=8", *(["curriculum.group_by=level"] if len(args.level) > 1 else []),
+        extra = [f"curriculum.sampler={arm}", f"curriculum.pass_rates=[{profile(args)}]", "curriculum.window=8",
+                 *([f"curriculum.group_by=[{','.join(args.group_by)}]"] if args.group_by else []),
                  *([f"curriculum.band=[{args.band[0]},{args.band[1]}]"] if args.band else [])]
     elif arm == "distill":
         extra = ["stages=[distill]", f"distill.teacher={args.teacher or args.out / 'uniform-0'}",

@@ -49,6 +49,8 @@ class _Problem:
     key: str
     """The expression with the operands of + and * sorted: "3 + 5" and "5 + 3" must land in the same split."""
     answer: int
+    ops: str
+    """The operators it uses, in the order of "+-*": "+", "-*", ..."""
 
 
 def _build(shape: _Shape, numbers: Iterator[int], ops: Iterator[str]) -> tuple[str, str, int]:
@@ -92,7 +94,7 @@ class _Space:
             index, n = divmod(index, 10**self.digits)
             numbers.append(n)
         expression, key, answer = _build(_shapes(self.steps)[shape], iter(numbers), iter(ops))
-        return _Problem(expression, key, answer)
+        return _Problem(expression, key, answer, "".join(op for op in "+-*" if op in ops))
 
 
 def _split_tasks(spaces: dict[int, _Space], split: str, size: int) -> TaskList:
@@ -110,7 +112,8 @@ def _split_tasks(spaces: dict[int, _Space], split: str, size: int) -> TaskList:
         walks.append(zip(itertools.repeat(level), walk))
         available += owned
     tasks = (
-        {"question": f"What is {p.expression}?", "answer": p.answer, "level": level, "expression": p.expression}
+        {"question": f"What is {p.expression}?", "answer": p.answer, "level": level, "expression": p.expression,
+         "ops": p.ops}
         for level, p in _in_turn(walks)
     )
     return TaskList(tasks, min(size, available), prefix="-".join([split, *map(str, spaces)]))
@@ -173,7 +176,8 @@ class ArithmeticEnv(Env):
     2 two-digit + and -, 3 two-digit +, - and *, 4 two operations with parentheses on two-digit numbers,
     5 three operations on three-digit numbers. ``digits``, ``ops`` and ``steps`` override the level's preset.
     A list of levels (``level=[2, 3, 4]``) is a mixture of difficulties: each split takes its problems from
-    the levels in turn, and each task names its ``level``.
+    the levels in turn. Each task names its ``level`` and the operators its expression uses (``ops``: "+", "-*",
+    ...), which a curriculum can group tasks by (``curriculum.group_by=[level,ops]``).
     Answers are integers and may be negative. Train and test never share a problem: each problem belongs to
     one split by a stable hash of its expression, with a + b and b + a counted as one problem.
 
