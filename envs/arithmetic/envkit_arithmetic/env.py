@@ -7,7 +7,7 @@ import itertools
 import math
 import operator
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -50,7 +50,7 @@ class _Problem:
     """The expression with the operands of + and * sorted: "3 + 5" and "5 + 3" must land in the same split."""
     answer: int
     ops: str
-    """The operators it uses, in the order of "+-*": "+", "-*", ..."""
+    """The operators it uses, in the order of _OPS: "+", "-*", ..."""
 
 
 def _build(shape: _Shape, numbers: Iterator[int], ops: Iterator[str]) -> tuple[str, str, int]:
@@ -94,7 +94,7 @@ class _Space:
             index, n = divmod(index, 10**self.digits)
             numbers.append(n)
         expression, key, answer = _build(_shapes(self.steps)[shape], iter(numbers), iter(ops))
-        return _Problem(expression, key, answer, "".join(op for op in "+-*" if op in ops))
+        return _Problem(expression, key, answer, _in_order(ops))
 
 
 def _split_tasks(spaces: dict[int, _Space], split: str, size: int) -> TaskList:
@@ -165,7 +165,12 @@ def _space(level: int, digits: int | None, ops: str | None, steps: int | None) -
     if not 1 <= steps <= 6:
         raise ValueError(f"steps must be between 1 and 6, got {steps!r}")
     # Canonical operator order, so "*+" and "+*" generate the same problems.
-    return _Space(digits, "".join(op for op in _OPS if op in ops), steps)
+    return _Space(digits, _in_order(ops), steps)
+
+
+def _in_order(ops: Iterable[str]) -> str:
+    """The distinct operators of ``ops`` in the order of _OPS ("+-*")."""
+    return "".join(op for op in _OPS if op in ops)
 
 
 class ArithmeticEnv(Env):
