@@ -122,7 +122,8 @@ def test_a_run_across_three_container_nodes_places_each_role_and_survives_two_ki
              "generator.max_tokens=16", "trainer.micro_batch_tokens=2048", "trainer.warmup_steps=0",
              "placement.inference_replicas=2", "placement.env_workers=2", mixture, "generator.gateway_host=0.0.0.0",
              "+placement.trainer_resources.head=1", "+placement.replica_resources.worker1=1",
-             "+placement.env_worker_resources.worker2=1", f"logging.traces={driver['ENVKIT_CLUSTER_TRACES']}"],
+             "+placement.env_worker_resources.worker2=1", f"logging.traces={driver['ENVKIT_CLUSTER_TRACES']}",
+             "logging.rollouts=true"],
             cwd=REPO, env={**env, **driver}, text=True, stdout=log, stderr=subprocess.STDOUT)
         namespace = f"envkit-{process.pid}"
         try:
@@ -151,6 +152,12 @@ def test_a_run_across_three_container_nodes_places_each_role_and_survives_two_ki
     warned = dict(re.findall(r"step (\d+): (\d+) of \d+ rollouts failed and were not trained on; first errors: "
                              r"\S", output))
     assert {int(s): int(n) for s, n in warned.items()} == failed, output[-4000:]
+    # logging.rollouts: each step's rollouts, the ones it could not train on too
+    written = {step: list(map(json.loads, (out / "rollouts" / f"step-{step:06d}.jsonl").read_text().splitlines()))
+               for step in metrics}
+    assert {step: sum(t["stop_reason"] in ("error", "timeout") for t in rows) for step, rows in written.items()
+            if step in failed} == failed
+    assert [len(rows) for rows in written.values()] == [2 * 4, 2 * 4]  # prompts × samples, whatever became of them
     assert "inference replica 0 died under a request" in output
     assert re.search(r"env worker env-worker-0 on worker2 \(\d+\.\d+\.\d+\.\d+\) died", output), output[-4000:]
     assert metrics[2]["envs/worker_restarts"] == 1 and metrics[2]["envs/workers"] == 2

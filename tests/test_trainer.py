@@ -219,12 +219,14 @@ def test_kill_9_then_resume_reproduces_the_next_step(tmp_path):
     requests), and its graded reward makes both steps update. PPO, so the checkpoint must also carry the value head
     and its optimizer state; a two-env mixture (quotas 2:1 of 2 prompts: 1+1, then 2+0), so it must carry each env's
     data position: a resume that restarted the quota cycle would draw 1+1 again. The band curriculum draws, so the
-    checkpoint must also carry each sampler's pass rates and random state (trainer/curriculum.py)."""
+    checkpoint must also carry each sampler's pass rates and random state (trainer/curriculum.py). Both runs write
+    each step's rollouts (logging.rollouts): the resumed step 2 drew and sampled what the uninterrupted one did."""
     mixture = ("env.mixture=[{name: arithmetic, label: easy, weight: 2, kwargs: {level: 1, rubric: 'tiny:graded'}},"
                " {name: arithmetic, label: hard, weight: 1, kwargs: {level: 2, rubric: 'tiny:graded'}}]")
     common = ["algorithm=ppo", *on_tiny_model(), "trainer.steps=2", "trainer.save_every=1",
               "trainer.eval_tasks=0", "trainer.lr=1e-3", "trainer.warmup_steps=0", mixture, *TINY[:3],
-              "curriculum.sampler=band", "curriculum.min_tries=2", "curriculum.pass_threshold=0.2"]
+              "curriculum.sampler=band", "curriculum.min_tries=2", "curriculum.pass_threshold=0.2",
+              "logging.rollouts=true"]
     reference = tmp_path / "reference"
     result = _trainer(*common, f"trainer.output_dir={reference}")
     assert result.returncode == 0, _why(result)
@@ -249,3 +251,8 @@ def test_kill_9_then_resume_reproduces_the_next_step(tmp_path):
                 "train/entropy"):
         assert math.isclose(expected[key], resumed[key], rel_tol=1e-6, abs_tol=1e-9), (key, expected[key],
                                                                                       resumed[key])
+    drawn = {run: {step: [(t["task_id"], t["response_ids"], t["reward"]) for t in map(json.loads, (
+        run / "rollouts" / f"step-{step:06d}.jsonl").read_text().splitlines())] for step in (1, 2)}
+        for run in (reference, killed)}
+    assert [len(drawn[reference][step]) for step in (1, 2)] == [8, 8]  # 2 prompts × 4 samples, each step
+    assert drawn[killed][2] == drawn[reference][2] != drawn[reference][1]

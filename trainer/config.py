@@ -582,6 +582,9 @@ class LoggingConfig:
     """The Weights & Biases project."""
     progress: bool = True
     """A progress bar on a terminal (elsewhere a line per step)."""
+    rollouts: bool = False
+    """Write every training step's rollouts, the ones it dropped (flat groups, failed rollouts) included, to
+    ``trainer.output_dir/rollouts/step-N.jsonl``: what each step drew and how each group did."""
     traces: str | None = None
     """An OTLP/HTTP traces endpoint (``make traces`` serves Phoenix's, http://127.0.0.1:6006/v1/traces): one trace
     per rollout, across every process and node the run uses (docs/training/tracing.md). None: off."""

@@ -90,12 +90,15 @@ class RunLogger:
         return wandb.init(project=self.cfg.logging.wandb_project, dir=str(self.out), config=asdict(self.cfg))
 
     def log_step(self, step: int, metrics: dict[str, float], trajectories: list[Trajectory]) -> None:
-        """Record one training step's metrics."""
+        """Record one training step's metrics, and with ``logging.rollouts`` its rollouts (a step logged again after
+        a resume writes its file again)."""
         self.history.append({"step": step, **metrics})
         if trajectories:
             self.last_trajectories = trajectories
             self.phases.append(Phase(f"step-{step}", f"step {step}", sample_groups(trajectories, STEP_GROUPS),
                                      len(trajectories)))
+            if self.cfg.logging.rollouts:
+                write_jsonl(trajectories, self.out / "rollouts" / f"step-{step:06d}.jsonl")
         self._metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
         self._metrics_file.flush()
         self._scalars(step, metrics)

@@ -28,6 +28,12 @@ load) counts. "Hard" test tasks are those whose starting pass rate, pooled over 
 is 5-30%. The report prints flat groups per step and held-out accuracy (all tasks, hard ones) against wall time
 per run, the wall time at which each run first reached 90% of the teacher's final held-out accuracy (interpolated
 between evaluations), and writes OUT/compare.json, OUT/compare-curriculum.png and OUT/compare-distill.png.
+
+The RL arms write every step's rollouts (``logging.rollouts=true``). From them the report counts, after step
+``--after``, how often each kind of draw was flat: a task drawn for the first time (per group of ``--group-by``), or
+drawn again after k of its last group's samples passed. It also bounds what any sampler choosing among those kinds
+could do: keep the redraws that were flat less often than the best group's new tasks, as many as there were, and
+draw every other group from that best group.
 """
 
 from __future__ import annotations
@@ -67,6 +73,8 @@ def main() -> None:
     parser.add_argument("--group-by", nargs="+", metavar="FIELD",
                         help="band's and bandit's curriculum.group_by: task fields naming a group (default: level, on "
                              "a mixture; arithmetic's tasks also name their operators: --group-by level ops)")
+    parser.add_argument("--after", type=int, default=20,
+                        help="the report's draws are counted after this step (default: 20)")
     parser.add_argument("--report", action="store_true", help="only report the runs in OUT")
     args = parser.parse_args()
     if args.group_by is None:
@@ -77,6 +85,7 @@ def main() -> None:
             for arm in args.arms:
                 run_arm(args, arm, seed)
     report(args.out, Path(args.teacher) if args.teacher else args.out / "uniform-0")
+    draws(args)
 
 
 def run_arm(args: argparse.Namespace, arm: str, seed: int) -> None:
@@ -98,7 +107,8 @@ def run_arm(args: argparse.Namespace, arm: str, seed: int) -> None:
     command = [sys.executable, "-m", "trainer", *env, f"trainer.seed={seed}", f"trainer.steps={steps}",
                f"trainer.eval_every={args.eval_every}", f"trainer.eval_tasks={args.eval_tasks}",
                f"trainer.eval_samples={args.eval_samples}", "trainer.eval_greedy=false", "trainer.save_every=1000",
-               f"trainer.output_dir={out}", "logging.progress=false", *extra]
+               f"trainer.output_dir={out}", "logging.progress=false",
+               *(["logging.rollouts=true"] if arm in RL_ARMS else []), *extra]
     print(f"{arm} seed {seed}: {' '.join(command[1:])}", flush=True)
     (args.out / f"{arm}-{seed}.start").write_text(str(time.time()))
     with (args.out / f"{arm}-{seed}.log").open("w") as log:
@@ -191,6 +201,67 @@ def _at(evals: list[dict], t: float, key: str) -> float:
             share = (t - before["wall_s"]) / max(1, after["wall_s"] - before["wall_s"])
             return before[key] + share * (after[key] - before[key])
     return evals[-1][key]
+
+
+def draws(args: argparse.Namespace) -> None:
+    """Per run with rollouts: after step ``--after``, the share of flat groups per kind of draw, and the bound on a
+    sampler that drew in hindsight from the kinds flat least often (the module's docstring)."""
+    import envkit
+
+    env = envkit.make("arithmetic", level=json.loads(_level(args)), num_train=args.train_tasks)
+    group_of = {str(t["id"]): ",".join(str(t[f]) for f in args.group_by) or "all" for t in env.tasks("train")}
+    uniform = [statistics.mean(_flat_per_step(_groups(run))) for run in sorted(args.out.glob("uniform-*/rollouts"))]
+    for rollouts in sorted(args.out.glob("*-*/rollouts")):
+        steps = _groups(rollouts)
+        kinds: dict[str, list[bool]] = {}
+        last: dict[str, int] = {}
+        for step, groups in enumerate(steps, start=1):
+            for task, passed, n, flat in groups:
+                if step > args.after:
+                    kind = f"new {group_of[task]}" if task not in last else f"again after {last[task]}/{n}"
+                    kinds.setdefault(kind, []).append(flat)
+                last[task] = passed
+        late = len(steps) - args.after
+        if late <= 0:
+            continue
+        print(f"{rollouts.parent.name}: draws after step {args.after}, flat share (groups)")
+        for kind, flat in sorted(kinds.items()):
+            print(f"  {kind:24s} {sum(flat) / len(flat):.2f} ({len(flat)})")
+        new = {k: sum(f) / len(f) for k, f in kinds.items() if k.startswith("new ") and len(f) >= MIN_CELL}
+        if not new:
+            continue
+        best = min(new, key=new.__getitem__)
+        kept = [f for k, f in kinds.items() if k.startswith("again") and sum(f) / len(f) < new[best]]
+        groups_per_step = sum(len(f) for f in kinds.values()) / late
+        kept_per_step = sum(len(f) for f in kept) / late
+        bound = (sum(sum(f) for f in kept) / late + (groups_per_step - kept_per_step) * new[best])
+        early = sum(_flat_per_step(steps[:args.after])) / len(steps)
+        whole = early + bound * late / len(steps)
+        ratio = f", {whole / statistics.mean(uniform):.2f}x uniform's" if uniform else ""
+        print(f"  in hindsight: the best group's new tasks ({best[4:]}, {new[best]:.2f} flat) and the redraws flat "
+              f"less often: {bound:.2f} flat groups a step after step {args.after}, {whole:.2f} over the run{ratio}")
+
+
+MIN_CELL = 20
+"""New tasks of a group drawn fewer times than this are not taken as the best group (too few to tell)."""
+
+
+def _groups(rollouts: Path) -> list[list[tuple[str, int, int, bool]]]:
+    """Each step's groups, from a run's ``rollouts/``: (task id, samples passed, samples, flat) per group, its failed
+    rollouts left out as the trainer leaves them out."""
+    steps = []
+    for file in sorted(rollouts.glob("step-*.jsonl")):
+        by_group: dict[str, list[dict]] = {}
+        for t in _rollouts(file):
+            if t["stop_reason"] not in ("error", "timeout"):
+                by_group.setdefault(t["group_id"], []).append(t)
+        steps.append([(str(g[0]["task_id"]), sum(t["reward"] >= 1.0 for t in g), len(g),
+                       len({t["reward"] for t in g}) == 1) for g in by_group.values()])
+    return steps
+
+
+def _flat_per_step(steps: list[list[tuple[str, int, int, bool]]]) -> list[int]:
+    return [sum(flat for *_, flat in groups) for groups in steps]
 
 
 def plot(summary: dict, hard: int, out: Path) -> None:
