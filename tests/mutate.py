@@ -364,6 +364,15 @@ MUTATIONS = [
         "does",
         "the bandit counts every group as varied: it draws from each cell alike, the solved and hopeless included"),
     Mutation(
+        "rollouts-log-leaves-out-the-failed",
+        "trainer/metrics.py::RunLogger.log_step",
+        "                write_jsonl(trajectories, self.out / \"rollouts\" / f\"step-{step:06d}.jsonl\")",
+        "                write_jsonl([t for t in trajectories if not t.failed], self.out / \"rollouts\" / "
+        "f\"step-{step:06d}.jsonl\")",
+        "tests/test_cluster.py::test_a_run_across_three_container_nodes_places_each_role_and_survives_two_kills",
+        "logging.rollouts writes only the rollouts the step trained on: the failures a user would look for are not "
+        "there"),
+    Mutation(
         "distill-ignores-the-teacher",
         "trainer/distill.py::token_advantages",
         "    return distill.reward_weight * env - distill.kl_weight * kl, kl",

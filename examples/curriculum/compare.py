@@ -234,7 +234,7 @@ def draws(args: argparse.Namespace) -> None:
         kept = [f for k, f in kinds.items() if k.startswith("again") and sum(f) / len(f) < new[best]]
         groups_per_step = sum(len(f) for f in kinds.values()) / late
         kept_per_step = sum(len(f) for f in kept) / late
-        bound = (sum(sum(f) for f in kept) / late + (groups_per_step - kept_per_step) * new[best])
+        bound = sum(sum(f) for f in kept) / late + (groups_per_step - kept_per_step) * new[best]
         early = sum(_flat_per_step(steps[:args.after])) / len(steps)
         whole = early + bound * late / len(steps)
         ratio = f", {whole / statistics.mean(uniform):.2f}x uniform's" if uniform else ""
