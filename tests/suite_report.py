@@ -9,7 +9,9 @@ pytest runs, a single test say, write nothing and so never clobber a full run's 
 - ``durations.md``: the pytest phase's wall time against :data:`BUDGET_S`, each worker's wall and busy time, the
   slowest tests (with the cores busy while each ran) and modules, how many tests exercise each real part
   (:data:`PARTS`), and the machine's lowest available memory in the run with the tests that were running then, and
-  how busy its cores were on average.
+  how busy its cores were on average;
+- ``durations-previous.jsonl``: the run before's ``durations.jsonl``, and in ``durations.md`` this run against it
+  (:func:`against_previous`): whether a run over budget has more tests or a slower machine.
 
 Memory is watched, not rationed: the tests that once needed most of the machine (an `exclusive` lock idled the other
 worker's end-to-end tests while they ran) now train the tiny model, and the low-water mark shows the margin left.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import threading
 import time
 from collections import defaultdict
@@ -59,6 +62,8 @@ class _Run:
     collected: int = 0
     lowest_memory: tuple[float, float] = (float("inf"), 0.0)
     """The least available memory seen (bytes), and when."""
+    previous: dict[str, float] = field(default_factory=dict)
+    """The seconds of each test the run before passed (its ``durations.jsonl``)."""
     cpu_at_start: tuple[float, float] = field(default_factory=lambda: _cpu_times())
     busy_cores: list[tuple[float, float]] = field(default_factory=list)
     """Each second's end, and how many of the machine's cores were busy in it."""
@@ -113,7 +118,11 @@ def pytest_configure(config: pytest.Config) -> None:
         _run = _Run()
         threading.Thread(target=_run.watch_machine, name="machine-watch", daemon=True).start()
         report_dir().mkdir(parents=True, exist_ok=True)
-        (report_dir() / "durations.jsonl").write_text("")
+        durations = report_dir() / "durations.jsonl"
+        if durations.is_file() and durations.stat().st_size:
+            durations.replace(report_dir() / "durations-previous.jsonl")
+        _run.previous = _passed_seconds(report_dir() / "durations-previous.jsonl")
+        durations.write_text("")
 
 
 @pytest.hookimpl(trylast=True)  # after conftest.py's hook has marked the tests
@@ -159,6 +168,33 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
                                   "cores_busy": None if cores is None else round(cores, 2)}) + "\n")
 
 
+def _passed_seconds(path: Path) -> dict[str, float]:
+    """Each passed test's seconds in a ``durations.jsonl`` (none if there is no such file)."""
+    if not path.is_file():
+        return {}
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {row["test"]: row["seconds"] for row in rows if row["outcome"] == "passed"}
+
+
+def against_previous(now: dict[str, float], before: dict[str, float], *, floor: float = 1.0) -> list[str]:
+    """This run's passed tests' seconds (``now``) against the run before's (``before``): the tests of ``floor``
+    seconds or more that both passed, each one's ratio (the median says whether the same tests took longer: a slower
+    machine), the time of the tests only one of them had (the suite grew or shrank), and the tests that grew most."""
+    both = [t for t in now if t in before and before[t] >= floor]
+    if not both:
+        return []
+    ratio = statistics.median(now[t] / before[t] for t in both)
+    new, gone = set(now) - set(before), set(before) - set(now)
+    grew = sorted(both, key=lambda t: before[t] - now[t])[:5]
+    return ["\n## Against the run before (durations-previous.jsonl)\n",
+            f"the {len(both)} tests of {floor:g} s or more that both passed: {sum(before[t] for t in both):.0f} s "
+            f"then, {sum(now[t] for t in both):.0f} s now; the median test took {ratio:.2f}x as long (well above 1: "
+            "the same tests took longer, a slower machine or a costlier product)",
+            f"passed in this run only: {len(new)} tests ({sum(now[t] for t in new):.0f} s); in the run before only: "
+            f"{len(gone)} ({sum(before[t] for t in gone):.0f} s)",
+            "grew most: " + "; ".join(f"{t} {before[t]:.0f} -> {now[t]:.0f} s" for t in grew)]
+
+
 def _clock(seconds: float) -> str:
     return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
 
@@ -202,6 +238,8 @@ def summary(run: _Run, now: float) -> list[str]:
     cores = os.cpu_count() or 1
     lines += [f"CPU busy: {cores * busy / total:.2f} of {cores} cores on average over the run (all of them: the wall "
               "time is work, not waiting)"]
+    lines += against_previous({nodeid: t.seconds for nodeid, t in run.tests.items() if t.outcome == "passed"},
+                              run.previous)
     if run.parts:
         lines += ["\n## Tests per real part (collected)\n", "| part | tests |", "|---|---|"]
         lines += [f"| {part} | {n} |" for part, n in run.parts.items()]
