@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -32,8 +33,8 @@ RECIPE_VERSION = "1"
 ENV_LABEL = "org.envkit.env"
 # Files that make up a local project's wheel; folders that never do (tests, caches, other projects).
 _SOURCE_SUFFIXES = {".py", ".toml", ".yaml", ".yml", ".cfg", ".md", ".txt", ".json", ".typed", ".tmpl"}
-_SKIP_DIRS = {".git", "__pycache__", "build", "dist", "tests", "benchmarks", "docs", "examples", "scripts", "runs",
-              "outputs", "node_modules"}
+_SKIP_DIRS = {".git", "__pycache__", "build", "dist", "tests", "benchmarks", "docs", "site", "examples", "scripts",
+              "runs", "outputs", "node_modules"}
 
 DOCKERFILE = """\
 FROM {base}
@@ -125,18 +126,17 @@ def _closure(roots: list[tuple[str, set[str]]]) -> dict[str, _Source]:
 
 
 def _project_files(root: Path) -> list[Path]:
-    """The files of a local project that can end up in its wheel, in a stable order."""
+    """The files of a local project that can end up in its wheel, in a stable order. Skipped, hidden and egg-info
+    directories and nested projects (e.g. envs/arithmetic in the envkit repo: a distribution of its own) are never
+    entered: a project's runs/ and virtualenv can hold millions of files."""
     files = []
-    for path in sorted(root.rglob("*")):
-        rel = path.relative_to(root)
-        if any(part in _SKIP_DIRS or part.startswith(".") or part.endswith(".egg-info") for part in rel.parts[:-1]):
-            continue
-        # A nested project (e.g. envs/arithmetic in the envkit repo) is its own distribution.
-        if any((root / Path(*rel.parts[:i]) / "pyproject.toml").exists() for i in range(1, len(rel.parts))):
-            continue
-        if path.is_file() and path.suffix in _SOURCE_SUFFIXES and not rel.parts[0].startswith("."):
-            files.append(path)
-    return files
+    for folder, dirs, names in os.walk(root):
+        here = Path(folder)
+        dirs[:] = [d for d in dirs if d not in _SKIP_DIRS and not d.startswith(".") and not d.endswith(".egg-info")
+                   and not (here / d / "pyproject.toml").exists()]
+        files += [here / name for name in names if Path(name).suffix in _SOURCE_SUFFIXES and (here / name).is_file()
+                  and not (here == root and name.startswith("."))]
+    return sorted(files)
 
 
 def image_name(env: str) -> str:

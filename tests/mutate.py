@@ -373,6 +373,14 @@ MUTATIONS = [
         "logging.rollouts writes only the rollouts the step trained on: the failures a user would look for are not "
         "there"),
     Mutation(
+        "image-inputs-walk-the-whole-tree",
+        "sandboxes/images.py::_project_files",
+        "        dirs[:] = [d for d in dirs",
+        "        _ = [d for d in dirs",
+        "tests/test_sandbox_docker.py::test_an_images_inputs_are_the_projects_sources_and_nothing_it_ran_or_built",
+        "an env image's tag hashes whatever lies in the project's tree, runs/ and the built docs site included: a docs "
+        "build rebuilds every image, and a checkout with gigabytes of runs takes seconds to check"),
+    Mutation(
         "distill-ignores-the-teacher",
         "trainer/distill.py::token_advantages",
         "    return distill.reward_weight * env - distill.kl_weight * kl, kl",

@@ -74,6 +74,27 @@ async def test_unchanged_env_is_not_rebuilt(docker_client, arithmetic_image, mon
     assert (again.tag, again.built) == (arithmetic_image, False)
 
 
+def test_an_images_inputs_are_the_projects_sources_and_nothing_it_ran_or_built(tmp_path, monkeypatch) -> None:
+    """What a local project's image tag hashes: its source files, not what runs, builds and virtualenvs leave beside
+    them (a docs build changed every image's tag, and a checkout with gigabytes of runs/ took seconds to hash), nor
+    a nested project, which is a distribution of its own. Only the project's directories are walked."""
+    from sandboxes import images
+
+    project = tmp_path / "project"
+    wanted = ["README.md", "pkg/__init__.py", "pkg/.kept.json", "pkg/conf/a.yaml"]
+    left_out = ["runs/m1/metrics.json", "site/search/search_index.json", ".venv/lib/x.py", ".hidden.toml",
+                "nested/pyproject.toml", "nested/b.py", "pkg.egg-info/top_level.txt", "build/lib/pkg/__init__.py",
+                "pkg/__pycache__/x.py", "pkg/data.bin"]
+    for rel in wanted + left_out:
+        (project / rel).parent.mkdir(parents=True, exist_ok=True)
+        (project / rel).write_text(rel)
+    entered = []
+    walk = images.os.walk
+    monkeypatch.setattr(images.os, "walk", lambda top: ((entered.append(f), f, d, n)[1:] for f, d, n in walk(top)))
+    assert images._project_files(project) == sorted(project / rel for rel in wanted)
+    assert sorted(Path(f).relative_to(project).as_posix() for f in entered) == [".", "pkg", "pkg/conf"]
+
+
 def test_a_stale_egg_info_in_the_working_directory_does_not_shadow_the_project(tmp_path, arithmetic_image) -> None:
     """`pip install -e .` and wheel builds leave `envkit_rl.egg-info` in the project root; a build run from there
     sees it first on sys.path. It must still find envkit as the local project and never ask an index for it."""
