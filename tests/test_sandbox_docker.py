@@ -89,8 +89,14 @@ def test_an_images_inputs_are_the_projects_sources_and_nothing_it_ran_or_built(t
         (project / rel).parent.mkdir(parents=True, exist_ok=True)
         (project / rel).write_text(rel)
     entered = []
-    walk = images.os.walk
-    monkeypatch.setattr(images.os, "walk", lambda top: ((entered.append(f), f, d, n)[1:] for f, d, n in walk(top)))
+    os_walk = images.os.walk
+
+    def walk(top: Path):  # os.walk, noting each directory it enters (its dirs list is os.walk's own: pruning holds)
+        for folder, dirs, names in os_walk(top):
+            entered.append(folder)
+            yield folder, dirs, names
+
+    monkeypatch.setattr(images.os, "walk", walk)
     assert images._project_files(project) == sorted(project / rel for rel in wanted)
     assert sorted(Path(f).relative_to(project).as_posix() for f in entered) == [".", "pkg", "pkg/conf"]
 
