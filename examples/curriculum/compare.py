@@ -210,9 +210,9 @@ def draws(args: argparse.Namespace) -> None:
 
     env = envkit.make("arithmetic", level=json.loads(_level(args)), num_train=args.train_tasks)
     group_of = {str(t["id"]): ",".join(str(t[f]) for f in args.group_by) or "all" for t in env.tasks("train")}
-    uniform = [statistics.mean(_flat_per_step(_groups(run))) for run in sorted(args.out.glob("uniform-*/rollouts"))]
-    for rollouts in sorted(args.out.glob("*-*/rollouts")):
-        steps = _groups(rollouts)
+    runs = {rollouts.parent.name: _groups(rollouts) for rollouts in sorted(args.out.glob("*-*/rollouts"))}
+    uniform = [statistics.mean(_flat_per_step(steps)) for name, steps in runs.items() if name.startswith("uniform-")]
+    for name, steps in runs.items():
         kinds: dict[str, list[bool]] = {}
         last: dict[str, int] = {}
         for step, groups in enumerate(steps, start=1):
@@ -224,7 +224,7 @@ def draws(args: argparse.Namespace) -> None:
         late = len(steps) - args.after
         if late <= 0:
             continue
-        print(f"{rollouts.parent.name}: draws after step {args.after}, flat share (groups)")
+        print(f"{name}: draws after step {args.after}, flat share (groups)")
         for kind, flat in sorted(kinds.items()):
             print(f"  {kind:24s} {sum(flat) / len(flat):.2f} ({len(flat)})")
         new = {k: sum(f) / len(f) for k, f in kinds.items() if k.startswith("new ") and len(f) >= MIN_CELL}
@@ -247,16 +247,20 @@ MIN_CELL = 20
 
 
 def _groups(rollouts: Path) -> list[list[tuple[str, int, int, bool]]]:
-    """Each step's groups, from a run's ``rollouts/``: (task id, samples passed, samples, flat) per group, its failed
-    rollouts left out as the trainer leaves them out."""
+    """Each step's groups, from a run's ``rollouts/``: (task id, samples passed, samples, flat) per group, of the
+    rollouts the trainer kept, flat as the trainer counts it (trainer.sources.flat_groups)."""
+    from generators import read_jsonl
+    from trainer.sources import flat_groups
+
     steps = []
     for file in sorted(rollouts.glob("step-*.jsonl")):
-        by_group: dict[str, list[dict]] = {}
-        for t in _rollouts(file):
-            if t["stop_reason"] not in ("error", "timeout"):
-                by_group.setdefault(t["group_id"], []).append(t)
-        steps.append([(str(g[0]["task_id"]), sum(t["reward"] >= 1.0 for t in g), len(g),
-                       len({t["reward"] for t in g}) == 1) for g in by_group.values()])
+        kept = [t for t in read_jsonl(file) if not t.failed and t.response_ids]
+        flat = flat_groups(kept)
+        by_group: dict[str, list] = {}
+        for t in kept:
+            by_group.setdefault(t.group_id, []).append(t)
+        steps.append([(str(g[0].task_id), sum(t.reward >= 1.0 for t in g), len(g), group in flat)
+                      for group, g in by_group.items()])
     return steps
 
 
