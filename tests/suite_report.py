@@ -185,14 +185,14 @@ def against_previous(now: dict[str, float], before: dict[str, float], *, floor: 
         return []
     ratio = statistics.median(now[t] / before[t] for t in both)
     new, gone = set(now) - set(before), set(before) - set(now)
-    grew = sorted(both, key=lambda t: before[t] - now[t])[:5]
+    grew = sorted((t for t in both if now[t] > before[t]), key=lambda t: before[t] - now[t])[:5]
     return ["\n## Against the run before (durations-previous.jsonl)\n",
             f"the {len(both)} tests of {floor:g} s or more that both passed: {sum(before[t] for t in both):.0f} s "
             f"then, {sum(now[t] for t in both):.0f} s now; the median test took {ratio:.2f}x as long (well above 1: "
             "the same tests took longer, a slower machine or a costlier product)",
             f"passed in this run only: {len(new)} tests ({sum(now[t] for t in new):.0f} s); in the run before only: "
             f"{len(gone)} ({sum(before[t] for t in gone):.0f} s)",
-            "grew most: " + "; ".join(f"{t} {before[t]:.0f} -> {now[t]:.0f} s" for t in grew)]
+            "grew most: " + ("; ".join(f"{t} {before[t]:.0f} -> {now[t]:.0f} s" for t in grew) or "none")]
 
 
 def _clock(seconds: float) -> str:

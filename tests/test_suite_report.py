@@ -19,6 +19,7 @@ def test_a_run_against_the_run_before_tells_a_slower_machine_from_a_grown_suite(
     assert lines[3] == "grew most: a 10 -> 15 s; b 2 -> 3 s"
     grown = against_previous({**before, "added": 7.0}, before)
     assert "took 1.00x as long" in grown[1] and "this run only: 1 tests (7 s)" in grown[2]
+    assert grown[3] == "grew most: none"  # the same tests, none of them longer
     assert against_previous(slower, {}) == []  # the first run has nothing to compare
 
 
