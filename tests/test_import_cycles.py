@@ -1,7 +1,7 @@
-"""No import cycles in the product packages, counting imports inside functions.
+"""No import cycles in the product packages, counting imports inside functions and type-only ones.
 
-The rule: every import statement in a module, function bodies included and ``if TYPE_CHECKING:`` blocks excluded, is
-an edge to the module it names. ``from pkg import name`` is an edge to ``pkg`` (its ``__init__`` runs first) and
+The rule: every import statement in a module, function bodies and ``if TYPE_CHECKING:`` blocks included, is an edge
+to the module it names: a type that two modules share lives one floor down, in a leaf module both import. ``from pkg import name`` is an edge to ``pkg`` (its ``__init__`` runs first) and
 also to ``pkg.name`` where that is a submodule. So a module inside a package imports its siblings, not the package's
 face. Run as a script to print the graph's cycles: ``python tests/test_import_cycles.py``.
 
@@ -33,25 +33,9 @@ def modules(root: Path, packages: tuple[str, ...]) -> dict[str, Path]:
     return found
 
 
-def _type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    """Every import statement in ``tree``, leaving out what ``if TYPE_CHECKING:`` guards."""
-    found: list[ast.Import | ast.ImportFrom] = []
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, ast.If) and _type_checking(node):
-            stack.extend(node.orelse)
-            continue
-        if isinstance(node, ast.Import | ast.ImportFrom):
-            found.append(node)
-        stack.extend(ast.iter_child_nodes(node))
-    return found
+    """Every import statement in ``tree``, wherever it sits."""
+    return [node for node in ast.walk(tree) if isinstance(node, ast.Import | ast.ImportFrom)]
 
 
 def graph(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> dict[str, set[str]]:
@@ -116,14 +100,15 @@ def test_the_product_packages_have_no_import_cycles() -> None:
 
 
 def test_the_rule_counts_function_level_imports_and_package_faces(tmp_path: Path) -> None:
-    """An import inside a function makes a cycle; one under ``TYPE_CHECKING`` does not; ``from p import m`` is an
+    """An import inside a function makes a cycle, and so does one under ``TYPE_CHECKING``; ``from p import m`` is an
     edge to ``p``'s ``__init__`` as well as to ``p.m``."""
     files = {
         "p/__init__.py": "from p.face import thing\n",
         "p/face.py": "thing = 1\n",
         "p/a.py": "def f():\n    from p.b import g\n",
-        "p/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from p import c\nfrom . import a\n",
+        "p/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from p.e import E\nfrom . import a\n",
         "p/c.py": "from p import b\n",
+        "p/e.py": "from p.b import g\nE = int\n",
         "p/d.py": "from p import face\n",
         "p/face2.py": "import p.d\n",
     }
@@ -132,10 +117,10 @@ def test_the_rule_counts_function_level_imports_and_package_faces(tmp_path: Path
         (tmp_path / name).write_text(text)
     edges = graph(tmp_path, ("p",))
     assert edges["p.d"] == {"p", "p.face"}
-    assert edges["p.b"] == {"p", "p.a"}  # the TYPE_CHECKING import of p.c is not an edge
-    assert cycles(edges) == [["p.a", "p.b"]]
+    assert edges["p.b"] == {"p", "p.a", "p.e"}  # the TYPE_CHECKING import of p.e is an edge
+    assert cycles(edges) == [["p.a", "p.b", "p.e"]]
     (tmp_path / "p/face.py").write_text("import p.c\n")  # p -> p.face -> p.c -> p (through the package's face)
-    assert cycles(graph(tmp_path, ("p",))) == [["p", "p.a", "p.b", "p.c", "p.face"]]
+    assert cycles(graph(tmp_path, ("p",))) == [["p", "p.a", "p.b", "p.c", "p.e", "p.face"]]
 
 
 def test_every_envkit_command_loads_without_torch() -> None:

@@ -169,7 +169,6 @@ def test_a_captured_agent_episode_trains_each_of_its_sequences(chat_tokenizer, t
     ("sft.epochs=0", "sft.epochs must be >= 1"),
     ("stages=[sft,sft]", "stages must list each stage once"),
     ("stages=[dpo]", "stages='dpo' is not one of: sft, rl"),
-    ("placement.backend=ray", "the sft stage runs with placement.backend=local"),
     ("stages=[sft,rl] trainer.resume=runs/x/checkpoints/step-000002", "resume with trainer.resume=latest"),
 ])
 def test_bad_sft_settings_fail_before_anything_starts(override: str, message: str, tmp_path) -> None:
@@ -207,7 +206,8 @@ def chat_data(tmp_path_factory) -> Path:
 
 
 @pytest.mark.e2e
-def test_sft_lowers_the_held_out_loss_and_resumes_exactly(chat_data, tmp_path) -> None:
+@pytest.mark.ray
+def test_sft_lowers_the_held_out_loss_and_resumes_exactly_here_or_on_ray(chat_data, cluster, tmp_path) -> None:
     # on FSDP2 with LoRA (full fine-tuning is the agent recipe's test): its checkpoints are the adapters' state
     whole = _sft(tmp_path / "whole", chat_data, "sft.epochs=2", *LORA)
     assert whole["eval_loss_after"] < 0.7 * whole["eval_loss_before"], whole
@@ -218,13 +218,14 @@ def test_sft_lowers_the_held_out_loss_and_resumes_exactly(chat_data, tmp_path) -
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6] and all(r["train/model_tokens"] > 0 for r in steps)
     assert (tmp_path / "whole" / "report.html").is_file() and any((tmp_path / "whole" / "tensorboard").iterdir())
 
-    # the run as if killed after its step-3 checkpoint (the end of its first epoch), then resumed: the same last
-    # three steps, the same weights, bit for bit
+    # the run as if killed after its step-3 checkpoint (the end of its first epoch), then resumed as a trainer rank
+    # of the Ray cluster (a stage is placed as RL is): the same last three steps, the same weights, bit for bit
     checkpoints = tmp_path / "whole" / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000003", "step-000006"]
     shutil.rmtree(checkpoints / "step-000006")
     weights = weights.rename(tmp_path / "whole-v6")
-    resumed = _sft(tmp_path / "whole", chat_data, "sft.epochs=2", *LORA, "trainer.resume=latest")
+    resumed = _sft(tmp_path / "whole", chat_data, "sft.epochs=2", *LORA, "trainer.resume=latest",
+                   "placement.backend=ray", f"placement.address={cluster}")
     assert changed_tensors(Path(resumed["weights"]), weights) == 0
     assert resumed["eval_loss_after"] == whole["eval_loss_after"]
     # it trained steps 4-6 again, not from the start

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -48,8 +49,12 @@ def main(raw: DictConfig) -> None:
         if terminated:
             sys.exit(exit_status())
         raise
-    if not results:
-        return
+    if results:
+        _print_results(cfg, results)
+
+
+def _print_results(cfg: Config, results: dict[str, Any]) -> None:
+    """The run's results, then each held-out headline before -> after and where the curves and report are."""
     print(json.dumps(results, indent=2))
     t = cfg.trainer
     sampled = f"{t.eval_samples} samples per task at temperature {t.eval_temperature:g}"
@@ -66,7 +71,6 @@ def main(raw: DictConfig) -> None:
     for key in ("reward_curve", "report", "tensorboard"):
         if key in results:
             print(f"{key.replace('_', ' ')}: {results[key]}")
-
 
 if __name__ == "__main__":
     main()

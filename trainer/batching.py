@@ -8,11 +8,21 @@ logprob of token ``t`` comes from the logits at ``t - 1``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 
 from generators.trajectory import Trajectory
 from trainer.backends.base import Batch
+
+
+@dataclass
+class StepBatch:
+    """One step's training data after filtering: the trajectories and one advantage per trajectory."""
+
+    trajectories: list[Trajectory]
+    advantages: torch.Tensor  # (B,); zeros with a critic, whose advantages are per token
+    counts: dict[str, int] = field(default_factory=dict)
 
 
 def to_padded(trajectories: list[Trajectory], pad_id: int) -> Batch:

@@ -775,108 +775,151 @@ class Config:
         """Rollouts per optimizer step (``trainer.mini_batch_size`` or the whole batch)."""
         return self.trainer.mini_batch_size or self.generator.batch_size
 
+    @property
+    def trains_on_rollouts(self) -> bool:
+        """Whether a stage of the run trains on groups of rollouts (rl, distill: the sft stage has no rollout batch)."""
+        return bool({"rl", "distill"} & set(self.stages))
+
     def __post_init__(self) -> None:
         if not self.stages or len(set(self.stages)) < len(self.stages):
             raise ConfigError(f"stages must list each stage once, in order, e.g. [sft, rl]; got {list(self.stages)}")
         for stage in self.stages:
             _one_of("stages", stage, STAGES)
-        if len(self.stages) > 1 and self.trainer.resume not in (None, "latest"):
-            raise ConfigError(f"trainer.resume={self.trainer.resume} names one checkpoint, but the run has stages "
-                              f"{list(self.stages)}: resume with trainer.resume=latest (each stage from its own)")
-        if "sft" in self.stages and self.placement.backend != "local":
-            raise ConfigError("the sft stage runs with placement.backend=local (torchrun for more ranks); "
-                              "drop placement.backend=ray or the sft stage")
+        if self.trains_on_rollouts:
+            self._check_batch()
+        _checked("weight_sync", lambda: self.weight_sync.check_engine(self.inference.engine))
+        _checked("weight_sync", lambda: self.weight_sync.check_placement(self.placement.backend))
+        for refusal in REFUSED:
+            if refusal.applies(self):
+                raise ConfigError(refusal.message)
+        if self.algorithm.aggregation == "seq-mean-token-sum-norm" and self.generator.max_total_tokens < 1:
+            raise ConfigError("seq-mean-token-sum-norm normalizes by generator.max_total_tokens, which must be >= 1")
+
+    def _check_batch(self) -> None:
+        """The rollout batch splits into mini-batches, and a group-relative advantage has a group to compare."""
         batch = self.generator.batch_size
-        rl = bool({"rl", "distill"} & set(self.stages))  # the sft stage has no rollout batch and no groups
-        if rl and (self.mini_batch_size > batch or batch % self.mini_batch_size):
+        if self.mini_batch_size > batch or batch % self.mini_batch_size:
             raise ConfigError(
                 f"trainer.mini_batch_size={self.mini_batch_size} must divide the rollout batch "
                 f"(generator.prompts_per_step × generator.samples_per_prompt = {self.generator.prompts_per_step} × "
                 f"{self.generator.samples_per_prompt} = {batch})"
             )
-        if rl and self.algorithm.advantage in ("grpo", "dr_grpo", "rloo") and self.generator.samples_per_prompt < 2:
+        if self.algorithm.advantage in ("grpo", "dr_grpo", "rloo") and self.generator.samples_per_prompt < 2:
             raise ConfigError(f"algorithm.advantage={self.algorithm.advantage} compares samples of one prompt: "
                               "set generator.samples_per_prompt >= 2")
-        if self.placement.backend == "ray" and self.inference.url:
-            raise ConfigError("inference.url attaches to one running server; placement.backend=ray starts "
-                              "placement.inference_replicas servers of its own: drop one of them")
-        if self.model.lora.enabled and self.trainer.backend != "fsdp":
-            raise ConfigError(f"model.lora.r={self.model.lora.r} needs trainer.backend=fsdp: LoRA is FSDP-only for "
-                              "now (set model.lora.r=0 to fine-tune every weight with DeepSpeed)")
-        _checked("weight_sync", lambda: self.weight_sync.check_engine(self.inference.engine))
-        _checked("weight_sync", lambda: self.weight_sync.check_placement(self.placement.backend))
-        if self.seats:
-            self._check_seats()
-        if self.curriculum.refill and self.trainer.mode != "sync":
-            raise ConfigError(f"curriculum.refill={self.curriculum.refill} draws again within a step: it needs "
-                              "trainer.mode=sync (async mode fills its steps from groups generated ahead)")
-        if "online" in self.stages:
-            self._check_online()
-        if "distill" in self.stages:
-            self._check_distill()
-        if self.model.lora.serve == "adapters":
-            refused = {
-                "model.lora.r > 0": not self.model.lora.enabled,
-                "a run with seats (a single policy's adapters are served merged: model.lora.serve=merged)":
-                    not self.seats,
-                "inference.engine=vllm": self.inference.engine != "vllm",
-                "weight_sync.mode=auto or disk: an adapter goes to the server as a file":
-                    self.weight_sync.mode == "memory",
-            }
-            for what, violated in refused.items():
-                if violated:
-                    raise ConfigError(f"model.lora.serve=adapters needs {what}")
-        if self.algorithm.aggregation == "seq-mean-token-sum-norm" and self.generator.max_total_tokens < 1:
-            raise ConfigError("seq-mean-token-sum-norm normalizes by generator.max_total_tokens, which must be >= 1")
-
-    def _check_online(self) -> None:
-        """The online stage serves one policy from this machine: what it cannot do, said before anything starts."""
-        refused = {
-            "online.clients (the clients file)": self.online.clients is None,
-            "stages=[online] alone or after sft": self.stages not in (["online"], ["sft", "online"]),
-            "placement.backend=local, one rank": self.placement.backend != "local",
-            "no seats": bool(self.seats),
-            "engines it starts (no inference.url): one serves, the other holds the candidate": bool(self.inference.url),
-        }
-        for what, violated in refused.items():
-            if violated:
-                raise ConfigError(f"the online stage needs {what}")
-
-    def _check_distill(self) -> None:
-        """What a distillation stage needs, said before anything starts."""
-        refused = {
-            "distill.teacher (a checkpoint dir, a run's output dir or a vLLM server's URL)": not self.distill.teacher,
-            "generator.temperature=1 with a teacher URL: a server's prompt logprobs are at temperature 1":
-                self.distill.served and self.generator.temperature != 1.0,
-            "algorithm.advantage other than gae (the teacher's signal is the per-token advantage)":
-                self.algorithm.critic,
-        }
-        for what, violated in refused.items():
-            if violated:
-                raise ConfigError(f"the distill stage needs {what}")
-
-    def _check_seats(self) -> None:
-        """What a run of several policies supports yet; the rest refused by name."""
-        refused = {
-            "no seat names a policy to train: bind one with seats.SEAT.policy=NAME": not self.policies,
-            "stages=[rl] only (no SFT stage for seats yet)": self.stages != ["rl"],
-            "placement.backend=local only (policies on Ray actors are not built yet)":
-                self.placement.backend != "local",
-            "trainer.backend=fsdp": self.trainer.backend != "fsdp",
-            "one env (no env.mixture with seats)": bool(self.env.mixture),
-            "no judge (judge.model): a multi-agent env's rewards are its own": self.judge.model is not None,
-            "no inference.url: each policy needs an engine of its own": bool(self.inference.url),
-            "curriculum.sampler=uniform and no curriculum.refill (a seat's rewards are not its task's difficulty)":
-                self.curriculum.sampler != "uniform" or bool(self.curriculum.refill),
-        }
-        for what, violated in refused.items():
-            if violated:
-                raise ConfigError(f"seats: a run of several policies needs {what}")
 
     @property
     def steps_per_update(self) -> int:
         """Optimizer steps per training step."""
         return self.trainer.epochs * self.generator.batch_size // self.mini_batch_size
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A combination of settings that no run takes, and why: one row of :data:`REFUSED`."""
+
+    when: str
+    """The combination, as a user writes it."""
+    why: str
+    """Why it cannot run, and what to do instead."""
+    applies: Callable[[Config], bool]
+    """Whether a config holds the combination."""
+
+    @property
+    def message(self) -> str:
+        """The config error a run that holds it fails with."""
+        return f"{self.when}: {self.why}"
+
+
+def _online(cfg: Config) -> bool:
+    return "online" in cfg.stages
+
+
+def _distill(cfg: Config) -> bool:
+    return "distill" in cfg.stages
+
+
+def _adapters(cfg: Config) -> bool:
+    return cfg.model.lora.serve == "adapters"
+
+
+REFUSED: tuple[Refusal, ...] = (
+    Refusal("several stages with trainer.resume=DIR",
+            "trainer.resume names one checkpoint, but each stage has its own: resume with trainer.resume=latest",
+            lambda c: len(c.stages) > 1 and c.trainer.resume not in (None, "latest")),
+    Refusal("placement.backend=ray with inference.url",
+            "inference.url attaches to one running server; placement.backend=ray starts "
+            "placement.inference_replicas servers of its own: drop one of them",
+            lambda c: c.placement.backend == "ray" and bool(c.inference.url)),
+    Refusal("model.lora.r > 0 with trainer.backend=deepspeed",
+            "model.lora.r needs trainer.backend=fsdp: LoRA is FSDP-only for now (set model.lora.r=0 to fine-tune "
+            "every weight with DeepSpeed)",
+            lambda c: c.model.lora.enabled and c.trainer.backend != "fsdp"),
+    Refusal("curriculum.refill with trainer.mode=async",
+            "curriculum.refill draws again within a step: it needs trainer.mode=sync (async mode fills its steps "
+            "from groups generated ahead)",
+            lambda c: bool(c.curriculum.refill) and c.trainer.mode != "sync"),
+    Refusal("stages=[online] without online.clients", "the online stage needs online.clients (the clients file)",
+            lambda c: _online(c) and c.online.clients is None),
+    Refusal("the online stage after another stage than sft, or before one",
+            "the online stage needs stages=[online] alone or after sft",
+            lambda c: _online(c) and c.stages not in (["online"], ["sft", "online"])),
+    Refusal("stages=[online] with placement.backend=ray",
+            "the online stage needs placement.backend=local, one rank: it serves one policy from this machine",
+            lambda c: _online(c) and c.placement.backend != "local"),
+    Refusal("stages=[online] with seats", "the online stage needs no seats: it serves one policy",
+            lambda c: _online(c) and bool(c.seats)),
+    Refusal("stages=[online] with inference.url",
+            "the online stage needs engines it starts (no inference.url): one serves, the other holds the candidate",
+            lambda c: _online(c) and bool(c.inference.url)),
+    Refusal("stages=[distill] without distill.teacher",
+            "the distill stage needs distill.teacher (a checkpoint dir, a run's output dir or a vLLM server's URL)",
+            lambda c: _distill(c) and not c.distill.teacher),
+    Refusal("a distill.teacher URL with generator.temperature other than 1",
+            "the distill stage needs generator.temperature=1 with a teacher URL: a server's prompt logprobs are at "
+            "temperature 1",
+            lambda c: _distill(c) and c.distill.served and c.generator.temperature != 1.0),
+    Refusal("stages=[distill] with algorithm.advantage=gae",
+            "the distill stage needs algorithm.advantage other than gae (the teacher's signal is the per-token "
+            "advantage)",
+            lambda c: _distill(c) and c.algorithm.critic),
+    Refusal("seats without a policy", "seats: a run of several policies needs a seat that names a policy to "
+            "train: bind one with seats.SEAT.policy=NAME", lambda c: bool(c.seats) and not c.policies),
+    Refusal("seats with a stage other than rl",
+            "seats: a run of several policies needs stages=[rl] only (no SFT stage for seats yet)",
+            lambda c: bool(c.seats) and c.stages != ["rl"]),
+    Refusal("seats with placement.backend=ray",
+            "seats: a run of several policies needs placement.backend=local only (policies on Ray actors are not "
+            "built yet)",
+            lambda c: bool(c.seats) and c.placement.backend != "local"),
+    Refusal("seats with trainer.backend=deepspeed", "seats: a run of several policies needs trainer.backend=fsdp",
+            lambda c: bool(c.seats) and c.trainer.backend != "fsdp"),
+    Refusal("seats with env.mixture", "seats: a run of several policies needs one env (no env.mixture with seats)",
+            lambda c: bool(c.seats) and bool(c.env.mixture)),
+    Refusal("seats with judge.model",
+            "seats: a run of several policies needs no judge (judge.model): a multi-agent env's rewards are its own",
+            lambda c: bool(c.seats) and c.judge.model is not None),
+    Refusal("seats with inference.url",
+            "seats: a run of several policies needs no inference.url: each policy needs an engine of its own",
+            lambda c: bool(c.seats) and bool(c.inference.url)),
+    Refusal("seats with a curriculum",
+            "seats: a run of several policies needs curriculum.sampler=uniform and no curriculum.refill (a seat's "
+            "rewards are not its task's difficulty)",
+            lambda c: bool(c.seats) and (c.curriculum.sampler != "uniform" or bool(c.curriculum.refill))),
+    Refusal("model.lora.serve=adapters with model.lora.r=0", "model.lora.serve=adapters needs model.lora.r > 0",
+            lambda c: _adapters(c) and not c.model.lora.enabled),
+    Refusal("model.lora.serve=adapters without seats",
+            "model.lora.serve=adapters needs a run with seats (a single policy's adapters are served merged: "
+            "model.lora.serve=merged)", lambda c: _adapters(c) and not c.seats),
+    Refusal("model.lora.serve=adapters with inference.engine other than vllm",
+            "model.lora.serve=adapters needs inference.engine=vllm",
+            lambda c: _adapters(c) and c.inference.engine != "vllm"),
+    Refusal("model.lora.serve=adapters with weight_sync.mode=memory",
+            "model.lora.serve=adapters needs weight_sync.mode=auto or disk: an adapter goes to the server as a file",
+            lambda c: _adapters(c) and c.weight_sync.mode == "memory"),
+)
+"""Every combination of settings a run refuses, checked in order after each section's own values: the
+configuration reference lists them (docs/gen/reference.py)."""
 
 
 def _checked(section: str, check: Callable[[], None]) -> None:

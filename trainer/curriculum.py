@@ -28,13 +28,14 @@ import random
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from envkit import Task
 from envkit.imports import import_ref
 from trainer.config import ConfigError, CurriculumConfig
 
-if TYPE_CHECKING:
-    from trainer.sources import Start
+Start = tuple[Task | None, int | None]
+"""One episode start: ``(task, None)`` or ``(None, seed)`` (trainer/sources.py draws them, a sampler orders them)."""
 
 
 def start_key(start: Start, index: int) -> str:

@@ -1,5 +1,5 @@
-"""On-policy distillation (``stages=[distill]``): the RL loop (trainer/loop.py) with a teacher's signal in its
-advantages. Each step:
+"""On-policy distillation (``stages=[distill]``): the RL loop (trainer/loop.py) following a teacher's signal, its
+:class:`~trainer.objective.Objective` a :class:`DistillObjective`. Each step:
 
     trajs   = the policy's rollouts on the env's tasks, as in RL; flat groups are kept (the teacher grades every
               token, whatever the env's reward)
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
@@ -30,11 +31,15 @@ import torch
 from generators import ChatTokenizer, Trajectory
 from generators.models import resolve_model
 from trainer.backends import train_dtype
-from trainer.backends.base import BackendConfig
+from trainer.backends.base import BackendConfig, Batch
 from trainer.backends.common import load_model, model_logprobs
-from trainer.batching import micro_batches
+from trainer.batching import StepBatch, micro_batches, stack_rows
 from trainer.config import Config, ConfigError, DistillConfig
+from trainer.distributed import broadcast_from_rank0
+from trainer.loop import train
+from trainer.objective import Objective
 from trainer.placement.base import RunFailed
+from trainer.runs import Run
 
 PROBE = [{"role": "system", "content": "You are terse."},
          {"role": "user", "content": "What is 12 + 7? Ünïcödé, 数字 and\ttabs."},
@@ -50,6 +55,14 @@ class Teacher(ABC):
     @abstractmethod
     def logprobs(self, trajectories: list[Trajectory]) -> dict[int, torch.Tensor]:
         """The teacher's logprobs of each sequence's model tokens, keyed by its index."""
+
+
+class ReceivedTeacher(Teacher):
+    """The teacher of the ranks above 0: it scores nothing, and rank 0's teacher's logprobs reach them by
+    broadcast (:meth:`DistillObjective.score`)."""
+
+    def logprobs(self, trajectories: list[Trajectory]) -> dict[int, torch.Tensor]:
+        return {}
 
 
 class LocalTeacher(Teacher):
@@ -245,3 +258,36 @@ def token_advantages(env: torch.Tensor, teacher: torch.Tensor, policy: torch.Ten
     the per-token reverse KL estimate ``log p_policy − log p_teacher`` (0 off the mask)."""
     kl = (policy - teacher) * mask  # (B, T)
     return distill.reward_weight * env - distill.kl_weight * kl, kl
+
+
+class DistillObjective(Objective):
+    """The update follows ``distill.kl_weight`` times the teacher's per-token signal plus ``distill.reward_weight``
+    times the env's advantages (:func:`token_advantages`)."""
+
+    stage = "distill"
+    keeps_flat_groups = True  # the teacher grades every token, whatever the env's reward
+
+    def __init__(self, teacher: Teacher, cfg: DistillConfig) -> None:
+        self.teacher, self.cfg = teacher, cfg
+        self.scores: dict[int, torch.Tensor] = {}
+        """The teacher's logprobs of the batch being trained on, per sequence."""
+
+    def score(self, batch: StepBatch) -> dict[str, float]:
+        t0 = time.perf_counter()
+        self.scores = broadcast_from_rank0(self.teacher.logprobs(batch.trajectories))  # rank 0 holds the teacher
+        return {"time/teacher_s": time.perf_counter() - t0}
+
+    def token_advantages(self, advantages: torch.Tensor, rows: list[int], mb: Batch
+                         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        teacher = stack_rows(self.scores, rows, advantages.shape)
+        mixed, kl = token_advantages(advantages, teacher, mb["rollout_logprobs"], mb["loss_mask"], self.cfg)
+        return mixed, {"distill/teacher_kl": kl}
+
+
+def train_distill(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]:
+    """The distill stage: the RL loop learning from ``cfg.distill.teacher``, opened (and its tokenizer checked) on
+    rank 0 before anything starts."""
+    def objective(run: Run) -> DistillObjective:
+        return DistillObjective(run.on_main(lambda: open_teacher(cfg, run.tokenizer), ReceivedTeacher()), cfg.distill)
+
+    return train(cfg, evaluate_before=evaluate_before, objective=objective)

@@ -1,4 +1,4 @@
-"""``python -m trainer``'s entry: a run's stages here, or its RL loop here or as the ranks of a Ray cluster."""
+"""``python -m trainer``'s entry: a run's stages (trainer/stages.py), each placed here or on a Ray cluster."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from trainer.config import Config
 
 
 def launch(cfg: Config) -> dict[str, Any]:
-    """Run the training loop: in this process, or as ``placement.trainer_ranks`` actors of a Ray cluster; a run with
-    an sft stage runs its stages here (trainer/stages.py). With ``logging.traces``, every process of the run
-    exports its spans there (envkit/tracing.py)."""
+    """Run ``cfg.stages`` in order, each stage's ranks in this process or as ``placement.trainer_ranks`` actors of a
+    Ray cluster (trainer/placement). With ``logging.traces``, every process of the run exports its spans there
+    (envkit/tracing.py)."""
     if cfg.logging.traces:
         os.environ[tracing.ENDPOINT_ENV] = cfg.logging.traces  # inherited by the processes the run starts
         os.environ.setdefault(tracing.RUN_ENV, f"envkit-{os.getpid()}")
@@ -20,14 +20,6 @@ def launch(cfg: Config) -> dict[str, Any]:
         from trainer.multi_policy import train_policies
 
         return train_policies(cfg)
-    if cfg.stages != ["rl"]:
-        from trainer.stages import run_stages
+    from trainer.stages import run_stages
 
-        return run_stages(cfg)
-    if cfg.placement.backend == "ray":
-        from trainer.placement.cluster import launch_on_ray
-
-        return launch_on_ray(cfg)
-    from trainer.loop import train
-
-    return train(cfg)
+    return run_stages(cfg)

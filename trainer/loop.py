@@ -13,7 +13,8 @@
         optimizer step
     weights v(step+1) → engine                                             broadcast from memory, or a checkpoint
 
-``stages=[distill]`` runs this loop with a teacher's per-token signal in the advantages (trainer/distill.py).
+What the update follows per token is the stage's :class:`~trainer.objective.Objective`, picked once: the env's
+reward (RL), or a teacher's signal mixed in (``stages=[distill]``: trainer/distill.py).
 
 The rollouts come from a source picked once (trainer/rollout_source.py): rank 0's generates them each step
 (``trainer.mode=sync``), or while the step before trains, at most ``trainer.max_staleness`` weight versions behind
@@ -30,8 +31,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -42,41 +42,34 @@ from generators import Trajectory
 from trainer.async_rollouts import LoopThread
 from trainer.backends import make_backend
 from trainer.backends.base import Batch, TrainBackend
-from trainer.batching import micro_batches, mini_batch_order, stack_rows, to_padded
+from trainer.batching import StepBatch, micro_batches, mini_batch_order, stack_rows, to_padded
 from trainer.config import Config
-from trainer.distill import Teacher, open_teacher, token_advantages
 from trainer.distributed import all_reduce_values, broadcast_from_rank0, max_over_ranks
+from trainer.objective import Objective
 from trainer.placement import make_placement
 from trainer.rollout_source import rollout_source
-from trainer.runs import MainRun, open_run
+from trainer.runs import Run, open_run
 from trainer.sources import flat_groups
 
+__all__ = ["StepBatch", "prepare_batch", "train", "update_policy"]
 
-@dataclass
-class StepBatch:
-    """One step's training data after filtering: the trajectories and one advantage per trajectory."""
-
-    trajectories: list[Trajectory]
-    advantages: torch.Tensor  # (B,); zeros with a critic, whose advantages are per token
-    counts: dict[str, int] = field(default_factory=dict)
-    teacher_logprobs: dict[int, torch.Tensor] | None = None
-    """Distillation: the teacher's logprob of each trajectory's model tokens (trainer/distill.py)."""
+REWARD = Objective()
+"""RL's objective: the env's reward alone."""
 
 
-def train(cfg: Config, *, evaluate_before: bool = True, stage: str = "rl") -> dict[str, Any]:
+def train(cfg: Config, *, evaluate_before: bool = True,
+          objective: Callable[[Run], Objective] = lambda run: REWARD) -> dict[str, Any]:
     """Run ``cfg.trainer.steps`` training steps; returns the final metrics (held-out accuracy before/after) and the
     final weights' dir. ``evaluate_before=False`` skips the evaluation of the initial policy (a later stage's, which
-    the stage before it evaluated last). ``stage="distill"`` learns from ``cfg.distill.teacher``."""
+    the stage before it evaluated last). ``objective(run)`` is what the update follows (RL's by default); it is made
+    before anything starts, so a wrong teacher fails first."""
     run = open_run(cfg, placement=make_placement, runner=LoopThread if cfg.trainer.mode == "async" else asyncio.Runner)
     source = rollout_source(run)
-    teacher: Teacher | None = None
     try:
-        distill = stage == "distill"
-        if distill and isinstance(run, MainRun):  # before anything starts: a teacher of other tokens fails here
-            teacher = open_teacher(cfg, run.tokenizer)
+        goal = objective(run)
         backend = make_backend(cfg, run.model_path)
         run.start()
-        state = run.resume(backend, total_steps=cfg.trainer.steps, stage=stage)
+        state = run.resume(backend, total_steps=cfg.trainer.steps, stage=goal.stage)
         results = run.results_before(state, evaluate_before=evaluate_before)
         source.start(state)
         while state.step < cfg.trainer.steps:
@@ -84,14 +77,13 @@ def train(cfg: Config, *, evaluate_before: bool = True, stage: str = "rl") -> di
             trajs, stale = source.next(state)
             trajs = broadcast_from_rank0(trajs)  # ranks > 0 get rank 0's rollouts
             t1 = time.perf_counter()
-            batch = prepare_batch(trajs, cfg, keep_flat=distill)
+            batch = prepare_batch(trajs, cfg, keep_flat=goal.keeps_flat_groups)
             batch.counts["stale_dropped"] = stale
-            t_teacher = time.perf_counter()
-            if distill:  # rank 0 holds the teacher
-                batch.teacher_logprobs = broadcast_from_rank0(teacher.logprobs(batch.trajectories) if teacher else None)
-            t_teacher = time.perf_counter() - t_teacher
+            t_score = time.perf_counter()
+            scored = goal.score(batch)
+            t_score = time.perf_counter() - t_score
             with tracing.span("update", root=True, step=state.step + 1, rollouts=len(trajs)):
-                train_metrics = update_policy(backend, batch, cfg, run.tokenizer.pad_id)
+                train_metrics = update_policy(backend, batch, cfg, run.tokenizer.pad_id, goal)
             t2 = time.perf_counter()
             state.step = state.policy_version = state.step + 1
             with tracing.span("weight_sync", root=True, step=state.step, weight_version=state.policy_version):
@@ -101,9 +93,9 @@ def train(cfg: Config, *, evaluate_before: bool = True, stage: str = "rl") -> di
             # before and logs the step again (the last row of a step counts); the other way round, a run killed
             # there would resume past a step whose metrics were never written.
             source.log_step(state, trajs, batch, {
-                **train_metrics, "time/generate_s": t1 - t0, "time/train_s": t2 - t1 - t_teacher,
-                **({"time/teacher_s": t_teacher} if distill else {}), "time/sync_s": t3 - t2,
-                "weights/from_memory": float(from_memory), "time/step_s": time.perf_counter() - t_step})
+                **train_metrics, **scored, "time/generate_s": t1 - t0, "time/train_s": t2 - t1 - t_score,
+                "time/sync_s": t3 - t2, "weights/from_memory": float(from_memory),
+                "time/step_s": time.perf_counter() - t_step})
             if run.due(state, last=state.step == cfg.trainer.steps):
                 source.snapshot(state)
                 run.save(backend, state)
@@ -142,72 +134,20 @@ def prepare_batch(trajs: list[Trajectory], cfg: Config, *, keep_flat: bool = Fal
     return StepBatch([sequence for sequence, _ in rows], advantages[[i for _, i in rows]], dict(counts))
 
 
-def update_policy(backend: TrainBackend, batch: StepBatch, cfg: Config, pad_id: int) -> dict[str, float]:
-    """The optimizer steps of one training step; returns averaged diagnostics."""
-    a = cfg.algorithm
-    stats: dict[str, list[float]] = {}
+def update_policy(backend: TrainBackend, batch: StepBatch, cfg: Config, pad_id: int,
+                  objective: Objective = REWARD) -> dict[str, float]:
+    """The optimizer steps of one training step, following ``objective`` (RL's by default); returns averaged
+    diagnostics."""
     if not batch.trajectories:
         return {"train/skipped_update": 1.0}
     n = len(batch.trajectories)
     mini = max(1, round(cfg.mini_batch_size * n / cfg.generator.batch_size))  # filtering shrinks the batch
     order = mini_batch_order(batch.trajectories, share_prompt=cfg.trainer.shares_prompts)
-    # Several updates per batch: the ratio needs the logprobs of the policy before the first of them. A critic's
-    # values before the update give GAE its advantages and the value loss its clipping anchor.
-    before = _before_update(backend, batch, cfg, pad_id) if cfg.steps_per_update > 1 or a.critic else None
-    targets = _gae_targets(batch, before, cfg, pad_id) if a.critic else None
-    policy_loss = algo.policy_loss(a.policy_loss, clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip)
+    update = _Update(backend, batch, cfg, pad_id, objective)
+    stats: dict[str, list[float]] = {}
     for _epoch in range(cfg.trainer.epochs):
         for start in range(0, n, mini):
-            index = order[start:start + mini]
-            # This rank's slice; FSDP averages gradients over ranks, so scale each rank's share by world size.
-            mine = index[backend.rank::backend.world_size]
-            micro = list(_micro_batches(mine, batch, cfg, pad_id))
-            totals = _global_counts([mb for mb, _ in micro])
-            # Every forward/backward is a collective (FSDP all-gathers, ZeRO reduces): all ranks must run the same
-            # number, so a rank with fewer micro-batches repeats its first one with zero weight.
-            passes = max_over_ranks(len(micro))
-            weighted: dict[str, float] = {}  # share-weighted sums: all-reduced, they are mini-batch means
-            peaks: dict[str, float] = {}
-            for k in range(passes):
-                mb, rows = micro[k] if k < len(micro) else micro[0]
-                weight = 1.0 if k < len(micro) else 0.0
-                out = backend.forward(mb, entropy_grad=a.entropy_coef > 0)
-                logprobs, entropy, mask = out.logprobs, out.entropy, mb["loss_mask"]  # (B, T) each
-                # One update per batch: the policy that sampled is the one being trained, so old = current.
-                old = logprobs.detach() if before is None else stack_rows(before["logprobs"], rows, logprobs.shape)
-                adv_tok = (batch.advantages[rows][:, None].expand_as(logprobs) if targets is None
-                           else stack_rows(targets["advantages"], rows, logprobs.shape))
-                share = _share(mask, totals, cfg) * weight
-                if batch.teacher_logprobs is not None:
-                    adv_tok, kl = token_advantages(adv_tok, stack_rows(batch.teacher_logprobs, rows, logprobs.shape),
-                                                   mb["rollout_logprobs"], mask, cfg.distill)
-                    _accumulate(weighted, "distill/teacher_kl", algo.masked_mean(kl, mask), share)
-                loss_tok, diag = policy_loss(logprobs, old, adv_tok, mask)
-                if a.tis_cap is not None:  # correct for sampler/trainer logprob mismatch (vLLM bf16 vs ours)
-                    loss_tok = loss_tok * algo.tis_weights(old, mb["rollout_logprobs"], cap=a.tis_cap)
-                if a.kl_coef > 0:
-                    ref = backend.logprobs(mb, reference=True)
-                    kl = algo.kl_penalty(logprobs, ref, a.kl_kind)
-                    loss_tok = loss_tok + a.kl_coef * kl
-                    _accumulate(weighted, "train/kl", algo.masked_mean(kl.detach(), mask), share)
-                if a.entropy_coef > 0:
-                    loss_tok = loss_tok - a.entropy_coef * entropy
-                if targets is not None:
-                    value_loss = algo.value_loss(out.values, stack_rows(before["values"], rows, logprobs.shape),
-                                                 stack_rows(targets["returns"], rows, logprobs.shape),
-                                                 clip=a.value_clip)
-                    loss_tok = loss_tok + a.vf_coef * value_loss
-                    _accumulate(weighted, "train/value_loss", algo.masked_mean(value_loss.detach(), mask), share)
-                loss = algo.aggregate(loss_tok, mask, a.aggregation, max_tokens=cfg.generator.max_total_tokens)
-                backend.backward(loss * share * backend.world_size, last=k == passes - 1)
-                _accumulate(weighted, "train/loss", loss.detach(), share)
-                _accumulate(weighted, "train/entropy", algo.masked_mean(entropy.detach(), mask), share)
-                _accumulate(weighted, "train/clip_fraction", algo.masked_mean(diag["clipped"].float(), mask), share)
-                mismatch = algo.logprob_mismatch_stats(old.detach(), mb["rollout_logprobs"], mask)
-                _accumulate(weighted, "mismatch/mean_abs_diff", mismatch["mean_abs_diff"], share)
-                for key in ("max_abs_diff", "max_ratio"):
-                    peaks[f"mismatch/{key}"] = max(peaks.get(f"mismatch/{key}", 0.0), mismatch[key])
-            for key, value in {**all_reduce_values(weighted), **all_reduce_values(peaks, max)}.items():
+            for key, value in update.mini_batch(order[start:start + mini]).items():
                 _add(stats, key, value)
             step = backend.step()
             _add(stats, "train/grad_norm", step.grad_norm)
@@ -216,6 +156,93 @@ def update_policy(backend: TrainBackend, batch: StepBatch, cfg: Config, pad_id: 
     for key in ("mismatch/max_ratio", "mismatch/max_abs_diff"):
         out[key] = max(stats[key])
     return out
+
+
+class _Update:
+    """One training step's update: what every mini-batch of it shares (the logprobs and values before it, the
+    critic's targets, the loss), and the gradient of one mini-batch."""
+
+    def __init__(self, backend: TrainBackend, batch: StepBatch, cfg: Config, pad_id: int,
+                 objective: Objective) -> None:
+        a = cfg.algorithm
+        self.backend, self.batch, self.cfg, self.pad_id, self.objective = backend, batch, cfg, pad_id, objective
+        # Several updates per batch: the ratio needs the logprobs of the policy before the first of them. A critic's
+        # values before the update give GAE its advantages and the value loss its clipping anchor.
+        self.before = _before_update(backend, batch, cfg, pad_id) if cfg.steps_per_update > 1 or a.critic else None
+        self.targets = _gae_targets(batch, self.before, cfg, pad_id) if a.critic and self.before is not None else None
+        self.policy_loss = algo.policy_loss(a.policy_loss, clip_low=a.clip_low, clip_high=a.clip_high,
+                                            dual_clip=a.dual_clip)
+
+    def mini_batch(self, index: list[int]) -> dict[str, float]:
+        """Accumulate the gradient of the mini-batch ``index`` (this rank's slice of it); its diagnostics, averaged
+        over every rank's micro-batches."""
+        backend = self.backend
+        # This rank's slice; FSDP averages gradients over ranks, so scale each rank's share by world size.
+        mine = index[backend.rank::backend.world_size]
+        micro = list(_micro_batches(mine, self.batch, self.cfg, self.pad_id))
+        totals = _global_counts([mb for mb, _ in micro])
+        # Every forward/backward is a collective (FSDP all-gathers, ZeRO reduces): all ranks must run the same
+        # number, so a rank with fewer micro-batches repeats its first one with zero weight.
+        passes = max_over_ranks(len(micro))
+        weighted: dict[str, float] = {}  # share-weighted sums: all-reduced, they are mini-batch means
+        peaks: dict[str, float] = {}
+        for k in range(passes):
+            mb, rows = micro[k] if k < len(micro) else micro[0]
+            share = _share(mb["loss_mask"], totals, self.cfg) * (1.0 if k < len(micro) else 0.0)
+            loss = self.loss(mb, rows, share, weighted, peaks)
+            backend.backward(loss * share * backend.world_size, last=k == passes - 1)
+        return {**all_reduce_values(weighted), **all_reduce_values(peaks, max)}
+
+    def loss(self, mb: Batch, rows: list[int], share: float, weighted: dict[str, float], peaks: dict[str, float]
+             ) -> torch.Tensor:
+        """The micro-batch's loss: the policy loss on the objective's per-token advantages, with the terms the
+        algorithm adds (TIS, KL, entropy, value loss); its diagnostics added into ``weighted`` and ``peaks``."""
+        a = self.cfg.algorithm
+        out = self.backend.forward(mb, entropy_grad=a.entropy_coef > 0)
+        logprobs, entropy, mask = out.logprobs, out.entropy, mb["loss_mask"]  # (B, T) each
+        # One update per batch: the policy that sampled is the one being trained, so old = current.
+        old = logprobs.detach() if self.before is None else stack_rows(self.before["logprobs"], rows, logprobs.shape)
+        adv_tok = (self.batch.advantages[rows][:, None].expand_as(logprobs) if self.targets is None
+                   else stack_rows(self.targets["advantages"], rows, logprobs.shape))
+        adv_tok, diagnostics = self.objective.token_advantages(adv_tok, rows, mb)
+        loss_tok, diag = self.policy_loss(logprobs, old, adv_tok, mask)
+        terms: dict[str, torch.Tensor | float] = {key: algo.masked_mean(value, mask)
+                                                   for key, value in diagnostics.items()}
+        loss_tok = self._penalized(loss_tok * self._tis(old, mb), logprobs, entropy, out.values, mb, rows, terms)
+        loss = algo.aggregate(loss_tok, mask, a.aggregation, max_tokens=self.cfg.generator.max_total_tokens)
+        terms.update({"train/loss": loss.detach(), "train/entropy": algo.masked_mean(entropy.detach(), mask),
+                      "train/clip_fraction": algo.masked_mean(diag["clipped"].float(), mask)})
+        mismatch = algo.logprob_mismatch_stats(old.detach(), mb["rollout_logprobs"], mask)
+        terms["mismatch/mean_abs_diff"] = mismatch["mean_abs_diff"]
+        for key, value in terms.items():
+            _accumulate(weighted, key, value, share)
+        for key in ("max_abs_diff", "max_ratio"):
+            peaks[f"mismatch/{key}"] = max(peaks.get(f"mismatch/{key}", 0.0), mismatch[key])
+        return loss
+
+    def _tis(self, old: torch.Tensor, mb: Batch) -> torch.Tensor | float:
+        """Truncated importance weights correcting the sampler/trainer logprob mismatch (vLLM bf16 vs ours), or 1."""
+        cap = self.cfg.algorithm.tis_cap
+        return 1.0 if cap is None else algo.tis_weights(old, mb["rollout_logprobs"], cap=cap)
+
+    def _penalized(self, loss_tok: torch.Tensor, logprobs: torch.Tensor, entropy: torch.Tensor,
+                   values: torch.Tensor | None, mb: Batch, rows: list[int], terms: dict[str, torch.Tensor | float]
+                   ) -> torch.Tensor:
+        """``loss_tok`` with the per-token terms the algorithm adds (KL to the reference, the entropy bonus, the
+        critic's value loss), their means noted in ``terms``."""
+        a, mask = self.cfg.algorithm, mb["loss_mask"]
+        if a.kl_coef > 0:
+            kl = algo.kl_penalty(logprobs, self.backend.logprobs(mb, reference=True), a.kl_kind)
+            loss_tok = loss_tok + a.kl_coef * kl
+            terms["train/kl"] = algo.masked_mean(kl.detach(), mask)
+        if a.entropy_coef > 0:
+            loss_tok = loss_tok - a.entropy_coef * entropy
+        if self.targets is not None and self.before is not None:
+            value_loss = algo.value_loss(values, stack_rows(self.before["values"], rows, logprobs.shape),
+                                         stack_rows(self.targets["returns"], rows, logprobs.shape), clip=a.value_clip)
+            loss_tok = loss_tok + a.vf_coef * value_loss
+            terms["train/value_loss"] = algo.masked_mean(value_loss.detach(), mask)
+        return loss_tok
 
 
 def _before_update(backend: TrainBackend, batch: StepBatch, cfg: Config, pad_id: int

@@ -11,7 +11,7 @@ import time
 from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -19,12 +19,9 @@ from torch.utils.tensorboard import SummaryWriter
 
 from generators.report import passed, rubric_stats, tool_stats
 from generators.trajectory import Trajectory, write_jsonl
+from trainer.batching import StepBatch
 from trainer.config import Config
 from trainer.report import Phase, RunRecord, write_run_report
-
-if TYPE_CHECKING:
-    from trainer.loop import StepBatch
-
 
 STEP_GROUPS = 2
 """Groups of each env kept per training step for the report (the step's whole batch is in TensorBoard)."""

@@ -249,11 +249,69 @@ class PolicyRun:
         self.runner.close()
 
 
+class Episodes:
+    """Where a step's episodes come from in ``trainer.mode=sync``: each step plays its own starts with the
+    policies it trains (picked once, as trainer/rollout_source.py picks a single policy's source)."""
+
+    def __init__(self, run: PolicyRun) -> None:
+        self.run = run
+
+    def start(self, state: TrainState) -> None:
+        """Start generating from ``state`` (after the evaluation of the starting policies)."""
+
+    def next(self, state: TrainState) -> tuple[list[Trajectory], int]:
+        """Every seat's trajectories of the step's episodes, and how many drawn groups were dropped as too stale."""
+        run, g = self.run, self.run.cfg.generator
+        starts = [s for _, drawn in run.envs.draw(g.prompts_per_step) for s in drawn]
+        episodes = run.runner.run(run.play(starts, samples=g.samples_per_prompt))
+        return [t for episode in episodes for t in episode.values()], 0
+
+    def served(self, version: int) -> None:
+        """Every policy's engine serves ``version`` now."""
+
+    def snapshot(self, state: TrainState) -> None:
+        """Put the data positions (and drawn-but-untrained groups) into ``state``, for a checkpoint."""
+        state.data, state.pending = self.run.envs.state(), []
+
+    def close(self) -> None:
+        """Stop generating; safe to call again."""
+
+
+class EpisodesAhead(Episodes):
+    """``trainer.mode=async``: the next steps' episodes play while a step trains, each start's trajectories (every
+    seat's) one group under the staleness bound."""
+
+    def __init__(self, run: PolicyRun) -> None:
+        super().__init__(run)
+        g = run.cfg.generator
+        self.ahead = AsyncRollouts(run.envs, None, prompts_per_step=g.prompts_per_step,
+                                   max_staleness=run.cfg.trainer.max_staleness, generate=run.play_groups)
+        self.started = False
+
+    def start(self, state: TrainState) -> None:
+        self.run.runner.run(self.ahead.start(step=state.step, version=state.policy_version, pending=state.pending))
+        self.started = True
+
+    def next(self, state: TrainState) -> tuple[list[Trajectory], int]:
+        return self.run.runner.run(self.ahead.batch(state.step))
+
+    def served(self, version: int) -> None:
+        self.run.runner.run(self.ahead.set_version(version))
+
+    def snapshot(self, state: TrainState) -> None:
+        state.data, state.pending = self.run.runner.run(snapshot_state(self.run.envs, self.ahead))
+
+    def close(self) -> None:
+        if self.started:
+            self.run.runner.run(self.ahead.close())
+            self.started = False
+
+
 def train_policies(cfg: Config) -> dict[str, Any]:
     """Train the policies ``cfg.seats`` names for ``trainer.steps`` steps; returns held-out results before and after
     (per seat, and of each policy with its frozen initial partners) and each policy's final weights."""
     run = PolicyRun(cfg)
-    ahead: AsyncRollouts | None = None
+    episodes = EpisodesAhead(run) if cfg.trainer.mode == "async" else Episodes(run)
     try:
         run.start()
         state = run.resume()
@@ -261,62 +319,64 @@ def train_policies(cfg: Config) -> dict[str, Any]:
         results: dict[str, Any] = {}
         if state.step == 0 and cfg.trainer.eval_tasks:
             results.update({f"{k}_before": v for k, v in run.evaluate(state).items()})
-        if cfg.trainer.mode == "async":
-            ahead = AsyncRollouts(run.envs, None, prompts_per_step=cfg.generator.prompts_per_step,
-                                  max_staleness=cfg.trainer.max_staleness, generate=run.play_groups)
-            run.runner.run(ahead.start(step=state.step, version=state.policy_version, pending=state.pending))
+        episodes.start(state)
         while state.step < cfg.trainer.steps:
-            t0 = time.perf_counter()
-            if ahead is not None:
-                everything, stale = run.runner.run(ahead.batch(state.step))
-            else:
-                starts = [s for _, drawn in run.envs.draw(cfg.generator.prompts_per_step) for s in drawn]
-                episodes = run.runner.run(run.play(starts, samples=cfg.generator.samples_per_prompt))
-                everything, stale = [t for episode in episodes for t in episode.values()], 0
-            t1 = time.perf_counter()
-            metrics: dict[str, float] = {"time/generate_s": t1 - t0, "rollout/stale_dropped": float(stale)}
-            for p in run.policies:
-                trajs = [t for t in everything if t.seat in p.seats]
-                batch = prepare_batch(trajs, cfg)
-                trained = update_policy(p.backend, batch, cfg, run.tokenizer.pad_id)
-                for key, value in {**rollout_metrics(trajs, batch, state.policy_version), **trained}.items():
-                    metrics[f"policy/{p.name}/{key}"] = value
-            t2 = time.perf_counter()
-            state.step = state.policy_version = state.step + 1
-            for p in run.policies:
-                run.serve(p, state.policy_version)
-            if ahead is not None:
-                run.runner.run(ahead.set_version(state.policy_version))
-            ok = [t for t in everything if not t.failed]
-            metrics.update({
-                "reward/mean": sum(t.reward for t in ok) / max(len(ok), 1),
-                "rollout/failed": float(sum(t.failed for t in everything)),
-                "time/train_s": t2 - t1, "time/sync_s": time.perf_counter() - t2,
-                "time/step_s": time.perf_counter() - t0})
+            metrics, everything = _train_step(run, episodes, state)
             run.logger.log_step(state.step, metrics, everything)
             if state.step % cfg.trainer.save_every == 0 or state.step == cfg.trainer.steps:
-                state.data, state.pending = (run.runner.run(snapshot_state(run.envs, ahead)) if ahead is not None
-                                             else (run.envs.state(), []))
+                episodes.snapshot(state)
                 for p in run.policies:
                     p.checkpoints.save(p.backend, state)
             every = cfg.trainer.eval_every
             if every and state.step % every == 0 and state.step < cfg.trainer.steps:
                 run.evaluate(state)
-        if ahead is not None:  # what it drew for steps past the last is not evaluated or trained
-            run.runner.run(ahead.close())
-            ahead = None
+        episodes.close()  # what it drew for steps past the last is not evaluated or trained
         if cfg.trainer.eval_tasks:
             results.update({f"{k}_after": v for k, v in run.evaluate(state).items()})
-        for p in run.policies:
-            weights = p.out / "weights" / f"v{state.policy_version}"
-            if state.policy_version and not weights.exists():
-                p.backend.export_weights(weights)
-            results[f"weights/{p.name}"] = str(weights if state.policy_version else run.model_path)
+        results.update(_final_weights(run, state))
         return {**results, **run.logger.finish(results)}
     finally:
-        if ahead is not None:
-            run.runner.run(ahead.close())
+        episodes.close()
         run.close()
+
+
+def _train_step(run: PolicyRun, episodes: Episodes, state: TrainState) -> tuple[dict[str, float], list[Trajectory]]:
+    """One step: the episodes, each policy's update on its seats' trajectories, every engine serving the new
+    weights; the step's metrics (``policy/NAME/...`` per policy) and every seat's trajectories."""
+    cfg = run.cfg
+    t0 = time.perf_counter()
+    everything, stale = episodes.next(state)
+    t1 = time.perf_counter()
+    metrics: dict[str, float] = {"time/generate_s": t1 - t0, "rollout/stale_dropped": float(stale)}
+    for p in run.policies:
+        trajs = [t for t in everything if t.seat in p.seats]
+        batch = prepare_batch(trajs, cfg)
+        trained = update_policy(p.backend, batch, cfg, run.tokenizer.pad_id)
+        for key, value in {**rollout_metrics(trajs, batch, state.policy_version), **trained}.items():
+            metrics[f"policy/{p.name}/{key}"] = value
+    t2 = time.perf_counter()
+    state.step = state.policy_version = state.step + 1
+    for p in run.policies:
+        run.serve(p, state.policy_version)
+    episodes.served(state.policy_version)
+    ok = [t for t in everything if not t.failed]
+    metrics.update({
+        "reward/mean": sum(t.reward for t in ok) / max(len(ok), 1),
+        "rollout/failed": float(sum(t.failed for t in everything)),
+        "time/train_s": t2 - t1, "time/sync_s": time.perf_counter() - t2,
+        "time/step_s": time.perf_counter() - t0})
+    return metrics, everything
+
+
+def _final_weights(run: PolicyRun, state: TrainState) -> dict[str, str]:
+    """Each policy's final weights (``weights/NAME``): written now if no step wrote them, or the starting model."""
+    out: dict[str, str] = {}
+    for p in run.policies:
+        weights = p.out / "weights" / f"v{state.policy_version}"
+        if state.policy_version and not weights.exists():
+            p.backend.export_weights(weights)
+        out[f"weights/{p.name}"] = str(weights if state.policy_version else run.model_path)
+    return out
 
 
 def _outcomes(episodes: list[dict[Seat, Trajectory]], prefix: str) -> dict[str, float]:

@@ -15,7 +15,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from envkit import tracing
 from generators import Trajectory
@@ -23,13 +23,11 @@ from generators.report import first_errors
 from generators.rollout import PartLost
 from trainer.async_rollouts import AsyncRollouts, LoopThread
 from trainer.backends.base import TrainBackend
+from trainer.batching import StepBatch
 from trainer.checkpoint import TrainState
 from trainer.metrics import rollout_metrics
 from trainer.runs import MainRun, Run
 from trainer.sources import Mixture
-
-if TYPE_CHECKING:
-    from trainer.loop import StepBatch
 
 log = logging.getLogger(__name__)
 

@@ -63,6 +63,11 @@ class Run:
         """Start the run's services, running ``prepare(run)`` on rank 0 meanwhile; what it made, on every rank."""
         return broadcast_from_rank0(None)
 
+    def on_main(self, make: Callable[[], T], elsewhere: T) -> T:
+        """``make()`` on rank 0, ``elsewhere`` on the ranks above it: a part that rank 0 alone holds (a teacher),
+        with the stand-in that takes its place in the collectives."""
+        return elsewhere
+
     def resume(self, backend: TrainBackend, *, total_steps: int, stage: str) -> TrainState:
         """The state to train from: fresh, or the checkpoint ``trainer.resume`` names, loaded into ``backend``; a
         resumed policy is served to the engine."""
@@ -160,6 +165,9 @@ class MainRun(Run):
         self.evaluating = (self.generator is not None and self.cfg.trainer.eval_tasks > 0
                            and any(s.eval for s in self.envs.streams))
         return broadcast_from_rank0(made)
+
+    def on_main(self, make: Callable[[], T], elsewhere: T) -> T:
+        return make()
 
     async def _start_engine(self, prepare: Callable[[MainRun], Awaitable[T]] | None) -> T | None:
         """The engine starting (a minute on CPU) and ``prepare`` at once: the data need not wait for the server."""

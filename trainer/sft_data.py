@@ -168,22 +168,32 @@ def _checked_row(row: dict[str, Any], index: int, path: str) -> tuple[list[Messa
         raise bad("'tools' must be a list of OpenAI function tools ({'type': 'function', 'function': {...}})")
     calls_open = False
     for i, m in enumerate(messages):
-        role = m.get("role") if isinstance(m, dict) else None
-        if role not in _ROLES:
-            raise bad(f"message {i} has role {role!r}; roles are {', '.join(_ROLES)}")
-        if role == "system" and i > 0:
-            raise bad(f"message {i} is a system message; only the first message may be one")
-        first = 1 if messages[0]["role"] == "system" else 0
-        if i == first and role != "user":
-            raise bad(f"message {i} is {role}; the conversation must open with a user message (after the system one)")
-        if role == "tool" and not calls_open:
-            raise bad(f"message {i} is a tool result, but no assistant tool call precedes it")
-        if not isinstance(m.get("content"), str) and not (role == "assistant" and m.get("tool_calls")):
-            raise bad(f"message {i} ({role}) has no text content")
-        calls_open = role == "tool" or (role == "assistant" and bool(m.get("tool_calls")))
+        problem = _message_problem(messages, i, calls_open=calls_open)
+        if problem:
+            raise bad(problem)
+        calls_open = m["role"] == "tool" or (m["role"] == "assistant" and bool(m.get("tool_calls")))
     if not any(m["role"] == "assistant" for m in messages):
         raise bad("no assistant message: there is nothing to train on")
     return messages, tools
+
+
+def _message_problem(messages: list[Any], i: int, *, calls_open: bool) -> str | None:
+    """What is wrong with message ``i`` of a conversation whose earlier messages passed (``calls_open``: the one
+    before it called a tool or was a tool result), or None."""
+    m = messages[i]
+    role = m.get("role") if isinstance(m, dict) else None
+    if role not in _ROLES:
+        return f"message {i} has role {role!r}; roles are {', '.join(_ROLES)}"
+    if role == "system" and i > 0:
+        return f"message {i} is a system message; only the first message may be one"
+    first = 1 if messages[0]["role"] == "system" else 0
+    if i == first and role != "user":
+        return f"message {i} is {role}; the conversation must open with a user message (after the system one)"
+    if role == "tool" and not calls_open:
+        return f"message {i} is a tool result, but no assistant tool call precedes it"
+    if not isinstance(m.get("content"), str) and not (role == "assistant" and m.get("tool_calls")):
+        return f"message {i} ({role}) has no text content"
+    return None
 
 
 def render_chat(messages: list[Message], tools: list[dict[str, Any]] | None, tokenizer: ChatTokenizer,

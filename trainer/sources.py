@@ -24,12 +24,9 @@ from envkit.errors import ResetNeededError
 from envkit.ref import EnvRef, WarmPool
 from generators import Generator, Trajectory
 from trainer.config import ConfigError, CurriculumConfig, EnvConfig, TaskSourceConfig
-from trainer.curriculum import Sampler, make_sampler
+from trainer.curriculum import Sampler, Start, make_sampler
 
 log = logging.getLogger(__name__)
-
-Start = tuple[Task | None, int | None]
-"""One episode start: ``(task, None)`` or ``(None, seed)``."""
 
 _DATASET_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 

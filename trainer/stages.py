@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import gc
 import io
 import json
@@ -28,14 +27,15 @@ from typing import Any
 from generators import read_jsonl
 from trainer.checkpoint import CheckpointManager
 from trainer.config import Config
+from trainer.distill import train_distill
 from trainer.loop import train
 from trainer.metrics import EVAL_GROUPS, is_eval_row, sample_groups
 from trainer.online import train_online
+from trainer.placement import launch_stage
 from trainer.report import Phase, RunRecord, write_run_report
 from trainer.sft import train_sft
 
-RUNS: dict[str, Callable[..., dict[str, Any]]] = {"sft": train_sft, "rl": train,
-                                                  "distill": functools.partial(train, stage="distill"),
+RUNS: dict[str, Callable[..., dict[str, Any]]] = {"sft": train_sft, "rl": train, "distill": train_distill,
                                                   "online": train_online}
 """What runs each stage (``config.STAGES`` names them): ``run(cfg, evaluate_before=...) -> results``, built on
 trainer/runs.py. A new stage is a module with such a function, and a line here and in ``config.STAGES``."""
@@ -57,11 +57,12 @@ def run_stages(cfg: Config) -> dict[str, Any]:
             by_stage[stage] = json.loads(finished.read_text())
         else:
             resume = cfg.trainer.resume
-            if resume == "latest" and not CheckpointManager(stage_out / "checkpoints", keep_last=1).all():
+            if (len(cfg.stages) > 1 and resume == "latest"
+                    and not CheckpointManager(stage_out / "checkpoints", keep_last=1).all()):
                 resume = None  # this stage had not saved a checkpoint yet: it starts
             stage_cfg = replace(cfg, stages=[stage], model=replace(cfg.model, path=model),
                                 trainer=replace(cfg.trainer, output_dir=str(stage_out), resume=resume))
-            by_stage[stage] = RUNS[stage](stage_cfg, evaluate_before=i == 0)
+            by_stage[stage] = launch_stage(stage_cfg, RUNS[stage], evaluate_before=i == 0)
             _release_memory()
         model = by_stage[stage].get("weights", model)
     if len(cfg.stages) == 1:

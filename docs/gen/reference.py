@@ -147,7 +147,7 @@ def config_keys(cls: type, composed: Any, prefix: str = "") -> list[tuple[str, s
 def config_page() -> str:
     """The configuration reference: every key of ``python -m trainer``, its type, default and doc, and each group."""
     import trainer
-    from trainer.config import Config
+    from trainer.config import REFUSED, Config
 
     rows = config_keys(Config, trainer.compose([]))
     undocumented = [key for key, kind, _, doc in rows if not doc and kind != "section"]
@@ -174,6 +174,11 @@ def config_page() -> str:
             section = ""
         default, doc = default.replace("|", "\\|"), doc.replace("|", "\\|")
         lines.append(f"| `{key}` | `{kind}` | `{default}` | {doc} |")
+    lines += ["", "## Combinations refused\n",
+              "Each section checks its own values; then a run refuses these combinations before anything starts, "
+              "in this order, with the reason as its `config error`. This table is `trainer.config.REFUSED`.\n",
+              "| settings | why |", "|---|---|"]
+    lines += [f"| {refusal.when} | {refusal.why} |" for refusal in REFUSED]
     lines += ["", "## Config groups\n",
               "A group is chosen by name (`algorithm=ppo`, `+recipe=tool_agent`): its file sets the keys it lists "
               "over the defaults, and later overrides win.\n"]

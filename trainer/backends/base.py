@@ -19,16 +19,22 @@ import abc
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, NamedTuple
 
 import torch
 
 from trainer.backends.hf_export import served_tensors, write_hf_checkpoint
 
-if TYPE_CHECKING:
-    from trainer.backends.common import TokenOutputs
-
 Batch = dict[str, torch.Tensor]
+
+
+class TokenOutputs(NamedTuple):
+    """Per-token values of a batch in the padded (B, T) layout, 0 off the loss mask."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+    values: torch.Tensor | None
+    """The critic's V(state before each token); None without a value head."""
 
 
 @dataclass(frozen=True)

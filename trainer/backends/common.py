@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from trainer.backends.base import BackendConfig
+from trainer.backends.base import BackendConfig, TokenOutputs
 from trainer.backends.part_attention import PARTS_KERNEL, dense_mask, row_parts
 
 
@@ -117,15 +116,6 @@ class ValueHead(torch.nn.Module):
 def add_value_head(model: PreTrainedModel) -> None:
     """Give ``model`` a zero-initialized :class:`ValueHead` (before sharding, so it is sharded with the root)."""
     model.value_head = ValueHead(model)
-
-
-class TokenOutputs(NamedTuple):
-    """Per-token values of a batch in the padded (B, T) layout, 0 off the loss mask."""
-
-    logprobs: torch.Tensor
-    entropy: torch.Tensor
-    values: torch.Tensor | None
-    """The critic's V(state before each token); None without a value head."""
 
 
 def model_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device, temperature: float,

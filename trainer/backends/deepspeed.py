@@ -36,9 +36,8 @@ import torch.distributed as dist
 from transformers import PreTrainedModel
 
 from generators.models import cache_dir
-from trainer.backends.base import BackendConfig, Batch, StepStats, TrainBackend, finite_grad_norm
+from trainer.backends.base import BackendConfig, Batch, StepStats, TokenOutputs, TrainBackend, finite_grad_norm
 from trainer.backends.common import (
-    TokenOutputs,
     add_value_head,
     load_model,
     lr_lambda,

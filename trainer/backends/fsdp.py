@@ -28,11 +28,11 @@ from trainer.backends.base import (
     BackendConfig,
     Batch,
     StepStats,
+    TokenOutputs,
     TrainBackend,
     finite_grad_norm,
 )
 from trainer.backends.common import (
-    TokenOutputs,
     add_value_head,
     load_model,
     lr_lambda,

@@ -1,8 +1,8 @@
-"""Launch the training loop on a Ray cluster: ``placement.trainer_ranks`` actors, one process group.
+"""Launch a stage's ranks on a Ray cluster: ``placement.trainer_ranks`` actors, one process group.
 
     driver (python -m trainer placement.backend=ray)
       ├── joins placement.address, or starts a one-machine cluster for this run
-      ├── TrainerRank × N (one placement group)   each runs trainer.loop.train(cfg) with RANK/WORLD_SIZE/MASTER_*
+      ├── TrainerRank × N (one placement group)   each runs the stage (trainer/stages.py) with RANK/WORLD_SIZE/MASTER_*
       │     └── rank 0 owns: EngineActor × replicas, EnvWorker × workers   (ray_placement.py)
       └── waits; the first rank that fails or dies ends the run, and every actor goes with it
 
@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 
 @ray.remote
 class TrainerRank:
-    """One FSDP/DeepSpeed rank: the whole loop, as torchrun would run it."""
+    """One FSDP/DeepSpeed rank: the whole stage, as torchrun would run it."""
 
     def node(self) -> str:
         """The node this rank runs on."""
@@ -45,8 +46,9 @@ class TrainerRank:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def train(self, cfg: Config, rank: int, world_size: int, master: tuple[str, int], cwd: str) -> dict[str, Any]:
-        """Run :func:`trainer.loop.train` as rank ``rank`` of ``world_size``."""
+    def train(self, cfg: Config, rank: int, world_size: int, master: tuple[str, int], cwd: str,
+              run: Callable[..., dict[str, Any]], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Run ``run(cfg, **kwargs)`` (a stage) as rank ``rank`` of ``world_size``."""
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         for client in ("httpx", "httpx2"):  # a line a request at INFO, as in trainer/conf/config.yaml's job_logging
             logging.getLogger(client).setLevel(logging.WARNING)
@@ -58,13 +60,12 @@ class TrainerRank:
         import torch
 
         torch.set_num_threads(cfg.placement.trainer_threads or max(1, (os.cpu_count() or 1) // world_size))
-        from trainer.loop import train
-
-        return train(cfg)
+        return run(cfg, **kwargs)
 
 
-def launch_on_ray(cfg: Config) -> dict[str, Any]:
-    """Run ``cfg`` on the cluster; returns rank 0's results. Raises :class:`RunFailed` if a rank fails."""
+def launch_on_ray(cfg: Config, run: Callable[..., dict[str, Any]], **kwargs: Any) -> dict[str, Any]:
+    """Run ``run(cfg, **kwargs)`` (a stage) on the cluster's trainer ranks; returns rank 0's results. Raises
+    :class:`RunFailed` if a rank fails."""
     p = cfg.placement
     cfg = replace(cfg, trainer=replace(cfg.trainer, output_dir=str(Path(cfg.trainer.output_dir).resolve())))
     _build_images(cfg)
@@ -84,7 +85,7 @@ def launch_on_ray(cfg: Config) -> dict[str, Any]:
         for i, node in enumerate(ray.get([r.node.remote() for r in ranks])):
             log.info("%s%d on %s", TRAINER_RANK, i, node)
         master = ray.get(ranks[0].rendezvous.remote())
-        runs = [r.train.remote(cfg, i, p.trainer_ranks, master, os.getcwd()) for i, r in enumerate(ranks)]
+        runs = [r.train.remote(cfg, i, p.trainer_ranks, master, os.getcwd(), run, kwargs) for i, r in enumerate(ranks)]
         pending = list(runs)
         while pending:  # the first failure ends the run: the other ranks would wait on it forever
             done, pending = ray.wait(pending, num_returns=1)
