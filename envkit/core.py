@@ -21,22 +21,23 @@ from __future__ import annotations
 import abc
 import math
 import pickle
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 from envkit.errors import (
     EnvClosedError,
+    EnvLoadError,
     EpisodeDoneError,
     InvalidActionError,
     InvalidStepResultError,
     ResetNeededError,
     SnapshotError,
 )
+from envkit.imports import import_ref
 from envkit.messages import Message, is_message, validate_action
 
 if TYPE_CHECKING:
-    from envkit.registry import EnvSpec
     from envkit.tools import Tool
 
 Task = dict[str, Any]
@@ -170,6 +171,53 @@ class Env(EnvBase, abc.ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} offers no demonstrations (it does not override "
                                   "Env.demonstrate)")
+
+
+# EnvSpec lives beside Env because each names the other (Env.spec, EnvSpec.factory); envkit.registry, which makes
+# and looks up specs, imports it from here and still offers it.
+EnvFactory = Callable[..., Env]
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """Everything needed to make an env by name; round-trips through JSON (``to_json``/``from_json``)."""
+
+    name: str
+    entry_point: str
+    """``"module:attr"`` of the Env class or factory."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Default constructor arguments; ``make(name, **overrides)`` updates them."""
+    description: str = ""
+    package: str | None = None
+    """The pip distribution that provides the env (None for ``register()`` calls)."""
+    version: str | None = None
+    source: str = ""
+    """Where the registration came from, for error messages."""
+    factory: EnvFactory | None = field(default=None, compare=False, repr=False)
+
+    def load(self) -> EnvFactory:
+        """Import and return the Env class (or factory) this spec points at."""
+        if self.factory is not None:
+            return self.factory
+        try:
+            obj = import_ref(self.entry_point)
+        except Exception as e:
+            raise EnvLoadError(
+                f"Env {self.name!r} could not be loaded from {self.entry_point!r} ({self.source}): "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        return obj
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-serializable dict of this spec."""
+        out = asdict(self)
+        out.pop("factory")
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> EnvSpec:
+        """Rebuild a spec from ``to_json()`` output."""
+        return cls(**data)
 
 
 class Forwarding:

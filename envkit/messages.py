@@ -86,15 +86,7 @@ def validate_action(action: Any) -> Message:
         raise InvalidActionError(f"Action content must be a string or None, got {type(content).__name__}.")
     tool_calls = action.get("tool_calls")
     if tool_calls is not None:
-        if not isinstance(tool_calls, list):
-            raise InvalidActionError(f"Action tool_calls must be a list, got {type(tool_calls).__name__}.")
-        for i, call in enumerate(tool_calls):
-            fn = call.get("function") if isinstance(call, dict) else None
-            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                raise InvalidActionError(
-                    f"tool_calls[{i}] must look like {{'id': ..., 'type': 'function', "
-                    f"'function': {{'name': str, 'arguments': str}}}}, got {call!r:.120}"
-                )
+        _validate_tool_calls(tool_calls)
     reasoning = action.get("reasoning_content")
     if reasoning is not None and not isinstance(reasoning, str):
         raise InvalidActionError(f"Action reasoning_content must be a string, got {type(reasoning).__name__}.")
@@ -104,6 +96,19 @@ def validate_action(action: Any) -> Message:
     if content is None and not tool_calls:
         raise InvalidActionError("An assistant action needs content or tool_calls; both are empty.")
     return action  # type: ignore[return-value]
+
+
+def _validate_tool_calls(tool_calls: Any) -> None:
+    """Raise InvalidActionError unless ``tool_calls`` is a list of function calls, each with a string name."""
+    if not isinstance(tool_calls, list):
+        raise InvalidActionError(f"Action tool_calls must be a list, got {type(tool_calls).__name__}.")
+    for i, call in enumerate(tool_calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise InvalidActionError(
+                f"tool_calls[{i}] must look like {{'id': ..., 'type': 'function', "
+                f"'function': {{'name': str, 'arguments': str}}}}, got {call!r:.120}"
+            )
 
 
 def is_message(obj: Any) -> bool:

@@ -313,14 +313,19 @@ async def _replay_one(env: Env, episode: Episode, start: Event, steps: list[Even
             return difference, done
         done += 1
     if failure is not None and failure.get("op") == "step":
-        try:
-            await env.step(failure["action"])
-        except Exception as e:
-            if _same_error(failure, e):
-                return None, done
-            return f"step {failure['step']} raised {type(e).__name__}: {e}, the recorded one {failure['error']}", done
-        return f"step {failure['step']}: the recorded one raised {failure['error']}, the replay did not", done
+        return await _replay_failed_step(env, failure), done
     return None, done
+
+
+async def _replay_failed_step(env: Env, failure: Event) -> str | None:
+    """The difference in replaying the step the recording ended with, which raised: None where it raises the same."""
+    try:
+        await env.step(failure["action"])
+    except Exception as e:
+        if _same_error(failure, e):
+            return None
+        return f"step {failure['step']} raised {type(e).__name__}: {e}, the recorded one {failure['error']}"
+    return f"step {failure['step']}: the recorded one raised {failure['error']}, the replay did not"
 
 
 def _same_error(recorded: Event, e: Exception) -> bool:

@@ -42,15 +42,13 @@ import functools
 import inspect
 import re
 import sys
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING, Any
 
-from envkit.core import ContractChecker, Env
+from envkit.core import ContractChecker, Env, EnvFactory, EnvSpec
 from envkit.distribution import install_hint
 from envkit.errors import DuplicateEnvError, EnvLoadError, EnvNotFoundError, InvalidEnvNameError
-from envkit.imports import import_ref
 from envkit.multi_agent import MultiAgentEnv, SeatsChecker
 
 if TYPE_CHECKING:
@@ -67,51 +65,6 @@ _SCHEME_EXTRAS = {"http": "server", "https": "server", "ws": "server", "wss": "s
                   "gym": "gym", "mcp": "mcp", "reasoning_gym": "reasoning-gym", "skyrl": "skyrl",
                   "textarena": "textarena", "replay": ""}
 _NAME_RE = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-EnvFactory = Callable[..., Env]
-
-
-@dataclass(frozen=True)
-class EnvSpec:
-    """Everything needed to make an env by name; round-trips through JSON (``to_json``/``from_json``)."""
-
-    name: str
-    entry_point: str
-    """``"module:attr"`` of the Env class or factory."""
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    """Default constructor arguments; ``make(name, **overrides)`` updates them."""
-    description: str = ""
-    package: str | None = None
-    """The pip distribution that provides the env (None for ``register()`` calls)."""
-    version: str | None = None
-    source: str = ""
-    """Where the registration came from, for error messages."""
-    factory: EnvFactory | None = field(default=None, compare=False, repr=False)
-
-    def load(self) -> EnvFactory:
-        """Import and return the Env class (or factory) this spec points at."""
-        if self.factory is not None:
-            return self.factory
-        try:
-            obj = import_ref(self.entry_point)
-        except Exception as e:
-            raise EnvLoadError(
-                f"Env {self.name!r} could not be loaded from {self.entry_point!r} ({self.source}): "
-                f"{type(e).__name__}: {e}"
-            ) from e
-        return obj
-
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-serializable dict of this spec."""
-        out = asdict(self)
-        out.pop("factory")
-        return out
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> EnvSpec:
-        """Rebuild a spec from ``to_json()`` output."""
-        return cls(**data)
-
 
 @dataclass(frozen=True)
 class BrokenEnv:

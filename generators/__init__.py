@@ -23,7 +23,7 @@ _EXPORTS = {
     "bundled_model_dir": "generators.models",
     "resolve_model": "generators.models",
     "Generator": "generators.rollout",
-    "GeneratorConfig": "generators.rollout",
+    "GeneratorConfig": "generators.config",
     "env_factory": "generators.rollout",
     "Trajectory": "generators.trajectory",
     "read_jsonl": "generators.trajectory",
@@ -53,13 +53,14 @@ __all__ = [
 
 if TYPE_CHECKING:
     from generators.chat import ChatTokenizer
+    from generators.config import GeneratorConfig
     from generators.engines.base import ChatCompletion, Completion, EngineError, InferenceEngine, SamplingParams
     from generators.engines.hf import HFEngine
     from generators.engines.openai_chat import OpenAIEndpoint
     from generators.engines.sglang import SGLangEngine
     from generators.engines.vllm import VLLMEngine
     from generators.models import bundled_model_dir, resolve_model
-    from generators.rollout import Generator, GeneratorConfig, env_factory
+    from generators.rollout import Generator, env_factory
     from generators.trajectory import Trajectory, read_jsonl, write_jsonl
 
 

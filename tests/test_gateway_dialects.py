@@ -11,7 +11,7 @@ from generators.gateway import ChatRequest, UnsupportedInput
 from generators.gateway.anthropic import MessagesRequest, message_body, stream
 from generators.gateway.responses import ResponsesRequest, response_body
 from generators.gateway.responses import stream as responses_stream
-from generators.gateway.server import _same
+from generators.gateway.types import _same
 
 ADD = {"type": "function", "name": "add", "description": "Add two integers.", "strict": True,
        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}

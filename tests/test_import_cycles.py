@@ -1,9 +1,10 @@
 """No import cycles in the product packages, counting imports inside functions and type-only ones.
 
 The rule: every import statement in a module, function bodies and ``if TYPE_CHECKING:`` blocks included, is an edge
-to the module it names: a type that two modules share lives one floor down, in a leaf module both import. ``from pkg import name`` is an edge to ``pkg`` (its ``__init__`` runs first) and
-also to ``pkg.name`` where that is a submodule. So a module inside a package imports its siblings, not the package's
-face. Run as a script to print the graph's cycles: ``python tests/test_import_cycles.py``.
+to the module it names: a type that two modules share lives one floor down, in a leaf module both import. ``from pkg
+import name`` is an edge to ``pkg`` (its ``__init__`` runs first) and also to ``pkg.name`` where that is a submodule.
+So a module inside a package imports its siblings, not the package's face. Run as a script to print the graph's
+cycles: ``python tests/test_import_cycles.py``.
 
 Also: ``envkit`` loads every plugin command's module on each call, so none of them may import torch at module level.
 """

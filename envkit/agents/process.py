@@ -34,7 +34,7 @@ from envkit.errors import AgentProcessError
 from envkit.imports import import_ref
 
 if TYPE_CHECKING:
-    from envkit.agents.agent import AgentClient
+    from envkit.agents.client import AgentClient
     from envkit.core import Task
 
 START_TIMEOUT_S = 300.0

@@ -27,7 +27,8 @@ from urllib.parse import quote, urlsplit
 import httpx
 import websockets
 
-from envkit.core import Env, Snapshot, StepResult, Task, check_kind
+import envkit.remote.wire as wire
+from envkit.core import Env, EnvSpec, Snapshot, StepResult, Task, check_kind
 from envkit.errors import (
     RemoteConnectionError,
     RemoteEnvCrashError,
@@ -39,8 +40,7 @@ from envkit.errors import (
     RemoteSnapshotError,
 )
 from envkit.messages import Message
-from envkit.registry import EnvSpec
-from envkit.remote import KEEP_ALIVE_S, TOKEN_ENV, wire
+from envkit.remote.constants import KEEP_ALIVE_S, TOKEN_ENV
 from envkit.remote.httpclient import HttpClosedError, HttpConnection
 from envkit.remote.wsclient import WsClosedError, WsConnection
 from envkit.tasks import LazyTasks

@@ -306,10 +306,7 @@ class ServerBackedEngine(InferenceEngine):
                 await self.server.start()
                 self._connect()
                 await self._on_started()
-                if isinstance(self._weights, Path):
-                    await self._apply_weights(self._weights, self._version)
-                elif self._weights is not None:
-                    await self._apply_tensors(self._weights, self._version)
+                await self._restore_weights()
                 log.warning("%s server restarted in %.1f s (restart %d), serving weights v%d", self.backend,
                             time.monotonic() - began, self.restarts, self._version)
             except BaseException as e:
@@ -319,3 +316,10 @@ class ServerBackedEngine(InferenceEngine):
                 if isinstance(e, RETRYABLE):
                     raise EngineError(f"{self.backend} restart failed: {type(e).__name__}: {e}") from e
                 raise
+
+    async def _restore_weights(self) -> None:
+        """Give a restarted server the weights it served before (none pushed or loaded yet: its base model's)."""
+        if isinstance(self._weights, Path):
+            await self._apply_weights(self._weights, self._version)
+        elif self._weights is not None:
+            await self._apply_tensors(self._weights, self._version)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from envkit import Env, Task, tracing
 from envkit.agents.agent import AgentEnv
+from generators.config import GeneratorConfig
 from generators.engines.base import InferenceEngine
 from generators.episodes.base import AtTurn, Rollout
 from generators.parsers import OutputParser
@@ -21,7 +22,6 @@ from generators.trajectory import StopReason
 if TYPE_CHECKING:
     from generators.chat import ChatTokenizer
     from generators.gateway import Gateway  # fastapi, uvicorn: only agent envs need it
-    from generators.rollout import GeneratorConfig
 
 
 class AgentEpisodes:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from envkit import Env, Message, Task, tracing
 from envkit.agents.agent import AgentEnv
+from generators.config import GeneratorConfig
 from generators.engines.base import Completion, InferenceEngine, SamplingParams, generate_turn, request_seed
 from generators.episodes.base import AtTurn, Rollout
 from generators.parsers import OutputParser
@@ -27,7 +28,6 @@ from generators.trajectory import StopReason, Trajectory
 
 if TYPE_CHECKING:
     from generators.chat import ChatTokenizer
-    from generators.rollout import GeneratorConfig
 
 TurnWriter = Callable[[Env, Rollout, int], Awaitable[tuple[Message, Completion, str]]]
 """Who writes an assistant turn: ``(env, rollout, max_tokens) -> (message, completion, text written)``."""

@@ -29,9 +29,9 @@ ids the call counts as skewed (``Trajectory.template_mismatches``). It is measur
 """
 
 from generators.gateway.app import DIALECTS
-from generators.gateway.chat import MAX_STOPS, ChatRequest
-from generators.gateway.dialect import Call, Dialect, GatewayError, UnsupportedInput
-from generators.gateway.server import ANY_HOST, KEEP_ALIVE_S, Choice, Episode, Gateway, Limits, Segment, node_address
+from generators.gateway.dialect import Call, Dialect
+from generators.gateway.server import ANY_HOST, KEEP_ALIVE_S, Gateway, Limits, node_address
+from generators.gateway.types import MAX_STOPS, ChatRequest, Choice, Episode, GatewayError, Segment, UnsupportedInput
 
 __all__ = ["ANY_HOST", "DIALECTS", "KEEP_ALIVE_S", "MAX_STOPS", "Call", "ChatRequest", "Choice", "Dialect", "Episode",
            "Gateway", "GatewayError", "Limits", "Segment", "UnsupportedInput", "node_address"]

@@ -14,17 +14,14 @@ from __future__ import annotations
 import json
 import secrets
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from envkit import Message
-from generators.gateway.chat import ChatRequest
-from generators.gateway.dialect import Call, UnsupportedInput, event, function_tool, no_retry, parse
-
-if TYPE_CHECKING:
-    from generators.gateway.server import Choice, Episode
+from generators.gateway.dialect import Call, event, function_tool, no_retry, parse
+from generators.gateway.types import ChatRequest, Choice, Episode, UnsupportedInput
 
 _ERRORS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
            409: "invalid_request_error", 429: "rate_limit_error"}
@@ -77,6 +74,15 @@ def _chat(message: dict[str, Any], i: int) -> list[dict[str, Any]]:
         return [{"role": role, "content": content}]
     if not isinstance(content, list):
         raise UnsupportedInput(f"messages[{i}].content must be a string or a list of blocks")
+    texts, calls, results = _blocks(content, role, i)
+    if role == "assistant":
+        return [{"role": "assistant", "content": "".join(texts) or None, **({"tool_calls": calls} if calls else {})}]
+    return [*results, *([{"role": "user", "content": "".join(texts)}] if texts or not results else [])]
+
+
+def _blocks(content: list[Any], role: str, i: int) -> tuple[list[str], list[dict[str, Any]], list[dict[str, Any]]]:
+    """Turn ``i``'s content blocks, read: their texts, the tool calls of its ``tool_use`` blocks (an assistant's) and
+    the tool messages of its ``tool_result`` blocks (a user's)."""
     texts, calls, results = [], [], []
     for j, block in enumerate(content):
         if not isinstance(block, dict):
@@ -94,9 +100,7 @@ def _chat(message: dict[str, Any], i: int) -> list[dict[str, Any]]:
                             "content": _joined(output or "", f"messages[{i}].content[{j}].content")})
         elif kind not in ("thinking", "redacted_thinking"):  # the policy writes no thinking blocks; echoes are harmless
             raise UnsupportedInput(f"messages[{i}].content[{j}]: a {role} turn's {kind!r} block is not served")
-    if role == "assistant":
-        return [{"role": "assistant", "content": "".join(texts) or None, **({"tool_calls": calls} if calls else {})}]
-    return [*results, *([{"role": "user", "content": "".join(texts)}] if texts or not results else [])]
+    return texts, calls, results
 
 
 def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:

@@ -4,27 +4,42 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from envkit import tracing
-from generators.engines.base import EngineError
+from generators.engines.base import EngineError, InferenceEngine
 from generators.gateway.anthropic import Messages
 from generators.gateway.chat import ChatCompletions, openai_error
-from generators.gateway.dialect import Dialect, GatewayError, models_list, read_json, request_key
+from generators.gateway.dialect import Dialect, models_list, read_json, request_key
 from generators.gateway.responses import Responses
+from generators.gateway.types import ChatRequest, Choice, Episode, GatewayError
 
-if TYPE_CHECKING:
-    from generators.gateway.server import Episode, Gateway
+
+class Backend(Protocol):
+    """What the routes need of the gateway behind them: the engine that names the model, the episode a key calls
+    in, and a call sampled there. :class:`generators.gateway.server.Gateway` is one; it builds its routes at its start,
+    so this module names what it uses rather than importing it."""
+
+    engine: InferenceEngine
+
+    def episode(self, key: str | None, port: int | None = None) -> Episode:
+        """The open episode with ``key``, called on ``port``; :class:`GatewayError` if there is none."""
+        ...
+
+    async def chat(self, episode: Episode, request: ChatRequest) -> tuple[list[Choice], int]:
+        """Sample ``request``'s choices in ``episode``; returns them and the prompt's length in tokens."""
+        ...
+
 
 DIALECTS: tuple[Dialect, ...] = (ChatCompletions(), Responses(), Messages())
 """The APIs the gateway speaks. A new one is a module with a :class:`~generators.gateway.dialect.Dialect`, and a line
 here."""
 
 
-def build_app(gateway: Gateway) -> FastAPI:
+def build_app(gateway: Backend) -> FastAPI:
     """The gateway's routes: each dialect's, and ``/v1/models``, also under ``/e/{key}``."""
     app = FastAPI(title="envkit capture gateway", docs_url=None, redoc_url=None, openapi_url=None)
     for prefix in ("", "/e/{key}"):
@@ -37,7 +52,7 @@ def build_app(gateway: Gateway) -> FastAPI:
 Handler = Callable[[Request, str | None], Awaitable[Response]]
 
 
-def _handler(gateway: Gateway, dialect: Dialect) -> Handler:
+def _handler(gateway: Backend, dialect: Dialect) -> Handler:
     """The one handler, for ``dialect``: read the call, sample it in its episode, answer in the dialect's shape."""
 
     async def handle(request: Request, key: str | None = None) -> Response:
@@ -58,7 +73,7 @@ def _handler(gateway: Gateway, dialect: Dialect) -> Handler:
     return handle
 
 
-def _models(gateway: Gateway) -> Handler:
+def _models(gateway: Backend) -> Handler:
     async def models(request: Request, key: str | None = None) -> Response:
         try:
             _episode(gateway, request, key)
@@ -69,7 +84,7 @@ def _models(gateway: Gateway) -> Handler:
     return models
 
 
-def _episode(gateway: Gateway, request: Request, key: str | None) -> Episode:
+def _episode(gateway: Backend, request: Request, key: str | None) -> Episode:
     """The episode a request calls in: by the key in its path, else its bearer token or ``x-api-key``, on the port
     it came in on."""
     if key is None:

@@ -1,38 +1,22 @@
 """What a dialect of the gateway is (:class:`Dialect`), and what every dialect shares: the error a request is refused
-with, the request body read into a pydantic model, tool schemas in the chat form, server-sent events."""
+with (:class:`~generators.gateway.types.GatewayError`), the request body read into a pydantic model, tool schemas in
+the chat form, server-sent events."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
-if TYPE_CHECKING:
-    from generators.gateway.chat import ChatRequest
-    from generators.gateway.server import Choice, Episode
+from generators.gateway.types import ChatRequest, Choice, Episode, GatewayError
+from generators.gateway.types import UnsupportedInput as UnsupportedInput  # its home was here: still importable
 
 _Body = TypeVar("_Body", bound=BaseModel)
-
-
-class GatewayError(Exception):
-    """A request the gateway refuses: answered with ``status``, ``code`` and the message, in the dialect's error
-    shape."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.code = status, code
-
-
-class UnsupportedInput(GatewayError):
-    """A request the gateway cannot serve through the policy (a hosted tool, an image block): answered 400."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(400, "unsupported", message)
 
 
 @dataclass(frozen=True)

@@ -16,18 +16,16 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from envkit import Message
-from generators.gateway.chat import ChatRequest, openai_error, openai_message
-from generators.gateway.dialect import Call, GatewayError, UnsupportedInput, function_tool, parse
+from generators.gateway.chat import openai_error, openai_message
+from generators.gateway.dialect import Call, function_tool, parse
 from generators.gateway.dialect import event as named_event
-
-if TYPE_CHECKING:
-    from generators.gateway.server import Choice, Episode
+from generators.gateway.types import ChatRequest, Choice, Episode, GatewayError, UnsupportedInput
 
 
 class ResponsesRequest(BaseModel):

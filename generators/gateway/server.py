@@ -1,34 +1,33 @@
-"""The capture gateway's core: episodes, their token sequences (segments) and how a call is sampled and linked
-(:class:`Gateway`); the package docstring says what it records and why."""
+"""The capture gateway's core: how a call is sampled in its episode and linked into the episode's token sequences
+(:class:`Gateway`; the episodes and segments themselves are in :mod:`.types`); the package docstring says what it
+records and why."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import secrets
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from envkit import Message, tracing
 from envkit.agents.agent import AgentClient
 from generators.engines.base import InferenceEngine, SamplingParams, generate_turn, request_seed
-from generators.engines.replicas import Session, rollout_session
+from generators.engines.replicas import rollout_session
 from generators.gateway.app import build_app
-from generators.gateway.dialect import GatewayError
+from generators.gateway.types import ChatRequest, Choice, Episode, GatewayError, Segment
 from generators.parsers import OutputParser
 from generators.tool_prompt import ToolPrompt, ToolSchemas
-from generators.trajectory import StopReason, mark_version
+from generators.trajectory import mark_version
 
 if TYPE_CHECKING:
     import uvicorn
 
     from generators.chat import ChatTokenizer
-    from generators.gateway.chat import ChatRequest
 
 log = logging.getLogger(__name__)
 
@@ -50,116 +49,6 @@ class Limits:
     """Prompt plus completion tokens of one call (``generator.max_total_tokens``)."""
     check_template: bool = True
     """Render each linked call's chat from scratch and count a difference as skew (``generator.check_template``)."""
-
-
-@dataclass
-class Choice:
-    """One sampled reply, until the agent continues it (or the episode ends)."""
-
-    ids: list[int]
-    logprobs: list[float]
-    spans: list[list[int]]
-    """``[offset in ids, weight version]`` wherever the version changes."""
-    text: str
-    message: Message
-    finish: str
-    stop_string: str | None
-
-
-@dataclass
-class Segment:
-    """One token sequence of an episode: a prompt and everything after it, as the trainer takes it."""
-
-    messages: list[Message]
-    """The chat as the model saw it (tool prompt applied), through the last call."""
-    template_tools: ToolSchemas | None
-    tools: ToolSchemas | None
-    prompt_ids: list[int]
-    response_ids: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    rollout_logprobs: list[float] = field(default_factory=list)
-    version_spans: list[list[int]] = field(default_factory=list)
-    written: dict[int, str] = field(default_factory=dict)
-    """What the model wrote, by the index of its reply in ``messages``."""
-    pending: list[Choice] = field(default_factory=list)
-    """The last call's choices, not yet in the sequence."""
-
-    @property
-    def ids(self) -> list[int]:
-        """The running context: prompt plus response."""
-        return self.prompt_ids + self.response_ids
-
-    def take(self, choice: Choice) -> None:
-        """Append ``choice``'s sampled tokens (loss mask 1) and record what it wrote."""
-        for offset, version in choice.spans:
-            mark_version(self.version_spans, len(self.response_ids) + offset, version)
-        self.response_ids += choice.ids
-        self.loss_mask += [1] * len(choice.ids)
-        self.rollout_logprobs += choice.logprobs
-        self.written[len(self.messages)] = choice.text
-        self.messages = [*self.messages, choice.message]
-
-    def continued_by(self, messages: list[Message], tools: ToolSchemas | None) -> Choice | None:
-        """The pending choice that ``messages`` (a call's chat, tool prompt applied) send back, followed by new
-        messages: the call continues this segment with it. None where the call does not."""
-        at = len(self.messages)
-        if self.tools != tools or len(messages) <= at + 1 or not _same_chat(messages[:at], self.messages):
-            return None
-        return next((c for c in self.pending if _same(messages[at], c.message)), None)
-
-    def branch(self, choice: Choice) -> Segment:
-        """A copy of this segment (before its pending choices) continued by ``choice``."""
-        copy = Segment(list(self.messages), self.template_tools, self.tools, list(self.prompt_ids),
-                       list(self.response_ids), list(self.loss_mask), list(self.rollout_logprobs),
-                       [list(s) for s in self.version_spans], dict(self.written))
-        copy.take(choice)
-        return copy
-
-    def sequence(self) -> dict[str, Any]:
-        """The segment as trainer data (:attr:`generators.trajectory.Trajectory.segments` entries)."""
-        return {"prompt_ids": self.prompt_ids, "response_ids": self.response_ids, "loss_mask": self.loss_mask,
-                "rollout_logprobs": self.rollout_logprobs, "version_spans": self.version_spans}
-
-
-@dataclass
-class Episode:
-    """What the gateway recorded for one agent episode."""
-
-    key: str
-    segments: list[Segment] = field(default_factory=list)
-    """Its segments (the last call of each may have pending choices)."""
-    calls: int = 0
-    skewed: int = 0
-    """Linked calls whose from-scratch rendering differs from the linked ids."""
-    tool_log: list[dict[str, Any]] = field(default_factory=list)
-    stop: StopReason | None = None
-    """Set when a budget refused a call (max_turns, max_tokens)."""
-    last_cut: bool = False
-    """Whether the token limit cut the last call's reply (an SDK may raise on it)."""
-    responses: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
-    """Each ``/v1/responses`` reply's chat through it, by response id (for ``previous_response_id``)."""
-    generate_s: float = 0.0
-    refused: int = 0
-    """Calls on this episode's channel that were refused: another episode's key, an unknown or an ended one."""
-    channel: asyncio.Future[asyncio.Server] | None = None
-    """Its own port's server (see :meth:`Gateway.open`)."""
-    channel_port: int = 0
-    session: Session = field(default_factory=Session)
-    """Sticky routing: a replicated engine sends all of this episode's calls to one replica."""
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    trace: dict[str, str] = field(default_factory=dict)
-    """The trace context it was opened in (its rollout's): its calls are spans there, whatever process made them."""
-
-    def end(self) -> list[Segment]:
-        """The episode's segments, each pending choice taken: the first by its own segment, the others as
-        branches."""
-        branches = []
-        for segment in self.segments:
-            choices, segment.pending = segment.pending, []
-            branches += [segment.branch(c) for c in choices[1:]]
-            if choices:
-                segment.take(choices[0])
-        return [s for s in self.segments + branches if any(s.loss_mask)]
 
 
 ANY_HOST = ("0.0.0.0", "")
@@ -393,29 +282,6 @@ class Gateway:
         for i, call in enumerate(message.get("tool_calls") or []):  # unique within the episode: agents key on ids
             call["id"] = f"call_{episode.calls}_{k}_{i}"
         return Choice(ids, logprobs, spans, text, message, part.finish_reason, part.stop_string)
-
-
-def _arguments(call: dict[str, Any]) -> Any:
-    try:
-        return json.loads(call["function"]["arguments"])
-    except json.JSONDecodeError:
-        return call["function"]["arguments"]
-
-
-def _same(sent: Message, ours: Message) -> bool:
-    """Whether a message the agent sent back is the reply the gateway gave (content up to outer whitespace; calls
-    by name and arguments)."""
-    if sent["role"] != ours["role"] or (sent.get("content") or "").strip() != (ours.get("content") or "").strip():
-        return False
-    a, b = sent.get("tool_calls") or [], ours.get("tool_calls") or []
-    return len(a) == len(b) and all(x["function"]["name"] == y["function"]["name"] and _arguments(x) == _arguments(y)
-                                    for x, y in zip(a, b, strict=True))
-
-
-def _same_chat(sent: list[Message], ours: list[Message]) -> bool:
-    return len(sent) == len(ours) and all(_same(a, b) and (a.get("tool_call_id") or "") == (b.get("tool_call_id")
-                                                                                           or "")
-                                          for a, b in zip(sent, ours, strict=True))
 
 
 def _close_server(started: asyncio.Future[asyncio.Server]) -> None:

@@ -20,26 +20,21 @@ import asyncio
 import hmac
 import logging
 import resource
-from collections.abc import Awaitable, Callable, MutableMapping
 from http import HTTPStatus
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 import envkit.agents.untrusted as untrusted
 from envkit.remote import TOKEN_ENV
 from envkit.remote.protocol import ApiError
+from envkit.remote.server.asgi import ASGIApp, Message, Receive, Scope, Send
 from envkit.remote.server.openenv import PREFIX as OPENENV_PREFIX
 from envkit.remote.server.openenv import OpenEnvSession
 from envkit.remote.server.sessions import EnvServer, plain_step_action
 from envkit.remote.server.ws import WsEndpoint
 
 log = logging.getLogger(__name__)
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 _REST_STEP = frozenset({"action"})
 FILES_PATH = "/exec/files"
@@ -136,6 +131,12 @@ def descriptor_budget(max_connections: int, max_sessions: int) -> int:
 # ---- ASGI middleware: auth and body size, before FastAPI parses anything ---------------------------------------
 
 
+def _declared_length_over(scope: Scope, max_bytes: int) -> bool:
+    """Whether the request's ``content-length`` header declares a body of more than ``max_bytes``."""
+    return any(name == b"content-length" and value.isdigit() and int(value) > max_bytes
+               for name, value in scope["headers"])
+
+
 async def _send_json(send: Send, status: int, payload: bytes, headers: list[tuple[bytes, bytes]] = ()) -> None:
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
@@ -203,10 +204,9 @@ class Guard:
         too_large, max_bytes = self.too_large, self.max_bytes
         if self.files and scope["path"] == FILES_PATH:  # a sandbox's files from a snapshot: a limit of their own
             too_large, max_bytes = self.files_too_large, untrusted.ARCHIVE_LIMIT
-        for name, value in scope["headers"]:
-            if name == b"content-length" and value.isdigit() and int(value) > max_bytes:
-                self.server.metrics.errors[too_large.code] += 1
-                return await _send_json(send, too_large.status, too_large.encoded())
+        if _declared_length_over(scope, max_bytes):
+            self.server.metrics.errors[too_large.code] += 1
+            return await _send_json(send, too_large.status, too_large.encoded())
         # Read the whole body first (bodies are small): a chunked upload cannot slip past the limit.
         chunks, size = [], 0
         while True:

@@ -47,6 +47,22 @@ SERVER_CHOSEN = frozenset({"checked", "sandbox"}) | OPERATOR_KWARGS
 TASK_LISTS_KEPT = 16
 """Task lists kept per server, one per (kwargs, split): a client cannot make the server hold more by varying kwargs."""
 
+_CONTRACT_CODES: dict[type[Exception], str] = {
+    InvalidTaskError: "invalid_task",
+    InvalidActionError: "invalid_action",
+    EpisodeDoneError: "episode_done",
+    ResetNeededError: "reset_needed",
+    SnapshotError: "snapshot_unsupported",
+}
+"""The answer's code for each error of the Env contract an env call may raise, in the order they are matched; anything
+else an env raises is ``env_error``."""
+_CONTRACT_ERRORS = tuple(_CONTRACT_CODES)
+
+
+def _contract_code(e: Exception) -> str:
+    """The answer's code for ``e``, an error of the contract: that of the first of :data:`_CONTRACT_CODES` it is."""
+    return next(code for kind, code in _CONTRACT_CODES.items() if isinstance(e, kind))
+
 
 @dataclass(eq=False)
 class _Session:
@@ -210,16 +226,8 @@ class EnvServer:
                 raise
             raise ApiError("env_timeout", f"the env did not answer within {self.limits.step_timeout_s:g} s "
                                           "(ServerLimits.step_timeout_s)") from e
-        except InvalidTaskError as e:
-            raise ApiError("invalid_task", str(e)) from e
-        except InvalidActionError as e:
-            raise ApiError("invalid_action", str(e)) from e
-        except EpisodeDoneError as e:
-            raise ApiError("episode_done", str(e)) from e
-        except ResetNeededError as e:
-            raise ApiError("reset_needed", str(e)) from e
-        except SnapshotError as e:
-            raise ApiError("snapshot_unsupported", str(e)) from e
+        except _CONTRACT_ERRORS as e:
+            raise ApiError(_contract_code(e), str(e)) from e
         except ApiError:
             raise
         except Exception as e:

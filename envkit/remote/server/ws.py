@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, NoReturn, Protocol
+from typing import Any, NoReturn, Protocol
 
 from pydantic import ValidationError
 
 from envkit.remote.deadlines import Canceller
 from envkit.remote.protocol import ApiError, WsRequest
+from envkit.remote.server.asgi import Receive, Scope, Send
 from envkit.remote.server.sessions import EnvServer, plain_step_action
-
-if TYPE_CHECKING:  # guard.py imports this module
-    from envkit.remote.server.guard import Receive, Scope, Send
 
 _WS_STEP = frozenset({"op", "action"})
 
@@ -115,11 +113,7 @@ class _WsSession:
     async def _run(self, req: WsRequest) -> dict[str, Any]:
         server = self.server
         if req.op == "create":
-            if self.session_id is not None and self.session_id in server.sessions:
-                raise ApiError("validation_error", "this connection already has a session; delete it first")
-            created = await server.create(req.kwargs, seat=req.seat, table=req.table)
-            self.session_id = created["session_id"]
-            return created
+            return await self._create(req)
         if self.session_id is None:
             raise ApiError("session_not_found", "this connection has no session; send {\"op\": \"create\"} first")
         if req.op == "reset":
@@ -139,6 +133,14 @@ class _WsSession:
         session_id, self.session_id = self.session_id, None
         await server.delete(session_id)
         return {"deleted": session_id}
+
+    async def _create(self, req: WsRequest) -> dict[str, Any]:
+        """The ``create`` op: the connection's session, its only one (a connection holding one must delete it first)."""
+        if self.session_id is not None and self.session_id in self.server.sessions:
+            raise ApiError("validation_error", "this connection already has a session; delete it first")
+        created = await self.server.create(req.kwargs, seat=req.seat, table=req.table)
+        self.session_id = created["session_id"]
+        return created
 
     async def close(self) -> None:
         if self.session_id is not None and self.session_id in self.server.sessions:
