@@ -52,9 +52,20 @@ def test_the_seat_recipes_bind_their_seats_and_a_run_with_seats_refuses_what_it_
     assert duel.policies == ["player"] and sorted(duel.seats) == ["first", "second"]  # self-play: one policy
     frozen = trainer.compose(["+recipe=referential", "seats.listener={policy: null, checkpoint: initial}"])
     assert frozen.policies == ["speaker"] and frozen.seats["listener"].checkpoint == "initial"
-    for override, refused in (("placement.backend=ray", "placement.backend=local only"),
-                              ("trainer.backend=deepspeed", "trainer.backend=fsdp"),
-                              ("seats.listener={policy: null, checkpoint: initial, script: x:y}", "exactly one of"),
+    # its policies' engines may be Ray actors, its trainer DeepSpeed, its envs a mixture drawn by a curriculum,
+    # and an sft stage trains one of its policies; its trainer is one rank
+    for overrides in (["placement.backend=ray"], ["trainer.backend=deepspeed"], ["curriculum.sampler=band"],
+                      ["env.mixture=[{name: referential, label: a}, {name: referential, label: b}]"],
+                      ["stages=[sft,rl]", "sft.policy=speaker", "sft.data=chat", "sft.paths=[demos.jsonl]"]):
+        assert trainer.compose(["+recipe=referential", *overrides]).seats
+    for overrides, refused in ((["placement.backend=ray", "placement.trainer_ranks=2"], "trains on one rank for now"),
+                               (["stages=[sft,rl]", "sft.data=chat", "sft.paths=[d.jsonl]"], "name it with sft.policy"),
+                               (["stages=[sft,rl]", "sft.policy=speaker"], "are not one seat's"),
+                               (["stages=[distill]", "distill.teacher=x"], "no teacher or live traffic for seats"),
+                               (["curriculum.refill=1"], "drop curriculum.refill")):
+        with pytest.raises(ConfigError, match=re.escape(refused)):
+            trainer.compose(["+recipe=referential", *overrides])
+    for override, refused in (("seats.listener={policy: null, checkpoint: initial, script: x:y}", "exactly one of"),
                               ("seats.listener={policy: null, script: x:y, agent: a:b}", "not a script"),
                               ("model.lora.serve=adapters", "needs model.lora.r > 0")):
         with pytest.raises(ConfigError, match=re.escape(refused)):

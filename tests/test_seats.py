@@ -235,15 +235,17 @@ async def test_each_seat_trains_on_its_own_tokens_and_sees_the_others_as_data(vl
 
 
 def test_two_policies_train_in_one_run_each_its_own_and_resume_exactly(tmp_path):
-    """Two policies on the tiny model (HF engine, seeded requests: rollouts reproduce) play GradedPair's seats, with
-    PPO (so each checkpoint must carry its policy's value head too). Each policy's weights change, differently; each
-    has its own checkpoints; a run killed after its step-1 checkpoint and resumed trains step 2 as the uninterrupted
-    run does, for both policies."""
+    """Two policies on the tiny model (HF engine, seeded requests: rollouts reproduce) play GradedPair's seats in a
+    mixture of two such envs, drawn by the band curriculum, with PPO (so each checkpoint must carry its policy's
+    value head too). Each policy's weights change, differently; each has its own checkpoints; both envs' episodes
+    are played and their samplers see them; a run killed after its step-1 checkpoint and resumed trains step 2 as
+    the uninterrupted run does, for both policies."""
     from test_trainer import TINY, _metrics, _trainer, _why, kill_at_step_1_checkpoint
     from tiny import on_tiny_model
     from weights import changed_tensors
 
-    common = ["algorithm=ppo", *on_tiny_model(), "env.name=seat_envs:GradedPair",
+    common = ["algorithm=ppo", *on_tiny_model(), "curriculum.sampler=band",
+              "env.mixture=[{name: 'seat_envs:GradedPair', label: g1}, {name: 'seat_envs:GradedPair', label: g2}]",
               "++seats={first: {policy: a}, second: {policy: b}}", "trainer.steps=2", "trainer.save_every=1",
               "trainer.eval_tasks=2", "trainer.eval_samples=1", "trainer.lr=1e-3", "trainer.warmup_steps=0",
               "generator.max_turns=2", "generator.max_tokens=8", *TINY[:2]]
@@ -256,6 +258,10 @@ def test_two_policies_train_in_one_run_each_its_own_and_resume_exactly(tmp_path)
     summary = json.loads((reference / "metrics.jsonl").read_text().splitlines()[-1])
     assert {"eval/vs_initial/a@first/reward", "eval/vs_initial/b@second/reward"} <= set(summary)  # and each with
     # its frozen initial partner
+    played = [json.loads(line) for line in (reference / "final_trajectories.jsonl").read_text().splitlines()]
+    assert {t["group_id"].split("/")[0] for t in played} == {"g1", "g2"}  # the step's prompts split between envs
+    assert all(_metrics(reference)[step][f"curriculum/{env}/groups_from_band"] > 0 for step in (1, 2)
+               for env in ("g1", "g2"))  # each env's sampler drew and was told its starts' outcomes
 
     killed = tmp_path / "killed"
     kill_at_step_1_checkpoint(killed, common, tmp_path / "killed.log",
@@ -415,18 +421,22 @@ async def test_envkit_eval_plays_the_cross_play_matrix_of_its_policies(tmp_path)
             assert row[seat]["reward"] == pytest.approx(sum(t["reward"] for t in mine) / 3)
 
 
-def test_two_policies_train_in_async_mode_and_checkpoint_every_seats_drawn_groups(tmp_path):
+@pytest.mark.deepspeed
+def test_two_policies_train_in_async_mode_on_ray_and_checkpoint_every_seats_drawn_groups(cluster, tmp_path):
     """trainer.mode=async with two policies, policy b's seat played by an agent that owns its loop (calling b
-    through the capture gateway): episodes for the next step play while one trains (at most max_staleness=1
-    versions behind), both policies update every step (b on its agent's recorded calls), and a checkpoint holds the
-    drawn-but-untrained groups, each with every seat's trajectories, for a resume to lose none."""
+    through the capture gateway), placed on the session's Ray cluster (the trainer a rank actor, each policy's
+    engine a replica actor of its own) and trained with DeepSpeed: episodes for the next step play while one trains
+    (at most max_staleness=1 versions behind), both policies update every step (b on its agent's recorded calls),
+    and a checkpoint holds the drawn-but-untrained groups, each with every seat's trajectories, for a resume to lose
+    none."""
     from test_trainer import TINY, _metrics, _trainer, _why
     from tiny import on_tiny_model
 
     out = tmp_path / "async"
     result = _trainer(*on_tiny_model(), "trainer.mode=async", "env.name=seat_envs:GradedPair",
                       "++seats={first: {policy: a}, second: {policy: b, agent: 'seat_envs:one_call'}}",
-                      "trainer.steps=3", "trainer.save_every=1",
+                      "trainer.steps=3", "trainer.save_every=1", "trainer.backend=deepspeed",
+                      "placement.backend=ray", f"placement.address={cluster}",
                       "trainer.eval_tasks=0", "trainer.lr=1e-3", "generator.max_turns=2", "generator.max_tokens=8",
                       *TINY[:2], f"trainer.output_dir={out}")
     assert result.returncode == 0, _why(result)
@@ -434,6 +444,9 @@ def test_two_policies_train_in_async_mode_and_checkpoint_every_seats_drawn_group
     for policy in ("a", "b"):
         assert all(steps[s][f"policy/{policy}/train/grad_norm"] > 0 for s in (1, 2, 3))
         assert max(steps[s][f"policy/{policy}/rollout/staleness"] for s in (1, 2, 3)) <= 1
+    # each policy's engine is a replica actor of its own, and each served its policy's seat
+    assert all(steps[s]["inference/replicas"] == steps[s]["inference/b-replicas"] == 1 for s in (1, 2, 3))
+    assert steps[3]["inference/replica0/requests"] > 0 and steps[3]["inference/b-replica0/requests"] > 0
     assert all(steps[s]["policy/b/rollout/turns"] == 2 for s in (1, 2, 3))  # its agent's two calls
     last = [json.loads(line) for line in (out / "final_trajectories.jsonl").read_text().splitlines()]
     heard = [m["content"] for t in last if t["seat"] == "first" for m in t["messages"]

@@ -184,6 +184,9 @@ class ModelConfig:
 
     path: str = "bundled"
     """``bundled`` (SmolLM2-135M-Instruct) or an HF checkpoint dir."""
+    policy_paths: dict[str, str] = field(default_factory=dict)
+    """With seats: a policy's starting weights (an HF checkpoint dir) by its name; the others start from ``path``.
+    A run of stages sets it for the policy its sft stage trained (``sft.policy``)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """Train LoRA adapters instead of every weight (``model.lora.r > 0``)."""
 
@@ -323,6 +326,9 @@ class SFTConfig:
     """Peak learning rate of the supervised stage."""
     eval_every: int = 0
     """Held-out loss every k optimizer steps (0: before and after training only)."""
+    policy: str | None = None
+    """With seats: the policy this stage trains on its seats' demonstrations (``sft.paths``); the rl stage starts it
+    from the stage's weights, and the other policies from ``model.path``."""
 
     def __post_init__(self) -> None:
         _one_of("sft.data", self.data, SFT_DATA)
@@ -760,6 +766,18 @@ class Config:
         return list(dict.fromkeys(s.policy for s in self.seats.values() if s.policy))
 
     @property
+    def engines(self) -> int:
+        """Inference engines the run starts: one; with seats, one per policy and per frozen checkpoint (the starting
+        model's too where the run evaluates), or one server of them all (:attr:`lora_adapters`)."""
+        if not self.seats:
+            return 1
+        frozen = {s.checkpoint for s in self.seats.values() if s.checkpoint} | ({"initial"} if self.trainer.eval_tasks
+                                                                               else set())
+        if self.lora_adapters:
+            return 1 + len(frozen - {"initial"})
+        return len(self.policies) + len(frozen)
+
+    @property
     def lora_adapters(self) -> bool:
         """Whether one vLLM server serves the policies as LoRA adapters beside the base model (``model.lora.serve``)."""
         lora = self.model.lora
@@ -885,27 +903,32 @@ REFUSED: tuple[Refusal, ...] = (
             lambda c: _distill(c) and c.algorithm.critic),
     Refusal("seats without a policy", "seats: a run of several policies needs a seat that names a policy to "
             "train: bind one with seats.SEAT.policy=NAME", lambda c: bool(c.seats) and not c.policies),
-    Refusal("seats with a stage other than rl",
-            "seats: a run of several policies needs stages=[rl] only (no SFT stage for seats yet)",
-            lambda c: bool(c.seats) and c.stages != ["rl"]),
-    Refusal("seats with placement.backend=ray",
-            "seats: a run of several policies needs placement.backend=local only (policies on Ray actors are not "
-            "built yet)",
-            lambda c: bool(c.seats) and c.placement.backend != "local"),
-    Refusal("seats with trainer.backend=deepspeed", "seats: a run of several policies needs trainer.backend=fsdp",
-            lambda c: bool(c.seats) and c.trainer.backend != "fsdp"),
-    Refusal("seats with env.mixture", "seats: a run of several policies needs one env (no env.mixture with seats)",
-            lambda c: bool(c.seats) and bool(c.env.mixture)),
+    Refusal("seats with the distill or online stage",
+            "seats: a run of several policies needs stages=[rl] or [sft, rl] (no teacher or live traffic for "
+            "seats yet)",
+            lambda c: bool(c.seats) and c.stages not in (["rl"], ["sft", "rl"])),
+    Refusal("seats with an sft stage without sft.policy",
+            "seats: the sft stage trains one policy on its seats' demonstrations: name it with sft.policy=NAME",
+            lambda c: bool(c.seats) and "sft" in c.stages and c.sft.policy not in c.policies),
+    Refusal("seats with sft.data=demos",
+            "seats: a multi-agent env's demonstrations are not one seat's: give the seat's demonstrations as "
+            "sft.data=chat or trajectories with sft.paths",
+            lambda c: bool(c.seats) and "sft" in c.stages and c.sft.data == "demos"),
+    Refusal("seats with placement.trainer_ranks > 1",
+            "seats: a run of several policies trains on one rank for now (its policies' engines may be Ray actors: "
+            "placement.inference_replicas)",
+            lambda c: bool(c.seats) and c.placement.backend == "ray" and c.placement.trainer_ranks > 1),
     Refusal("seats with judge.model",
-            "seats: a run of several policies needs no judge (judge.model): a multi-agent env's rewards are its own",
+            "seats: a run of several policies needs no judge (judge.model) yet: the run starts one, but no test has "
+            "shown a multi-agent env's rubric calling it",
             lambda c: bool(c.seats) and c.judge.model is not None),
     Refusal("seats with inference.url",
             "seats: a run of several policies needs no inference.url: each policy needs an engine of its own",
             lambda c: bool(c.seats) and bool(c.inference.url)),
-    Refusal("seats with a curriculum",
-            "seats: a run of several policies needs curriculum.sampler=uniform and no curriculum.refill (a seat's "
-            "rewards are not its task's difficulty)",
-            lambda c: bool(c.seats) and (c.curriculum.sampler != "uniform" or bool(c.curriculum.refill))),
+    Refusal("seats with curriculum.refill",
+            "seats: a run of several policies draws no start again within a step (a group is one seat's, and a "
+            "flat one does not make its start flat): drop curriculum.refill (a curriculum.sampler works)",
+            lambda c: bool(c.seats) and bool(c.curriculum.refill)),
     Refusal("model.lora.serve=adapters with model.lora.r=0", "model.lora.serve=adapters needs model.lora.r > 0",
             lambda c: _adapters(c) and not c.model.lora.enabled),
     Refusal("model.lora.serve=adapters without seats",

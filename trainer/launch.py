@@ -16,10 +16,6 @@ def launch(cfg: Config) -> dict[str, Any]:
     if cfg.logging.traces:
         os.environ[tracing.ENDPOINT_ENV] = cfg.logging.traces  # inherited by the processes the run starts
         os.environ.setdefault(tracing.RUN_ENV, f"envkit-{os.getpid()}")
-    if cfg.seats:
-        from trainer.multi_policy import train_policies
-
-        return train_policies(cfg)
     from trainer.stages import run_stages
 
     return run_stages(cfg)

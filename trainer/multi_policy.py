@@ -22,26 +22,23 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import shutil
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import torch
-
 from envkit.imports import import_ref
 from envkit.multi_agent import MultiAgentEnv, Seat
-from generators import ChatTokenizer, Generator, GeneratorConfig, Trajectory
+from generators import Generator, GeneratorConfig, Trajectory
 from generators.engines.base import InferenceEngine
 from generators.engines.factory import make_engine
 from generators.engines.vllm import VLLMEngine, lora_rank_limit
 from generators.models import resolve_model
 from generators.report import passed, seat_results
-from generators.seats import AgentPlayer, Player, local_seats, play_starts, remote_seats
+from generators.seats import AgentPlayer, Player, Seating, local_seats, play_starts, remote_seats
 from trainer.async_rollouts import AsyncRollouts, LoopThread
 from trainer.backends import make_backend
 from trainer.backends.base import TrainBackend
@@ -49,10 +46,12 @@ from trainer.checkpoint import CheckpointManager, TrainState
 from trainer.config import Config, ConfigError, InferenceConfig
 from trainer.loop import prepare_batch, update_policy
 from trainer.metrics import RunLogger, rollout_metrics
+from trainer.placement import make_placement
 from trainer.placement.base import Placement
-from trainer.rollout_source import snapshot_state
-from trainer.runs import sync_weights
-from trainer.sources import EnvStream, Mixture, Start
+from trainer.rollout_source import on_loop, snapshot_state
+from trainer.runs import MainRun, open_run, sync_weights
+from trainer.sft import train_sft
+from trainer.sources import EnvStream, Start
 
 
 @dataclass
@@ -69,21 +68,18 @@ class Policy:
 
 
 class PolicyRun:
-    """The run's policies, frozen players, env and logger, driven from one event loop."""
+    """The run's policies and frozen players on the run skeleton (trainer/runs.py: seeding, the model and tokenizer,
+    the placement, the envs, the judge, the logger and the event loop are the :class:`MainRun`'s)."""
 
     def __init__(self, cfg: Config) -> None:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ConfigError("seats: a run of several policies trains on one rank (no torchrun) for now")
-        random.seed(cfg.trainer.seed)
-        torch.manual_seed(cfg.trainer.seed)
-        self.cfg = cfg
-        self.out = Path(cfg.trainer.output_dir)
-        self.model_path = resolve_model(cfg.model.path)
-        self.tokenizer = ChatTokenizer.from_pretrained(self.model_path)
-        self.runner: asyncio.Runner | LoopThread = LoopThread() if cfg.trainer.mode == "async" else asyncio.Runner()
-        placement = Placement(cfg)
-        self.envs = Mixture(cfg.env, seed=cfg.trainer.seed, make_env=placement.make_env,
-                            curriculum=cfg.curriculum)
+        run = open_run(cfg, placement=make_placement, engine=False,
+                       runner=LoopThread if cfg.trainer.mode == "async" else asyncio.Runner)
+        assert isinstance(run, MainRun)  # one rank: the check above
+        self.main = run
+        self.cfg, self.out, self.model_path, self.tokenizer = cfg, run.out, run.model_path, run.tokenizer
+        self.runner, self.envs, placement = run.runner, run.envs, run.placement
         self.server: VLLMEngine | None = None
         """With ``model.lora.serve`` adapters: the one vLLM server, of the base model and each policy's adapter."""
         if cfg.lora_adapters:
@@ -94,9 +90,10 @@ class PolicyRun:
         self.policies: list[Policy] = []
         for name in cfg.policies:
             out = self.out / "policies" / name
-            engine = self.server.adapter(name) if self.server else placement.engine(self.model_path, out)
+            start = resolve_model(cfg.model.policy_paths[name]) if name in cfg.model.policy_paths else self.model_path
+            engine = self.server.adapter(name) if self.server else placement.engine(start, out)
             self.policies.append(Policy(
-                name, [seat for seat, s in cfg.seats.items() if s.policy == name], make_backend(cfg, self.model_path),
+                name, [seat for seat, s in cfg.seats.items() if s.policy == name], make_backend(cfg, start),
                 engine, Generator(engine, self.tokenizer, cfg.generator), out,
                 CheckpointManager(out / "checkpoints", keep_last=cfg.trainer.keep_last)))
         self.frozen: dict[str, InferenceEngine] = {}
@@ -108,10 +105,8 @@ class PolicyRun:
         """The agents that play seats, each calling its seat's policy or checkpoint through the capture gateway."""
         if cfg.trainer.eval_tasks:  # the starting model, each trained policy's frozen opponent in evaluation
             self._frozen_engine("initial", placement)
-        self.logger: RunLogger | None = None
-        self.remote = urlsplit(cfg.env.name).scheme in ("http", "https", "ws", "wss")
-        """Whether the env is served (a session per seat on its server) rather than made here."""
-        self.seating = remote_seats(cfg.env.name, **cfg.env.kwargs) if self.remote else local_seats(self.stream.make)
+        self.seating = {stream.label: _seating(stream) for stream in self.envs.streams}
+        """How each env's episodes seat their players: a session per seat on its server, or an env made here."""
 
     def _fixed_player(self, checkpoint: str | None, script: str | None, endpoint: str | None, endpoint_model: str,
                       placement: Placement) -> Player:
@@ -132,10 +127,6 @@ class PolicyRun:
                 placement.engine(path, self.out / "frozen" / Path(checkpoint).name)
         return self.frozen[checkpoint]
 
-    @property
-    def stream(self) -> EnvStream:
-        return self.envs.streams[0]
-
     def players(self, *, config: GeneratorConfig | None = None, initial: frozenset[Seat] = frozenset()
                 ) -> dict[Seat, Player]:
         """Every seat's player: the policy it is bound to, or its frozen, scripted or endpoint player; the seats in
@@ -152,34 +143,67 @@ class PolicyRun:
             out[seat] = AgentPlayer(self.agents[seat], player) if seat in self.agents else player
         return out
 
+    @property
+    def logger(self) -> RunLogger:
+        """The run's logger (once :meth:`resume` began the run)."""
+        assert isinstance(self.main.logger, RunLogger)  # rank 0's, after resume
+        return self.main.logger
+
     def start(self) -> None:
-        """The env's seats checked against the binding, its task lists, then every engine at once."""
-        if not self.remote:  # a server checks its sessions' seats itself
-            probe = self.stream.make(here=True)
+        """The env's seats checked against the binding; the run's envs and judge, then every engine at once."""
+        for stream in self.envs.streams:
+            if _served(stream):  # a server checks its sessions' seats itself
+                continue
+            probe = stream.make(here=True)
             self.runner.run(probe.close())
             if not isinstance(probe, MultiAgentEnv) or set(probe.seats) != set(self.cfg.seats):
                 has = f"has seats {list(probe.seats)}" if isinstance(probe, MultiAgentEnv) else "has no seats"
-                raise ConfigError(f"env {self.cfg.env.name!r} {has}; seats binds {sorted(self.cfg.seats)}: bind "
+                raise ConfigError(f"env {stream.cfg.name!r} {has}; seats binds {sorted(self.cfg.seats)}: bind "
                                   "each of its seats to a player")
-        self.runner.run(self.envs.open(pool_size=0))
         engines = [p.engine for p in self.policies] + list(self.frozen.values())
-        self.runner.run(_gather(*(e.start() for e in engines)))
+        self.main.start(lambda _: _gather(*(e.start() for e in engines)))
 
-    async def play(self, starts: list[Start], *, samples: int, players: Mapping[Seat, Player] | None = None
-                   ) -> list[dict[Seat, Trajectory]]:
-        """``samples`` episodes of each start with ``players`` (the run's own by default)."""
+    async def play(self, stream: EnvStream, starts: list[Start], *, samples: int,
+                   players: Mapping[Seat, Player] | None = None) -> list[dict[Seat, Trajectory]]:
+        """``samples`` episodes of each start in ``stream``'s env with ``players`` (the run's own by default); group
+        ids carry the env's label, so a mixture's envs never share a group."""
         g = self.cfg.generator
-        return await play_starts(self.seating, players or self.players(), starts, samples=samples,
-                                 concurrency=g.concurrency, env_name=self.stream.label, timeout_s=g.timeout_s)
+        episodes = await play_starts(self.seating[stream.label], players or self.players(), starts, samples=samples,
+                                     concurrency=g.concurrency, env_name=stream.label, timeout_s=g.timeout_s)
+        for episode in episodes:
+            for t in episode.values():
+                t.group_id = f"{stream.label}/{t.group_id}"
+        return episodes
+
+    async def play_draws(self, draws: list[tuple[EnvStream, list[Start]]]) -> list[Trajectory]:
+        """Sync mode's generation: the episodes of each drawn start in its env, every seat's trajectories of a
+        start going to its env's sampler (a curriculum's pass rates count every seat's rollouts)."""
+        samples = self.cfg.generator.samples_per_prompt
+
+        async def one(stream: EnvStream, starts: list[Start]) -> list[Trajectory]:
+            episodes = await self.play(stream, starts, samples=samples)  # each start's samples in a row
+            for i, start in enumerate(starts):
+                stream.observe(start, [t for e in episodes[i * samples:(i + 1) * samples] for t in e.values()])
+            return [t for episode in episodes for t in episode.values()]
+
+        played = await asyncio.gather(*(one(stream, starts) for stream, starts in draws))
+        return [t for trajs in played for t in trajs]
 
     async def play_groups(self, stream: EnvStream, starts: list[Start],
                           on_group: Callable[[int, list[Trajectory]], None]) -> None:
         """Async mode's generation: each start's episodes, every seat's trajectories of them one group."""
         async def one(i: int, start: Start) -> None:
-            episodes = await self.play([start], samples=self.cfg.generator.samples_per_prompt)
+            episodes = await self.play(stream, [start], samples=self.cfg.generator.samples_per_prompt)
             on_group(i, [t for episode in episodes for t in episode.values()])
 
         await asyncio.gather(*(one(i, start) for i, start in enumerate(starts)))
+
+    async def held_out(self, players: Mapping[Seat, Player]) -> list[dict[Seat, Trajectory]]:
+        """``trainer.eval_samples`` episodes of each env's first ``trainer.eval_tasks`` held-out starts."""
+        t = self.cfg.trainer
+        jobs = [self.play(s, [s.eval[i] for i in range(min(t.eval_tasks, len(s.eval)))], samples=t.eval_samples,
+                          players=players) for s in self.envs.streams if len(s.eval)]
+        return [episode for episodes in await asyncio.gather(*jobs) for episode in episodes]
 
     def serve(self, policy: Policy, version: int) -> None:
         """Have ``policy``'s engine serve its backend's weights as ``version``: as an adapter (only the newest is
@@ -199,26 +223,29 @@ class PolicyRun:
         with every other trained seat played by the starting model (``vs_initial/POLICY@SEAT/...``): what a policy
         learned apart from what its partners or opponents learned with it."""
         t = self.cfg.trainer
-        starts = [self.stream.eval[i] for i in range(min(t.eval_tasks, len(self.stream.eval)))]
-        if not starts:
-            return {}
         config = self.cfg.generator.generator_config(temperature=t.eval_temperature, seed=None, branch_at=0)
-        episodes = self.runner.run(self.play(starts, samples=t.eval_samples, players=self.players(config=config)))
+        episodes = self.runner.run(self.held_out(self.players(config=config)))
+        if not episodes:
+            return {}
         results = _outcomes(episodes, "")
         if state.step:
             trained = frozenset(seat for p in self.policies for seat in p.seats)
             for p in self.policies:
                 for seat in p.seats:
-                    players = self.players(config=config, initial=trained - {seat})
-                    crossed = self.runner.run(self.play(starts, samples=t.eval_samples, players=players))
+                    crossed = self.runner.run(self.held_out(self.players(config=config, initial=trained - {seat})))
                     mine = seat_results([e[seat] for e in crossed if seat in e])
                     results.update({f"vs_initial/{p.name}@{seat}/{key}": mine[key] for key in ("accuracy", "reward")})
-        assert self.logger is not None
         self.logger.log_eval(state.step, "accuracy", results, [traj for e in episodes for traj in e.values()])
         return results
 
     def resume(self) -> TrainState:
-        """A fresh state, or every policy's checkpoint of one step (``trainer.resume``: latest or a step dir name)."""
+        """A fresh state, or every policy's checkpoint of one step (``trainer.resume``: latest or a step dir name);
+        the run's logger begun from it."""
+        state = self._restored()
+        self.main.begin(state, total_steps=self.cfg.trainer.steps, stage="rl")
+        return state
+
+    def _restored(self) -> TrainState:
         resume = self.cfg.trainer.resume
         if not resume:
             if self.server is not None:  # a server has no adapter until one is loaded: the untrained one, the base's
@@ -233,20 +260,16 @@ class PolicyRun:
             raise RuntimeError(f"the policies' latest checkpoints are of different steps "
                                f"{[s.step for s in states]}: resume from one step all of them have")
         state = states[-1]
-        if state.data:
-            self.envs.load_state(state.data)
         for p in self.policies:
             self.serve(p, state.policy_version)
         return state
 
     def close(self) -> None:
-        """Stop every engine and close the env; safe after a failed start."""
+        """Stop every engine, then the run; safe after a failed start."""
         engines = [p.engine for p in self.policies] + list(self.frozen.values())
-        for stop in [*(e.stop for e in engines), self.envs.close]:
-            self.runner.run(stop())
-        if self.logger is not None:
-            self.logger.close()
-        self.runner.close()
+        for engine in engines:
+            self.runner.run(engine.stop())
+        self.main.close()
 
 
 class Episodes:
@@ -261,13 +284,15 @@ class Episodes:
 
     def next(self, state: TrainState) -> tuple[list[Trajectory], int]:
         """Every seat's trajectories of the step's episodes, and how many drawn groups were dropped as too stale."""
-        run, g = self.run, self.run.cfg.generator
-        starts = [s for _, drawn in run.envs.draw(g.prompts_per_step) for s in drawn]
-        episodes = run.runner.run(run.play(starts, samples=g.samples_per_prompt))
-        return [t for episode in episodes for t in episode.values()], 0
+        run = self.run
+        return run.runner.run(run.play_draws(run.envs.draw(run.cfg.generator.prompts_per_step))), 0
 
     def served(self, version: int) -> None:
         """Every policy's engine serves ``version`` now."""
+
+    def metrics(self) -> dict[str, float]:
+        """The envs' samplers' metrics (trainer/curriculum.py) and the placement's health, for the step's row."""
+        return {**self.run.envs.metrics(), **self.run.main.placement.metrics()}
 
     def snapshot(self, state: TrainState) -> None:
         """Put the data positions (and drawn-but-untrained groups) into ``state``, for a checkpoint."""
@@ -298,6 +323,10 @@ class EpisodesAhead(Episodes):
     def served(self, version: int) -> None:
         self.run.runner.run(self.ahead.set_version(version))
 
+    def metrics(self) -> dict[str, float]:
+        # the samplers draw and observe on the loop
+        return {**self.run.runner.run(on_loop(self.run.envs.metrics)), **self.run.main.placement.metrics()}
+
     def snapshot(self, state: TrainState) -> None:
         state.data, state.pending = self.run.runner.run(snapshot_state(self.run.envs, self.ahead))
 
@@ -307,17 +336,27 @@ class EpisodesAhead(Episodes):
             self.started = False
 
 
-def train_policies(cfg: Config) -> dict[str, Any]:
-    """Train the policies ``cfg.seats`` names for ``trainer.steps`` steps; returns held-out results before and after
-    (per seat, and of each policy with its frozen initial partners) and each policy's final weights."""
+def train_seat_sft(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]:
+    """The sft stage of a run with seats: ``sft.policy``'s model trained on its seats' demonstrations (trainer/
+    sft.py), its weights handed on as that policy's (``weights/NAME``). The held-out loss is the stage's; held-out
+    play, which needs every seat's player, is the rl stage's."""
+    results = dict(train_sft(replace(cfg, trainer=replace(cfg.trainer, eval_tasks=0)),
+                             evaluate_before=evaluate_before))
+    results[f"weights/{cfg.sft.policy}"] = results.pop("weights")
+    return results
+
+
+def train_policies(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]:
+    """Train the policies ``cfg.seats`` names for ``trainer.steps`` steps; returns held-out results before (unless
+    ``evaluate_before`` is false: a later stage's) and after (per seat, and of each policy with its frozen initial
+    partners) and each policy's final weights."""
     run = PolicyRun(cfg)
     episodes = EpisodesAhead(run) if cfg.trainer.mode == "async" else Episodes(run)
     try:
         run.start()
         state = run.resume()
-        run.logger = RunLogger(run.out, cfg, total_steps=cfg.trainer.steps, start_step=state.step)
         results: dict[str, Any] = {}
-        if state.step == 0 and cfg.trainer.eval_tasks:
+        if state.step == 0 and cfg.trainer.eval_tasks and evaluate_before:
             results.update({f"{k}_before": v for k, v in run.evaluate(state).items()})
         episodes.start(state)
         while state.step < cfg.trainer.steps:
@@ -363,7 +402,7 @@ def _train_step(run: PolicyRun, episodes: Episodes, state: TrainState) -> tuple[
     metrics.update({
         "reward/mean": sum(t.reward for t in ok) / max(len(ok), 1),
         "rollout/failed": float(sum(t.failed for t in everything)),
-        "time/train_s": t2 - t1, "time/sync_s": time.perf_counter() - t2,
+        "time/train_s": t2 - t1, "time/sync_s": time.perf_counter() - t2, **episodes.metrics(),
         "time/step_s": time.perf_counter() - t0})
     return metrics, everything
 
@@ -391,6 +430,16 @@ def _outcomes(episodes: list[dict[Seat, Trajectory]], prefix: str) -> dict[str, 
     out[f"{prefix}accuracy"] = sum(bool(e) and all(passed(t) for t in e.values()) for e in episodes) / n
     out[f"{prefix}reward"] = sum(out[f"{prefix}{seat}/reward"] for seat in seats) / max(len(seats), 1)
     return out
+
+
+def _served(stream: EnvStream) -> bool:
+    """Whether ``stream``'s env is served (``http://``, ``ws://``: a session per seat on its server)."""
+    return urlsplit(stream.cfg.name).scheme in ("http", "https", "ws", "wss")
+
+
+def _seating(stream: EnvStream) -> Seating:
+    """How ``stream``'s episodes seat their players: sessions on its server, or an env made here."""
+    return remote_seats(stream.cfg.name, **stream.cfg.kwargs) if _served(stream) else local_seats(stream.make)
 
 
 async def _gather(*jobs: Any) -> None:

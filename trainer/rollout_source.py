@@ -151,7 +151,7 @@ class AsyncSource(SyncSource):
         return from_memory
 
     def curriculum(self) -> dict[str, float]:
-        return self.loop.run(_on_loop(self.main.envs.metrics))  # the samplers draw and observe on the loop
+        return self.loop.run(on_loop(self.main.envs.metrics))  # the samplers draw and observe on the loop
 
     def snapshot(self, state: TrainState) -> None:
         # a consistent cut: nothing runs on the loop meanwhile
@@ -172,7 +172,8 @@ def rollout_source(run: Run) -> RolloutSource:
 T = TypeVar("T")
 
 
-async def _on_loop(call: Callable[[], T]) -> T:
+async def on_loop(call: Callable[[], T]) -> T:
+    """``call()`` run on the event loop awaiting this (the state it reads is that loop's)."""
     return call()
 
 

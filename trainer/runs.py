@@ -74,13 +74,14 @@ class Run:
         resume = self.cfg.trainer.resume
         state = self.checkpoints.load(self.checkpoints.resolve(resume), backend) if resume else TrainState()
         self.evaluating = broadcast_from_rank0(self.evaluating)
-        self._begin(state, total_steps, stage)
+        self.begin(state, total_steps=total_steps, stage=stage)
         if state.policy_version:
             self.serve(backend, state.policy_version)
         return state
 
-    def _begin(self, state: TrainState, total_steps: int, stage: str) -> None:
-        """Rank 0: the logger, and the envs' data positions of a resumed run."""
+    def begin(self, state: TrainState, *, total_steps: int, stage: str) -> None:
+        """Rank 0: the logger, and the envs' data positions of a resumed run (``resume`` calls it; a stage that
+        restores its state itself calls it after)."""
 
     def serve(self, backend: TrainBackend, version: int) -> bool:
         """Have the engine serve the policy as ``version``; whether it went from memory."""
@@ -179,7 +180,7 @@ class MainRun(Run):
             publish_policy(self.engine)
         return made
 
-    def _begin(self, state: TrainState, total_steps: int, stage: str) -> None:
+    def begin(self, state: TrainState, *, total_steps: int, stage: str) -> None:
         self.logger = RunLogger(self.out, self.cfg, total_steps=total_steps, start_step=state.step, stage=stage)
         if state.data:
             self.envs.load_state(state.data)

@@ -19,17 +19,18 @@ import ctypes
 import gc
 import io
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from generators import read_jsonl
 from trainer.checkpoint import CheckpointManager
-from trainer.config import Config
+from trainer.config import Config, ModelConfig
 from trainer.distill import train_distill
 from trainer.loop import train
 from trainer.metrics import EVAL_GROUPS, is_eval_row, sample_groups
+from trainer.multi_policy import train_policies, train_seat_sft
 from trainer.online import train_online
 from trainer.placement import launch_stage
 from trainer.report import Phase, RunRecord, write_run_report
@@ -40,6 +41,9 @@ RUNS: dict[str, Callable[..., dict[str, Any]]] = {"sft": train_sft, "rl": train,
 """What runs each stage (``config.STAGES`` names them): ``run(cfg, evaluate_before=...) -> results``, built on
 trainer/runs.py. A new stage is a module with such a function, and a line here and in ``config.STAGES``."""
 
+SEAT_RUNS: dict[str, Callable[..., dict[str, Any]]] = {"sft": train_seat_sft, "rl": train_policies}
+"""What runs a stage of a run with seats: several policies trained together (trainer/multi_policy.py)."""
+
 HEADLINES = ("accuracy", "greedy_accuracy", "tool_call_rate", "greedy_tool_call_rate", "reward", "greedy_reward")
 """Held-out results reported before the first stage and after each one."""
 
@@ -48,9 +52,9 @@ def run_stages(cfg: Config) -> dict[str, Any]:
     """Run ``cfg.stages`` in order; returns the held-out results before and after each stage and where the
     outputs are."""
     out = Path(cfg.trainer.output_dir)
-    model = cfg.model.path
+    model = cfg.model
     by_stage: dict[str, dict[str, Any]] = {}
-    for i, stage in enumerate(cfg.stages):
+    for stage in cfg.stages:
         stage_out = out / stage if len(cfg.stages) > 1 else out
         finished = stage_out / "summary.json"
         if cfg.trainer.resume and finished.is_file() and len(cfg.stages) > 1:
@@ -60,19 +64,34 @@ def run_stages(cfg: Config) -> dict[str, Any]:
             if (len(cfg.stages) > 1 and resume == "latest"
                     and not CheckpointManager(stage_out / "checkpoints", keep_last=1).all()):
                 resume = None  # this stage had not saved a checkpoint yet: it starts
-            stage_cfg = replace(cfg, stages=[stage], model=replace(cfg.model, path=model),
+            stage_cfg = replace(cfg, stages=[stage], model=model,
                                 trainer=replace(cfg.trainer, output_dir=str(stage_out), resume=resume))
-            by_stage[stage] = launch_stage(stage_cfg, RUNS[stage], evaluate_before=i == 0)
+            program = (SEAT_RUNS if cfg.seats else RUNS)[stage]
+            by_stage[stage] = launch_stage(stage_cfg, program, evaluate_before=not _evaluated(by_stage.values()))
             _release_memory()
-        model = by_stage[stage].get("weights", model)
+        model = handed_on(model, by_stage[stage])
     if len(cfg.stages) == 1:
         return by_stage[cfg.stages[0]]
     results = combine(cfg.stages, by_stage)
-    results["weights"] = model
+    results.update({key: value for key, value in by_stage[cfg.stages[-1]].items() if key.startswith("weights/")})
+    results["weights"] = model.path
     results["report"] = str(write_stages_report(cfg, by_stage, results, out / "report.html"))
     results["output_dir"] = str(out)
     (out / "summary.json").write_text(json.dumps({**results, "stages_results": by_stage}, indent=2) + "\n")
     return results
+
+
+def handed_on(model: ModelConfig, results: dict[str, Any]) -> ModelConfig:
+    """The next stage's starting weights: the model a stage trained (``weights``), or, with seats, the policy it
+    trained (``weights/NAME``)."""
+    by_policy = {key.removeprefix("weights/"): value for key, value in results.items() if key.startswith("weights/")}
+    return replace(model, path=results.get("weights", model.path),
+                   policy_paths={**model.policy_paths, **by_policy})
+
+
+def _evaluated(earlier: Iterable[dict[str, Any]]) -> bool:
+    """Whether a stage before evaluated the policy the next one starts from (its held-out results after)."""
+    return any(f"{name}_after" in results for results in earlier for name in HEADLINES)
 
 
 def _release_memory() -> None:
@@ -88,7 +107,8 @@ def combine(stages: list[str], by_stage: dict[str, dict[str, Any]]) -> dict[str,
     every headline result any stage reported."""
     results: dict[str, Any] = {"stages": list(stages)}
     for name in HEADLINES:
-        before = by_stage[stages[0]].get(f"{name}_before")
+        # the first stage that evaluated the policy it started from (a seat's sft stage plays no held-out episodes)
+        before = next((by_stage[s][f"{name}_before"] for s in stages if f"{name}_before" in by_stage[s]), None)
         if before is not None:
             results[f"{name}_before"] = before
         for stage in stages:

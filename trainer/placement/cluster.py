@@ -141,7 +141,7 @@ def _cpus_needed(cfg: Config) -> int:
     its dead predecessor freed)."""
     p = cfg.placement
     total = (p.trainer_ranks * p.trainer_resources.get("CPU", 0)
-             + p.inference_replicas * p.replica_resources.get("CPU", 0)
+             + cfg.engines * p.inference_replicas * p.replica_resources.get("CPU", 0)
              + p.env_workers * p.env_worker_resources.get("CPU", 0))
     return max(int(total + 0.999), os.cpu_count() or 1)
 

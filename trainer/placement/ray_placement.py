@@ -26,14 +26,17 @@ from trainer.placement.groups import TRAINER_RANK, actor_options, ready_group
 
 
 class RayPlacement(Placement):
-    """Rank 0's placement on a Ray cluster: a :class:`ReplicaSet` of :class:`EngineActor` replicas and, with
-    ``env_workers``, an :class:`EnvWorkerPool`."""
+    """Rank 0's placement on a Ray cluster: for each engine it asks for (one, or a run with seats' one per policy
+    and frozen checkpoint), a :class:`ReplicaSet` of :class:`EngineActor` replicas in a placement group of its own;
+    and, with ``env_workers``, an :class:`EnvWorkerPool`."""
 
     def __init__(self, cfg: Config) -> None:
         super().__init__(cfg)
         p = cfg.placement
-        self.replicas: ReplicaSet | None = None
-        self.group: PlacementGroup | None = None
+        self.engines: dict[str, ReplicaSet] = {}
+        """Each engine's replicas, by the prefix of their actors' names: ``replica-N`` for the first engine,
+        ``NAME-replica-N`` for a further one, NAME its output dir's."""
+        self.groups: list[PlacementGroup] = []
         # each worker's pool holds its share of the rollouts in flight
         share = max(1, -(-super().sandbox_pool_size() // max(p.env_workers, 1)))
         self.workers = EnvWorkerPool(p.env_workers, p.env_worker_resources,
@@ -44,18 +47,20 @@ class RayPlacement(Placement):
         if max_loras:
             raise ValueError("LoRA adapters are served by placement.backend=local's engine only")
         p = self.cfg.placement
-        self.group = ready_group(p.replica_resources, p.inference_replicas, "inference replicas")
+        prefix = f"{Path(out).name}-" if self.engines else ""
+        group = ready_group(p.replica_resources, p.inference_replicas, f"{prefix}inference replicas")
+        self.groups.append(group)
         # replicas share the nodes with each other and the trainer ranks
-        group, inference, stage = self.group, self.inference(beside_trainer=True), WeightStage()
+        inference, stage = self.inference(beside_trainer=True), WeightStage()
 
         async def spawn(index: int) -> InferenceEngine:
-            name = f"replica-{index}"
+            name = f"{prefix}replica-{index}"
             actor = EngineActor.options(name=name, **actor_options(p.replica_resources, group)).remote(  # type: ignore[attr-defined]
                 inference, self.cfg.weight_sync, str(model_path), str(out / name))
             return ActorEngine(actor, name, stage)
 
-        self.replicas = ReplicaSet(spawn, p.inference_replicas)
-        return self.replicas
+        self.engines[prefix] = ReplicaSet(spawn, p.inference_replicas)
+        return self.engines[prefix]
 
     def sandbox_pool_size(self) -> int:
         return super().sandbox_pool_size() if self.workers is None else 0
@@ -68,7 +73,8 @@ class RayPlacement(Placement):
         return WorkerEnv(self.workers, ref.with_pool(None))
 
     def metrics(self) -> dict[str, float]:
-        values = self.replicas.metrics() if self.replicas is not None else {}
+        values = {key.replace("inference/", f"inference/{prefix}", 1): value
+                  for prefix, replicas in self.engines.items() for key, value in replicas.metrics().items()}
         if self.workers is not None:
             values.update({"envs/workers": len(self.workers.load), "envs/worker_restarts": self.workers.restarts})
         return values
@@ -90,6 +96,6 @@ class RayPlacement(Placement):
         if self.workers is not None:
             await self.workers.close()
             self.workers = None
-        if self.group is not None:
-            remove_placement_group(self.group)
-            self.group = None
+        for group in self.groups:
+            remove_placement_group(group)
+        self.groups = []
