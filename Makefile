@@ -91,16 +91,16 @@ docker-up: install  ## Docker for sandboxes: install docker.io, start dockerd, b
 	$(PY) -m sandboxes.engine up
 
 cluster-image: install docker-up  ## the container cluster's node image (Debian, libnuma, g++; about a minute, once)
-	$(PY) -m trainer.cluster image
+	$(PY) -m trainer.container_cluster image
 
 cluster-up: cluster-image  ## a multi-node Ray cluster of Docker containers on this machine (head + 2 workers; docs/training/multi-node.md)
-	$(PY) -m trainer.cluster up
+	$(PY) -m trainer.container_cluster up
 
 traces: install  ## Phoenix, the trace backend, on http://127.0.0.1:6006: train with logging.traces=http://127.0.0.1:6006/v1/traces
 	PHOENIX_WORKING_DIR=$(ENVKIT_CACHE_DIR)/phoenix $(ENVKIT_PHOENIX) serve
 
 cluster-down:  ## remove the container cluster: its nodes, their sandboxes, its networks
-	$(PY) -m trainer.cluster down
+	$(PY) -m trainer.container_cluster down
 
 browser:  ## headless Chromium for the report tests (Debian's chromium through apt-get, once; needs root)
 	@command -v chromium >/dev/null || { echo ">> installing chromium with apt-get (once)"; \

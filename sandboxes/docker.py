@@ -65,7 +65,7 @@ OWNER_LABEL = "org.envkit.owner"
 INTERNAL_NETWORK = "envkit-sandbox-internal"
 SANDBOX_NETWORK_ENV = "ENVKIT_SANDBOX_NETWORK"
 """Names the internal network no-network sandboxes join instead of :data:`INTERNAL_NETWORK`: a node of a container
-cluster (trainer/cluster.py) is attached to its cluster's, so its env workers reach their sandboxes."""
+cluster (trainer/container_cluster.py) is attached to its cluster's, so its env workers reach their sandboxes."""
 STAGING_DIR_ENV = "ENVKIT_DOCKER_STAGING_DIR"
 """Names a directory that this process and the Docker engine see at the same path, where a
 :class:`~sandboxes.agent.DockerCommand` stages each episode (its gateway socket, its task) for its container to

@@ -1,6 +1,7 @@
-"""Faults injected into training runs on a multi-node container cluster (trainer/cluster.py), each at a moment it
-picks; a table says, for each, how soon the run named it and how, whether it carried on or stopped and resumed from
-its last checkpoint once the part was back, the part's restart time, and what was left afterwards (must be nothing).
+"""Faults injected into training runs on a multi-node container cluster (trainer/container_cluster.py), each at a
+moment it picks; a table says, for each, how soon the run named it and how, whether it carried on or stopped and
+resumed from its last checkpoint once the part was back, the part's restart time, and what was left afterwards (must
+be nothing).
 
     .venv/bin/python tests/faults.py                     # every fault (make faults), ~15 min on 2 cores
     .venv/bin/python tests/faults.py --only node_killed  # one (repeat --only for several)
@@ -141,10 +142,10 @@ class Cluster:
         self.env = env_with_tests()
 
     def cli(self, *argv: str) -> str:
-        done = subprocess.run([sys.executable, "-m", "trainer.cluster", *argv, "--name", NAME], cwd=ROOT,
+        done = subprocess.run([sys.executable, "-m", "trainer.container_cluster", *argv, "--name", NAME], cwd=ROOT,
                               env=self.env, capture_output=True, text=True, timeout=600)
         if done.returncode:
-            raise SystemExit(f"trainer.cluster {argv[0]} failed:\n{done.stdout}{done.stderr}")
+            raise SystemExit(f"trainer.container_cluster {argv[0]} failed:\n{done.stdout}{done.stderr}")
         return done.stdout
 
     def up(self) -> None:
@@ -170,7 +171,7 @@ class Cluster:
 
     def rejoin(self, role: str) -> float:
         """Start the node ``role`` again and wait until the cluster counts it; the seconds that took."""
-        from trainer.cluster import fence, wait_joined
+        from trainer.container_cluster import fence, wait_joined
 
         began = time.monotonic()
         self.node(role).start()
@@ -292,7 +293,7 @@ def cut_worker1_in_weight_sync(run: Run, cluster: Cluster) -> float:
 
 def reconnect_worker1(run: Run, cluster: Cluster) -> float:
     """Connect worker1 again at its address and restart it: Ray declared its node dead, so a fresh one joins."""
-    from trainer.cluster import fence, wait_joined
+    from trainer.container_cluster import fence, wait_joined
 
     began = time.monotonic()
     node = cluster.node("worker1")

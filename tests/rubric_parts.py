@@ -26,4 +26,5 @@ relative = RelativeJudge("The reply gives the correct sum.", constrain="regex", 
 
 on_worker1 = WeightedSum({EnvReward(): 0.5, RewardModel("bundled", batch_size=16, max_wait_s=0.5,
                                                         resources={"worker1": 1}): 0.5})
-""":data:`graded` with the reward head's actor on a container cluster's node ``worker1`` (trainer/cluster.py)."""
+""":data:`graded` with the reward head's actor on a container cluster's node ``worker1``
+(trainer/container_cluster.py)."""

@@ -1,6 +1,6 @@
-"""A multi-node Ray cluster of Docker containers on this machine (trainer/cluster.py): `python -m trainer.cluster up`,
-one training run placed across its nodes from this host's driver, two kills in its first step, and `down` leaving
-nothing of the cluster (and everything that is not its own).
+"""A multi-node Ray cluster of Docker containers on this machine (trainer/container_cluster.py):
+`python -m trainer.container_cluster up`, one training run placed across its nodes from this host's driver, two kills
+in its first step, and `down` leaving nothing of the cluster (and everything that is not its own).
 
 The run: the trainer rank (and the capture gateway, in rank 0) on the head; two vLLM replicas on worker1 with the
 reward model's actor; two env workers on worker2 playing a Docker-sandboxed arithmetic env (each worker a warm pool
@@ -16,10 +16,11 @@ directory, which the host's Docker engine sees). Each calls the gateway once, an
 Ray, the gateway's shared port), reads no Ray token and finds no other episode's key; the control, the same probe
 run as root on worker2, reaches the head's Ray and reads the token.
 
-Before the run, a container on the sandbox network tries the head's Ray port: refused (trainer.cluster.fence), and
-reached once the fence is down (the positive control). The run is traced (``up --traces``: Phoenix on the cluster's
-network): each rollout is one trace across the nodes, read back from Phoenix and its span tree checked, and an agent
-rollout's trace is opened in Phoenix's UI in Chromium (its screenshot is in the test report).
+Before the run, a container on the sandbox network tries the head's Ray port: refused
+(trainer.container_cluster.fence), and reached once the fence is down (the positive control). The run is traced
+(``up --traces``: Phoenix on the cluster's network): each rollout is one trace across the nodes, read back from
+Phoenix and its span tree checked, and an agent rollout's trace is opened in Phoenix's UI in Chromium (its screenshot
+is in the test report).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ NAME = "envkit-test-cluster"
 
 
 def _cluster(*argv: str, env: dict[str, str]) -> str:
-    done = subprocess.run([sys.executable, "-m", "trainer.cluster", *argv, "--name", NAME], cwd=REPO, env=env,
+    done = subprocess.run([sys.executable, "-m", "trainer.container_cluster", *argv, "--name", NAME], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
@@ -99,7 +100,7 @@ def cluster(docker_client, tmp_path_factory) -> Iterator[tuple[dict[str, str], P
 def test_a_run_across_three_container_nodes_places_each_role_and_survives_two_kills(cluster, docker_client, machine,
                                                                                    record_property):
     from sandboxes.docker import OWNER_LABEL, SANDBOX_LABEL
-    from trainer.cluster import CLIENT_PORT, CLUSTER_LABEL, GCS_PORT, TOKEN_IN_NODE
+    from trainer.container_cluster import CLIENT_PORT, CLUSTER_LABEL, GCS_PORT, TOKEN_IN_NODE
 
     env, tmp_path = cluster
     _check_fence(docker_client)
@@ -241,7 +242,7 @@ def _reaches(client: Any, ip: str, port: int) -> bool:
 def _check_fence(client: Any) -> None:
     """A sandbox reaches no node: not the head's Ray (GCS, Ray Client), whose token is all that stands between it
     and the cluster. The positive control: the same probe reaches the head with its fence taken down."""
-    from trainer.cluster import GCS_PORT, fence
+    from trainer.container_cluster import GCS_PORT, fence
 
     head = client.containers.get(f"{NAME}-head")
     ip = _ip(client, "head", f"{NAME}-sandboxes")

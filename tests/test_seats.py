@@ -237,38 +237,60 @@ async def test_each_seat_trains_on_its_own_tokens_and_sees_the_others_as_data(vl
 def test_two_policies_train_in_one_run_each_its_own_and_resume_exactly(tmp_path):
     """Two policies on the tiny model (HF engine, seeded requests: rollouts reproduce) play GradedPair's seats in a
     mixture of two such envs, drawn by the band curriculum, with PPO (so each checkpoint must carry its policy's
-    value head too). Each policy's weights change, differently; each has its own checkpoints; both envs' episodes
-    are played and their samplers see them; a run killed after its step-1 checkpoint and resumed trains step 2 as
-    the uninterrupted run does, for both policies."""
+    value head too), after an sft stage that trains policy a on its seat's demonstrations. Policy a starts RL from
+    the sft stage's weights and b from the base model; each policy's weights change, differently; each has its own
+    checkpoints; both envs' episodes are played and their samplers see them; a run killed after its rl stage's
+    step-1 checkpoint and resumed skips the finished sft stage and trains step 2 as the uninterrupted run does, for
+    both policies."""
     from test_trainer import TINY, _metrics, _trainer, _why, kill_at_step_1_checkpoint
-    from tiny import on_tiny_model
-    from weights import changed_tensors
+    from tiny import on_tiny_model, tiny_model_dir
+    from weights import changed_tensors, model_tensors
 
+    demos = tmp_path / "first-demos.jsonl"  # what seat first should say, whatever it is told
+    demos.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Say something. ({i})"},
+                                                      {"role": "assistant", "content": "Blue is my colour."}]}) + "\n"
+                             for i in range(8)))
     common = ["algorithm=ppo", *on_tiny_model(), "curriculum.sampler=band",
               "env.mixture=[{name: 'seat_envs:GradedPair', label: g1}, {name: 'seat_envs:GradedPair', label: g2}]",
               "++seats={first: {policy: a}, second: {policy: b}}", "trainer.steps=2", "trainer.save_every=1",
+              "stages=[sft,rl]", "sft.policy=a", "sft.data=chat", f"sft.paths=[{demos}]", "sft.batch_size=4",
+              "sft.epochs=2", "sft.lr=1e-2",
               "trainer.eval_tasks=2", "trainer.eval_samples=1", "trainer.lr=1e-3", "trainer.warmup_steps=0",
               "generator.max_turns=2", "generator.max_tokens=8", *TINY[:2]]
     reference = tmp_path / "reference"
     result = _trainer(*common, f"trainer.output_dir={reference}")
     assert result.returncode == 0, _why(result)
-    weights = {p: reference / "policies" / p / "weights" / "v2" for p in ("a", "b")}
-    assert all(changed_tensors(Path(on_tiny_model()[1].split("=", 1)[1]), weights[p]) for p in "ab")
+    summary = json.loads((reference / "summary.json").read_text())
+    assert summary["stages_results"]["sft"]["policy"] == "a"
+    sft = Path(summary["stages_results"]["sft"]["weights"])
+    assert summary["stages_results"]["sft"]["eval_loss_after"] < summary["stages_results"]["sft"]["eval_loss_before"]
+    weights = {p: Path(summary[f"weights/{p}"]) for p in "ab"}
+    assert weights == {p: reference / "rl" / "policies" / p / "weights" / "v2" for p in "ab"}
+    assert all(changed_tensors(tiny_model_dir(), weights[p]) for p in "ab")
     assert changed_tensors(weights["a"], weights["b"])  # two models, not one
-    summary = json.loads((reference / "metrics.jsonl").read_text().splitlines()[-1])
-    assert {"eval/vs_initial/a@first/reward", "eval/vs_initial/b@second/reward"} <= set(summary)  # and each with
-    # its frozen initial partner
-    played = [json.loads(line) for line in (reference / "final_trajectories.jsonl").read_text().splitlines()]
+
+    # a started from the sft stage's weights, b from the base model: each ended nearer where it started
+    base, taught = model_tensors(tiny_model_dir()), model_tensors(sft)
+
+    def distance(x: dict, y: dict) -> float:
+        return sum(float((x[k] - y[k]).norm() ** 2) for k in x) ** 0.5
+
+    a, b = model_tensors(weights["a"]), model_tensors(weights["b"])
+    assert distance(a, taught) < distance(a, base) and distance(b, base) < distance(b, taught)
+    last = json.loads((reference / "rl" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert {"eval/vs_initial/a@first/reward", "eval/vs_initial/b@second/reward"} <= set(last)  # and each with its
+    # frozen initial partner
+    played = [json.loads(line) for line in (reference / "rl" / "final_trajectories.jsonl").read_text().splitlines()]
     assert {t["group_id"].split("/")[0] for t in played} == {"g1", "g2"}  # the step's prompts split between envs
-    assert all(_metrics(reference)[step][f"curriculum/{env}/groups_from_band"] > 0 for step in (1, 2)
+    assert all(_metrics(reference / "rl")[step][f"curriculum/{env}/groups_from_band"] > 0 for step in (1, 2)
                for env in ("g1", "g2"))  # each env's sampler drew and was told its starts' outcomes
 
     killed = tmp_path / "killed"
-    kill_at_step_1_checkpoint(killed, common, tmp_path / "killed.log",
-                              checkpoint=killed / "policies" / "b" / "checkpoints" / "step-000001")
+    kill_at_step_1_checkpoint(killed, common, tmp_path / "killed.log", stage_out=killed / "rl",
+                              checkpoint=killed / "rl" / "policies" / "b" / "checkpoints" / "step-000001")
     result = _trainer(*common, f"trainer.output_dir={killed}", "trainer.resume=latest")
     assert result.returncode == 0, _why(result)
-    expected, resumed = _metrics(reference)[2], _metrics(killed)[2]
+    expected, resumed = _metrics(reference / "rl")[2], _metrics(killed / "rl")[2]
     for policy in ("a", "b"):
         assert expected[f"policy/{policy}/train/grad_norm"] > 0  # what is compared is an update
         for key in ("reward/mean", "rollout/model_tokens", "train/loss", "train/value_loss", "train/grad_norm",

@@ -193,10 +193,12 @@ def test_ppo_value_head_learns_shards_and_stays_out_of_the_export(tmp_path):
     _close(one, whole, ("train/loss", "train/value_loss", "train/grad_norm", "logprob_sum_after"), rel=1e-4)
 
 
-def kill_at_step_1_checkpoint(out: Path, overrides: list[str], log: Path, *, checkpoint: Path | None = None) -> None:
+def kill_at_step_1_checkpoint(out: Path, overrides: list[str], log: Path, *, checkpoint: Path | None = None,
+                              stage_out: Path | None = None) -> None:
     """Run ``python -m trainer`` into ``out`` and SIGKILL its whole process group once its step-1 checkpoint
-    (``checkpoint``, by default ``out/checkpoints/step-000001``) exists, before step 2's metrics; the run's output goes
-    to ``log``, shown if it ends first."""
+    (``checkpoint``, by default ``out/checkpoints/step-000001``) exists, before step 2's metrics (in ``stage_out``,
+    by default ``out``: a run of several stages writes each stage's in a dir of its own); the run's output goes to
+    ``log``, shown if it ends first."""
     checkpoint = checkpoint or out / "checkpoints" / "step-000001"
     with log.open("w") as sink:
         process = subprocess.Popen([sys.executable, "-m", "trainer", *overrides, f"trainer.output_dir={out}"],
@@ -210,7 +212,7 @@ def kill_at_step_1_checkpoint(out: Path, overrides: list[str], log: Path, *, che
         time.sleep(0.005)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
-    assert 2 not in _metrics(out)
+    assert 2 not in _metrics(stage_out or out)
 
 
 def test_kill_9_then_resume_reproduces_the_next_step(tmp_path):

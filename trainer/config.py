@@ -786,7 +786,7 @@ class Config:
         from generators.engines.vllm import is_cpu_build  # the openai SDK with it: half a second, for LoRA runs only
 
         return (len(self.policies) > 1 and self.inference.engine == "vllm" and self.weight_sync.mode != "memory"
-                and not is_cpu_build())
+                and not self.model.policy_paths and "sft" not in self.stages and not is_cpu_build())
 
     @property
     def mini_batch_size(self) -> int:
@@ -904,9 +904,8 @@ REFUSED: tuple[Refusal, ...] = (
     Refusal("seats without a policy", "seats: a run of several policies needs a seat that names a policy to "
             "train: bind one with seats.SEAT.policy=NAME", lambda c: bool(c.seats) and not c.policies),
     Refusal("seats with the distill or online stage",
-            "seats: a run of several policies needs stages=[rl] or [sft, rl] (no teacher or live traffic for "
-            "seats yet)",
-            lambda c: bool(c.seats) and c.stages not in (["rl"], ["sft", "rl"])),
+            "seats: a run of several policies has the stages sft and rl (no teacher or live traffic for seats yet)",
+            lambda c: bool(c.seats) and bool({"distill", "online"} & set(c.stages))),
     Refusal("seats with an sft stage without sft.policy",
             "seats: the sft stage trains one policy on its seats' demonstrations: name it with sft.policy=NAME",
             lambda c: bool(c.seats) and "sft" in c.stages and c.sft.policy not in c.policies),
@@ -937,6 +936,10 @@ REFUSED: tuple[Refusal, ...] = (
     Refusal("model.lora.serve=adapters with inference.engine other than vllm",
             "model.lora.serve=adapters needs inference.engine=vllm",
             lambda c: _adapters(c) and c.inference.engine != "vllm"),
+    Refusal("model.lora.serve=adapters with model.policy_paths (or an sft stage with seats)",
+            "model.lora.serve=adapters serves every policy as an adapter of model.path: a policy that starts from "
+            "other weights is not one (use model.lora.serve=merged)",
+            lambda c: _adapters(c) and (bool(c.model.policy_paths) or "sft" in c.stages)),
     Refusal("model.lora.serve=adapters with weight_sync.mode=memory",
             "model.lora.serve=adapters needs weight_sync.mode=auto or disk: an adapter goes to the server as a file",
             lambda c: _adapters(c) and c.weight_sync.mode == "memory"),

@@ -338,12 +338,9 @@ class EpisodesAhead(Episodes):
 
 def train_seat_sft(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]:
     """The sft stage of a run with seats: ``sft.policy``'s model trained on its seats' demonstrations (trainer/
-    sft.py), its weights handed on as that policy's (``weights/NAME``). The held-out loss is the stage's; held-out
-    play, which needs every seat's player, is the rl stage's."""
-    results = dict(train_sft(replace(cfg, trainer=replace(cfg.trainer, eval_tasks=0)),
-                             evaluate_before=evaluate_before))
-    results[f"weights/{cfg.sft.policy}"] = results.pop("weights")
-    return results
+    sft.py; its results name the policy its weights start). The held-out loss is the stage's; held-out play, which
+    needs every seat's player, is the rl stage's."""
+    return train_sft(replace(cfg, trainer=replace(cfg.trainer, eval_tasks=0)), evaluate_before=evaluate_before)
 
 
 def train_policies(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]:

@@ -66,7 +66,9 @@ def train_sft(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]:
         state.policy_version = state.step
         if run.evaluating:  # the engine serves the trained weights for the evaluation after
             run.serve(backend, state.policy_version)
-        return run.finish(backend, state, {**results, **{f"sft/{k}": v for k, v in data.counts.items()}})
+        # with seats, the policy these weights start (trainer/stages.py hands them on)
+        trained = {"policy": cfg.sft.policy} if cfg.sft.policy else {}
+        return run.finish(backend, state, {**results, **trained, **{f"sft/{k}": v for k, v in data.counts.items()}})
     finally:
         run.close()
 

@@ -82,11 +82,14 @@ def run_stages(cfg: Config) -> dict[str, Any]:
 
 
 def handed_on(model: ModelConfig, results: dict[str, Any]) -> ModelConfig:
-    """The next stage's starting weights: the model a stage trained (``weights``), or, with seats, the policy it
-    trained (``weights/NAME``)."""
+    """The next stage's starting weights: the model a stage trained (``weights``); with seats, those of the policy
+    its results name (``policy``: a seat's sft stage), or each policy's (``weights/NAME``)."""
     by_policy = {key.removeprefix("weights/"): value for key, value in results.items() if key.startswith("weights/")}
-    return replace(model, path=results.get("weights", model.path),
-                   policy_paths={**model.policy_paths, **by_policy})
+    if "policy" in results:
+        by_policy[results["policy"]] = results["weights"]
+    elif "weights" in results:
+        model = replace(model, path=results["weights"])
+    return replace(model, policy_paths={**model.policy_paths, **by_policy})
 
 
 def _evaluated(earlier: Iterable[dict[str, Any]]) -> bool:

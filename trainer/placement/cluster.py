@@ -123,8 +123,8 @@ def _join(address: str, namespace: str, attempts: int = 3) -> None:
 
 def _build_images(cfg: Config) -> None:
     """Build the run's Docker env images here first, where this driver reaches a Docker engine: the nodes of a
-    container cluster (trainer/cluster.py) share it, and have no package index to build from. Elsewhere each node
-    builds its own when its first env worker needs it."""
+    container cluster (trainer/container_cluster.py) share it, and have no package index to build from. Elsewhere
+    each node builds its own when its first env worker needs it."""
     sandboxed = [env.name for env in cfg.env.members if env.sandbox in ("docker", "auto")]
     if not sandboxed:
         return
