@@ -842,6 +842,8 @@ class Refusal:
     """Why it cannot run, and what to do instead."""
     applies: Callable[[Config], bool]
     """Whether a config holds the combination."""
+    unbuilt: bool = False
+    """Whether it could work and is only not built yet (else it cannot work as asked)."""
 
     @property
     def message(self) -> str:
@@ -872,7 +874,7 @@ REFUSED: tuple[Refusal, ...] = (
     Refusal("model.lora.r > 0 with trainer.backend=deepspeed",
             "model.lora.r needs trainer.backend=fsdp: LoRA is FSDP-only for now (set model.lora.r=0 to fine-tune "
             "every weight with DeepSpeed)",
-            lambda c: c.model.lora.enabled and c.trainer.backend != "fsdp"),
+            lambda c: c.model.lora.enabled and c.trainer.backend != "fsdp", unbuilt=True),
     Refusal("curriculum.refill with trainer.mode=async",
             "curriculum.refill draws again within a step: it needs trainer.mode=sync (async mode fills its steps "
             "from groups generated ahead)",
@@ -881,12 +883,12 @@ REFUSED: tuple[Refusal, ...] = (
             lambda c: _online(c) and c.online.clients is None),
     Refusal("the online stage after another stage than sft, or before one",
             "the online stage needs stages=[online] alone or after sft",
-            lambda c: _online(c) and c.stages not in (["online"], ["sft", "online"])),
+            lambda c: _online(c) and c.stages not in (["online"], ["sft", "online"]), unbuilt=True),
     Refusal("stages=[online] with placement.backend=ray",
             "the online stage needs placement.backend=local, one rank: it serves one policy from this machine",
-            lambda c: _online(c) and c.placement.backend != "local"),
+            lambda c: _online(c) and c.placement.backend != "local", unbuilt=True),
     Refusal("stages=[online] with seats", "the online stage needs no seats: it serves one policy",
-            lambda c: _online(c) and bool(c.seats)),
+            lambda c: _online(c) and bool(c.seats), unbuilt=True),
     Refusal("stages=[online] with inference.url",
             "the online stage needs engines it starts (no inference.url): one serves, the other holds the candidate",
             lambda c: _online(c) and bool(c.inference.url)),
@@ -905,7 +907,7 @@ REFUSED: tuple[Refusal, ...] = (
             "train: bind one with seats.SEAT.policy=NAME", lambda c: bool(c.seats) and not c.policies),
     Refusal("seats with the distill or online stage",
             "seats: a run of several policies has the stages sft and rl (no teacher or live traffic for seats yet)",
-            lambda c: bool(c.seats) and bool({"distill", "online"} & set(c.stages))),
+            lambda c: bool(c.seats) and bool({"distill", "online"} & set(c.stages)), unbuilt=True),
     Refusal("seats with an sft stage without sft.policy",
             "seats: the sft stage trains one policy on its seats' demonstrations: name it with sft.policy=NAME",
             lambda c: bool(c.seats) and "sft" in c.stages and c.sft.policy not in c.policies),
@@ -916,18 +918,18 @@ REFUSED: tuple[Refusal, ...] = (
     Refusal("seats with placement.trainer_ranks > 1",
             "seats: a run of several policies trains on one rank for now (its policies' engines may be Ray actors: "
             "placement.inference_replicas)",
-            lambda c: bool(c.seats) and c.placement.backend == "ray" and c.placement.trainer_ranks > 1),
+            lambda c: bool(c.seats) and c.placement.backend == "ray" and c.placement.trainer_ranks > 1, unbuilt=True),
     Refusal("seats with judge.model",
             "seats: a run of several policies needs no judge (judge.model) yet: the run starts one, but no test has "
             "shown a multi-agent env's rubric calling it",
-            lambda c: bool(c.seats) and c.judge.model is not None),
+            lambda c: bool(c.seats) and c.judge.model is not None, unbuilt=True),
     Refusal("seats with inference.url",
             "seats: a run of several policies needs no inference.url: each policy needs an engine of its own",
             lambda c: bool(c.seats) and bool(c.inference.url)),
     Refusal("seats with curriculum.refill",
             "seats: a run of several policies draws no start again within a step (a group is one seat's, and a "
             "flat one does not make its start flat): drop curriculum.refill (a curriculum.sampler works)",
-            lambda c: bool(c.seats) and bool(c.curriculum.refill)),
+            lambda c: bool(c.seats) and bool(c.curriculum.refill), unbuilt=True),
     Refusal("model.lora.serve=adapters with model.lora.r=0", "model.lora.serve=adapters needs model.lora.r > 0",
             lambda c: _adapters(c) and not c.model.lora.enabled),
     Refusal("model.lora.serve=adapters without seats",

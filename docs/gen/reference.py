@@ -176,9 +176,11 @@ def config_page() -> str:
         lines.append(f"| `{key}` | `{kind}` | `{default}` | {doc} |")
     lines += ["", "## Combinations refused\n",
               "Each section checks its own values; then a run refuses these combinations before anything starts, "
-              "in this order, with the reason as its `config error`. This table is `trainer.config.REFUSED`.\n",
-              "| settings | why |", "|---|---|"]
-    lines += [f"| {refusal.when} | {refusal.why} |" for refusal in REFUSED]
+              "in this order, with the reason as its `config error`. This table is `trainer.config.REFUSED`; "
+              "*not built yet* marks a combination that could work and awaits its code, the others cannot work as "
+              "asked.\n",
+              "| settings | why | |", "|---|---|---|"]
+    lines += [f"| {r.when} | {r.why} | {'not built yet' if r.unbuilt else ''} |" for r in REFUSED]
     lines += ["", "## Config groups\n",
               "A group is chosen by name (`algorithm=ppo`, `+recipe=tool_agent`): its file sets the keys it lists "
               "over the defaults, and later overrides win.\n"]

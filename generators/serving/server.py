@@ -154,7 +154,7 @@ class PolicyServer:
     stored before it returns."""
 
     def __init__(self, engine: InferenceEngine, tokenizer: ChatTokenizer, config: ServingConfig,
-                 store: CallStore | None, generator: GeneratorConfig | None = None) -> None:
+                 store: CallStore, generator: GeneratorConfig | None = None) -> None:
         generator = generator or GeneratorConfig()
         sampler = Generator(engine, tokenizer, generator)
         # a conversation has no turn limit: its calls are bounded by the context alone
@@ -208,7 +208,7 @@ class PolicyServer:
         signals = (signal.SIGTERM, signal.SIGINT) if handle_signals and main else ()
         for sig in signals:
             loop.add_signal_handler(sig, self.stop)
-        pruning = asyncio.create_task(self._prune_every(prune_every_s)) if self.store is not None else None
+        pruning = asyncio.create_task(self._prune_every(prune_every_s))
         serving = asyncio.create_task(self._server.serve(sockets=[sock]))
         try:
             while not self._server.started:
@@ -224,8 +224,7 @@ class PolicyServer:
         finally:
             for sig in signals:
                 loop.remove_signal_handler(sig)
-            if pruning is not None:
-                pruning.cancel()
+            pruning.cancel()
             for task in self._scoring:
                 task.cancel()
 
@@ -235,7 +234,6 @@ class PolicyServer:
             self._server.should_exit = True
 
     async def _prune_every(self, seconds: float) -> None:
-        assert self.store is not None
         while True:
             deleted = await self.store.prune()
             if deleted:
@@ -296,7 +294,7 @@ class PolicyServer:
         version = spans[0][1] if spans else self.model_version  # the weights that sampled it (a swap may follow)
         body = dialect.answer(call, choices, prompt_tokens, self.engine.model_name, state.history)
         _trim(state.history.responses)
-        if conversation.captured and self.store is not None:
+        if conversation.captured:
             await self._capture(state.client, conversation.episode, dialect, call.chat, choices[0], body["id"],
                                 version)
         return {**body, "_version": version}, call
@@ -349,7 +347,7 @@ class PolicyServer:
                     reply_ids, logprobs, spans = [], [], []
                 messages, reply = kept[:-1], kept[-1]
         route = dialect.route.rsplit("/", 1)[-1]
-        await self.store.put(StoredCall(  # type: ignore[union-attr]
+        await self.store.put(StoredCall(
             response_id=response_id, client=client.name, episode=episode.key, segment=segment,
             model_version=version, dialect=route, messages=messages, tools=request.tools, reply=reply,
             finish=choice.finish, context_ids=context_ids, reply_ids=list(reply_ids), logprobs=list(logprobs),
@@ -362,7 +360,7 @@ class PolicyServer:
 
     async def _score(self, response_id: str, chat: list[Message]) -> None:
         """The rubric's score of a stored call, stored beside it; a rubric that fails leaves the call unscored."""
-        assert self.config.rubric is not None and self.store is not None
+        assert self.config.rubric is not None  # scoring is started only with one
         try:
             score = await self.config.rubric.score(RubricEpisode(task=None, messages=chat))
         except RubricError as e:
@@ -385,8 +383,7 @@ class PolicyServer:
             state = self._client(request)
             feedback = parse(FeedbackRequest, await read_json(request))
             score = feedback.value()
-            if self.store is None or not await self.store.feedback(feedback.response_id, state.client.name, score,
-                                                                   feedback.text):
+            if not await self.store.feedback(feedback.response_id, state.client.name, score, feedback.text):
                 raise GatewayError(404, "response_not_found", "no stored response with this id was served to this "
                                                               "key (calls not stored take no feedback)")
         except GatewayError as e:
@@ -419,8 +416,6 @@ class PolicyServer:
         """Delete one client's stored calls and feedback (admin key only)."""
         if not self._admin(request):
             return openai_error(403, "forbidden", "deleting a client's data needs the admin key")
-        if self.store is None:
-            return JSONResponse({"client": name, "deleted": 0})
         return JSONResponse({"client": name, "deleted": await self.store.forget(name)})
 
 
