@@ -67,7 +67,8 @@ def run_stages(cfg: Config) -> dict[str, Any]:
             stage_cfg = replace(cfg, stages=[stage], model=model,
                                 trainer=replace(cfg.trainer, output_dir=str(stage_out), resume=resume))
             program = (SEAT_RUNS if cfg.seats else RUNS)[stage]
-            by_stage[stage] = launch_stage(stage_cfg, program, evaluate_before=not _evaluated(by_stage.values()))
+            previous = list(by_stage.values())[-1:]
+            by_stage[stage] = launch_stage(stage_cfg, program, evaluate_before=not _evaluated(previous))
             _release_memory()
         model = handed_on(model, by_stage[stage])
     if len(cfg.stages) == 1:
@@ -92,9 +93,10 @@ def handed_on(model: ModelConfig, results: dict[str, Any]) -> ModelConfig:
     return replace(model, policy_paths={**model.policy_paths, **by_policy})
 
 
-def _evaluated(earlier: Iterable[dict[str, Any]]) -> bool:
-    """Whether a stage before evaluated the policy the next one starts from (its held-out results after)."""
-    return any(f"{name}_after" in results for results in earlier for name in HEADLINES)
+def _evaluated(previous: Iterable[dict[str, Any]]) -> bool:
+    """Whether the stage before (``previous``: its results, or none) evaluated the policy the next one starts from
+    (held-out results after)."""
+    return any(f"{name}_after" in results for results in previous for name in HEADLINES)
 
 
 def _release_memory() -> None:
