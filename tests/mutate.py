@@ -274,14 +274,14 @@ MUTATIONS = [
         needs="Ray, DeepSpeed"),
     Mutation(
         "lora-adapter-not-reloaded",
-        "trainer/multi_policy.py::PolicyRun.serve",
-        "        self.runner.run(policy.engine.load_weights(path, version))\n"
-        "        for old in (policy.out / \"adapters\").glob(\"v*\"):\n"
+        "trainer/policy.py::AdapterPolicy.save_weights_for_sampler",
+        "        runner.run(self.engine.load_weights(path, version))\n"
+        "        for old in (self.out / \"adapters\").glob(\"v*\"):\n"
         "            if old != path:\n"
         "                shutil.rmtree(old, ignore_errors=True)",
         "        if version == 0:\n"
-        "            self.runner.run(policy.engine.load_weights(path, version))\n"
-        "        policy.engine._version = version",
+        "            runner.run(self.engine.load_weights(path, version))\n"
+        "        self.engine._version = version",
         "tests/test_seats.py::test_two_policies_as_lora_adapters_of_one_vllm_server_each_serve_what_trained",
         "a policy served as a LoRA adapter is tagged with each new version but the server keeps its first adapter: "
         "every rollout after step 1 comes from the untrained policy",

@@ -10,6 +10,16 @@ from pathlib import Path
 from suite_report import against_previous
 
 
+def test_the_budget_is_the_machine_kinds():
+    """20 minutes where the CPU has AMX, 30 on the AVX2-only kind (bf16 emulated, training in fp32)."""
+    from suite_report import BUDGETS_S, cpu_kind
+
+    amx = "flags\t\t: fpu avx2 avx512_bf16 amx_bf16 amx_tile amx_int8\n"
+    epyc = "flags\t\t: fpu avx2 fma sha_ni\n"
+    assert (cpu_kind(amx), cpu_kind(epyc)) == ("AMX", "AVX2-only")
+    assert BUDGETS_S[cpu_kind(amx)] == 20 * 60 and BUDGETS_S[cpu_kind(epyc)] == 30 * 60
+
+
 def test_a_run_against_the_run_before_tells_a_slower_machine_from_a_grown_suite():
     before = {"a": 10.0, "b": 2.0, "tiny": 0.5, "dropped": 5.0}
     slower = {"a": 15.0, "b": 3.0, "tiny": 0.9, "added": 7.0}

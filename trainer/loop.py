@@ -67,9 +67,9 @@ def train(cfg: Config, *, evaluate_before: bool = True,
     source = rollout_source(run)
     try:
         goal = objective(run)
-        backend = make_backend(cfg, run.model_path)
+        policy = run.policy(make_backend(cfg, run.model_path))
         run.start()
-        state = run.resume(backend, total_steps=cfg.trainer.steps, stage=goal.stage)
+        state = run.resume(policy, total_steps=cfg.trainer.steps, stage=goal.stage)
         results = run.results_before(state, evaluate_before=evaluate_before)
         source.start(state)
         while state.step < cfg.trainer.steps:
@@ -83,24 +83,24 @@ def train(cfg: Config, *, evaluate_before: bool = True,
             scored = goal.score(batch)
             t_score = time.perf_counter() - t_score
             with tracing.span("update", root=True, step=state.step + 1, rollouts=len(trajs)):
-                train_metrics = update_policy(backend, batch, cfg, run.tokenizer.pad_id, goal)
+                train_metrics = update_policy(policy.backend, batch, cfg, run.tokenizer.pad_id, goal)
             t2 = time.perf_counter()
             state.step = state.policy_version = state.step + 1
             with tracing.span("weight_sync", root=True, step=state.step, weight_version=state.policy_version):
-                from_memory = source.serve(backend, state.policy_version)
+                from_memory = source.serve(policy, state.policy_version)
             t3 = time.perf_counter()
             # The step's metrics before its checkpoint: a run killed between the two resumes from the checkpoint
             # before and logs the step again (the last row of a step counts); the other way round, a run killed
             # there would resume past a step whose metrics were never written.
-            source.log_step(state, trajs, batch, {
+            source.record_step(state, trajs, batch, {
                 **train_metrics, **scored, "time/generate_s": t1 - t0, "time/train_s": t2 - t1 - t_score,
                 "time/sync_s": t3 - t2, "weights/from_memory": float(from_memory),
                 "time/step_s": time.perf_counter() - t_step})
             if run.due(state, last=state.step == cfg.trainer.steps):
                 source.snapshot(state)
-                run.save(backend, state)
+                run.save(policy, state)
             run.evaluate_every(state, total_steps=cfg.trainer.steps)
-        return run.finish(backend, state, results)
+        return run.finish(policy, state, results)
     finally:
         source.close()
         run.close()

@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -41,30 +40,17 @@ from generators.report import passed, seat_results
 from generators.seats import AgentPlayer, Player, Seating, local_seats, play_starts, remote_seats
 from trainer.async_rollouts import AsyncRollouts, LoopThread
 from trainer.backends import make_backend
-from trainer.backends.base import TrainBackend
 from trainer.checkpoint import CheckpointManager, TrainState
 from trainer.config import Config, ConfigError, InferenceConfig
 from trainer.loop import prepare_batch, update_policy
 from trainer.metrics import RunLogger, rollout_metrics
 from trainer.placement import make_placement
 from trainer.placement.base import Placement
+from trainer.policy import AdapterPolicy, Policy
 from trainer.rollout_source import on_loop, snapshot_state
-from trainer.runs import MainRun, open_run, sync_weights
+from trainer.runs import MainRun, open_run
 from trainer.sft import train_sft
 from trainer.sources import EnvStream, Start
-
-
-@dataclass
-class Policy:
-    """One policy of the run: what trains it, what serves it, where it is checkpointed, and the seats it plays."""
-
-    name: str
-    seats: list[Seat]
-    backend: TrainBackend
-    engine: InferenceEngine
-    generator: Generator
-    out: Path
-    checkpoints: CheckpointManager
 
 
 class PolicyRun:
@@ -88,14 +74,18 @@ class PolicyRun:
             assert isinstance(server, VLLMEngine)
             self.server = server
         self.policies: list[Policy] = []
+        """One per name the seats bind (trainer/policy.py), each with its own checkpoints under
+        ``OUT/policies/NAME``: an adapter of the one server, or a model with an engine of its own."""
+        kind = AdapterPolicy if self.server else Policy
         for name in cfg.policies:
             out = self.out / "policies" / name
             start = resolve_model(cfg.model.policy_paths[name]) if name in cfg.model.policy_paths else self.model_path
             engine = self.server.adapter(name) if self.server else placement.engine(start, out)
-            self.policies.append(Policy(
-                name, [seat for seat, s in cfg.seats.items() if s.policy == name], make_backend(cfg, start),
-                engine, Generator(engine, self.tokenizer, cfg.generator), out,
-                CheckpointManager(out / "checkpoints", keep_last=cfg.trainer.keep_last)))
+            self.policies.append(kind(
+                make_backend(cfg, start), CheckpointManager(out / "checkpoints", keep_last=cfg.trainer.keep_last),
+                out, engine, name, [seat for seat, s in cfg.seats.items() if s.policy == name]))
+        self.generators = {p.name: Generator(p.engine, self.tokenizer, cfg.generator) for p in self.policies}
+        """What samples from each policy, by name."""
         self.frozen: dict[str, InferenceEngine] = {}
         """Engines of frozen checkpoints, by checkpoint."""
         self.fixed: dict[Seat, Player] = {seat: self._fixed_player(s.checkpoint, s.script, s.endpoint,
@@ -133,7 +123,7 @@ class PolicyRun:
         ``initial`` played by the starting model; an agent's seat played by its agent calling that player. With
         ``config`` the generators are new ones with those settings (held-out evaluation: the ones generating for
         training, in async mode at the same time, keep theirs)."""
-        policy_of = {seat: p.generator for p in self.policies for seat in p.seats}
+        policy_of = {seat: self.generators[p.name] for p in self.policies for seat in p.seats}
         out: dict[Seat, Player] = {}
         for seat in self.cfg.seats:
             player = Generator(self.frozen["initial"], self.tokenizer, self.cfg.generator) if seat in initial \
@@ -206,17 +196,9 @@ class PolicyRun:
         return [episode for episodes in await asyncio.gather(*jobs) for episode in episodes]
 
     def serve(self, policy: Policy, version: int) -> None:
-        """Have ``policy``'s engine serve its backend's weights as ``version``: as an adapter (only the newest is
-        kept on disk), or merged, from memory or disk (``weight_sync``)."""
-        if self.server is None:
-            sync_weights(policy.backend, policy.engine, self.runner, policy.out, version, self.cfg.weight_sync.mode)
-            return
-        path = policy.out / "adapters" / f"v{version}"
-        policy.backend.export_adapter(path)
-        self.runner.run(policy.engine.load_weights(path, version))
-        for old in (policy.out / "adapters").glob("v*"):
-            if old != path:
-                shutil.rmtree(old, ignore_errors=True)
+        """Have ``policy``'s engine serve its weights as ``version``: as an adapter, or merged, from memory or disk
+        (``weight_sync``)."""
+        policy.save_weights_for_sampler(version, self.runner, self.cfg.weight_sync.mode)
 
     def evaluate(self, state: TrainState) -> dict[str, float]:
         """Held-out results per seat of the run's own pairing, and, once trained, of each policy in each of its seats
@@ -255,7 +237,7 @@ class PolicyRun:
         states = []
         for p in self.policies:
             where = "latest" if resume == "latest" else str(p.checkpoints.root / Path(resume).name)
-            states.append(p.checkpoints.load(p.checkpoints.resolve(where), p.backend))
+            states.append(p.load_state(where))
         if len({s.step for s in states}) > 1:
             raise RuntimeError(f"the policies' latest checkpoints are of different steps "
                                f"{[s.step for s in states]}: resume from one step all of them have")
@@ -362,7 +344,7 @@ def train_policies(cfg: Config, *, evaluate_before: bool = True) -> dict[str, An
             if state.step % cfg.trainer.save_every == 0 or state.step == cfg.trainer.steps:
                 episodes.snapshot(state)
                 for p in run.policies:
-                    p.checkpoints.save(p.backend, state)
+                    p.save_state(state)
             every = cfg.trainer.eval_every
             if every and state.step % every == 0 and state.step < cfg.trainer.steps:
                 run.evaluate(state)
@@ -405,14 +387,8 @@ def _train_step(run: PolicyRun, episodes: Episodes, state: TrainState) -> tuple[
 
 
 def _final_weights(run: PolicyRun, state: TrainState) -> dict[str, str]:
-    """Each policy's final weights (``weights/NAME``): written now if no step wrote them, or the starting model."""
-    out: dict[str, str] = {}
-    for p in run.policies:
-        weights = p.out / "weights" / f"v{state.policy_version}"
-        if state.policy_version and not weights.exists():
-            p.backend.export_weights(weights)
-        out[f"weights/{p.name}"] = str(weights if state.policy_version else run.model_path)
-    return out
+    """Each policy's final weights (``weights/NAME``): written now if no step wrote them, or where it started."""
+    return {f"weights/{p.name}": p.save_weights(state.policy_version) for p in run.policies}
 
 
 def _outcomes(episodes: list[dict[Seat, Trajectory]], prefix: str) -> dict[str, float]:

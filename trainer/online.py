@@ -53,6 +53,7 @@ from trainer.checkpoint import TrainState
 from trainer.config import Config, ConfigError
 from trainer.loop import prepare_batch, update_policy
 from trainer.placement import make_placement
+from trainer.policy import Policy
 from trainer.runs import MainRun, open_run
 
 log = logging.getLogger(__name__)
@@ -65,24 +66,24 @@ def train_online(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]
     assert isinstance(run, MainRun) and isinstance(run.runner, LoopThread)  # one rank (the config's check)
     serving = Serving(cfg, run)
     try:
-        backend = make_backend(cfg, run.model_path)
+        policy = run.policy(make_backend(cfg, run.model_path))
         run.start()
-        state = run.resume(backend, total_steps=cfg.trainer.steps, stage="online")
+        state = run.resume(policy, total_steps=cfg.trainer.steps, stage="online")
         serving.start(state)
         _leave_cores(cfg.online.serving_cpu_cores)
         serving.take_priority()
         gate = Gate(cfg, run, serving)
         baseline = gate.held_out()  # the run engine holds the serving weights now
         if not run.checkpoints.all():
-            run.save(backend, state)  # the weights a refused candidate goes back to
+            run.save(policy, state)  # the weights a refused candidate goes back to
         decisions: list[dict[str, Any]] = []
         while state.step < cfg.trainer.steps:
             if serving.server.rollback_to is not None:
-                del backend  # its memory, before the one from the earlier weights is built
-                backend = serving.roll_back(state)
-                run.serve(backend, state.policy_version)
+                del policy  # its memory, before the one from the earlier weights is built
+                policy = run.policy(serving.roll_back(state))
+                run.serve(policy, state.policy_version)
                 baseline = gate.held_out()
-                run.save(backend, state)
+                run.save(policy, state)
                 continue
             t0 = time.perf_counter()
             trajs, dropped, stale = serving.next_round(state)
@@ -90,7 +91,7 @@ def train_online(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]
                 continue
             t1 = time.perf_counter()
             batch = prepare_batch(trajs, cfg)
-            metrics = update_policy(backend, batch, cfg, run.tokenizer.pad_id)
+            metrics = update_policy(policy.backend, batch, cfg, run.tokenizer.pad_id)
             state.step = state.policy_version = state.step + 1
             if "train/skipped_update" not in metrics:
                 state.lineage.append(state.policy_version)
@@ -100,20 +101,20 @@ def train_online(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]
             if "train/skipped_update" in metrics:  # every reward alike: nothing to learn, no candidate
                 decision.update(candidate=None, promoted=False, reason="no update: the round's rewards were equal")
             else:
-                run.serve(backend, state.policy_version)
+                run.serve(policy, state.policy_version)
                 candidate = gate.held_out()
                 decision.update(candidate=state.policy_version, **gate.decide(candidate, baseline))
                 if decision["promoted"]:
                     swap = time.time()
-                    serving.promote(backend, state.policy_version)
+                    serving.promote(policy, state.policy_version)
                     decision["swap"] = [swap, time.time()]
                     state.promoted.append(state.policy_version)
                     baseline = candidate
-                    run.save(backend, state)
+                    run.save(policy, state)
                 elif len(state.lineage) - 1 - state.lineage.index(state.promoted[-1]) > cfg.trainer.max_staleness:
                     # what serves would sample the next round too many updates behind: start again from it
                     rounds, version = state.step, state.policy_version
-                    state = replace(run.checkpoints.load(run.checkpoints.all()[-1], backend), step=rounds,
+                    state = replace(policy.load_state(str(run.checkpoints.all()[-1])), step=rounds,
                                     policy_version=version, lineage=[state.promoted[-1]])
                     decision["reverted"] = state.promoted[-1]
             serving.take(trajs, dropped, state.step)
@@ -263,11 +264,11 @@ class Serving:
         """Where promoted ``version``'s weights are (0: the starting model)."""
         return self.out / "promoted" / f"v{version}" if version else Path(self.run.model_path)
 
-    def promote(self, backend: TrainBackend, version: int) -> None:
+    def promote(self, policy: Policy, version: int) -> None:
         """Write the candidate's weights and have the serving engine load them: calls in flight are paused and
         resumed, none is dropped."""
         path = self.weights(version)
-        backend.export_weights(path)
+        policy.backend.export_weights(path)
         self.run.runner.run(self.engine.load_weights(path, version))  # type: ignore[union-attr]
 
     def log(self, decision: dict[str, Any]) -> None:

@@ -22,10 +22,10 @@ from generators import Trajectory
 from generators.report import first_errors
 from generators.rollout import PartLost
 from trainer.async_rollouts import AsyncRollouts, LoopThread
-from trainer.backends.base import TrainBackend
 from trainer.batching import StepBatch
 from trainer.checkpoint import TrainState
 from trainer.metrics import rollout_metrics
+from trainer.policy import Policy
 from trainer.runs import MainRun, Run
 from trainer.sources import Mixture
 
@@ -63,15 +63,15 @@ class RolloutSource:
         """The step's rollouts, and how many drawn groups were dropped as too stale."""
         return [], 0
 
-    def serve(self, backend: TrainBackend, version: int) -> bool:
-        """Have the engine serve the policy as ``version``; whether it went from memory."""
-        return self.run.serve(backend, version)
+    def serve(self, policy: Policy, version: int) -> bool:
+        """Have the engine serve ``policy`` as ``version``; whether it went from memory."""
+        return self.run.serve(policy, version)
 
     def snapshot(self, state: TrainState) -> None:
         """Put the data positions (and drawn-but-untrained groups) into ``state``, for a checkpoint."""
 
-    def log_step(self, state: TrainState, trajs: list[Trajectory], batch: StepBatch, metrics: dict[str, float]
-                 ) -> None:
+    def record_step(self, state: TrainState, trajs: list[Trajectory], batch: StepBatch,
+                    metrics: dict[str, float]) -> None:
         """Record a finished step: its rollouts, what was trained on, and the update's ``metrics``."""
 
     def close(self) -> None:
@@ -104,8 +104,8 @@ class SyncSource(RolloutSource):
         state.data = run.envs.state()
         return trajs, 0
 
-    def log_step(self, state: TrainState, trajs: list[Trajectory], batch: StepBatch, metrics: dict[str, float]
-                 ) -> None:
+    def record_step(self, state: TrainState, trajs: list[Trajectory], batch: StepBatch,
+                    metrics: dict[str, float]) -> None:
         if batch.counts["failed"]:
             failed = [t for t in trajs if t.failed]
             by_env = Counter(t.env_name for t in failed)  # in a mixture, which env's rollouts they were
@@ -144,8 +144,8 @@ class AsyncSource(SyncSource):
         self.generator.config = replace(self.generator.config, timeout_s=self.deadline.seconds)
         return self.loop.run(self.rollouts.batch(state.step))
 
-    def serve(self, backend: TrainBackend, version: int) -> bool:
-        from_memory = super().serve(backend, version)
+    def serve(self, policy: Policy, version: int) -> bool:
+        from_memory = super().serve(policy, version)
         if self.started:  # a resumed run serves its checkpoint before generation starts
             self.loop.run(self.rollouts.set_version(version))
         return from_memory

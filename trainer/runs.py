@@ -2,8 +2,8 @@
 
     run     = open_run(cfg, ...)        seeds; this rank's part (rank 0: envs, judge, inference engine, logger)
     made    = run.start(prepare)        envs, judge and engine up; ``prepare`` runs meanwhile, its result broadcast
-    backend = make_backend(...)         the policy being trained
-    state   = run.resume(backend, ...)  a fresh state, or the checkpoint ``trainer.resume`` names (its policy served)
+    policy  = run.policy(make_backend(...))   the policy being trained, with the run's checkpoints and engine
+    state   = run.resume(policy, ...)   a fresh state, or the checkpoint ``trainer.resume`` names (its policy served)
     results = run.results_before(...)   held-out results of the starting policy
     loop:   ... run.logger.log_step(...); run.due(...) and run.save(...); run.evaluate_every(...)
     results = run.finish(...)           the final weights on disk, held-out results after, the report
@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import shutil
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -33,12 +32,12 @@ from generators.models import resolve_model
 from generators.report import passed
 from trainer.async_rollouts import LoopThread
 from trainer.backends.base import TrainBackend
-from trainer.backends.hf_export import write_hf_checkpoint
 from trainer.checkpoint import CheckpointManager, TrainState
 from trainer.config import Config
 from trainer.distributed import broadcast_from_rank0, init_distributed, shutdown_distributed
 from trainer.metrics import NullLogger, RunLogger
 from trainer.placement.base import Placement
+from trainer.policy import Policy
 from trainer.sources import Mixture
 
 log = logging.getLogger(__name__)
@@ -68,25 +67,29 @@ class Run:
         with the stand-in that takes its place in the collectives."""
         return elsewhere
 
-    def resume(self, backend: TrainBackend, *, total_steps: int, stage: str) -> TrainState:
-        """The state to train from: fresh, or the checkpoint ``trainer.resume`` names, loaded into ``backend``; a
+    def policy(self, backend: TrainBackend) -> Policy:
+        """The policy ``backend`` trains, with the run's checkpoints, output dir and engine."""
+        return Policy(backend, self.checkpoints, self.out, self.engine)
+
+    def resume(self, policy: Policy, *, total_steps: int, stage: str) -> TrainState:
+        """The state to train from: fresh, or the checkpoint ``trainer.resume`` names, loaded into ``policy``; a
         resumed policy is served to the engine."""
         resume = self.cfg.trainer.resume
-        state = self.checkpoints.load(self.checkpoints.resolve(resume), backend) if resume else TrainState()
+        state = policy.load_state(resume) if resume else TrainState()
         self.evaluating = broadcast_from_rank0(self.evaluating)
         self.begin(state, total_steps=total_steps, stage=stage)
         if state.policy_version:
-            self.serve(backend, state.policy_version)
+            self.serve(policy, state.policy_version)
         return state
 
     def begin(self, state: TrainState, *, total_steps: int, stage: str) -> None:
         """Rank 0: the logger, and the envs' data positions of a resumed run (``resume`` calls it; a stage that
         restores its state itself calls it after)."""
 
-    def serve(self, backend: TrainBackend, version: int) -> bool:
-        """Have the engine serve the policy as ``version``; whether it went from memory."""
+    def serve(self, policy: Policy, version: int) -> bool:
+        """Have ``policy``'s engine serve it as ``version``; whether it went from memory."""
         try:
-            return sync_weights(backend, self.engine, self.runner, self.out, version, self.cfg.weight_sync.mode)
+            return policy.save_weights_for_sampler(version, self.runner, self.cfg.weight_sync.mode)
         except EngineError as e:  # said now, naming the step, not after the teardown
             log.error("step %d: its weights reached no inference replica: %s: the run stops (its checkpoints are "
                       "intact)", version, e)
@@ -110,9 +113,9 @@ class Run:
         """Whether this step is checkpointed: where ``trainer.save_every`` says, and the ``last``."""
         return last or state.step % self.cfg.trainer.save_every == 0
 
-    def save(self, backend: TrainBackend, state: TrainState) -> None:
-        """Checkpoint ``state`` (collective)."""
-        self.checkpoints.save(backend, state)
+    def save(self, policy: Policy, state: TrainState) -> None:
+        """Checkpoint ``policy`` with ``state`` (collective)."""
+        policy.save_state(state)
 
     def evaluate_every(self, state: TrainState, *, total_steps: int) -> None:
         """Evaluate held-out where ``trainer.eval_every`` says (after the step's checkpoint: a crash in a long
@@ -121,17 +124,10 @@ class Run:
         if self.evaluating and every and state.step % every == 0 and state.step < total_steps:
             self.evaluate(step=state.step)
 
-    def finish(self, backend: TrainBackend, state: TrainState, results: dict[str, Any]) -> dict[str, Any]:
+    def finish(self, policy: Policy, state: TrainState, results: dict[str, Any]) -> dict[str, Any]:
         """``results`` with the final policy's dir (written if it is not on disk yet: collective), the held-out
         results after training and the report's paths."""
-        results = dict(results)
-        if state.policy_version:
-            weights = self.out / "weights" / f"v{state.policy_version}"
-            if broadcast_from_rank0(not weights.exists()):  # sent from memory, or never served: write them
-                backend.export_weights(weights)
-            results["weights"] = str(weights)
-        else:
-            results["weights"] = str(backend.config.model_path)
+        results = {**results, "weights": policy.save_weights(state.policy_version)}
         if self.evaluating:
             results.update({f"{k}_after": v for k, v in self.evaluate(step=state.step).items()})
         return {**results, **self.logger.finish(results)}
@@ -189,9 +185,9 @@ class MainRun(Run):
         assert self.generator is not None and isinstance(self.logger, RunLogger)  # evaluating: both exist
         return evaluate(self.generator, self.envs, self.runner, self.cfg, self.logger, step=step)
 
-    def finish(self, backend: TrainBackend, state: TrainState, results: dict[str, Any]) -> dict[str, Any]:
+    def finish(self, policy: Policy, state: TrainState, results: dict[str, Any]) -> dict[str, Any]:
         nodes = self.placement.nodes()
-        return super().finish(backend, state, {**results, **({"nodes": nodes} if nodes else {})})
+        return super().finish(policy, state, {**results, **({"nodes": nodes} if nodes else {})})
 
     def close(self) -> None:
         # the engine before the placement, which may hold the actors it runs on
@@ -224,32 +220,6 @@ def judge_engine(cfg: Config, out: Path, model_path: str | Path) -> InferenceEng
     if cfg.judge.model is None:
         return None
     return make_judge(cfg.judge, cfg.judge.model, policy=model_path, log_dir=out / "judge")
-
-
-def sync_weights(backend: TrainBackend, engine: InferenceEngine | None, runner: asyncio.Runner | LoopThread | None,
-                 out: Path, version: int, how: str) -> bool:
-    """Have the engine serve the policy as ``version``: sent from memory (``how`` memory, or auto where the engine
-    can take it), else as an HF checkpoint it reloads (only the newest is kept); whether it went from memory. Every
-    rank gathers the weights; rank 0, which holds the engine (and the ``runner`` it is driven from), sends them."""
-    weights = backend.served_weights()
-    if engine is None or runner is None:
-        return False
-    if how != "disk" and engine.supports_weight_push:
-        try:
-            runner.run(engine.push_weights(weights, version))
-            return True
-        except Exception as e:
-            if how == "memory":
-                raise
-            log.warning("sending weights v%d from memory failed (%s: %s); loading them from disk instead", version,
-                        type(e).__name__, e)
-    path = out / "weights" / f"v{version}"
-    write_hf_checkpoint(weights, Path(backend.config.model_path), path)
-    runner.run(engine.load_weights(path, version))
-    for old in (out / "weights").glob("v*"):
-        if old != path and old.name[1:].isdigit():
-            shutil.rmtree(old, ignore_errors=True)
-    return False
 
 
 def evaluate(generator: Generator, envs: Mixture, runner: asyncio.Runner | LoopThread, cfg: Config,

@@ -44,8 +44,9 @@ def train_sft(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]:
         assert data is not None
         per_epoch = math.ceil(len(data.train) / cfg.sft.batch_size)
         total = per_epoch * cfg.sft.epochs
-        backend = make_backend(cfg, run.model_path, sft_steps=total)
-        state = run.resume(backend, total_steps=total, stage="sft")
+        policy = run.policy(make_backend(cfg, run.model_path, sft_steps=total))
+        backend = policy.backend
+        state = run.resume(policy, total_steps=total, stage="sft")
         run.logger.note(f"sft: {len(data.train)} sequences to train on, {len(data.held_out)} held out, {total} steps "
                         f"({_counts_line(data.counts)})")
         results = {"eval_loss_before": _held_out(run, backend, data, step=0)} if state.step == 0 else {}
@@ -59,16 +60,16 @@ def train_sft(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]:
             metrics["train/tokens_per_s"] = metrics["train/tokens"] / metrics["time/step_s"]
             run.logger.log_step(state.step, metrics, [])
             if run.due(state, last=state.step == total):
-                run.save(backend, state)
+                run.save(policy, state)
             every = cfg.sft.eval_every
             if state.step == total or (every and state.step % every == 0):
                 results["eval_loss_after"] = _held_out(run, backend, data, step=state.step)
         state.policy_version = state.step
         if run.evaluating:  # the engine serves the trained weights for the evaluation after
-            run.serve(backend, state.policy_version)
+            run.serve(policy, state.policy_version)
         # with seats, the policy these weights start (trainer/stages.py hands them on)
         trained = {"policy": cfg.sft.policy} if cfg.sft.policy else {}
-        return run.finish(backend, state, {**results, **trained, **{f"sft/{k}": v for k, v in data.counts.items()}})
+        return run.finish(policy, state, {**results, **trained, **{f"sft/{k}": v for k, v in data.counts.items()}})
     finally:
         run.close()
 

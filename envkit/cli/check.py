@@ -46,7 +46,7 @@ TASKS_COMPARED = 5000
 """Tasks of each split read for the disjointness check (a split may be generated without end)."""
 
 Status = Literal["pass", "fail", "skip", "info"]
-Start = dict[str, Any]
+ResetArgs = dict[str, Any]
 """How an episode starts: ``{"seed": s}`` or ``{"task": t}``."""
 Outcome = tuple[Status, str]
 
@@ -64,7 +64,7 @@ class Row:
 class Episode:
     """What an episode showed: the opening messages, then each step's observation, reward and end flags."""
 
-    start: Start
+    start: ResetArgs
     actions: list[envkit.Message] = field(default_factory=list)
     transcript: list[Any] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
@@ -86,7 +86,7 @@ def as_json(value: Any) -> Any:
     return wire.loads(wire.dumps(value))
 
 
-async def play(env: Env, start: Start, max_steps: int, *, replay: list[envkit.Message] | None = None,
+async def play(env: Env, start: ResetArgs, max_steps: int, *, replay: list[envkit.Message] | None = None,
                demonstrate: bool = False, turn: Callable[[], Awaitable[None]] | None = None) -> Episode:
     """One episode from ``start``, at most ``max_steps`` steps: the env's own demonstrations where asked for and
     offered, else the scripted replies; or ``replay``'s replies. ``turn`` is awaited before each call, so concurrent
@@ -150,7 +150,7 @@ def first_difference(a: Episode, b: Episode) -> str:
     return f"the episode's length ({len(a.transcript) - 1} steps against {len(b.transcript) - 1})"
 
 
-def describe(start: Start) -> str:
+def describe(start: ResetArgs) -> str:
     """A start as the table shows it."""
     return f"seed {start['seed']}" if "seed" in start else f"task {start['task'].get('id')!r}"
 
@@ -176,7 +176,7 @@ class Checker:
         self.reward_range = probe.reward_range
         tasks = {split: self._tasks(probe, split) for split in SPLITS}
         await probe.close()
-        starts: list[Start] = [{"seed": s} for s in range(self.seeds)]
+        starts: list[ResetArgs] = [{"seed": s} for s in range(self.seeds)]
         starts += [{"task": t} for t in (tasks["train"] or [])[:2]]
         rows: list[Row] = []
         alone: list[Episode] = []
@@ -216,7 +216,7 @@ class Checker:
                 break
         return out
 
-    async def _play_alone(self, start: Start) -> Episode:
+    async def _play_alone(self, start: ResetArgs) -> Episode:
         env = self.make()
         try:
             episode = await play(env, start, self.max_steps, demonstrate="task" in start)
@@ -240,7 +240,7 @@ class Checker:
                                 f"{_short(first.transcript[0])} then {_short(as_json(messages))}")
         return "pass", f"{len(alone)} starts opened the same way twice"
 
-    async def _close_twice(self, start: Start) -> Outcome:
+    async def _close_twice(self, start: ResetArgs) -> Outcome:
         # the env itself: make()'s ContractChecker would not pass a second close on
         used = envkit.make(self.name, checked=False, **self.kwargs)
         try:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import envkit
-from envkit.cli.check import Checker, Outcome, Row, Start, _guarded, as_json, describe
+from envkit.cli.check import Checker, Outcome, ResetArgs, Row, _guarded, as_json, describe
 from envkit.core import Env, Task
 from envkit.errors import EpisodeDoneError, SnapshotError
 from envkit.multi_agent import MultiAgentEnv, Seat, Turn
@@ -46,7 +46,7 @@ def reply(k: int) -> envkit.Message:
 class SeatEpisode:
     """What a multi-agent episode showed: each step's actions, and each seat's view (messages, rewards)."""
 
-    start: Start
+    start: ResetArgs
     turns: list[tuple[str, ...]] = field(default_factory=list)
     """The seats to act, at each step."""
     views: dict[Seat, list[Any]] = field(default_factory=dict)
@@ -65,7 +65,7 @@ class SeatEpisode:
             self.turns.append(tuple(turn.to_act))
 
 
-async def play(env: MultiAgentEnv, start: Start, max_steps: int, *, after: int | None = None) -> SeatEpisode:
+async def play(env: MultiAgentEnv, start: ResetArgs, max_steps: int, *, after: int | None = None) -> SeatEpisode:
     """One episode from ``start`` with scripted replies, at most ``max_steps`` steps (``after``: stop there)."""
     episode = SeatEpisode(start)
     turn = await env.reset(seed=start.get("seed"), task=start.get("task"))
@@ -86,7 +86,7 @@ def _count(played: dict[Seat, int], seat: Seat) -> int:
     return k
 
 
-async def play_views(views: dict[Seat, Env], start: Start) -> dict[Seat, list[Any]]:
+async def play_views(views: dict[Seat, Env], start: ResetArgs) -> dict[Seat, list[Any]]:
     """Every seat's view played at once by its scripted player: what each seat was shown, and its rewards."""
     shown: dict[Seat, list[Any]] = {seat: [] for seat in views}
 
@@ -128,7 +128,7 @@ class SeatChecks(Checker):
         self.reward_range, self.seats = probe.reward_range, probe.seats
         listed = _first_tasks(probe)
         await probe.close()
-        starts: list[Start] = [{"seed": s} for s in range(self.seeds)] + [{"task": t} for t in listed[:2]]
+        starts: list[ResetArgs] = [{"seed": s} for s in range(self.seeds)] + [{"task": t} for t in listed[:2]]
         rows: list[Row] = []
         alone: list[SeatEpisode] = []
         try:
@@ -147,7 +147,7 @@ class SeatChecks(Checker):
         rows.append(Row("reward range", *self._in_range()))
         return rows
 
-    async def _alone(self, start: Start) -> SeatEpisode:
+    async def _alone(self, start: ResetArgs) -> SeatEpisode:
         env = self.make()
         try:
             episode = await play(env, start, self.max_steps)
