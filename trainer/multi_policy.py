@@ -83,7 +83,7 @@ class PolicyRun:
             engine = self.server.adapter(name) if self.server else placement.engine(start, out)
             self.policies.append(kind(
                 make_backend(cfg, start), CheckpointManager(out / "checkpoints", keep_last=cfg.trainer.keep_last),
-                out, engine, name, [seat for seat, s in cfg.seats.items() if s.policy == name]))
+                out, engine=engine, name=name, seats=[seat for seat, s in cfg.seats.items() if s.policy == name]))
         self.generators = {p.name: Generator(p.engine, self.tokenizer, cfg.generator) for p in self.policies}
         """What samples from each policy, by name."""
         self.frozen: dict[str, InferenceEngine] = {}

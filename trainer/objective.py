@@ -25,7 +25,7 @@ class Objective:
 
     def score(self, batch: StepBatch) -> dict[str, float]:
         """Score ``batch`` before its update (on every rank: a collective where rank 0 alone computes); the step's
-        metrics of it."""
+        metrics of it, the time it took as a ``time/...`` key (the loop leaves it out of ``time/train_s``)."""
         return {}
 
     def token_advantages(self, advantages: torch.Tensor, rows: list[int], mb: Batch
