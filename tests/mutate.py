@@ -245,14 +245,14 @@ MUTATIONS = [
         needs="vLLM"),
     Mutation(
         "policies-share-one-model",
-        "trainer/multi_policy.py::PolicyRun.__init__",
-        "make_backend(cfg, start),",
-        "self.policies[0].backend if self.policies else make_backend(cfg, start),",
+        "trainer/seated_run.py::SeatedRun.policies",
+        "make(start),",
+        "self.trained[0].backend if self.trained else make(start),",
         "tests/test_seats.py::test_two_policies_train_in_one_run_each_its_own_and_resume_exactly",
         "the policies of a multi-agent run are one model trained on every seat's rollouts: two policies in name only"),
     Mutation(
         "seat-starts-not-observed",
-        "trainer/multi_policy.py::PolicyRun.play_draws",
+        "trainer/seated_run.py::SeatedRun.rollouts",
         "stream.observe(start, [t for e in episodes[i * samples:(i + 1) * samples] for t in e.values()])",
         "pass",
         "tests/test_seats.py::test_two_policies_train_in_one_run_each_its_own_and_resume_exactly",
@@ -266,7 +266,7 @@ MUTATIONS = [
         "the sft stage trains a seat's policy and the rl stage starts it from the base model all the same"),
     Mutation(
         "seat-agent-ignored",
-        "trainer/multi_policy.py::PolicyRun.players",
+        "trainer/seated_run.py::SeatedRun.players",
         "AgentPlayer(self.agents[seat], player) if seat in self.agents else player",
         "player",
         "tests/test_seats.py::test_two_policies_train_in_async_mode_on_ray_and_checkpoint_every_seats_drawn_groups",

@@ -23,8 +23,8 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from generators import Generator, Trajectory
-from trainer.sources import EnvStream, Mixture, Start, generate_starts
+from generators import Trajectory
+from trainer.sources import EnvStream, Mixture, Start
 
 T = TypeVar("T")
 
@@ -85,19 +85,11 @@ completes."""
 
 
 class AsyncRollouts:
-    """Draws, generates and hands out groups under the staleness bound (see the module docstring). A group is a
-    start's rollouts by ``generator``, or what ``generate`` makes of it (a multi-agent episode's every seat)."""
+    """Draws, generates and hands out groups under the staleness bound (see the module docstring). A group is what
+    ``generate`` makes of one start: its rollouts, or a multi-agent episode's every seat."""
 
-    def __init__(self, envs: Mixture, generator: Generator | None, *, prompts_per_step: int, max_staleness: int,
-                 generate: GroupGenerator | None = None) -> None:
+    def __init__(self, envs: Mixture, generate: GroupGenerator, *, prompts_per_step: int, max_staleness: int) -> None:
         self.envs = envs
-        if generate is None:
-            assert generator is not None
-
-            def generate(stream: EnvStream, starts: list[Start],
-                         on_group: Callable[[int, list[Trajectory]], None]) -> Awaitable[Any]:
-                return generate_starts(generator, stream, starts, on_group=on_group)
-
         self.generate = generate
         self.per_step = prompts_per_step
         self.max_staleness = max_staleness

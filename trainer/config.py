@@ -757,7 +757,7 @@ class Config:
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     seats: dict[str, SeatConfig] = field(default_factory=dict)
-    """A multi-agent env's seats, each bound to its player (trainer/multi_policy.py); empty for a single-agent env.
+    """A multi-agent env's seats, each bound to its player (trainer/seated_run.py); empty for a single-agent env.
     The policies the seats name are trained together, one model each."""
 
     @property

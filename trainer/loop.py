@@ -47,8 +47,10 @@ from trainer.config import Config
 from trainer.distributed import all_reduce_values, broadcast_from_rank0, max_over_ranks
 from trainer.objective import Objective
 from trainer.placement import make_placement
-from trainer.rollout_source import rollout_source
+from trainer.policy import Policy
+from trainer.rollout_source import PolicyStep, rollout_source
 from trainer.runs import Run, open_run
+from trainer.seated_run import main_run
 from trainer.sources import flat_groups
 
 __all__ = ["StepBatch", "prepare_batch", "train", "update_policy"]
@@ -63,13 +65,14 @@ def train(cfg: Config, *, evaluate_before: bool = True,
     final weights' dir. ``evaluate_before=False`` skips the evaluation of the initial policy (a later stage's, which
     the stage before it evaluated last). ``objective(run)`` is what the update follows (RL's by default); it is made
     before anything starts, so a wrong teacher fails first."""
-    run = open_run(cfg, placement=make_placement, runner=LoopThread if cfg.trainer.mode == "async" else asyncio.Runner)
+    run = open_run(cfg, placement=make_placement, main=main_run(cfg),
+                   runner=LoopThread if cfg.trainer.mode == "async" else asyncio.Runner)
     source = rollout_source(run)
     try:
         goal = objective(run)
-        policy = run.policy(make_backend(cfg, run.model_path))
+        policies = run.policies(lambda weights: make_backend(cfg, weights))
         run.start()
-        state = run.resume(policy, total_steps=cfg.trainer.steps, stage=goal.stage)
+        state = run.resume(policies, total_steps=cfg.trainer.steps, stage=goal.stage)
         results = run.results_before(state, evaluate_before=evaluate_before)
         source.start(state)
         while state.step < cfg.trainer.steps:
@@ -77,32 +80,39 @@ def train(cfg: Config, *, evaluate_before: bool = True,
             trajs, stale = source.next(state)
             trajs = broadcast_from_rank0(trajs)  # ranks > 0 get rank 0's rollouts
             t1 = time.perf_counter()
-            batch = prepare_batch(trajs, cfg, keep_flat=goal.keeps_flat_groups)
-            batch.counts["stale_dropped"] = stale
-            scored = goal.score(batch)  # its metrics: a teacher's time among them
             with tracing.span("update", root=True, step=state.step + 1, rollouts=len(trajs)):
-                train_metrics = update_policy(policy.backend, batch, cfg, run.tokenizer.pad_id, goal)
+                steps = [_update(policy, policy.plays(trajs), stale, cfg, run, goal) for policy in policies]
             t2 = time.perf_counter()
             state.step = state.policy_version = state.step + 1
             with tracing.span("weight_sync", root=True, step=state.step, weight_version=state.policy_version):
-                from_memory = source.serve(policy, state.policy_version)
+                from_memory = source.serve(policies, state.policy_version)
             t3 = time.perf_counter()
             # The step's metrics before its checkpoint: a run killed between the two resumes from the checkpoint
             # before and logs the step again (the last row of a step counts); the other way round, a run killed
             # there would resume past a step whose metrics were never written.
-            source.record_step(state, trajs, batch, {
-                **train_metrics, **scored, "time/generate_s": t1 - t0,
-                "time/train_s": t2 - t1 - sum(v for k, v in scored.items() if k.startswith("time/")),
+            scoring_s = sum(v for step in steps for k, v in step.metrics.items() if k.startswith("time/"))
+            source.record_step(state, trajs, steps, {
+                "rollout/stale_dropped": stale, "time/generate_s": t1 - t0, "time/train_s": t2 - t1 - scoring_s,
                 "time/sync_s": t3 - t2, "weights/from_memory": float(from_memory),
                 "time/step_s": time.perf_counter() - t_step})
             if run.due(state, last=state.step == cfg.trainer.steps):
                 source.snapshot(state)
-                run.save(policy, state)
+                run.save(policies, state)
             run.evaluate_every(state, total_steps=cfg.trainer.steps)
-        return run.finish(policy, state, results)
+        return run.finish(policies, state, results)
     finally:
         source.close()
         run.close()
+
+
+def _update(policy: Policy, trajs: list[Trajectory], stale: int, cfg: Config, run: Run,
+            goal: Objective) -> PolicyStep:
+    """``policy``'s part of a step: its batch of ``trajs``, scored by ``goal`` and trained on."""
+    batch = prepare_batch(trajs, cfg, keep_flat=goal.keeps_flat_groups)
+    batch.counts["stale_dropped"] = stale
+    scored = goal.score(batch)  # its metrics: a teacher's time among them
+    trained = update_policy(policy.backend, batch, cfg, run.tokenizer.pad_id, goal)
+    return PolicyStep(policy.name, trajs, batch, {**trained, **scored})
 
 
 # ------------------------------------------------------------------------------------------------- the update

@@ -284,6 +284,12 @@ def rollout_metrics(trajs: list[Trajectory], batch: StepBatch, version: int) -> 
     return metrics
 
 
+def step_outcomes(trajs: list[Trajectory]) -> dict[str, float]:
+    """A step's outcomes over all its rollouts (every seat's, in a run of several policies): mean reward, pass rate,
+    stop reasons and failed rollouts."""
+    return {**_outcomes(trajs), "rollout/failed": sum(t.failed for t in trajs)}
+
+
 def _outcomes(trajs: list[Trajectory]) -> dict[str, float]:
     """Mean reward and pass rate of the rollouts that finished, and a count per stop reason."""
     done = [t for t in trajs if not t.failed]

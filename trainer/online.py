@@ -68,14 +68,14 @@ def train_online(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]
     try:
         policy = run.policy(make_backend(cfg, run.model_path))
         run.start()
-        state = run.resume(policy, total_steps=cfg.trainer.steps, stage="online")
+        state = run.resume([policy], total_steps=cfg.trainer.steps, stage="online")
         serving.start(state)
         _leave_cores(cfg.online.serving_cpu_cores)
         serving.take_priority()
         gate = Gate(cfg, run, serving)
         baseline = gate.held_out()  # the run engine holds the serving weights now
         if not run.checkpoints.all():
-            run.save(policy, state)  # the weights a refused candidate goes back to
+            run.save([policy], state)  # the weights a refused candidate goes back to
         decisions: list[dict[str, Any]] = []
         while state.step < cfg.trainer.steps:
             if serving.server.rollback_to is not None:
@@ -83,7 +83,7 @@ def train_online(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]
                 policy = run.policy(serving.roll_back(state))
                 run.serve(policy, state.policy_version)
                 baseline = gate.held_out()
-                run.save(policy, state)
+                run.save([policy], state)
                 continue
             t0 = time.perf_counter()
             trajs, dropped, stale = serving.next_round(state)
@@ -110,7 +110,7 @@ def train_online(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]
                     decision["swap"] = [swap, time.time()]
                     state.promoted.append(state.policy_version)
                     baseline = candidate
-                    run.save(policy, state)
+                    run.save([policy], state)
                 elif len(state.lineage) - 1 - state.lineage.index(state.promoted[-1]) > cfg.trainer.max_staleness:
                     # what serves would sample the next round too many updates behind: start again from it
                     rounds, version = state.step, state.policy_version

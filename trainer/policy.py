@@ -7,9 +7,9 @@ API names them (Tinker's ``save_state`` / ``load_state`` / ``save_weights_for_sa
     save_weights(v)                the weights of version v as an HF checkpoint dir (the final weights)
 
 Every operation is collective: each trainer rank calls it (FSDP gathers, DeepSpeed saves per rank), and only rank 0,
-which holds the engine, sends weights to it. A run of one policy holds one (trainer/runs.py: ``run.policy``); a run
-with seats one per policy a seat names (trainer/multi_policy.py). The gradient steps are
-``trainer/loop.py::update_policy`` on its backend.
+which holds the engine, sends weights to it. A run holds its policies (trainer/runs.py: ``run.policies``): one, whose
+seat is a single-agent env's one seat, or one per policy a multi-agent env's seats name (trainer/seated_run.py). The
+gradient steps are ``trainer/loop.py::update_policy`` on its backend, on the trajectories it :meth:`~Policy.plays`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from envkit.multi_agent import Seat
+from generators import Trajectory
 from generators.engines.base import InferenceEngine
 from trainer.async_rollouts import LoopThread
 from trainer.backends.base import TrainBackend
@@ -37,15 +38,20 @@ Runner = asyncio.Runner | LoopThread
 @dataclass
 class Policy:
     """One trained policy: its backend (weights, optimizer, schedule), its checkpoints, where its weights are
-    written (``out``), the engine that samples from it (none on the ranks above 0) and the seats it plays (none in a
-    single-agent run)."""
+    written (``out``), the engine that samples from it (none on the ranks above 0), its name (none alone in its run)
+    and the seats it plays."""
 
     backend: TrainBackend
     checkpoints: CheckpointManager
     out: Path
     engine: InferenceEngine | None = None
     name: str = ""
-    seats: list[Seat] = field(default_factory=list)
+    seats: list[Seat | None] = field(default_factory=lambda: [None])
+    """A multi-agent env's seats bound to it, or a single-agent env's one seat (a trajectory's ``seat`` is None)."""
+
+    def plays(self, trajs: list[Trajectory]) -> list[Trajectory]:
+        """The trajectories it played: those of its seats."""
+        return [t for t in trajs if t.seat in self.seats]
 
     def load_state(self, where: str) -> TrainState:
         """The loop state of checkpoint ``where`` (``latest``, or a checkpoint dir), its weights and optimizer state

@@ -6,7 +6,8 @@ every mode:
     AsyncSource     rank 0, ``trainer.mode=async``: the next steps' rollouts generate while a step trains, at most
                     ``trainer.max_staleness`` weight versions behind (trainer/async_rollouts.py)
 
-The envs, the engine and its generator are the run's (trainer/runs.py): a source draws on them.
+The envs and how their rollouts are played are the run's (trainer/runs.py: the run's generator, or with seats every
+seat's player at once: trainer/seated_run.py): a source draws on them, whatever the run's number of policies.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from envkit import tracing
@@ -24,12 +25,29 @@ from generators.rollout import PartLost
 from trainer.async_rollouts import AsyncRollouts, LoopThread
 from trainer.batching import StepBatch
 from trainer.checkpoint import TrainState
-from trainer.metrics import rollout_metrics
+from trainer.metrics import rollout_metrics, step_outcomes
 from trainer.policy import Policy
 from trainer.runs import MainRun, Run
 from trainer.sources import Mixture
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class PolicyStep:
+    """One policy's part of a step: its name (none alone in its run), the rollouts it trained on (its seats'), its
+    batch and its update's metrics."""
+
+    name: str
+    trajs: list[Trajectory]
+    batch: StepBatch
+    metrics: dict[str, float]
+
+    def logged(self, version: int) -> dict[str, float]:
+        """Its rollouts' metrics (``version``: the weights that trained on them) and the update's; under
+        ``policy/NAME/`` for a named policy."""
+        prefix = f"policy/{self.name}/" if self.name else ""
+        return {prefix + k: v for k, v in {**rollout_metrics(self.trajs, self.batch, version), **self.metrics}.items()}
 
 
 @dataclass
@@ -63,39 +81,36 @@ class RolloutSource:
         """The step's rollouts, and how many drawn groups were dropped as too stale."""
         return [], 0
 
-    def serve(self, policy: Policy, version: int) -> bool:
-        """Have the engine serve ``policy`` as ``version``; whether it went from memory."""
-        return self.run.serve(policy, version)
+    def serve(self, policies: list[Policy], version: int) -> bool:
+        """Have each policy's engine serve it as ``version``; whether they went from memory."""
+        return all([self.run.serve(policy, version) for policy in policies])
 
     def snapshot(self, state: TrainState) -> None:
         """Put the data positions (and drawn-but-untrained groups) into ``state``, for a checkpoint."""
 
-    def record_step(self, state: TrainState, trajs: list[Trajectory], batch: StepBatch,
+    def record_step(self, state: TrainState, trajs: list[Trajectory], steps: list[PolicyStep],
                     metrics: dict[str, float]) -> None:
-        """Record a finished step: its rollouts, what was trained on, and the update's ``metrics``."""
+        """Record a finished step: its rollouts, each policy's part of it, and the step's ``metrics``."""
 
     def close(self) -> None:
         """Stop generating; safe after a failed start."""
 
 
 class SyncSource(RolloutSource):
-    """Rank 0: each step's rollouts come from the policy it trains."""
+    """Rank 0: each step's rollouts come from the policies it trains."""
 
     def __init__(self, run: MainRun) -> None:
         super().__init__(run)
         self.main = run
-        assert run.generator is not None  # an RL run always has an engine
-        self.generator = run.generator
         g = run.cfg.generator
         self.deadline = RolloutDeadline(g.timeout_s, g.deadline_floor_s, g.deadline_steps)
 
     def next(self, state: TrainState) -> tuple[list[Trajectory], int]:
         run = self.main
-        self.generator.config = replace(self.generator.config, timeout_s=self.deadline.seconds)
+        run.limit_rollouts(self.deadline.seconds)
         try:
             # each rollout's trace says the step it is generated for
-            rollouts = run.envs.rollouts(self.generator, run.cfg.generator.prompts_per_step,
-                                         refill=run.cfg.curriculum.refill)
+            rollouts = run.rollouts(run.cfg.generator.prompts_per_step)
             trajs = run.runner.run(tracing.within(rollouts, step=state.step + 1))
         except PartLost as e:
             lost = PartLost(f"step {state.step + 1}: {e}")
@@ -104,16 +119,18 @@ class SyncSource(RolloutSource):
         state.data = run.envs.state()
         return trajs, 0
 
-    def record_step(self, state: TrainState, trajs: list[Trajectory], batch: StepBatch,
+    def record_step(self, state: TrainState, trajs: list[Trajectory], steps: list[PolicyStep],
                     metrics: dict[str, float]) -> None:
-        if batch.counts["failed"]:
-            failed = [t for t in trajs if t.failed]
+        if failed := [t for t in trajs if t.failed]:
             by_env = Counter(t.env_name for t in failed)  # in a mixture, which env's rollouts they were
             log.warning("step %d: %d of %d rollouts failed and were not trained on; first errors: %s; by env: %s",
-                        state.step, batch.counts["failed"], len(trajs), first_errors(failed, limit=3),
+                        state.step, len(failed), len(trajs), first_errors(failed, limit=3),
                         ", ".join(f"{env} {n}" for env, n in by_env.most_common()))
-        metrics = {**rollout_metrics(trajs, batch, state.policy_version - 1), **metrics, **self.curriculum(),
-                   **self.main.placement.metrics(), "rollout/deadline_s": self.generator.config.timeout_s}
+        # the step's outcomes over every seat's rollouts; a lone policy's own metrics say the same under these names
+        metrics = {**step_outcomes(trajs), **{k: v for step in steps for k, v in
+                                              step.logged(state.policy_version - 1).items()},
+                   **metrics, **self.curriculum(), **self.main.placement.metrics(),
+                   "rollout/deadline_s": self.deadline.seconds}
         self.main.logger.log_step(state.step, metrics, trajs)
         self.deadline.slowest_s = max(self.deadline.slowest_s, metrics["time/step_s"])
 
@@ -131,7 +148,8 @@ class AsyncSource(SyncSource):
         super().__init__(run)
         assert isinstance(run.runner, LoopThread)  # open_run(runner=LoopThread) for this mode
         self.loop = run.runner
-        self.rollouts = AsyncRollouts(run.envs, self.generator, prompts_per_step=run.cfg.generator.prompts_per_step,
+        self.rollouts = AsyncRollouts(run.envs, run.generate_groups,
+                                      prompts_per_step=run.cfg.generator.prompts_per_step,
                                       max_staleness=run.cfg.trainer.max_staleness)
         self.started = False
 
@@ -141,11 +159,11 @@ class AsyncSource(SyncSource):
 
     def next(self, state: TrainState) -> tuple[list[Trajectory], int]:
         # the rollouts started from now on (they run ahead of the steps: the limit is per rollout, not per step)
-        self.generator.config = replace(self.generator.config, timeout_s=self.deadline.seconds)
+        self.main.limit_rollouts(self.deadline.seconds)
         return self.loop.run(self.rollouts.batch(state.step))
 
-    def serve(self, policy: Policy, version: int) -> bool:
-        from_memory = super().serve(policy, version)
+    def serve(self, policies: list[Policy], version: int) -> bool:
+        from_memory = super().serve(policies, version)
         if self.started:  # a resumed run serves its checkpoint before generation starts
             self.loop.run(self.rollouts.set_version(version))
         return from_memory

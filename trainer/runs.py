@@ -2,16 +2,18 @@
 
     run     = open_run(cfg, ...)        seeds; this rank's part (rank 0: envs, judge, inference engine, logger)
     made    = run.start(prepare)        envs, judge and engine up; ``prepare`` runs meanwhile, its result broadcast
-    policy  = run.policy(make_backend(...))   the policy being trained, with the run's checkpoints and engine
-    state   = run.resume(policy, ...)   a fresh state, or the checkpoint ``trainer.resume`` names (its policy served)
-    results = run.results_before(...)   held-out results of the starting policy
+    policies = run.policies(make)       the policies being trained (trainer/policy.py), each with its checkpoints
+                                        and engine: one, or with seats one per policy a seat names
+    state   = run.resume(policies, ...) a fresh state, or the checkpoint ``trainer.resume`` names (policies served)
+    results = run.results_before(...)   held-out results of the starting policies
     loop:   ... run.logger.log_step(...); run.due(...) and run.save(...); run.evaluate_every(...)
     results = run.finish(...)           the final weights on disk, held-out results after, the report
     run.close()                         everything started, stopped (in ``finally``)
 
 Rank 0 holds the run's services (:class:`MainRun`); ranks above 0 hold :class:`Run`, whose parts do nothing (a
 :class:`~trainer.metrics.NullLogger`, no engine, no evaluation) but take their part in every collective: checkpoints,
-serving the weights, exporting them. So a stage's code has no rank checks.
+serving the weights, exporting them. So a stage's code has no rank checks. A run of a multi-agent env's seats is a
+:class:`MainRun` too (trainer/seated_run.py): its policies, its players and how its episodes are played are its own.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -38,7 +41,7 @@ from trainer.distributed import broadcast_from_rank0, init_distributed, shutdown
 from trainer.metrics import NullLogger, RunLogger
 from trainer.placement.base import Placement
 from trainer.policy import Policy
-from trainer.sources import Mixture
+from trainer.sources import EnvStream, Mixture, Start, generate_starts
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -71,16 +74,26 @@ class Run:
         """The policy ``backend`` trains, with the run's checkpoints, output dir and engine."""
         return Policy(backend, self.checkpoints, self.out, self.engine)
 
-    def resume(self, policy: Policy, *, total_steps: int, stage: str) -> TrainState:
-        """The state to train from: fresh, or the checkpoint ``trainer.resume`` names, loaded into ``policy``; a
-        resumed policy is served to the engine."""
-        resume = self.cfg.trainer.resume
-        state = policy.load_state(resume) if resume else TrainState()
+    def policies(self, make: Callable[[str], TrainBackend]) -> list[Policy]:
+        """The policies the run trains, each with the backend ``make(its starting weights)``: one here."""
+        return [self.policy(make(self.model_path))]
+
+    def resume(self, policies: Sequence[Policy], *, total_steps: int, stage: str) -> TrainState:
+        """The state to train from: fresh, or the checkpoint ``trainer.resume`` names, loaded into ``policies``;
+        resumed policies are served to their engines."""
+        state = self.restored(policies)
         self.evaluating = broadcast_from_rank0(self.evaluating)
         self.begin(state, total_steps=total_steps, stage=stage)
         if state.policy_version:
-            self.serve(policy, state.policy_version)
+            for policy in policies:
+                self.serve(policy, state.policy_version)
         return state
+
+    def restored(self, policies: Sequence[Policy]) -> TrainState:
+        """A fresh state, or the loop state of the checkpoint ``trainer.resume`` names, loaded into ``policies``."""
+        resume = self.cfg.trainer.resume
+        [policy] = policies  # one policy's checkpoint is where trainer.resume says
+        return policy.load_state(resume) if resume else TrainState()
 
     def begin(self, state: TrainState, *, total_steps: int, stage: str) -> None:
         """Rank 0: the logger, and the envs' data positions of a resumed run (``resume`` calls it; a stage that
@@ -113,9 +126,10 @@ class Run:
         """Whether this step is checkpointed: where ``trainer.save_every`` says, and the ``last``."""
         return last or state.step % self.cfg.trainer.save_every == 0
 
-    def save(self, policy: Policy, state: TrainState) -> None:
-        """Checkpoint ``policy`` with ``state`` (collective)."""
-        policy.save_state(state)
+    def save(self, policies: Sequence[Policy], state: TrainState) -> None:
+        """Checkpoint every policy with ``state`` (collective)."""
+        for policy in policies:
+            policy.save_state(state)
 
     def evaluate_every(self, state: TrainState, *, total_steps: int) -> None:
         """Evaluate held-out where ``trainer.eval_every`` says (after the step's checkpoint: a crash in a long
@@ -124,10 +138,11 @@ class Run:
         if self.evaluating and every and state.step % every == 0 and state.step < total_steps:
             self.evaluate(step=state.step)
 
-    def finish(self, policy: Policy, state: TrainState, results: dict[str, Any]) -> dict[str, Any]:
-        """``results`` with the final policy's dir (written if it is not on disk yet: collective), the held-out
-        results after training and the report's paths."""
-        results = {**results, "weights": policy.save_weights(state.policy_version)}
+    def finish(self, policies: Sequence[Policy], state: TrainState, results: dict[str, Any]) -> dict[str, Any]:
+        """``results`` with each final policy's dir (``weights``, or ``weights/NAME`` for a named one; written if it
+        is not on disk yet: collective), the held-out results after training and the report's paths."""
+        results = {**results, **{f"weights/{p.name}" if p.name else "weights": p.save_weights(state.policy_version)
+                                 for p in policies}}
         if self.evaluating:
             results.update({f"{k}_after": v for k, v in self.evaluate(step=state.step).items()})
         return {**results, **self.logger.finish(results)}
@@ -185,9 +200,26 @@ class MainRun(Run):
         assert self.generator is not None and isinstance(self.logger, RunLogger)  # evaluating: both exist
         return evaluate(self.generator, self.envs, self.runner, self.cfg, self.logger, step=step)
 
-    def finish(self, policy: Policy, state: TrainState, results: dict[str, Any]) -> dict[str, Any]:
+    def finish(self, policies: Sequence[Policy], state: TrainState, results: dict[str, Any]) -> dict[str, Any]:
         nodes = self.placement.nodes()
-        return super().finish(policy, state, {**results, **({"nodes": nodes} if nodes else {})})
+        return super().finish(policies, state, {**results, **({"nodes": nodes} if nodes else {})})
+
+    def limit_rollouts(self, timeout_s: float) -> None:
+        """Rollouts started from now on run at most ``timeout_s`` (trainer/rollout_source.py's deadline)."""
+        assert self.generator is not None  # an RL run always has an engine
+        self.generator.config = replace(self.generator.config, timeout_s=timeout_s)
+
+    def rollouts(self, prompts: int) -> Awaitable[list[Trajectory]]:
+        """The ``samples_per_prompt`` rollouts of each of the next ``prompts`` starts (sync mode)."""
+        assert self.generator is not None
+        return self.envs.rollouts(self.generator, prompts, refill=self.cfg.curriculum.refill)
+
+    def generate_groups(self, stream: EnvStream, starts: list[Start],
+                        on_group: Callable[[int, list[Trajectory]], None]) -> Awaitable[Any]:
+        """Each of ``starts``' rollouts as one group, handed to ``on_group(i, group)`` as it completes (async mode's
+        :class:`~trainer.async_rollouts.AsyncRollouts` draws them)."""
+        assert self.generator is not None
+        return generate_starts(self.generator, stream, starts, on_group=on_group)
 
     def close(self) -> None:
         # the engine before the placement, which may hold the actors it runs on
@@ -202,9 +234,10 @@ class MainRun(Run):
 
 
 def open_run(cfg: Config, *, placement: Callable[[Config], Placement], engine: bool = True,
-             runner: Callable[[], asyncio.Runner | LoopThread] = asyncio.Runner) -> Run:
-    """This rank's run, seeded: rank 0's holds the services (``placement(cfg)``, the engine unless ``engine`` is
-    false, driven from ``runner()``), the others' take part in the collectives only."""
+             runner: Callable[[], asyncio.Runner | LoopThread] = asyncio.Runner,
+             main: type[MainRun] = MainRun) -> Run:
+    """This rank's run, seeded: rank 0's a ``main`` holding the services (``placement(cfg)``, the engine unless
+    ``engine`` is false, driven from ``runner()``), the others' take part in the collectives only."""
     random.seed(cfg.trainer.seed)
     torch.manual_seed(cfg.trainer.seed)
     rank, _, _ = init_distributed()
@@ -212,7 +245,7 @@ def open_run(cfg: Config, *, placement: Callable[[Config], Placement], engine: b
     tokenizer = ChatTokenizer.from_pretrained(model_path)
     if rank != 0:
         return Run(cfg, model_path, tokenizer)
-    return MainRun(cfg, model_path, tokenizer, placement=placement(cfg), engine=engine, runner=runner())
+    return main(cfg, model_path, tokenizer, placement=placement(cfg), engine=engine, runner=runner())
 
 
 def judge_engine(cfg: Config, out: Path, model_path: str | Path) -> InferenceEngine | None:

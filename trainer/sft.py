@@ -38,7 +38,8 @@ from trainer.sft_data import SFTData, load_sft_data, write_sft_data
 
 def train_sft(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]:
     """Run the supervised stage; returns its results (held-out loss and accuracy before/after, the weights' dir)."""
-    run = open_run(cfg, placement=make_placement, engine=cfg.trainer.eval_tasks > 0)
+    # a multi-agent env's held-out play needs every seat's player: a run with seats plays it in its rl stage
+    run = open_run(cfg, placement=make_placement, engine=cfg.trainer.eval_tasks > 0 and not cfg.seats)
     try:
         data = run.start(lambda main: _data(cfg, main))
         assert data is not None
@@ -46,7 +47,7 @@ def train_sft(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]:
         total = per_epoch * cfg.sft.epochs
         policy = run.policy(make_backend(cfg, run.model_path, sft_steps=total))
         backend = policy.backend
-        state = run.resume(policy, total_steps=total, stage="sft")
+        state = run.resume([policy], total_steps=total, stage="sft")
         run.logger.note(f"sft: {len(data.train)} sequences to train on, {len(data.held_out)} held out, {total} steps "
                         f"({_counts_line(data.counts)})")
         results = {"eval_loss_before": _held_out(run, backend, data, step=0)} if state.step == 0 else {}
@@ -60,7 +61,7 @@ def train_sft(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]:
             metrics["train/tokens_per_s"] = metrics["train/tokens"] / metrics["time/step_s"]
             run.logger.log_step(state.step, metrics, [])
             if run.due(state, last=state.step == total):
-                run.save(policy, state)
+                run.save([policy], state)
             every = cfg.sft.eval_every
             if state.step == total or (every and state.step % every == 0):
                 results["eval_loss_after"] = _held_out(run, backend, data, step=state.step)
@@ -69,7 +70,7 @@ def train_sft(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]:
             run.serve(policy, state.policy_version)
         # with seats, the policy these weights start (trainer/stages.py hands them on)
         trained = {"policy": cfg.sft.policy} if cfg.sft.policy else {}
-        return run.finish(policy, state, {**results, **trained, **{f"sft/{k}": v for k, v in data.counts.items()}})
+        return run.finish([policy], state, {**results, **trained, **{f"sft/{k}": v for k, v in data.counts.items()}})
     finally:
         run.close()
 

@@ -30,7 +30,6 @@ from trainer.config import Config, ModelConfig
 from trainer.distill import train_distill
 from trainer.loop import train
 from trainer.metrics import EVAL_GROUPS, is_eval_row, sample_groups
-from trainer.multi_policy import train_policies, train_seat_sft
 from trainer.online import train_online
 from trainer.placement import launch_stage
 from trainer.report import Phase, RunRecord, write_run_report
@@ -39,10 +38,8 @@ from trainer.sft import train_sft
 RUNS: dict[str, Callable[..., dict[str, Any]]] = {"sft": train_sft, "rl": train, "distill": train_distill,
                                                   "online": train_online}
 """What runs each stage (``config.STAGES`` names them): ``run(cfg, evaluate_before=...) -> results``, built on
-trainer/runs.py. A new stage is a module with such a function, and a line here and in ``config.STAGES``."""
-
-SEAT_RUNS: dict[str, Callable[..., dict[str, Any]]] = {"sft": train_seat_sft, "rl": train_policies}
-"""What runs a stage of a run with seats: several policies trained together (trainer/multi_policy.py)."""
+trainer/runs.py, whatever the run's number of policies. A new stage is a module with such a function, and a line here
+and in ``config.STAGES``."""
 
 HEADLINES = ("accuracy", "greedy_accuracy", "tool_call_rate", "greedy_tool_call_rate", "reward", "greedy_reward")
 """Held-out results reported before the first stage and after each one."""
@@ -66,9 +63,8 @@ def run_stages(cfg: Config) -> dict[str, Any]:
                 resume = None  # this stage had not saved a checkpoint yet: it starts
             stage_cfg = replace(cfg, stages=[stage], model=model,
                                 trainer=replace(cfg.trainer, output_dir=str(stage_out), resume=resume))
-            program = (SEAT_RUNS if cfg.seats else RUNS)[stage]
             previous = list(by_stage.values())[-1:]
-            by_stage[stage] = launch_stage(stage_cfg, program, evaluate_before=not _evaluated(previous))
+            by_stage[stage] = launch_stage(stage_cfg, RUNS[stage], evaluate_before=not _evaluated(previous))
             _release_memory()
         model = handed_on(model, by_stage[stage])
     if len(cfg.stages) == 1:
