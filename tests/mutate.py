@@ -72,6 +72,14 @@ class Mutation:
 
 MUTATIONS = [
     Mutation(
+        "kill-user-scans-only",
+        "envkit/agents/untrusted.py::kill_user",
+        "    _kill_as(uid)\n",
+        "",
+        "tests/test_untrusted.py::test_a_process_the_scan_cannot_see_dies_too",
+        "an untrusted run's process that no scan of /proc sees (a fork walker, a child forked as the scan read the "
+        "listing) outlives the run and holds its pipes, its files and its uid's next lease"),
+    Mutation(
         "docs-show-sphinx-roles",
         "docs/gen/griffe_roles.py::SphinxRoles.on_instance",
         "obj.docstring.value = to_markdown(obj.docstring.value)",

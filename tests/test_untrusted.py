@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import httpx
@@ -39,6 +41,52 @@ async def test_a_daemon_in_a_new_session_dies_with_the_run() -> None:
         result = await untrusted.run([untrusted.python(), "-I", "-c", ESCAPE], user=uid, timeout_s=10)
         assert result.stdout == b"left a daemon\n" and result.exit_code == 0 and not result.timed_out, result
         assert untrusted.processes_of(uid) == []
+
+
+LINGER = """
+import os, time
+if os.fork() == 0:
+    os.setsid()
+    time.sleep(3)
+    os._exit(0)
+print("left a lingerer", flush=True)
+"""
+
+
+async def test_what_a_run_printed_is_kept_when_a_process_it_left_holds_its_pipe() -> None:
+    """Without a uid of its own, a process that left the run's group outlives the run holding its stdout: the reads
+    give up a moment after the run (here long before the 3 s it lingers), and what was read by then is returned."""
+    result = await untrusted.run([sys.executable, "-I", "-c", LINGER], timeout_s=10)
+    assert result.stdout == b"left a lingerer\n" and result.exit_code == 0, result
+
+
+@needs_root
+async def test_a_process_the_scan_cannot_see_dies_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scan of /proc can miss a process: a child forked after the scan read the listing, whose parent exited
+    before the scan read its status (under load, 3 of 40 daemons of the test above outlived a kill by scans alone),
+    and a process that forks and exits without end gives every scan that chance. With the scans blind to it,
+    kill_user still kills it (kill(-1) as the uid); the scans alone leave it running."""
+    seen = untrusted.processes_of
+    hidden_pid = [0]
+
+    def blind(uid: int | None, **kwargs: bool) -> list[int]:
+        return [pid for pid in seen(uid, **kwargs) if pid not in hidden_pid]
+
+    async with untrusted.users.lease() as uid:
+        assert uid is not None
+        hidden = await asyncio.create_subprocess_exec(*untrusted._as_user(uid, ["sleep", "60"]),
+                                                      env=dict(untrusted.SAFE_ENV))
+        try:
+            with monkeypatch.context() as patch:
+                hidden_pid[0] = hidden.pid
+                patch.setattr(untrusted, "processes_of", blind)
+                untrusted._kill_seen(uid, time.monotonic() + 5)  # what kill_user did alone before
+                assert hidden.returncode is None and seen(uid) == [hidden.pid]  # the positive control: it lives
+                untrusted.kill_user(uid)
+            assert await asyncio.wait_for(hidden.wait(), 5) == -signal.SIGKILL and seen(uid) == []
+        finally:
+            if hidden.returncode is None:
+                hidden.kill()
 
 
 @needs_root

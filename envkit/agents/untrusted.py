@@ -32,7 +32,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
 from envkit.errors import SnapshotError
@@ -165,7 +165,8 @@ async def run(argv: Sequence[str], *, stdin: bytes = b"", timeout_s: float = 10.
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, env=dict(SAFE_ENV if env is None else env),
         start_new_session=True)
     assert proc.stdout is not None and proc.stderr is not None
-    readers = [asyncio.ensure_future(_read_capped(p, output_limit)) for p in (proc.stdout, proc.stderr)]
+    out, err = _Captured(output_limit), _Captured(output_limit)
+    readers = [asyncio.ensure_future(_read_into(p, kept)) for p, kept in ((proc.stdout, out), (proc.stderr, err))]
     writer = asyncio.ensure_future(_feed(proc.stdin, stdin)) if proc.stdin is not None else None
     timed_out = False
     try:
@@ -179,12 +180,13 @@ async def run(argv: Sequence[str], *, stdin: bytes = b"", timeout_s: float = 10.
             writer.cancel()
     # With every process of the uid gone the pipes are closed; without a uid, a process that left the group may
     # still hold them, so the reads get a moment, then what came is what there is.
-    done, pending = await asyncio.wait(readers, timeout=_READ_AFTER_KILL_S)
+    _, pending = await asyncio.wait(readers, timeout=_READ_AFTER_KILL_S)
     for task in pending:
         task.cancel()
-    (out, cut_out), (err, cut_err) = (t.result() if t in done else (b"", False) for t in readers)
+    await asyncio.gather(*pending, return_exceptions=True)
     code = -1 if timed_out or proc.returncode is None else proc.returncode
-    return RunResult(out, err, code, timed_out, cut_out or cut_err, time.monotonic() - started)
+    return RunResult(bytes(out.kept), bytes(err.kept), code, timed_out, out.cut or err.cut,
+                     time.monotonic() - started)
 
 
 @functools.cache
@@ -234,21 +236,29 @@ async def _feed(pipe: IO[bytes], data: bytes) -> None:
         transport.close()
 
 
-async def _read_capped(pipe: IO[bytes], limit: int) -> tuple[bytes, bool]:
-    """Up to ``limit`` bytes; the rest is read and dropped so the writer never blocks on a full pipe."""
+@dataclass
+class _Captured:
+    """What a pipe gave so far: up to ``limit`` bytes, and whether more came (held by the caller, so a read cut off
+    at the deadline still returns what it read)."""
+
+    limit: int
+    kept: bytearray = field(default_factory=bytearray)
+    cut: bool = False
+
+
+async def _read_into(pipe: IO[bytes], captured: _Captured) -> None:
+    """Read ``pipe`` to its end into ``captured``; past its limit the rest is read and dropped, so the writer never
+    blocks on a full pipe."""
     stream = asyncio.StreamReader()
     transport, _ = await asyncio.get_running_loop().connect_read_pipe(
         lambda: asyncio.StreamReaderProtocol(stream), pipe)
-    kept = bytearray()
-    cut = False
     try:
         while chunk := await stream.read(1 << 16):
-            room = limit - len(kept)
-            kept += chunk[:max(room, 0)]
-            cut = cut or len(chunk) > room
+            room = captured.limit - len(captured.kept)
+            captured.kept += chunk[:max(room, 0)]
+            captured.cut = captured.cut or len(chunk) > room
     finally:
         transport.close()
-    return bytes(kept), cut
 
 
 async def _kill_all(proc: subprocess.Popen[bytes], user: int | None) -> None:
@@ -263,11 +273,21 @@ async def _kill_all(proc: subprocess.Popen[bytes], user: int | None) -> None:
 
 
 def kill_user(uid: int) -> int:
-    """SIGKILL every process whose real uid is ``uid``: all are stopped first, so none can fork while they die.
-    Returns how many were killed; raises RuntimeError if some are still alive after a few seconds."""
+    """SIGKILL every process whose real uid is ``uid``. Those a scan of /proc sees are stopped first, so none can fork
+    while they die; then ``kill(-1)`` as the uid itself, which the kernel carries out under the lock a fork takes,
+    gets any process a scan cannot see: a child forked after the scan read /proc's listing, whose parent exited
+    before the scan read its status. Returns how many the scans saw; raises RuntimeError if some are still alive
+    after a few seconds."""
     if uid == 0 or uid == os.getuid():
         raise ValueError(f"refusing to kill every process of uid {uid}: it is this process's own or root's")
     deadline = time.monotonic() + _KILL_DEADLINE_S
+    killed = _kill_seen(uid, deadline)
+    _kill_as(uid)
+    return len(killed | _kill_seen(uid, deadline))
+
+
+def _kill_seen(uid: int, deadline: float) -> set[int]:
+    """Stop, then SIGKILL, the processes of ``uid`` a scan sees, until a scan sees none; the pids killed."""
     killed: set[int] = set()
     while pids := processes_of(uid):
         for sig in (signal.SIGSTOP, signal.SIGKILL):
@@ -284,7 +304,16 @@ def kill_user(uid: int) -> int:
         if time.monotonic() > deadline:
             raise RuntimeError(f"processes of uid {uid} survived SIGKILL for {_KILL_DEADLINE_S:g} s: {pids}")
         time.sleep(0.001)  # SIGKILL is delivered asynchronously: let the kernel finish them before the next scan
-    return len(killed)
+    return killed
+
+
+def _kill_as(uid: int) -> None:
+    """``kill(-1, SIGKILL)`` run as ``uid`` (the shell's builtin ``kill``, under setpriv: minbase images have no
+    kill binary), which signals every process of the uid but itself, atomically with respect to forks. A few
+    milliseconds, inline for the reason :func:`_kill_all` gives."""
+    with contextlib.suppress(OSError, subprocess.TimeoutExpired):  # no pid to start it: the scan went first
+        subprocess.run(_as_user(uid, ["/bin/sh", "-c", "kill -KILL -1"]), stdin=subprocess.DEVNULL,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(SAFE_ENV), timeout=5)
 
 
 def processes_of(uid: int | None, *, running_only: bool = False) -> list[int]:
