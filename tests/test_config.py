@@ -52,14 +52,14 @@ def test_the_seat_recipes_bind_their_seats_and_a_run_with_seats_refuses_what_it_
     assert duel.policies == ["player"] and sorted(duel.seats) == ["first", "second"]  # self-play: one policy
     frozen = trainer.compose(["+recipe=referential", "seats.listener={policy: null, checkpoint: initial}"])
     assert frozen.policies == ["speaker"] and frozen.seats["listener"].checkpoint == "initial"
-    # its policies' engines may be Ray actors, its trainer DeepSpeed, its envs a mixture drawn by a curriculum,
-    # and an sft stage trains one of its policies; its trainer is one rank
-    for overrides in (["placement.backend=ray"], ["trainer.backend=deepspeed"], ["curriculum.sampler=band"],
+    # its trainer may be several Ray ranks, its policies' engines Ray actors, its trainer DeepSpeed, its envs a
+    # mixture drawn by a curriculum, and an sft stage trains one of its policies
+    for overrides in (["placement.backend=ray", "placement.trainer_ranks=2"], ["trainer.backend=deepspeed"],
+                      ["curriculum.sampler=band"],
                       ["env.mixture=[{name: referential, label: a}, {name: referential, label: b}]"],
                       ["stages=[sft,rl]", "sft.policy=speaker", "sft.data=chat", "sft.paths=[demos.jsonl]"]):
         assert trainer.compose(["+recipe=referential", *overrides]).seats
-    for overrides, refused in ((["placement.backend=ray", "placement.trainer_ranks=2"], "trains on one rank for now"),
-                               (["stages=[sft,rl]", "sft.data=chat", "sft.paths=[d.jsonl]"], "name it with sft.policy"),
+    for overrides, refused in ((["stages=[sft,rl]", "sft.data=chat", "sft.paths=[d.jsonl]"], "name it with sft.policy"),
                                (["stages=[sft,rl]", "sft.policy=speaker"], "are not one seat's"),
                                (["stages=[distill]", "distill.teacher=x"], "no teacher or live traffic for seats"),
                                (["curriculum.refill=1"], "drop curriculum.refill")):

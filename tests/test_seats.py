@@ -446,11 +446,11 @@ async def test_envkit_eval_plays_the_cross_play_matrix_of_its_policies(tmp_path)
 @pytest.mark.deepspeed
 def test_two_policies_train_in_async_mode_on_ray_and_checkpoint_every_seats_drawn_groups(cluster, tmp_path):
     """trainer.mode=async with two policies, policy b's seat played by an agent that owns its loop (calling b
-    through the capture gateway), placed on the session's Ray cluster (the trainer a rank actor, each policy's
-    engine a replica actor of its own) and trained with DeepSpeed: episodes for the next step play while one trains
-    (at most max_staleness=1 versions behind), both policies update every step (b on its agent's recorded calls),
-    and a checkpoint holds the drawn-but-untrained groups, each with every seat's trajectories, for a resume to lose
-    none."""
+    through the capture gateway), placed on the session's Ray cluster (the trainer two rank actors, each holding
+    its ZeRO partitions of both policies; each policy's engine a replica actor of its own) and trained with
+    DeepSpeed: episodes for the next step play while one trains (at most max_staleness=1 versions behind), both
+    policies update every step (b on its agent's recorded calls), and a checkpoint holds the drawn-but-untrained
+    groups, each with every seat's trajectories, for a resume to lose none."""
     from test_trainer import TINY, _metrics, _trainer, _why
     from tiny import on_tiny_model
 
@@ -458,7 +458,7 @@ def test_two_policies_train_in_async_mode_on_ray_and_checkpoint_every_seats_draw
     result = _trainer(*on_tiny_model(), "trainer.mode=async", "env.name=seat_envs:GradedPair",
                       "++seats={first: {policy: a}, second: {policy: b, agent: 'seat_envs:one_call'}}",
                       "trainer.steps=3", "trainer.save_every=1", "trainer.backend=deepspeed",
-                      "placement.backend=ray", f"placement.address={cluster}",
+                      "placement.backend=ray", "placement.trainer_ranks=2", f"placement.address={cluster}",
                       "trainer.eval_tasks=0", "trainer.lr=1e-3", "generator.max_turns=2", "generator.max_tokens=8",
                       *TINY[:2], f"trainer.output_dir={out}")
     assert result.returncode == 0, _why(result)
@@ -474,6 +474,9 @@ def test_two_policies_train_in_async_mode_on_ray_and_checkpoint_every_seats_draw
     heard = [m["content"] for t in last if t["seat"] == "first" for m in t["messages"]
              if "partner said" in m["content"]]
     assert heard and all(h.endswith("[one_call]") for h in heard)  # the agent's moves, as the env took them
+    for policy in ("a", "b"):  # each rank wrote its own partition of each policy's optimizer state
+        partitions = (out / "policies" / policy / "checkpoints" / "step-000003").glob("*/*optim_states.pt")
+        assert sorted(re.search(r"zero_pp_rank_(\d+)_", p.name)[1] for p in partitions) == ["0", "1"], policy
     pending = json.loads((out / "policies" / "a" / "checkpoints" / "step-000003" / "state.json").read_text())["pending"]
     done = [group["rollouts"] for group in pending if group["rollouts"]]
     assert pending and all({t["seat"] for t in rollouts} == {"first", "second"} for rollouts in done)

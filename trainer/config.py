@@ -915,10 +915,6 @@ REFUSED: tuple[Refusal, ...] = (
             "seats: a multi-agent env's demonstrations are not one seat's: give the seat's demonstrations as "
             "sft.data=chat or trajectories with sft.paths",
             lambda c: bool(c.seats) and "sft" in c.stages and c.sft.data == "demos"),
-    Refusal("seats with placement.trainer_ranks > 1",
-            "seats: a run of several policies trains on one rank for now (its policies' engines may be Ray actors: "
-            "placement.inference_replicas)",
-            lambda c: bool(c.seats) and c.placement.backend == "ray" and c.placement.trainer_ranks > 1, unbuilt=True),
     Refusal("seats with judge.model",
             "seats: a run of several policies needs no judge (judge.model) yet: the run starts one, but no test has "
             "shown a multi-agent env's rubric calling it",

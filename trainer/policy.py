@@ -84,9 +84,10 @@ class AdapterPolicy(Policy):
     adapter is written and loaded by the server; only the newest is kept on disk."""
 
     def save_weights_for_sampler(self, version: int, runner: Runner | None, how: str) -> bool:
-        assert self.engine is not None and runner is not None  # a run with seats: one rank, which serves
         path = self.out / "adapters" / f"v{version}"
-        self.backend.export_adapter(path)
+        self.backend.export_adapter(path)  # every rank gathers; rank 0, which holds the engine, writes and loads
+        if self.engine is None or runner is None:
+            return False
         runner.run(self.engine.load_weights(path, version))
         for old in (self.out / "adapters").glob("v*"):
             if old != path:

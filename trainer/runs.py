@@ -156,6 +156,9 @@ class Run:
 class MainRun(Run):
     """Rank 0's run: the placement, the envs, the judge, the inference engine and its generator, the logger."""
 
+    elsewhere: type[Run] = Run
+    """The run of the ranks above 0 beside this one."""
+
     def __init__(self, cfg: Config, model_path: str, tokenizer: ChatTokenizer, *, placement: Placement,
                  engine: bool = True, runner: asyncio.Runner | LoopThread | None = None) -> None:
         super().__init__(cfg, model_path, tokenizer)
@@ -244,7 +247,7 @@ def open_run(cfg: Config, *, placement: Callable[[Config], Placement], engine: b
     model_path = resolve_model(cfg.model.path)
     tokenizer = ChatTokenizer.from_pretrained(model_path)
     if rank != 0:
-        return Run(cfg, model_path, tokenizer)
+        return main.elsewhere(cfg, model_path, tokenizer)
     return main(cfg, model_path, tokenizer, placement=placement(cfg), engine=engine, runner=runner())
 
 

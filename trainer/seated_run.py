@@ -16,7 +16,6 @@ The run's metrics carry one ``policy/NAME/...`` set per policy beside the step's
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,23 +36,74 @@ from trainer.checkpoint import CheckpointManager, TrainState
 from trainer.config import Config, ConfigError, InferenceConfig
 from trainer.placement.base import Placement
 from trainer.policy import AdapterPolicy, Policy
-from trainer.runs import MainRun
+from trainer.runs import MainRun, Run
 from trainer.sources import EnvStream, Start
 
 
 def main_run(cfg: Config) -> type[MainRun]:
-    """The kind of rank 0's run an RL stage opens: with seats, a :class:`SeatedRun` (on one rank)."""
-    if not cfg.seats:
-        return MainRun
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ConfigError("seats: a run of several policies trains on one rank (no torchrun) for now")
-    return SeatedRun
+    """The kind of rank 0's run an RL stage opens: with seats, a :class:`SeatedRun`."""
+    return SeatedRun if cfg.seats else MainRun
 
 
-class SeatedRun(MainRun):
+def seated_policies(cfg: Config, out: Path, model_path: str, make: Callable[[str], TrainBackend],
+                    engine: Callable[[str, str, Path], InferenceEngine | None], *, adapters: bool) -> list[Policy]:
+    """One policy per name the seats bind, each with its own checkpoints under ``OUT/policies/NAME``, its starting
+    weights (``model.policy_paths``, else ``model.path``) and ``engine(name, start, out)`` (none on the ranks above
+    0); an :class:`AdapterPolicy` where the policies are ``adapters`` of one server."""
+    kind = AdapterPolicy if adapters else Policy
+    policies = []
+    for name in cfg.policies:
+        where = out / "policies" / name
+        start = resolve_model(cfg.model.policy_paths[name]) if name in cfg.model.policy_paths else model_path
+        policies.append(kind(make(start), CheckpointManager(where / "checkpoints", keep_last=cfg.trainer.keep_last),
+                             where, engine=engine(name, start, where), name=name,
+                             seats=[seat for seat, s in cfg.seats.items() if s.policy == name]))
+    return policies
+
+
+def restored_at_one_step(policies: Sequence[Policy], resume: str | None) -> TrainState:
+    """A fresh state, or every policy's checkpoint of one step (``resume``: latest, or a step dir whose name each
+    policy's checkpoints have)."""
+    if not resume:
+        return TrainState()
+    states = [p.load_state("latest" if resume == "latest" else str(p.checkpoints.root / Path(resume).name))
+              for p in policies]
+    if len({s.step for s in states}) > 1:
+        raise RuntimeError(f"the policies' latest checkpoints are of different steps {[s.step for s in states]}: "
+                           "resume from one step all of them have")
+    return states[-1]
+
+
+class Seated(Run):
+    """What every rank of a run with seats does alike: restore its policies at one step, and have a server of
+    adapters serve each untrained one (it has none until one is loaded: the base's)."""
+
+    def restored(self, policies: Sequence[Policy]) -> TrainState:
+        return restored_at_one_step(policies, self.cfg.trainer.resume)
+
+    def resume(self, policies: Sequence[Policy], *, total_steps: int, stage: str) -> TrainState:
+        state = super().resume(policies, total_steps=total_steps, stage=stage)
+        if self.cfg.lora_adapters and not state.policy_version:
+            for p in policies:  # collective, as every serve is
+                self.serve(p, 0)
+        return state
+
+
+class SeatedRank(Seated):
+    """A rank above 0 of a run with seats: every policy's backend and checkpoints, no engine; it takes its part in
+    each policy's collectives, in the order rank 0 takes them."""
+
+    def policies(self, make: Callable[[str], TrainBackend]) -> list[Policy]:
+        return seated_policies(self.cfg, self.out, self.model_path, make, lambda *_: None,
+                               adapters=self.cfg.lora_adapters)
+
+
+class SeatedRun(Seated, MainRun):
     """Rank 0's run of a multi-agent env's seats: its policies, its frozen, scripted and endpoint players, and a
     seating per env (seeding, the model and tokenizer, the placement, the envs, the judge, the logger and the event
     loop are :class:`MainRun`'s; its policies' engines are its own, so it starts none of MainRun's)."""
+
+    elsewhere = SeatedRank
 
     def __init__(self, cfg: Config, model_path: str, tokenizer: ChatTokenizer, *, placement: Placement,
                  engine: bool = True, runner: asyncio.Runner | LoopThread | None = None) -> None:
@@ -87,16 +137,13 @@ class SeatedRun(MainRun):
         """One policy per name the seats bind, each with its own checkpoints under ``OUT/policies/NAME`` and its
         starting weights (``model.policy_paths``, else ``model.path``): an adapter of the one server, or a model
         with an engine of its own."""
-        cfg = self.cfg
-        kind = AdapterPolicy if self.server else Policy
-        for name in cfg.policies:
-            out = self.out / "policies" / name
-            start = resolve_model(cfg.model.policy_paths[name]) if name in cfg.model.policy_paths else self.model_path
-            engine = self.server.adapter(name) if self.server else self.placement.engine(start, out)
-            self.trained.append(kind(
-                make(start), CheckpointManager(out / "checkpoints", keep_last=cfg.trainer.keep_last), out,
-                engine=engine, name=name, seats=[seat for seat, s in cfg.seats.items() if s.policy == name]))
-        self.generators = {p.name: Generator(p.engine, self.tokenizer, cfg.generator) for p in self.trained}
+        server = self.server
+
+        def engine(name: str, start: str, out: Path) -> InferenceEngine:
+            return server.adapter(name) if server else self.placement.engine(start, out)
+
+        self.trained = seated_policies(self.cfg, self.out, self.model_path, make, engine, adapters=bool(server))
+        self.generators = {p.name: Generator(p.engine, self.tokenizer, self.cfg.generator) for p in self.trained}
         return self.trained
 
     def _fixed_player(self, checkpoint: str | None, script: str | None, endpoint: str | None, endpoint_model: str,
@@ -226,26 +273,6 @@ class SeatedRun(MainRun):
                     results.update({f"vs_initial/{p.name}@{seat}/{key}": mine[key] for key in ("accuracy", "reward")})
         self.logger.log_eval(step, "accuracy", results, [traj for e in episodes for traj in e.values()])
         return results
-
-    def restored(self, policies: Sequence[Policy]) -> TrainState:
-        """A fresh state, or every policy's checkpoint of one step (``trainer.resume``: latest, or a step dir
-        whose name each policy's checkpoints have)."""
-        resume = self.cfg.trainer.resume
-        if not resume:
-            return TrainState()
-        states = [p.load_state("latest" if resume == "latest" else str(p.checkpoints.root / Path(resume).name))
-                  for p in policies]
-        if len({s.step for s in states}) > 1:
-            raise RuntimeError(f"the policies' latest checkpoints are of different steps "
-                               f"{[s.step for s in states]}: resume from one step all of them have")
-        return states[-1]
-
-    def resume(self, policies: Sequence[Policy], *, total_steps: int, stage: str) -> TrainState:
-        state = super().resume(policies, total_steps=total_steps, stage=stage)
-        if self.server is not None and not state.policy_version:
-            for p in policies:  # a server has no adapter until one is loaded: the untrained one, the base's
-                self.serve(p, 0)
-        return state
 
     def close(self) -> None:
         """Stop every engine, then the run; safe after a failed start."""
