@@ -88,14 +88,3 @@ def _vowel_share(episode: Episode) -> float:
 graded = WeightedSum({EnvReward(): 1.0, Check(_vowel_share, name="vowels"): 0.1})
 """The env's own reward plus a tenth of the reply's vowel share."""
 
-
-def _brevity(episode: Episode) -> float:
-    """The simulated users' ``short`` preference (generators/serving/users.py): 1 less a 40th of the reply's words."""
-    from generators.serving.users import PREFERENCES
-
-    return PREFERENCES["short"](0.0, episode.reply)
-
-
-brief = WeightedSum({EnvReward(): 1.0, Check(_brevity, name="brevity"): 1.0})
-"""The env's own reward plus the reply's brevity as the ``short`` users score it: what the online stage's gate
-measures when those users' feedback trains it."""
