@@ -13,6 +13,7 @@ Kills of a replica and of a sandboxed env worker, on a multi-node cluster of con
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
 import signal
@@ -116,6 +117,20 @@ def test_ranks_replicas_and_env_workers_train_as_the_local_run_does_through_a_ra
     # both replicas served: new rollouts go to the least-loaded one
     assert got[1]["inference/replica0/requests"] > 0 and got[1]["inference/replica1/requests"] > 0
     assert _run_actors(f"envkit-{resumed.pid}") == []
+
+
+async def test_ray_ranks_train_against_a_server_given_by_url(cluster, tiny_vllm, tiny_url, tmp_path):
+    """``placement.backend=ray`` with ``inference.url``: the trainer is a Ray rank actor, and rank 0 attaches to the
+    server at the URL (here the session's tiny vLLM server) as a local run does, starting no replica of its own:
+    its rollouts come from that server and each step's weights reach it."""
+    out = tmp_path / "attached"
+    overrides = [f"model.path={tiny_model_dir()}", f"inference.url={tiny_url}", "+env.kwargs.rubric=tiny:graded",
+                 "trainer.steps=2", *TINY]
+    output = await asyncio.to_thread(lambda: _finish(_start(out, cluster, *overrides)))
+    steps = _metrics(out)
+    assert all(steps[s]["train/grad_norm"] > 0 and steps[s]["rollout/failed"] == 0 for s in (1, 2)), steps
+    assert "inference/replicas" not in steps[2]  # no replica of its own
+    assert await tiny_vllm.server_weight_version() == "2", output[-2000:]  # the server serves what step 2 trained
 
 
 def _store_objects() -> int:

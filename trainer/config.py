@@ -867,10 +867,10 @@ REFUSED: tuple[Refusal, ...] = (
     Refusal("several stages with trainer.resume=DIR",
             "trainer.resume names one checkpoint, but each stage has its own: resume with trainer.resume=latest",
             lambda c: len(c.stages) > 1 and c.trainer.resume not in (None, "latest")),
-    Refusal("placement.backend=ray with inference.url",
-            "inference.url attaches to one running server; placement.backend=ray starts "
-            "placement.inference_replicas servers of its own: drop one of them",
-            lambda c: c.placement.backend == "ray" and bool(c.inference.url)),
+    Refusal("placement.backend=ray with inference.url and placement.inference_replicas > 1",
+            "inference.url is the one server a run attaches to; placement.inference_replicas counts the servers a Ray "
+            "run starts of its own: drop one of them",
+            lambda c: c.placement.backend == "ray" and bool(c.inference.url) and c.placement.inference_replicas > 1),
     Refusal("model.lora.r > 0 with trainer.backend=deepspeed",
             "model.lora.r needs trainer.backend=fsdp: LoRA is FSDP-only for now (set model.lora.r=0 to fine-tune "
             "every weight with DeepSpeed)",

@@ -46,6 +46,8 @@ class RayPlacement(Placement):
                ) -> InferenceEngine:
         if max_loras:
             raise ValueError("LoRA adapters are served by placement.backend=local's engine only")
+        if self.cfg.inference.url:  # a server already running: rank 0 attaches to it as a local run does
+            return super().engine(model_path, out)
         p = self.cfg.placement
         prefix = f"{Path(out).name}-" if self.engines else ""
         group = ready_group(p.replica_resources, p.inference_replicas, f"{prefix}inference replicas")
