@@ -2,18 +2,21 @@
 
 ``GradedPair``: two seats take turns twice each, every seat told a secret of its own that the other must never see;
 its per-seat reward varies with any reply (so a tiny model's groups are never flat and every step updates both
-policies). ``Simultaneous``: both seats move at once each round, each seeing the other's last move;
-``SecretDuet``, the same with a secret told to each seat. ``one_call`` is an agent that owns its loop, at its
-simplest.
+policies); ``JudgedPair``, the same scored half by the run's judge. ``Simultaneous``: both seats move at once each
+round, each seeing the other's last move; ``SecretDuet``, the same with a secret told to each seat. ``one_call`` is
+an agent that owns its loop, at its simplest.
 """
 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 from envkit import Message, Task, system, user
 from envkit.agents.agent import AgentClient
 from envkit.multi_agent import MultiAgentEnv, Seat, Turn
+from envkit.rewards.judges import LLMJudge
+from envkit.rewards.rubrics import Episode
 
 
 def secret(seat: Seat, seed: int | None) -> str:
@@ -57,6 +60,22 @@ class GradedPair(MultiAgentEnv):
         done = self.turns == 2 * self.rounds
         return Turn({other: [user(f"Your partner said: {reply}")]}, to_act=() if done else (other,),
                     rewards={seat: graded(reply)}, terminated=done, info={"turns": self.turns})
+
+
+class JudgedPair(GradedPair):
+    """GradedPair whose per-step reward is half its grade and half the run's judge's score of the reply (an LLM
+    judge made with no endpoint calls the judge the run publishes: ``judge.model``); the grade keeps a small judge's
+    alike scores from making a group flat."""
+
+    def __init__(self, *, rounds: int = 2) -> None:
+        super().__init__(rounds=rounds)
+        self.judge = LLMJudge("The reply is friendly.", constrain="regex", max_tokens=16, second_look=False)
+
+    async def step(self, actions: dict[Seat, Message]) -> Turn:
+        turn = await super().step(actions)
+        (seat, action), = actions.items()
+        score = await self.judge.score(Episode(task=None, messages=[user("Say something."), action]))
+        return replace(turn, rewards={seat: (turn.rewards[seat] + score.value) / 2})
 
 
 class Simultaneous(MultiAgentEnv):

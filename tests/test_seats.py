@@ -444,9 +444,10 @@ async def test_envkit_eval_plays_the_cross_play_matrix_of_its_policies(tmp_path)
 
 
 @pytest.mark.deepspeed
-def test_two_policies_train_in_async_mode_on_ray_and_checkpoint_every_seats_drawn_groups(cluster, tmp_path):
-    """trainer.mode=async with two policies, policy b's seat played by an agent that owns its loop (calling b
-    through the capture gateway), placed on the session's Ray cluster (the trainer two rank actors, each holding
+def test_two_policies_train_in_async_mode_on_ray_and_checkpoint_every_seats_drawn_groups(cluster, tiny_url, tmp_path):
+    """trainer.mode=async with two policies on JudgedPair (scored half by the run's judge: the session's tiny vLLM
+    server, as an external one), policy b's seat played by an agent that owns its loop (calling b through the
+    capture gateway), placed on the session's Ray cluster (the trainer two rank actors, each holding
     its ZeRO partitions of both policies; each policy's engine a replica actor of its own) and trained with
     DeepSpeed: episodes for the next step play while one trains (at most max_staleness=1 versions behind), both
     policies update every step (b on its agent's recorded calls), and a checkpoint holds the drawn-but-untrained
@@ -455,13 +456,16 @@ def test_two_policies_train_in_async_mode_on_ray_and_checkpoint_every_seats_draw
     from tiny import on_tiny_model
 
     out = tmp_path / "async"
-    result = _trainer(*on_tiny_model(), "trainer.mode=async", "env.name=seat_envs:GradedPair",
+    judged_before = _answered(tiny_url)
+    result = _trainer(*on_tiny_model(), "trainer.mode=async", "env.name=seat_envs:JudgedPair",
+                      "judge.engine=openai", f"judge.url={tiny_url}/v1", "judge.model=policy",
                       "++seats={first: {policy: a}, second: {policy: b, agent: 'seat_envs:one_call'}}",
                       "trainer.steps=3", "trainer.save_every=1", "trainer.backend=deepspeed",
                       "placement.backend=ray", "placement.trainer_ranks=2", f"placement.address={cluster}",
                       "trainer.eval_tasks=0", "trainer.lr=1e-3", "generator.max_turns=2", "generator.max_tokens=8",
                       *TINY[:2], f"trainer.output_dir={out}")
     assert result.returncode == 0, _why(result)
+    assert _answered(tiny_url) > judged_before  # JudgedPair's steps called the run's judge
     steps = _metrics(out)
     for policy in ("a", "b"):
         assert all(steps[s][f"policy/{policy}/train/grad_norm"] > 0 for s in (1, 2, 3))
@@ -480,3 +484,10 @@ def test_two_policies_train_in_async_mode_on_ray_and_checkpoint_every_seats_draw
     pending = json.loads((out / "policies" / "a" / "checkpoints" / "step-000003" / "state.json").read_text())["pending"]
     done = [group["rollouts"] for group in pending if group["rollouts"]]
     assert pending and all({t["seat"] for t in rollouts} == {"first", "second"} for rollouts in done)
+
+
+def _answered(url: str) -> float:
+    """Requests the vLLM server at ``url`` has finished, from its Prometheus metrics."""
+    metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("vllm:request_success_total"))

@@ -915,10 +915,6 @@ REFUSED: tuple[Refusal, ...] = (
             "seats: a multi-agent env's demonstrations are not one seat's: give the seat's demonstrations as "
             "sft.data=chat or trajectories with sft.paths",
             lambda c: bool(c.seats) and "sft" in c.stages and c.sft.data == "demos"),
-    Refusal("seats with judge.model",
-            "seats: a run of several policies needs no judge (judge.model) yet: the run starts one, but no test has "
-            "shown a multi-agent env's rubric calling it",
-            lambda c: bool(c.seats) and c.judge.model is not None, unbuilt=True),
     Refusal("seats with inference.url",
             "seats: a run of several policies needs no inference.url: each policy needs an engine of its own",
             lambda c: bool(c.seats) and bool(c.inference.url)),
