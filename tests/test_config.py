@@ -53,15 +53,16 @@ def test_the_seat_recipes_bind_their_seats_and_a_run_with_seats_refuses_what_it_
     frozen = trainer.compose(["+recipe=referential", "seats.listener={policy: null, checkpoint: initial}"])
     assert frozen.policies == ["speaker"] and frozen.seats["listener"].checkpoint == "initial"
     # its trainer may be several Ray ranks, its policies' engines Ray actors, its trainer DeepSpeed, its envs a
-    # mixture drawn by a curriculum, and an sft stage trains one of its policies
+    # mixture drawn by a curriculum; an sft stage trains one of its policies, a teacher distills them, a judge scores
     for overrides in (["placement.backend=ray", "placement.trainer_ranks=2"], ["trainer.backend=deepspeed"],
                       ["curriculum.sampler=band"],
                       ["env.mixture=[{name: referential, label: a}, {name: referential, label: b}]"],
-                      ["stages=[sft,rl]", "sft.policy=speaker", "sft.data=chat", "sft.paths=[demos.jsonl]"]):
+                      ["stages=[sft,rl]", "sft.policy=speaker", "sft.data=chat", "sft.paths=[demos.jsonl]"],
+                      ["stages=[distill]", "distill.teacher=x"], ["judge.model=bundled"]):
         assert trainer.compose(["+recipe=referential", *overrides]).seats
     for overrides, refused in ((["stages=[sft,rl]", "sft.data=chat", "sft.paths=[d.jsonl]"], "name it with sft.policy"),
                                (["stages=[sft,rl]", "sft.policy=speaker"], "are not one seat's"),
-                               (["stages=[distill]", "distill.teacher=x"], "no teacher or live traffic for seats"),
+                               (["stages=[online]", "online.clients=c.json"], "serves one policy to its clients"),
                                (["curriculum.refill=1"], "drop curriculum.refill")):
         with pytest.raises(ConfigError, match=re.escape(refused)):
             trainer.compose(["+recipe=referential", *overrides])

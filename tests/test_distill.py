@@ -128,6 +128,29 @@ def test_distillation_trains_on_the_teachers_kl_and_on_groups_rl_drops_as_flat(t
     _distill(tmp_path / "out", tiny_model_dir(), str(_sharpened(tmp_path / "teacher")), ranks=2)
 
 
+@pytest.mark.e2e
+def test_a_run_with_seats_distills_each_policy_from_the_teacher_on_two_ranks(tmp_path: Path):
+    """Two policies playing GradedPair's seats, distilled from one teacher on two torchrun ranks: each policy's
+    update follows the teacher's per-token KL on its own seats' tokens (its batch scored by the teacher before it
+    trains), each policy's weights move, and the last rank holds a shard of each policy's checkpoint."""
+    out = tmp_path / "out"
+    result = _trainer("stages=[distill]", f"distill.teacher={_sharpened(tmp_path / 'teacher')}", *on_tiny_model(),
+                      "env.name=seat_envs:GradedPair", "++seats={first: {policy: a}, second: {policy: b}}",
+                      "trainer.steps=2", "generator.prompts_per_step=2", "generator.samples_per_prompt=2",
+                      "generator.max_turns=2", "generator.max_tokens=8", "trainer.eval_tasks=0",
+                      "logging.progress=false", f"trainer.output_dir={out}", ranks=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == 2
+    for policy in ("a", "b"):
+        for r in steps:
+            assert r[f"policy/{policy}/train/grad_norm"] > 0 and r[f"policy/{policy}/time/teacher_s"] > 0
+            assert r[f"policy/{policy}/distill/teacher_kl"] > 0.5, r  # the teacher's signal, as in the run above
+        weights = out / "policies" / policy / "weights" / "v2"
+        assert changed_tensors(tiny_model_dir(), weights) > 0
+        assert list((out / "policies" / policy / "checkpoints").glob("step-*/dcp/__1_0.distcp"))
+
+
 def test_a_teacher_server_that_fails_or_lies_ends_the_run_clearly_and_one_that_wants_a_key_gets_it(tmp_path: Path):
     """A teacher server on loopback that wants a bearer key, then answers /v1/completions as the test sets: each
     broken or hostile answer (an error status, no logprobs, another token's, a positive or NaN logprob that the
