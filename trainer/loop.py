@@ -2,16 +2,18 @@
 
     starts     = next prompts_per_step episode starts, split among the run's envs by weight (trainer/sources.py)
     trajs      = generator.generate(env, starts, n=samples_per_prompt)   rank 0, on the inference engine
-    trajs      = drop failed rollouts (counted), drop zero-variance groups
-    advantages = ADVANTAGES[algorithm](rewards, groups)                    one scalar per rollout
-                 (PPO: GAE per token from the value head's values before the update)
-    for each mini-batch (epochs × batch / mini_batch_size):
-        for each micro-batch (token budget):
-            logprobs = policy(tokens)                                      trainer's logprobs, with grad
-            loss     = policy_loss(logprobs, old, A) · TIS + kl_coef·KL − entropy_coef·H (+ vf_coef·value_loss)
-            backward(loss · share of the mini-batch)
-        optimizer step
-    weights v(step+1) → engine                                             broadcast from memory, or a checkpoint
+                 (with seats: every seat's player at once, trainer/seated_run.py)
+    for each of the run's policies (one; with seats, one per policy a seat names):
+        trajs      = the ones it played (its seats'); drop failed rollouts (counted), drop zero-variance groups
+        advantages = ADVANTAGES[algorithm](rewards, groups)                one scalar per rollout
+                     (PPO: GAE per token from the value head's values before the update)
+        for each mini-batch (epochs × batch / mini_batch_size):
+            for each micro-batch (token budget):
+                logprobs = policy(tokens)                                  trainer's logprobs, with grad
+                loss     = policy_loss(logprobs, old, A) · TIS + kl_coef·KL − entropy_coef·H (+ vf_coef·value_loss)
+                backward(loss · share of the mini-batch)
+            optimizer step
+    weights v(step+1) → each policy's engine                               from memory, or a checkpoint
 
 What the update follows per token is the stage's :class:`~trainer.objective.Objective`, picked once: the env's
 reward (RL), or a teacher's signal mixed in (``stages=[distill]``: trainer/distill.py).
