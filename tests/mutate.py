@@ -72,6 +72,14 @@ class Mutation:
 
 MUTATIONS = [
     Mutation(
+        "online-gate-promotes-anything",
+        "trainer/online.py::verdict",
+        "if test.n == 0 or test.lower < -margin]",
+        "if test.n == 0]",
+        "tests/test_serving.py::test_the_gate_refuses_a_worse_candidate_with_its_numbers_and_passes_one_as_good",
+        "the online stage's gate promotes every candidate it measured, however much worse it scores than what "
+        "serves: a population that rewards the wrong thing trains what every client is then served"),
+    Mutation(
         "kill-user-scans-only",
         "envkit/agents/untrusted.py::kill_user",
         "    _kill_as(uid)\n",
@@ -253,9 +261,9 @@ MUTATIONS = [
         needs="vLLM"),
     Mutation(
         "policies-share-one-model",
-        "trainer/seated_run.py::SeatedRun.policies",
-        "make(start),",
-        "self.trained[0].backend if self.trained else make(start),",
+        "trainer/seated_run.py::seated_policies",
+        "kind(make(start), ",
+        "kind(policies[0].backend if policies else make(start), ",
         "tests/test_seats.py::test_two_policies_train_in_one_run_each_its_own_and_resume_exactly",
         "the policies of a multi-agent run are one model trained on every seat's rollouts: two policies in name only"),
     Mutation(
