@@ -47,6 +47,13 @@ class ChatTokenizer:
         return cls(AutoTokenizer.from_pretrained(str(path)))
 
     @cached_property
+    def max_text_bytes_per_token(self) -> int:
+        """A bound on the UTF-8 bytes of text one token stands for: the longest token's text, four times over (a
+        normalizer may have shortened the text it was read from), so a prompt over n times this many bytes is over n
+        tokens, known without tokenizing it."""
+        return 4 * max(len(token.encode("utf-8")) for token in self.tokenizer.get_vocab())
+
+    @cached_property
     def fingerprint(self) -> str:
         """``NAME@HASH``: the checkpoint's name and a hash of the vocabulary (every token and id, special ones
         included). Two tokenizers with one hash map text to the same ids."""

@@ -72,6 +72,23 @@ class Mutation:
 
 MUTATIONS = [
     Mutation(
+        "body-unicode-unchecked",
+        "generators/gateway/body.py::_check_text",
+        '        text.encode("utf-8")\n',
+        "        pass\n",
+        "tests/test_serving.py::test_hostile_bodies_get_a_4xx_that_names_the_fault_and_metrics_count_every_status",
+        "a lone surrogate reaches the tokenizer, whose exception answers the client with a 500: any client can make "
+        "the policy server fail at will",
+        needs="vLLM"),
+    Mutation(
+        "body-depth-unchecked",
+        "generators/gateway/body.py::check_value",
+        "            if depth >= limits.max_depth:",
+        "            if False:",
+        "tests/test_serving.py::test_hostile_bodies_get_a_4xx_that_names_the_fault_and_metrics_count_every_status",
+        "JSON nested hundreds deep is taken into the handlers, whose recursive walks of it can exhaust the stack",
+        needs="vLLM"),
+    Mutation(
         "online-gate-promotes-anything",
         "trainer/online.py::verdict",
         "if test.n == 0 or test.lower < -margin]",

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import hostile
 import httpx
 import openai
 import psutil
@@ -203,6 +204,8 @@ async def test_calls_are_refused_cleanly_and_the_gateway_stays_up(vllm_engine, c
             seen["bad_role"] = await http.post("/chat/completions", json={"messages": [{"role": "robot"}]},
                                                headers=auth)
             seen["not_json"] = await http.post("/chat/completions", content=b"{", headers=auth)
+            for name, (body, _) in hostile.CHAT.items():
+                seen[name] = await http.post("/chat/completions", content=body, headers=auth)
             seen["n17"] = await http.post("/chat/completions", headers=auth, json={
                 "messages": [{"role": "user", "content": "hi"}], "n": 17})
             seen["stop5"] = await http.post("/chat/completions", headers=auth, json={
@@ -230,6 +233,8 @@ async def test_calls_are_refused_cleanly_and_the_gateway_stays_up(vllm_engine, c
     for key in ("no_messages", "bad_role", "not_json", "n17", "stop5"):
         assert seen[key].status_code == 400 and seen[key].json()["error"]["code"] in ("invalid_request",
                                                                                       "invalid_message"), key
+    for name, (_, status) in hostile.CHAT.items():  # each class of hostile body, refused as the policy server does
+        assert seen[name].status_code == status and seen[name].json()["error"]["message"], (name, seen[name].text)
     assert "messages" in seen["no_messages"].json()["error"]["message"]
     assert "robot" in seen["bad_role"].json()["error"]["message"]
     assert seen["n17"].json()["error"]["message"].startswith("n:")

@@ -15,11 +15,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import anthropic
+import hostile
 import httpx
 import openai
 import pytest
@@ -31,7 +33,7 @@ from generators.serving.episodes import RewardRule, assemble, due
 from generators.serving.server import CAPTURE_HEADER, VERSION_HEADER, Client, PolicyServer, ServingConfig
 from generators.serving.store import CallStore, StoredCall
 from generators.serving.users import User, run_users
-from trainer.online import paired, verdict
+from trainer.online import lower_priority, paired, verdict
 
 SECRET = "SSN 078-05-1120"
 ADMIN = "admin-key-for-tests"
@@ -409,3 +411,66 @@ def test_the_gate_refuses_a_worse_candidate_with_its_numbers_and_passes_one_as_g
     assert verdict({"held_out": paired(serving, serving, 0.95)}, 0.02, 0.95)["promoted"]
     assert verdict({"held_out": paired(better, serving, 0.95)}, 0.0, 0.95)["promoted"]
     assert not verdict({"held_out": paired([], [], 0.95)}, 0.02, 0.95)["promoted"]  # nothing measured: no promotion
+
+
+
+async def test_hostile_bodies_get_a_4xx_that_names_the_fault_and_metrics_count_every_status(served):
+    """Each class of bad input an attacker sends gets its 4xx with a structured message (none reaches a handler as a
+    500), the connection stays open, and /metrics counts exactly the statuses the client saw."""
+    server, url = served
+    headers = {"authorization": "Bearer key-acme"}
+    seen: Counter[tuple[str, int]] = Counter()
+    connections: set[Any] = set()
+
+    async def post(http: httpx.AsyncClient, route: str, **kwargs: Any) -> httpx.Response:
+        async with http.stream("POST", route, headers=headers, **kwargs) as r:
+            await r.aread()
+            connections.add(r.extensions["network_stream"])
+        seen[route, r.status_code] += 1
+        return r
+
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_connections=1)) as http:
+        cases = [("/v1/chat/completions", name, *case) for name, case in hostile.CHAT.items()]
+        cases += [("/v1/feedback", name, *case) for name, case in hostile.FEEDBACK.items()]
+        for route, name, body, status in cases:
+            t0 = time.perf_counter()
+            r = await post(http, route, content=body)
+            assert r.status_code == status, (name, r.status_code, r.text[:300])
+            assert r.json()["error"]["message"], name
+            print(f"{name}: {r.status_code} in {time.perf_counter() - t0:.2f} s: {r.json()['error']['message']}")
+        # a fault no handler expected (the store failing) is a structured 500, counted, and the connection stays
+        put, failing = server.store.put, RuntimeError("the disk went away")
+        server.store.put = lambda call: (_ for _ in ()).throw(failing)  # type: ignore[method-assign]
+        try:
+            failed = await post(http, "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi."}],
+                                                                    "max_tokens": 4})
+        finally:
+            server.store.put = put  # type: ignore[method-assign]
+        assert failed.status_code == 500 and "request id" in failed.json()["error"]["message"], failed.text
+        ok = await post(http, "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Still there?"}],
+                                                            "max_tokens": 4})
+        assert ok.status_code == 200
+        metrics = (await http.get("/metrics")).text
+    assert len(connections) == 1, "a refusal or the 500 closed the connection"
+    counted = {(m[1], int(m[2])): float(m[3]) for m in re.finditer(
+        r'envkit_serving_requests_total\{route="([^"]+)",status="(\d+)"\} ([\d.]+)', metrics)}
+    assert counted == {k: float(v) for k, v in seen.items()}, (counted, seen)
+
+
+def test_training_threads_are_lowered_from_the_priority_they_were_given():
+    """The online stage lowers what trains by 10 nice steps from where it stands, never to an absolute nice 10: in a
+    run started at nice 15 it trains at 19 (nice 10 would raise it above the serving threads, as root may)."""
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    nicer = subprocess.Popen(["sleep", "60"], preexec_fn=lambda: os.nice(15))  # niced before Popen returns
+    plain = subprocess.Popen(["sleep", "60"])
+    try:
+        before = os.getpriority(os.PRIO_PROCESS, nicer.pid)
+        assert before == min(19, own + 15)
+        lower_priority(os.PRIO_PROCESS, nicer.pid)
+        lower_priority(os.PRIO_PROCESS, plain.pid)
+        assert os.getpriority(os.PRIO_PROCESS, nicer.pid) == 19
+        assert os.getpriority(os.PRIO_PROCESS, plain.pid) == min(19, own + 10)
+    finally:
+        for p in (nicer, plain):
+            p.kill()
+            p.wait()

@@ -201,18 +201,18 @@ class Serving:
 
     def take_priority(self) -> None:
         """Answering clients comes first: the trainer's threads and the candidate's engine compute at a lower
-        priority (nice 10) than the serving engine and the threads that answer and store calls, so an update or a
-        gate on the same cores does not stall a client's answer."""
+        priority (10 nice steps more) than the serving engine and the threads that answer and store calls, so an
+        update or a gate on the same cores does not stall a client's answer."""
         runner = self.run.runner
         assert isinstance(runner, LoopThread)
         serving = {runner.native_id, self.store.writer_id}
         for task in os.listdir("/proc/self/task"):
             if int(task) not in serving:
                 with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-                    os.setpriority(os.PRIO_PROCESS, int(task), 10)
+                    lower_priority(os.PRIO_PROCESS, int(task))
         server = getattr(getattr(self.run.engine, "server", None), "process", None)
         if server is not None:  # a managed server leads a process group of its own
-            os.setpriority(os.PRIO_PGRP, server.pid, 10)
+            lower_priority(os.PRIO_PGRP, server.pid)
 
     def next_round(self, state: TrainState) -> tuple[list[Trajectory], list[str], int]:
         """The round's conversations (blocks until enough have their reward), the keys of those dropped (unscored,
@@ -291,6 +291,12 @@ class Serving:
         if isinstance(runner, LoopThread):
             runner.run(self.engine.stop())
         self.store.close()
+
+
+def lower_priority(which: int, who: int, steps: int = 10) -> None:
+    """Lower ``who``'s priority by ``steps`` nice steps from what it has (to nice 19 at most): an absolute nice value
+    would raise the priority of a run started nicer than that (as root, which may)."""
+    os.setpriority(which, who, min(19, os.getpriority(which, who) + steps))
 
 
 async def _stop(server: PolicyServer) -> None:

@@ -30,7 +30,7 @@ _ERRORS = {400: "invalid_request_error", 401: "authentication_error", 403: "perm
 class MessagesRequest(BaseModel):
     """The part of a Messages API request the gateway reads (other fields are accepted and ignored)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_tokens: int = Field(ge=1)

@@ -13,6 +13,7 @@ from envkit import tracing
 from generators.engines.base import EngineError, InferenceEngine
 from generators.gateway.anthropic import Messages
 from generators.gateway.chat import ChatCompletions, openai_error
+from generators.gateway.contained import Contained, contain
 from generators.gateway.dialect import Dialect, models_list, read_json, request_key
 from generators.gateway.responses import Responses
 from generators.gateway.types import ChatRequest, Choice, Episode, GatewayError
@@ -39,14 +40,21 @@ DIALECTS: tuple[Dialect, ...] = (ChatCompletions(), Responses(), Messages())
 here."""
 
 
-def build_app(gateway: Backend) -> FastAPI:
-    """The gateway's routes: each dialect's, and ``/v1/models``, also under ``/e/{key}``."""
+def build_app(gateway: Backend) -> Contained:
+    """The gateway's routes: each dialect's, and ``/v1/models``, also under ``/e/{key}``; an exception none of them
+    caught is a structured 500 (:mod:`.contained`)."""
     app = FastAPI(title="envkit capture gateway", docs_url=None, redoc_url=None, openapi_url=None)
     for prefix in ("", "/e/{key}"):
         for dialect in DIALECTS:
             app.add_api_route(prefix + dialect.route, _handler(gateway, dialect), methods=["POST"])
         app.add_api_route(prefix + "/v1/models", _models(gateway), methods=["GET"])
-    return app
+    return contain(app, dialect_error)
+
+
+def dialect_error(request: Request, status: int, code: str, message: str) -> JSONResponse:
+    """A refusal in the error shape of the dialect whose route ``request`` called (OpenAI's for any other)."""
+    dialect = next((d for d in DIALECTS if request.url.path.endswith(d.route)), DIALECTS[0])
+    return dialect.error(status, code, message)
 
 
 Handler = Callable[[Request, str | None], Awaitable[Response]]

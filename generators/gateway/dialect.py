@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
+from generators.gateway.body import read_json as read_json  # its home was here: still importable
 from generators.gateway.types import ChatRequest, Choice, Episode, GatewayError
 from generators.gateway.types import UnsupportedInput as UnsupportedInput  # its home was here: still importable
 
@@ -54,14 +55,6 @@ class Dialect(Protocol):
         ...
 
 
-async def read_json(request: Request) -> Any:
-    """The request's JSON body; a 400 if it is not JSON."""
-    try:
-        return await request.json()
-    except ValueError:
-        raise GatewayError(400, "invalid_request", "the body is not JSON") from None
-
-
 def parse(model: type[_Body], data: Any) -> _Body:
     """``data`` as a ``model`` request, or a 400 naming the first field that is wrong."""
     try:
@@ -69,7 +62,8 @@ def parse(model: type[_Body], data: Any) -> _Body:
     except ValidationError as e:
         detail = e.errors()[0]
         where = ".".join(str(p) for p in detail.get("loc", ()))
-        raise GatewayError(400, "invalid_request", f"{where}: {detail['msg']}" if where else detail["msg"]) from None
+        message = detail["msg"].removeprefix("Value error, ")
+        raise GatewayError(400, "invalid_request", f"{where}: {message}" if where else message) from None
 
 
 def request_key(request: Request) -> str | None:

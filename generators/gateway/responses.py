@@ -31,7 +31,7 @@ from generators.gateway.types import ChatRequest, Choice, Episode, GatewayError,
 class ResponsesRequest(BaseModel):
     """The part of a Responses API request the gateway reads (other fields are accepted and ignored)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     input: str | list[dict[str, Any]]
     instructions: str | None = None

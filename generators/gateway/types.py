@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from envkit import Message
 from generators.engines.replicas import Session
@@ -43,10 +43,46 @@ MAX_STOPS = 4
 """Stop strings a call may ask for: OpenAI's limit, and vLLM's (past it the engine would answer 400, a 502 here)."""
 
 
-class ChatRequest(BaseModel):
-    """The part of an OpenAI chat completions request the gateway reads (other fields are accepted and ignored)."""
+class FunctionSchema(BaseModel):
+    """A tool's function, as OpenAI's API takes it: a name, what it does, and its parameters' JSON schema (an
+    object's)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _an_object(cls, parameters: dict[str, Any] | None) -> dict[str, Any] | None:
+        if parameters is None:
+            return None
+        if parameters.get("type", "object") != "object":
+            raise ValueError(f"the parameters' schema must be of type object, not {parameters['type']!r}")
+        properties = parameters.get("properties", {})
+        if not isinstance(properties, dict) or not all(isinstance(p, dict) for p in properties.values()):
+            raise ValueError("the parameters' properties must be an object of schemas")
+        return parameters
+
+
+class FunctionTool(BaseModel):
+    """One entry of a chat request's ``tools``."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: Literal["function"]
+    function: FunctionSchema
+
+
+_TOOLS = TypeAdapter(list[FunctionTool])
+
+
+class ChatRequest(BaseModel):
+    """The part of an OpenAI chat completions request the gateway reads (other fields are accepted and ignored).
+    Strict: a number sent as a string, or a boolean, is refused rather than read as one."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
     messages: list[dict[str, Any]] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
@@ -56,6 +92,17 @@ class ChatRequest(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _function_tools(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        if tools is not None:
+            try:
+                _TOOLS.validate_python(tools)
+            except ValidationError as e:
+                detail = e.errors()[0]
+                raise ValueError(f"{'.'.join(map(str, detail['loc']))}: {detail['msg']}") from None
+        return tools
 
     @field_validator("stop")
     @classmethod

@@ -30,8 +30,9 @@ from envkit.rewards.rubrics import Episode as RubricEpisode
 from envkit.rewards.rubrics import Rubric
 from generators.chat import ChatTokenizer
 from generators.engines.base import EngineError, InferenceEngine
-from generators.gateway.app import DIALECTS
+from generators.gateway.app import DIALECTS, dialect_error
 from generators.gateway.chat import ChatRequest, openai_error, openai_message
+from generators.gateway.contained import Contained, contain
 from generators.gateway.dialect import Dialect, GatewayError, models_list, parse, read_json, request_key
 from generators.gateway.server import KEEP_ALIVE_S, Choice, Episode, Gateway, Limits
 from generators.rollout import Generator, GeneratorConfig
@@ -109,7 +110,7 @@ class ServingConfig:
 class FeedbackRequest(BaseModel):
     """``POST /v1/feedback``: a score for one response, as a number in [0, 1] or thumbs up/down."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     response_id: str = Field(min_length=1, max_length=200)
     score: float | None = Field(default=None, ge=0.0, le=1.0)
     thumbs: Literal["up", "down"] | None = None
@@ -129,7 +130,7 @@ class FeedbackRequest(BaseModel):
 class RollbackRequest(BaseModel):
     """``POST /v1/admin/rollback``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     version: int = Field(ge=0)
 
 
@@ -174,8 +175,9 @@ class PolicyServer:
         """The weight version answering now."""
         return self.engine.weight_version
 
-    def app(self) -> FastAPI:
-        """The routes: each dialect's, ``/v1/models``, ``/v1/feedback``, the admin routes, ``/metrics``."""
+    def app(self) -> Contained:
+        """The routes: each dialect's, ``/v1/models``, ``/v1/feedback``, the admin routes, ``/metrics``; every
+        response counted by route and status, an exception none of them caught a structured 500."""
         app = FastAPI(title="envkit policy server", docs_url=None, redoc_url=None, openapi_url=None)
         for dialect in DIALECTS:
             app.add_api_route(dialect.route, self._handler(dialect), methods=["POST"])
@@ -184,7 +186,7 @@ class PolicyServer:
         app.add_api_route("/v1/admin/clients/{name}/data", self._forget, methods=["DELETE"])
         app.add_api_route("/v1/admin/rollback", self._rollback, methods=["POST"])
         app.add_api_route("/metrics", self.metrics.endpoint, methods=["GET"])
-        return app
+        return contain(app, dialect_error, self.metrics.done)
 
     async def serve(self, host: str = "127.0.0.1", port: int = 0, *, drain_s: float = 60.0,
                     on_ready: Callable[[str], None] | None = None, prune_every_s: float = 300.0,
@@ -249,10 +251,8 @@ class PolicyServer:
         return state
 
     def _handler(self, dialect: Dialect) -> Callable[[Request], Awaitable[Response]]:
-        route = dialect.route
 
         async def handle(request: Request) -> Response:
-            t0 = time.perf_counter()
             try:
                 state = self._client(request)
                 if self.active >= self.config.max_concurrent:
@@ -264,15 +264,12 @@ class PolicyServer:
                 finally:
                     self.active -= 1
             except GatewayError as e:
-                self.metrics.done(route, e.status, t0)
                 refusal = dialect.error(e.status, e.code, str(e))
                 if e.status == 429:  # shed load: a client should come back, after a pause
                     refusal.headers.update({"retry-after": "1", "x-should-retry": "true"})
                 return refusal
             except EngineError as e:
-                self.metrics.done(route, 502, t0)
                 return dialect.error(502, "engine_error", f"the inference engine failed: {e}")
-            self.metrics.done(route, 200, t0)
             headers = {VERSION_HEADER: str(body.pop("_version")), RESPONSE_HEADER: body["id"]}
             if call.stream:
                 return StreamingResponse(dialect.events(call, body), media_type="text/event-stream", headers=headers)
@@ -447,9 +444,10 @@ class _Metrics:
         Gauge("envkit_serving_model_version", "The weight version answering", registry=self.registry).set_function(
             lambda: server.model_version)
 
-    def done(self, route: str, status: int, t0: float) -> None:
+    def done(self, route: str, status: int, seconds: float) -> None:
+        """Count one response the server sent."""
         self.requests.labels(route, str(status)).inc()
-        self.latency.labels(route).observe(time.perf_counter() - t0)
+        self.latency.labels(route).observe(seconds)
 
     async def endpoint(self) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
