@@ -36,7 +36,7 @@ export ENVKIT_VERIFIERS_PYTHON ?= $(CURDIR)/$(VERIFIERS_VENV)/bin/python
 # One project cache for what is expensive and deterministic: the converted model, server logs.
 export ENVKIT_CACHE_DIR ?= $(CURDIR)/.cache
 
-.PHONY: help install model docker-up cluster-image cluster-up cluster-down traces browser docs docs-serve test test-fast faults mutants lint bench train train-agent clean
+.PHONY: help install model docker-up cluster-image cluster-up cluster-down traces browser docs docs-serve test test-fast faults fuzz mutants lint bench train train-agent clean
 
 help:  ## show the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -148,6 +148,12 @@ test-fast: install model browser $(MERMAID_JS)  ## the tests that need no vLLM, 
 # Not part of `make test` (about 15 minutes): each fault's run, on a container cluster of its own.
 faults: install model docker-up cluster-image  ## inject each fault into a run on a container cluster (tests/faults.py); prints the table
 	$(PY) tests/faults.py $(ARGS)
+
+# Not part of `make test` (which runs each fuzz at a bounded count): the same fuzz runs, many more cases each.
+fuzz: install model  ## fuzz the HTTP surfaces longer: the policy server's dialects (FUZZ_EXAMPLES=5000) and envkit serve
+	ENVKIT_FUZZ_EXAMPLES=$(or $(FUZZ_EXAMPLES),5000) $(VENV)/bin/pytest -q -s \
+		tests/test_serving.py::test_generated_hostile_bodies_on_every_dialect_get_no_5xx_and_metrics_count_them_all \
+		tests/test_server_fuzz.py
 
 # Not part of `make test`: each mutant runs its guarding test once more (minutes for the e2e ones).
 mutants: install model docker-up  ## break each guarded feature (tests/mutate.py) and check that its test fails

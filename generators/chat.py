@@ -26,6 +26,10 @@ _PREFIX: list[dict[str, Any]] = [
 ]
 
 
+LONG_TEXT = 1 << 16
+"""Characters past which tokenizing takes long enough (a millisecond or more) to be done off an event loop."""
+
+
 class ChatTokenizer:
     """An HF tokenizer plus the chat-template arithmetic the rollout loop needs."""
 
@@ -48,10 +52,12 @@ class ChatTokenizer:
 
     @cached_property
     def max_text_bytes_per_token(self) -> int:
-        """A bound on the UTF-8 bytes of text one token stands for: the longest token's text, four times over (a
-        normalizer may have shortened the text it was read from), so a prompt over n times this many bytes is over n
-        tokens, known without tokenizing it."""
-        return 4 * max(len(token.encode("utf-8")) for token in self.tokenizer.get_vocab())
+        """A bound on the UTF-8 bytes of text one token stands for, so a prompt over n times this many bytes is over
+        n tokens, known without tokenizing it: the longest token's text (a byte-level token's characters each stand
+        for one byte, and take one or two), four times over where a normalizer may have shortened the text."""
+        longest = max(len(token.encode("utf-8")) for token in self.tokenizer.get_vocab())
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        return longest if backend is not None and backend.normalizer is None else 4 * longest
 
     @cached_property
     def fingerprint(self) -> str:
@@ -108,6 +114,8 @@ class ChatTokenizer:
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if (backend is not None and backend.truncation is None and backend.padding is None
                 and not backend.encode_special_tokens):
+            if len(text) > LONG_TEXT:  # the batch call lets go of the GIL: a server's other threads run meanwhile
+                return backend.encode_batch([text], add_special_tokens=False)[0].ids
             return backend.encode(text, add_special_tokens=False).ids
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 CHAT: dict[str, tuple[bytes, int]] = {
     "nested JSON": (b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400),
@@ -28,3 +29,38 @@ FEEDBACK: dict[str, tuple[bytes, int]] = {
     "score as a boolean": (b'{"response_id": "x", "score": true}', 400),
 }
 """Bodies of the policy server's ``POST /v1/feedback``."""
+
+
+def chat_bodies() -> Any:
+    """A hypothesis strategy of bodies for every dialect's route: near-valid requests whose fields take hostile values
+    (roles, text with lone surrogates, tool schemas of every shape, numbers as strings, NaN), as JSON bytes; a valid
+    one asks for one token, so the server's answers stay cheap."""
+    from hypothesis import strategies as st
+
+    json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+                               lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
+                                                                                           max_size=3),
+                               max_leaves=8)
+    text = st.text(max_size=24) | st.sampled_from(["a\ud800b", "\udfff", "\x00", "<|im_start|>", "é" * 40])
+    parameters = json_values | st.fixed_dictionaries({"type": st.sampled_from(["object", "array", 3])}, optional={
+        "properties": st.dictionaries(st.text(max_size=6), json_values, max_size=3), "required": json_values})
+    tool = json_values | st.fixed_dictionaries({"type": st.sampled_from(["function", "web_search", None])}, optional={
+        "function": json_values | st.fixed_dictionaries({"name": text}, optional={
+            "description": text | json_values, "parameters": parameters}),
+        "name": text, "input_schema": parameters, "parameters": parameters})
+    message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "developer",
+                                                              "robot"]) | json_values}, optional={
+        "content": text | json_values | st.lists(st.fixed_dictionaries(
+            {"type": st.sampled_from(["text", "input_text", "image_url"])}, optional={"text": text | json_values}),
+            max_size=2),
+        "tool_calls": json_values, "tool_call_id": json_values})
+    body = st.fixed_dictionaries({"max_tokens": st.just(1) | json_values}, optional={
+        "messages": st.lists(message, max_size=3) | json_values, "input": text | st.lists(message, max_size=2),
+        "tools": st.lists(tool, max_size=2) | json_values, "n": st.sampled_from([1, 2, "1", True, 0, 17]),
+        "stream": st.booleans() | json_values, "stop": text | st.lists(text, max_size=5) | json_values,
+        "temperature": st.floats() | json_values, "system": text | json_values,
+        "max_output_tokens": st.just(1) | json_values, "previous_response_id": text})
+    plausible = st.fixed_dictionaries({"role": st.just("user"), "content": st.text(max_size=24)})
+    honest = st.fixed_dictionaries({"messages": st.lists(plausible, min_size=1, max_size=2), "max_tokens": st.just(1),
+                                    "input": st.text(max_size=24)}, optional={"stream": st.booleans()})
+    return (honest | body).map(lambda b: json.dumps(b, allow_nan=True).encode())

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from envkit import Message, tracing
 from envkit.agents.agent import AgentClient
+from generators.chat import LONG_TEXT
 from generators.engines.base import InferenceEngine, SamplingParams, generate_turn, request_seed
 from generators.engines.replicas import rollout_session
 from generators.gateway.app import build_app
@@ -197,9 +198,12 @@ class Gateway:
                 raise GatewayError(429, "call_limit", f"this episode may call the model {self.limits.max_calls} "
                                                       "times (generator.max_turns)")
             chat = request.chat()
-            self._bounded(chat)
+            size = self._bounded(chat)
             messages, template_tools = self.tool_prompt.apply(chat, request.tools)
-            segment = self._continue(episode, messages, template_tools, request.tools)
+            if size > LONG_TEXT:  # its tokenizing would hold up every other call on this loop
+                segment = await asyncio.to_thread(self._continue, episode, messages, template_tools, request.tools)
+            else:
+                segment = self._continue(episode, messages, template_tools, request.tools)
             budget = self.limits.max_total_tokens - len(segment.ids)
             if budget <= 0:
                 episode.stop = "max_tokens"
@@ -226,13 +230,14 @@ class Gateway:
                                      for _ in choice.message.get("tool_call_errors") or []]
             return list(choices), len(segment.ids)
 
-    def _bounded(self, chat: list[Message]) -> None:
-        """Refuse a prompt whose text alone is too long for the call's token budget before tokenizing it, which
-        would hold the event loop for seconds (a 5 MB prompt: 15 s)."""
+    def _bounded(self, chat: list[Message]) -> int:
+        """The UTF-8 bytes of the chat's text; a prompt whose text alone is too long for the call's token budget is
+        refused before it is tokenized, which would take seconds (a 5 MB prompt: 15 s)."""
         size = sum(len((m.get("content") or "").encode("utf-8")) for m in chat)
         if size > self.limits.max_total_tokens * self.tokenizer.max_text_bytes_per_token:
             raise GatewayError(400, "context_length_exceeded", f"the prompt's text is {size} bytes, more than "
                                                                f"{self.limits.max_total_tokens} tokens hold")
+        return size
 
     def continues(self, episode: Episode, request: ChatRequest) -> bool:
         """Whether ``request`` continues one of ``episode``'s segments (sends a reply back with new messages)."""
@@ -246,12 +251,12 @@ class Gateway:
             chosen = segment.continued_by(messages, tools)
             if chosen is None:
                 continue
-            at = len(segment.messages)
+            new = messages[len(segment.messages) + 1:]
+            observation = self.tokenizer.close_turn(chosen.ids) + _rendered(self.tokenizer.observation_ids, new,
+                                                                            template_tools)
             episode.segments += [segment.branch(c) for c in segment.pending if c is not chosen]
             segment.pending = []
             segment.take(chosen)
-            new = messages[at + 1:]
-            observation = self.tokenizer.close_turn(chosen.ids) + self.tokenizer.observation_ids(new, template_tools)
             segment.response_ids += observation
             segment.loss_mask += [0] * len(observation)
             segment.rollout_logprobs += [0.0] * len(observation)
@@ -261,7 +266,8 @@ class Gateway:
                 episode.skewed += 1
             return segment
         written = [self.tool_prompt.as_written(m) for m in messages]
-        segment = Segment(list(messages), template_tools, tools, self.tokenizer.prompt_ids(written, template_tools))
+        segment = Segment(list(messages), template_tools, tools, _rendered(self.tokenizer.prompt_ids, written,
+                                                                           template_tools))
         episode.segments.append(segment)
         return segment
 
@@ -292,6 +298,17 @@ class Gateway:
         for i, call in enumerate(message.get("tool_calls") or []):  # unique within the episode: agents key on ids
             call["id"] = f"call_{episode.calls}_{k}_{i}"
         return Choice(ids, logprobs, spans, text, message, part.finish_reason, part.stop_string)
+
+
+def _rendered(render: Callable[[list[Message], ToolSchemas | None], list[int]], messages: list[Message],
+              tools: ToolSchemas | None) -> list[int]:
+    """``render``'s token ids for ``messages``; a chat the template cannot render is the caller's to change (400),
+    found before the episode changes."""
+    try:
+        return render(messages, tools)
+    except Exception as e:  # a template is code of its own: whatever it raises on this chat
+        raise GatewayError(400, "invalid_request", "the chat template cannot render these messages "
+                                                   f"({type(e).__name__}: {e})") from None
 
 
 def _close_server(started: asyncio.Future[asyncio.Server]) -> None:
