@@ -33,7 +33,7 @@ from generators.serving.episodes import RewardRule, assemble, due
 from generators.serving.server import CAPTURE_HEADER, VERSION_HEADER, Client, PolicyServer, ServingConfig
 from generators.serving.store import CallStore, StoredCall
 from generators.serving.users import User, run_users
-from trainer.online import lower_priority, paired, verdict
+from trainer.online import paired, verdict
 
 SECRET = "SSN 078-05-1120"
 ADMIN = "admin-key-for-tests"
@@ -457,23 +457,47 @@ async def test_hostile_bodies_get_a_4xx_that_names_the_fault_and_metrics_count_e
     assert counted == {k: float(v) for k, v in seen.items()}, (counted, seen)
 
 
-def test_training_threads_are_lowered_from_the_priority_they_were_given():
-    """The online stage lowers what trains by 10 nice steps from where it stands, never to an absolute nice 10: in a
-    run started at nice 15 it trains at 19 (nice 10 would raise it above the serving threads, as root may)."""
-    own = os.getpriority(os.PRIO_PROCESS, 0)
-    nicer = subprocess.Popen(["sleep", "60"], preexec_fn=lambda: os.nice(15))  # niced before Popen returns
-    plain = subprocess.Popen(["sleep", "60"])
-    try:
-        before = os.getpriority(os.PRIO_PROCESS, nicer.pid)
-        assert before == min(19, own + 15)
-        lower_priority(os.PRIO_PROCESS, nicer.pid)
-        lower_priority(os.PRIO_PROCESS, plain.pid)
-        assert os.getpriority(os.PRIO_PROCESS, nicer.pid) == 19
-        assert os.getpriority(os.PRIO_PROCESS, plain.pid) == min(19, own + 10)
-    finally:
-        for p in (nicer, plain):
-            p.kill()
-            p.wait()
+PRIORITIES = """
+import os, sys, threading, time
+from trainer.priority import separate
+def nice(tid):  # field 19 of /proc/self/task/TID/stat, after the parenthesized command
+    return int(open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()[16])
+ids, hold = {}, threading.Event()
+def thread(name):
+    ids[name] = threading.get_native_id()
+    hold.wait()
+threads = [threading.Thread(target=thread, args=(n,)) for n in ("serving", "training")]
+for t in threads:
+    t.start()
+while len(ids) < 2:
+    time.sleep(0.01)
+if sys.argv[1] == "absolute":  # what the online stage did before: nice 10, whatever the thread had
+    os.setpriority(os.PRIO_PROCESS, ids["training"], 10)
+else:
+    separate([(os.PRIO_PROCESS, ids["serving"])], [(os.PRIO_PROCESS, ids["training"])])
+print(nice(ids["serving"]), nice(ids["training"]))
+hold.set()
+"""
+
+
+@pytest.mark.parametrize("started_at", [0, 19])
+def test_what_trains_stays_below_what_serves_at_any_nice_the_run_starts_at(started_at: int):
+    """The online stage's threads, in a process started at nice 0 or 19 (``nice -n 19 python -m trainer ...``), read
+    from /proc: what trains is 10 nice steps below what serves. Positive control: the absolute nice 10 it used to set
+    raises what trains above what serves in a run started at 19."""
+    def run(mode: str) -> tuple[int, int]:
+        done = subprocess.run([sys.executable, "-c", PRIORITIES, mode], capture_output=True, text=True, timeout=60,
+                              preexec_fn=lambda: os.nice(started_at - os.nice(0)))
+        assert done.returncode == 0, done.stderr
+        serving, training = map(int, done.stdout.split())
+        return serving, training
+
+    serving, training = run("relative")
+    assert training - serving == 10 and training == min(19, started_at + 10), (serving, training)
+    if started_at == 19:
+        serving, training = run("absolute")
+        assert training < serving, (serving, training)  # the bug: training above serving
+
 
 
 FUZZ_EXAMPLES = 100

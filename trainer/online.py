@@ -24,7 +24,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -54,6 +53,7 @@ from trainer.config import Config, ConfigError
 from trainer.loop import prepare_batch, update_policy
 from trainer.placement import make_placement
 from trainer.policy import Policy
+from trainer.priority import separate
 from trainer.runs import MainRun, open_run
 
 log = logging.getLogger(__name__)
@@ -200,19 +200,19 @@ class Serving:
             raise RuntimeError("the policy server did not start")
 
     def take_priority(self) -> None:
-        """Answering clients comes first: the trainer's threads and the candidate's engine compute at a lower
-        priority (10 nice steps more) than the serving engine and the threads that answer and store calls, so an
-        update or a gate on the same cores does not stall a client's answer."""
+        """Answering clients comes first: the trainer's threads and the candidate's engine compute 10 nice steps
+        below the serving engine and the threads that answer and store calls (:func:`separate`), so an update or a
+        gate on the same cores does not stall a client's answer."""
         runner = self.run.runner
         assert isinstance(runner, LoopThread)
         serving = {runner.native_id, self.store.writer_id}
-        for task in os.listdir("/proc/self/task"):
-            if int(task) not in serving:
-                with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-                    lower_priority(os.PRIO_PROCESS, int(task))
-        server = getattr(getattr(self.run.engine, "server", None), "process", None)
-        if server is not None:  # a managed server leads a process group of its own
-            lower_priority(os.PRIO_PGRP, server.pid)
+        training = [(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task") if int(t) not in serving]
+        answering = [(os.PRIO_PROCESS, t) for t in serving]
+        for engine, side in ((self.run.engine, training), (self.engine, answering)):
+            server = getattr(getattr(engine, "server", None), "process", None)
+            if server is not None:  # a managed server leads a process group of its own
+                side.append((os.PRIO_PGRP, server.pid))
+        separate(answering, training)
 
     def next_round(self, state: TrainState) -> tuple[list[Trajectory], list[str], int]:
         """The round's conversations (blocks until enough have their reward), the keys of those dropped (unscored,
@@ -291,12 +291,6 @@ class Serving:
         if isinstance(runner, LoopThread):
             runner.run(self.engine.stop())
         self.store.close()
-
-
-def lower_priority(which: int, who: int, steps: int = 10) -> None:
-    """Lower ``who``'s priority by ``steps`` nice steps from what it has (to nice 19 at most): an absolute nice value
-    would raise the priority of a run started nicer than that (as root, which may)."""
-    os.setpriority(which, who, min(19, os.getpriority(which, who) + steps))
 
 
 async def _stop(server: PolicyServer) -> None:
