@@ -150,10 +150,10 @@ faults: install model docker-up cluster-image  ## inject each fault into a run o
 	$(PY) tests/faults.py $(ARGS)
 
 # Not part of `make test` (which runs each fuzz at a bounded count): the same fuzz runs, many more cases each.
-fuzz: install model  ## fuzz the HTTP surfaces longer: the policy server's dialects (FUZZ_EXAMPLES=5000) and envkit serve
-	ENVKIT_FUZZ_EXAMPLES=$(or $(FUZZ_EXAMPLES),5000) $(VENV)/bin/pytest -q -s \
-		tests/test_serving.py::test_generated_hostile_bodies_on_every_dialect_get_no_5xx_and_metrics_count_them_all \
-		tests/test_server_fuzz.py
+fuzz: install model  ## fuzz the HTTP surfaces longer (FUZZ_EXAMPLES=5000 a server): policy server, capture gateway, envkit serve
+	ENVKIT_FUZZ_EXAMPLES=$(or $(FUZZ_EXAMPLES),5000) $(VENV)/bin/pytest -q -s -k "generated_hostile or schemathesis" \
+		tests/test_serving.py tests/test_gateway.py
+	$(VENV)/bin/pytest -q -s tests/test_server_fuzz.py
 
 # Not part of `make test`: each mutant runs its guarding test once more (minutes for the e2e ones).
 mutants: install model docker-up  ## break each guarded feature (tests/mutate.py) and check that its test fails

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import os
+from collections import Counter
 from typing import Any
 
 CHAT: dict[str, tuple[bytes, int]] = {
@@ -64,3 +66,34 @@ def chat_bodies() -> Any:
     honest = st.fixed_dictionaries({"messages": st.lists(plausible, min_size=1, max_size=2), "max_tokens": st.just(1),
                                     "input": st.text(max_size=24)}, optional={"stream": st.booleans()})
     return (honest | body).map(lambda b: json.dumps(b, allow_nan=True).encode())
+
+
+DIALECT_ROUTES = ("/v1/chat/completions", "/v1/responses", "/v1/messages")
+EXAMPLES = int(os.environ.get("ENVKIT_FUZZ_EXAMPLES", "60"))
+"""Generated bodies per fuzzed server: 60 under ``make test``, more under ``make fuzz``."""
+
+
+def fuzz(url: str, key: str, examples: int) -> Counter[tuple[str, int]]:
+    """Post :func:`chat_bodies` to each dialect's route of the server at ``url`` with ``key``, ``examples`` times
+    (derandomized: the same cases each run); fails on a 5xx or an unstructured refusal. Blocking: call it off the
+    server's event loop. Returns the statuses seen, by route."""
+    import httpx
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    seen: Counter[tuple[str, int]] = Counter()
+    with httpx.Client(base_url=url, timeout=60, headers={"authorization": f"Bearer {key}",
+                                                         "content-type": "application/json"}) as http:
+        @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+        @given(route=st.sampled_from(DIALECT_ROUTES), body=chat_bodies())
+        def one(route: str, body: bytes) -> None:
+            r = http.post(route, content=body)
+            seen[route, r.status_code] += 1
+            assert r.status_code < 500, (route, body[:300], r.text[:300])
+            if r.status_code >= 400:
+                error = r.json()["error"]
+                assert error["message"] and (error.get("type") or error.get("code")), r.text
+
+        one()
+    return seen

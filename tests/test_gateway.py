@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import socket
+from collections import Counter
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -23,6 +24,7 @@ from envkit.agents import process as host_process
 from envkit.agents.agent import AgentClient, AgentEnv
 from envkit.errors import AgentProcessError
 from generators.engines.base import ChatCompletion, Completion, InferenceEngine, SamplingParams
+from generators.gateway.server import Gateway, Limits
 from generators.rollout import Generator, GeneratorConfig
 from generators.trajectory import Trajectory
 
@@ -124,6 +126,28 @@ def agent_env(agent: Any, answers: list[Any] | None = None) -> Any:
         return 1.0 if "5" in str(result) else 0.0
 
     return lambda: AgentEnv(agent=agent, grader=grade, tasks=[QUESTION])
+
+
+
+async def test_generated_hostile_bodies_get_no_5xx_from_the_gateway(vllm_engine, chat_tokenizer, capsys):
+    """The capture gateway under the policy server's fuzz (tests/hostile.py), in one open episode: no generated body on
+    any dialect's route gets a 5xx, every refusal is structured, and the episode's key still gets answers after."""
+    config = GeneratorConfig(max_tokens=8)
+    sampler = Generator(vllm_engine, chat_tokenizer, config)
+    limits = Limits(config.sampling, 1 << 30, config.max_total_tokens, False)
+    async with Gateway(vllm_engine, chat_tokenizer, sampler.parser, sampler.tool_prompt, limits) as gateway:
+        episode = gateway.open()
+        key = gateway.client(episode).api_key
+        seen = await asyncio.to_thread(hostile.fuzz, gateway.url, key, hostile.EXAMPLES)
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
+            ok = await http.post("/v1/chat/completions", headers={"authorization": f"Bearer {key}"},
+                                 json={"messages": [{"role": "user", "content": "Still there?"}], "max_tokens": 2})
+        gateway.end(episode)
+    assert ok.status_code == 200, ok.text
+    statuses = Counter(status for _, status in seen.elements())
+    with capsys.disabled():
+        print(f"\ngateway fuzz: {sum(statuses.values())} requests, statuses {dict(sorted(statuses.items()))}")
+    assert {200, 400} <= set(statuses)  # the fuzz reached the engine, not only the validation
 
 
 @pytest.mark.agent_frameworks

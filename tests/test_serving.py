@@ -500,38 +500,11 @@ def test_what_trains_stays_below_what_serves_at_any_nice_the_run_starts_at(start
 
 
 
-FUZZ_EXAMPLES = 100
-"""Generated bodies per run under make test (``make fuzz`` runs many more)."""
-
-
 async def test_generated_hostile_bodies_on_every_dialect_get_no_5xx_and_metrics_count_them_all(served, capsys):
     """Property-based fuzz of the policy server's dialect routes (tests/hostile.py's strategy): no generated body gets
     a 5xx, every refusal is structured, the server still answers after, and /metrics counts what the client saw."""
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis import strategies as st
-
     _, url = served
-    routes = ["/v1/chat/completions", "/v1/responses", "/v1/messages"]
-    seen: Counter[tuple[str, int]] = Counter()
-    examples = int(os.environ.get("ENVKIT_FUZZ_EXAMPLES", FUZZ_EXAMPLES))
-
-    def fuzz() -> None:
-        with httpx.Client(base_url=url, timeout=60, headers={"authorization": "Bearer key-acme",
-                                                             "content-type": "application/json"}) as http:
-            @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
-                      suppress_health_check=list(HealthCheck))
-            @given(route=st.sampled_from(routes), body=hostile.chat_bodies())
-            def one(route: str, body: bytes) -> None:
-                r = http.post(route, content=body)
-                seen[route, r.status_code] += 1
-                assert r.status_code < 500, (route, body[:300], r.text[:300])
-                if r.status_code >= 400:
-                    error = r.json()["error"]
-                    assert error["message"] and (error.get("type") or error.get("code")), r.text
-
-            one()
-
-    await asyncio.to_thread(fuzz)
+    seen = await asyncio.to_thread(hostile.fuzz, url, "key-acme", hostile.EXAMPLES)
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
         ok = await http.post("/v1/chat/completions", headers={"authorization": "Bearer key-acme"},
                              json={"messages": [{"role": "user", "content": "Still there?"}], "max_tokens": 2})
@@ -545,3 +518,48 @@ async def test_generated_hostile_bodies_on_every_dialect_get_no_5xx_and_metrics_
         print(f"\npolicy server fuzz: {sum(seen.values())} requests, statuses "
               f"{dict(sorted(Counter(s for _, s in seen.elements()).items()))}")
     assert {200, 400} <= {s for _, s in seen}  # the fuzz reached the engine, not only the validation
+
+
+async def test_the_published_schema_fuzzed_by_schemathesis_gets_no_5xx(served, capsys):
+    """``/openapi.json`` documents every route with its body's schema, and schemathesis's cases from it (valid and
+    invalid, each operation) get no 5xx."""
+    import requests
+    import schemathesis
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis.errors import Unsatisfiable
+    from schemathesis import checks
+
+    _, url = served
+    auth = {"authorization": "Bearer key-acme"}
+    statuses: Counter[int] = Counter()
+    operations: Counter[str] = Counter()
+
+    def fuzz() -> None:
+        schema = schemathesis.openapi.from_url(url + "/openapi.json", headers=dict(auth))
+        http = requests.Session()
+
+        def one_operation(operation: schemathesis.APIOperation, mode: schemathesis.GenerationMode) -> None:
+            @settings(max_examples=max(10, hostile.EXAMPLES // 6), deadline=None, database=None, derandomize=True,
+                      phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+            @given(case=operation.as_strategy(generation_mode=mode))
+            def one(case: schemathesis.Case) -> None:
+                response = case.call(base_url=url, session=http, headers=dict(auth), timeout=60)
+                statuses[response.status_code] += 1
+                operations[operation.label] += 1
+                case.validate_response(response, checks=[checks.not_a_server_error], headers=dict(auth))
+
+            try:
+                one()
+            except Unsatisfiable:  # no invalid input exists for a route without parameters or body
+                assert mode is schemathesis.GenerationMode.NEGATIVE
+
+        for result in schema.get_all_operations():
+            for mode in schemathesis.GenerationMode:
+                one_operation(result.ok(), mode)
+
+    await asyncio.to_thread(fuzz)
+    with capsys.disabled():
+        print(f"\npolicy server schema fuzz: {sum(statuses.values())} requests over {len(operations)} operations, "
+              f"statuses {dict(sorted(statuses.items()))}")
+    assert len(operations) == 8 and not [s for s in statuses if s >= 500]
+    assert {200, 400, 403, 404} <= set(statuses)  # it reached the engine, the admin check and the store

@@ -151,6 +151,7 @@ class Messages:
     """Anthropic's Messages dialect: ``system``, content blocks, ``stop_sequences``; the key in ``x-api-key``."""
 
     route = "/v1/messages"
+    body = MessagesRequest
 
     def read(self, body: Any, episode: Episode) -> Call:
         request = parse(MessagesRequest, body)

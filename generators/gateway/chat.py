@@ -38,6 +38,7 @@ class ChatCompletions:
     """The chat completions dialect: ``n`` choices, ``stop``, ``stream_options.include_usage``."""
 
     route = "/v1/chat/completions"
+    body = ChatRequest
 
     def read(self, body: Any, episode: Episode) -> Call:
         chat = parse(ChatRequest, body)

@@ -36,6 +36,8 @@ class Dialect(Protocol):
     writes the reply in its own shape (:meth:`answer`, :meth:`events`) and its refusals too (:meth:`error`)."""
 
     route: str
+    body: type[BaseModel]
+    """The request it reads: the route's schema in the server's OpenAPI document."""
 
     def read(self, body: Any, episode: Episode) -> Call:
         """The call ``body`` (the request's JSON) makes in ``episode``; :class:`GatewayError` if it makes none."""
@@ -64,6 +66,11 @@ def parse(model: type[_Body], data: Any) -> _Body:
         where = ".".join(str(p) for p in detail.get("loc", ()))
         message = detail["msg"].removeprefix("Value error, ")
         raise GatewayError(400, "invalid_request", f"{where}: {message}" if where else message) from None
+
+
+def json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """A route's ``openapi_extra``: its body is ``model``'s JSON (the handler reads it through :func:`read_json`)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
 
 
 def request_key(request: Request) -> str | None:

@@ -156,6 +156,7 @@ class Responses:
     """The Responses dialect: ``previous_response_id`` within an episode, one choice per call."""
 
     route = "/v1/responses"
+    body = ResponsesRequest
 
     def read(self, body: Any, episode: Episode) -> Call:
         request = parse(ResponsesRequest, body)

@@ -33,7 +33,7 @@ from generators.engines.base import EngineError, InferenceEngine
 from generators.gateway.app import DIALECTS, dialect_error
 from generators.gateway.chat import ChatRequest, openai_error, openai_message
 from generators.gateway.contained import Contained, contain
-from generators.gateway.dialect import Dialect, GatewayError, models_list, parse, read_json, request_key
+from generators.gateway.dialect import Dialect, GatewayError, json_body, models_list, parse, read_json, request_key
 from generators.gateway.server import KEEP_ALIVE_S, Choice, Episode, Gateway, Limits
 from generators.rollout import Generator, GeneratorConfig
 from generators.serving.store import CallStore, StoredCall
@@ -178,13 +178,15 @@ class PolicyServer:
     def app(self) -> Contained:
         """The routes: each dialect's, ``/v1/models``, ``/v1/feedback``, the admin routes, ``/metrics``; every
         response counted by route and status, an exception none of them caught a structured 500."""
-        app = FastAPI(title="envkit policy server", docs_url=None, redoc_url=None, openapi_url=None)
+        app = FastAPI(title="envkit policy server", docs_url=None, redoc_url=None)  # its schema: /openapi.json
         for dialect in DIALECTS:
-            app.add_api_route(dialect.route, self._handler(dialect), methods=["POST"])
+            app.add_api_route(dialect.route, self._handler(dialect), methods=["POST"],
+                              openapi_extra=json_body(dialect.body))
         app.add_api_route("/v1/models", self._models, methods=["GET"])
-        app.add_api_route("/v1/feedback", self._feedback, methods=["POST"])
+        app.add_api_route("/v1/feedback", self._feedback, methods=["POST"], openapi_extra=json_body(FeedbackRequest))
         app.add_api_route("/v1/admin/clients/{name}/data", self._forget, methods=["DELETE"])
-        app.add_api_route("/v1/admin/rollback", self._rollback, methods=["POST"])
+        app.add_api_route("/v1/admin/rollback", self._rollback, methods=["POST"],
+                          openapi_extra=json_body(RollbackRequest))
         app.add_api_route("/metrics", self.metrics.endpoint, methods=["GET"])
         return contain(app, dialect_error, self.metrics.done)
 
