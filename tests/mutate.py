@@ -73,7 +73,7 @@ class Mutation:
 MUTATIONS = [
     Mutation(
         "body-unicode-unchecked",
-        "generators/gateway/body.py::_check_text",
+        "envkit/json_limits.py::_text_problem",
         '        text.encode("utf-8")\n',
         "        pass\n",
         "tests/test_serving.py::test_hostile_bodies_get_a_4xx_that_names_the_fault_and_metrics_count_every_status",
@@ -82,7 +82,7 @@ MUTATIONS = [
         needs="vLLM"),
     Mutation(
         "body-depth-unchecked",
-        "generators/gateway/body.py::check_value",
+        "envkit/json_limits.py::json_problem",
         "            if depth >= limits.max_depth:",
         "            if False:",
         "tests/test_serving.py::test_hostile_bodies_get_a_4xx_that_names_the_fault_and_metrics_count_every_status",

@@ -560,3 +560,29 @@ async def test_a_client_varying_kwargs_cannot_grow_the_servers_task_lists():
         page = await server.tasks("test", 0, 1, {"format_bonus": seed / 100})
         assert page["kwargs"] == {"format_bonus": seed / 100} and page["total"] == 19
     assert len(server._task_lists) == TASK_LISTS_KEPT
+
+
+def test_text_that_is_not_unicode_or_nested_too_deep_never_reaches_the_env(server: Server, http: httpx.Client):
+    """A lone surrogate (JSON may escape one) or an action nested past 64, over REST and WebSocket, in a step's action
+    or a reset's task: refused (422 naming where it is over REST; a WebSocket frame's parser refuses it as not JSON)
+    before the env sees it (the env never steps on it: its episode goes on), and the connection and session live on."""
+    sid = new_session(http)
+    assert http.post(f"/sessions/{sid}/reset", json={"seed": 1}).status_code == 200
+    raw = {"content-type": "application/json"}
+    bad = {"a lone surrogate": b'{"action": {"role": "assistant", "content": "a\\ud800b"}}',
+           "nested past 64": b'{"action": {"role": "assistant", "content": "x", "extra": ' + b"[" * 500
+                             + b"]" * 500 + b"}}"}
+    for name, body in bad.items():
+        r = http.post(f"/sessions/{sid}/step", content=body, headers=raw)
+        assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_action", (name, r.text)
+    assert "action.content: not valid Unicode" in http.post(f"/sessions/{sid}/step", content=bad["a lone surrogate"],
+                                                            headers=raw).json()["error"]["message"]
+    task = http.post(f"/sessions/{sid}/reset", content=b'{"task": {"id": "\\udfff"}}', headers=raw)
+    assert task.status_code == 422 and "task.id: not valid Unicode" in task.json()["error"]["message"]
+    assert http.post(f"/sessions/{sid}/step", json=say("x")).status_code == 200  # the episode was never stepped
+    with ws_open(server) as ws:
+        ws_call(ws, op="create")
+        ws_call(ws, op="reset", seed=1)
+        ws.send('{"op": "step", "action": {"role": "assistant", "content": "a\\ud800b"}}')
+        assert json.loads(ws.recv(timeout=10))["error"]["code"] == "bad_request"  # the frame parser refuses it
+        assert "observation" in ws_call(ws, **say("x"), op="step")

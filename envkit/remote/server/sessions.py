@@ -26,6 +26,7 @@ from envkit.errors import (
     SnapshotError,
     ToolCallError,
 )
+from envkit.json_limits import json_problem
 from envkit.multi_agent import MultiAgentEnv
 from envkit.remote import OPERATOR_KWARGS, wire
 from envkit.remote.deadlines import Canceller, Deadlines
@@ -339,6 +340,8 @@ class EnvServer:
     async def reset(self, session_id: str, seed: int | None, task: dict[str, Any] | None) -> dict[str, Any]:
         """Start an episode in the session."""
         s = self.get(session_id)
+        if task is not None and (problem := json_problem(task, where="task")):
+            raise ApiError("invalid_task", problem)
         async with s.lock:
             self._check_open(s)
             s.episode = "failed"  # until the env answers
@@ -352,6 +355,8 @@ class EnvServer:
     async def step(self, session_id: str, action: dict[str, Any]) -> dict[str, Any]:
         """Apply one assistant message in the session's episode."""
         s = self.get(session_id)
+        if problem := json_problem(action, where="action"):  # before the env: no env need guard its text
+            raise ApiError("invalid_action", problem)
         async with s.lock:
             self._check_open(s)
             if s.episode != "active":
