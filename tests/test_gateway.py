@@ -142,7 +142,10 @@ async def test_generated_hostile_bodies_get_no_5xx_from_the_gateway(vllm_engine,
         async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
             ok = await http.post("/v1/chat/completions", headers={"authorization": f"Bearer {key}"},
                                  json={"messages": [{"role": "user", "content": "Still there?"}], "max_tokens": 2})
+            paths = (await http.get("/openapi.json")).json()["paths"]
         gateway.end(episode)
+    assert {route for route in hostile.DIALECT_ROUTES if "requestBody" in paths[route]["post"]} == set(
+        hostile.DIALECT_ROUTES)  # the schema it publishes documents each dialect's body
     assert ok.status_code == 200, ok.text
     statuses = Counter(status for _, status in seen.elements())
     with capsys.disabled():

@@ -5,6 +5,7 @@ bad input refused, overload shed, SIGTERM drained, ``kill -9`` survived."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import os
@@ -497,6 +498,40 @@ def test_what_trains_stays_below_what_serves_at_any_nice_the_run_starts_at(start
     if started_at == 19:
         serving, training = run("absolute")
         assert training < serving, (serving, training)  # the bug: training above serving
+
+
+
+def test_the_online_stage_started_at_nice_19_still_serves_above_what_trains(tmp_path: Path):
+    """``nice -n 19 python -m trainer stages=[online]`` on the tiny model: once it serves, its threads' nice values
+    read from /proc put the threads that answer and store calls (raised, as root may) 10 steps above the rest. In a
+    session of its own, so the kernel's autogroups keep the other tests from starving it."""
+    (tmp_path / "clients.json").write_text(json.dumps([{"name": "u", "key": "key-u"}]))
+    command = [sys.executable, "-m", "trainer", "stages=[online]", *on_tiny_model(), "online.port=0",
+               f"online.clients={tmp_path / 'clients.json'}", "+env.kwargs.rubric=tiny:graded", "online.gate_tasks=1",
+               "online.gate_replay=0", f"trainer.output_dir={tmp_path / 'run'}", "logging.progress=false",
+               "logging.tensorboard=false"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env_with_tests(),
+                               start_new_session=True, preexec_fn=lambda: os.nice(19 - os.nice(0)))
+
+    def nice_values() -> list[int]:
+        values = []
+        for task in os.listdir(f"/proc/{process.pid}/task"):
+            with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+                stat = Path(f"/proc/{process.pid}/task/{task}/stat").read_text()
+                values.append(int(stat.rsplit(")", 1)[1].split()[16]))
+        return values
+
+    try:
+        for _ in range(6000):  # until the stage has set its priorities (it serves first)
+            assert process.poll() is None, "the online stage exited"
+            if min(nice_values()) < 19:
+                break
+            time.sleep(0.05)
+        values = Counter(nice_values())
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    assert set(values) == {9, 19} and values[9] == 2, values  # the serving loop and the store's writer; the rest
 
 
 

@@ -14,7 +14,7 @@ from generators.engines.base import EngineError, InferenceEngine
 from generators.gateway.anthropic import Messages
 from generators.gateway.chat import ChatCompletions, openai_error
 from generators.gateway.contained import Contained, contain
-from generators.gateway.dialect import Dialect, models_list, read_json, request_key
+from generators.gateway.dialect import Dialect, json_body, models_list, read_json, request_key
 from generators.gateway.responses import Responses
 from generators.gateway.types import ChatRequest, Choice, Episode, GatewayError
 
@@ -43,10 +43,11 @@ here."""
 def build_app(gateway: Backend) -> Contained:
     """The gateway's routes: each dialect's, and ``/v1/models``, also under ``/e/{key}``; an exception none of them
     caught is a structured 500 (:mod:`.contained`)."""
-    app = FastAPI(title="envkit capture gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="envkit capture gateway", docs_url=None, redoc_url=None)  # its schema: /openapi.json
     for prefix in ("", "/e/{key}"):
         for dialect in DIALECTS:
-            app.add_api_route(prefix + dialect.route, _handler(gateway, dialect), methods=["POST"])
+            app.add_api_route(prefix + dialect.route, _handler(gateway, dialect), methods=["POST"],
+                              openapi_extra=json_body(dialect.body))
         app.add_api_route(prefix + "/v1/models", _models(gateway), methods=["GET"])
     return contain(app, dialect_error)
 
