@@ -172,6 +172,8 @@ def test_every_error_code_has_its_status_and_a_structured_body(server: Server, h
     expect("reset_needed", http.post(step, json=say("hi")))
     expect("validation_error", http.post(step, json={"action": {"content": "no role"}}))
     expect("validation_error", http.post(f"/sessions/{sid}/reset", json={"seed": "seven"}))
+    expect("validation_error", http.post(f"/sessions/{sid}/reset", json={"seed": "7"}))  # strict: not read as 7
+    expect("validation_error", http.post(f"/sessions/{sid}/reset", json={"seed": True}))
     expect("invalid_task", http.post(f"/sessions/{sid}/reset", json={"task": {"word": 3}}))
     expect("invalid_kwargs", http.post("/sessions", json={"kwargs": {"nonsense": 1}}))
     expect("invalid_kwargs", http.post("/sessions", json={"kwargs": {"name": "echo"}}))  # the fuzz's 500, once

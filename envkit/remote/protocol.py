@@ -89,6 +89,12 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class _Request(_Body):
+    """A request body: strict, so a seed sent as ``"1"`` or ``true`` is refused rather than read as a number."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
 class ErrorDetail(_Body):
     """What went wrong: a stable machine-readable ``code``, a human-readable ``message``, the HTTP ``status``."""
 
@@ -106,7 +112,7 @@ class ErrorBody(_Body):
 class FunctionCallBody(BaseModel):
     """The function part of a tool call (``arguments`` is a JSON-encoded string, as in the OpenAI API)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     name: str
     arguments: str = "{}"
@@ -115,7 +121,7 @@ class FunctionCallBody(BaseModel):
 class ToolCallBody(BaseModel):
     """One tool call of an assistant message."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     id: str = ""
     type: Literal["function"] = "function"
@@ -125,14 +131,14 @@ class ToolCallBody(BaseModel):
 class ActionBody(BaseModel):
     """An assistant message: the action of ``step``. Extra keys (e.g. ``reasoning_content``) are passed through."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["assistant"]
     content: str | None = None
     tool_calls: list[ToolCallBody] | None = None
 
 
-class CreateSession(_Body):
+class CreateSession(_Request):
     """``POST /sessions``: make a new env, with ``kwargs`` over the served defaults. A multi-agent env's session
     plays one ``seat``: without ``table`` it makes a new episode's table, with it joins that table (no kwargs)."""
 
@@ -152,7 +158,7 @@ class SessionCreated(_Body):
     table: str | None = None
 
 
-class ResetRequest(_Body):
+class ResetRequest(_Request):
     """``POST /sessions/{id}/reset``: the same seed or task gives the same episode start."""
 
     seed: int | None = None
@@ -166,7 +172,7 @@ class ResetResult(_Body):
     info: dict[str, Any]
 
 
-class StepRequest(_Body):
+class StepRequest(_Request):
     """``POST /sessions/{id}/step``."""
 
     action: ActionBody
@@ -182,7 +188,7 @@ class StepResultBody(_Body):
     info: dict[str, Any]
 
 
-class SnapshotToken(_Body):
+class SnapshotToken(_Request):
     """A session's env state (``POST /sessions/{id}/snapshot``), sealed by the server: ``restore`` takes it back
     into any session of a server with the same key. Opaque."""
 
@@ -212,7 +218,7 @@ class SessionState(_Body):
     age_s: float
 
 
-class ExecRequest(_Body):
+class ExecRequest(_Request):
     """``POST /exec``: run ``argv`` as the server's exec user in its exec dir; killed whole at ``timeout_s``."""
 
     argv: list[str] = Field(min_length=1)
@@ -288,7 +294,7 @@ class ServerInfo(_Body):
 class WsRequest(BaseModel):
     """One WebSocket request frame; ``op`` picks which of the other fields are read."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     op: Literal["create", "reset", "step", "state", "snapshot", "restore", "delete"]
     kwargs: dict[str, Any] = Field(default_factory=dict)
