@@ -35,8 +35,11 @@ class GradedPair(MultiAgentEnv):
     seats = ("first", "second")
     reward_range = (0.0, 1.0)
 
-    def __init__(self, *, rounds: int = 2) -> None:
+    def __init__(self, *, rounds: int = 2, flat_odd: bool = False) -> None:
         self.rounds = rounds
+        self.flat_odd = flat_odd
+        """Score every reply of an odd seed's episode 0: starts no policy learns from (a curriculum's refill draws
+        again for them)."""
         self.seed: int | None = None
         self.turns = 0
 
@@ -59,7 +62,8 @@ class GradedPair(MultiAgentEnv):
         reply = str(action.get("content") or "")
         done = self.turns == 2 * self.rounds
         return Turn({other: [user(f"Your partner said: {reply}")]}, to_act=() if done else (other,),
-                    rewards={seat: graded(reply)}, terminated=done, info={"turns": self.turns})
+                    rewards={seat: 0.0 if self.flat_odd and (self.seed or 0) % 2 else graded(reply)},
+                    terminated=done, info={"turns": self.turns})
 
 
 class JudgedPair(GradedPair):
@@ -84,8 +88,11 @@ class Simultaneous(MultiAgentEnv):
 
     seats = ("east", "west")
 
-    def __init__(self, *, rounds: int = 2) -> None:
+    def __init__(self, *, rounds: int = 2, flat_odd: bool = False) -> None:
         self.rounds = rounds
+        self.flat_odd = flat_odd
+        """Score every reply of an odd seed's episode 0: starts no policy learns from (a curriculum's refill draws
+        again for them)."""
         self.round = 0
 
     async def reset(self, *, seed: int | None = None, task: Task | None = None) -> Turn:

@@ -58,12 +58,11 @@ def test_the_seat_recipes_bind_their_seats_and_a_run_with_seats_refuses_what_it_
                       ["curriculum.sampler=band"],
                       ["env.mixture=[{name: referential, label: a}, {name: referential, label: b}]"],
                       ["stages=[sft,rl]", "sft.policy=speaker", "sft.data=chat", "sft.paths=[demos.jsonl]"],
-                      ["stages=[distill]", "distill.teacher=x"], ["judge.model=bundled"]):
+                      ["stages=[distill]", "distill.teacher=x"], ["judge.model=bundled"], ["curriculum.refill=1"]):
         assert trainer.compose(["+recipe=referential", *overrides]).seats
     for overrides, refused in ((["stages=[sft,rl]", "sft.data=chat", "sft.paths=[d.jsonl]"], "name it with sft.policy"),
                                (["stages=[sft,rl]", "sft.policy=speaker"], "are not one seat's"),
-                               (["stages=[online]", "online.clients=c.json"], "serves one policy to its clients"),
-                               (["curriculum.refill=1"], "drop curriculum.refill")):
+                               (["stages=[online]", "online.clients=c.json"], "serves one policy to its clients")):
         with pytest.raises(ConfigError, match=re.escape(refused)):
             trainer.compose(["+recipe=referential", *overrides])
     for override, refused in (("seats.listener={policy: null, checkpoint: initial, script: x:y}", "exactly one of"),

@@ -236,12 +236,12 @@ async def test_each_seat_trains_on_its_own_tokens_and_sees_the_others_as_data(vl
 
 def test_two_policies_train_in_one_run_each_its_own_and_resume_exactly(tmp_path):
     """Two policies on the tiny model (HF engine, seeded requests: rollouts reproduce) play GradedPair's seats in a
-    mixture of two such envs, drawn by the band curriculum, with PPO (so each checkpoint must carry its policy's
-    value head too), after an sft stage that trains policy a on its seat's demonstrations. Policy a starts RL from
-    the sft stage's weights and b from the base model; each policy's weights change, differently; each has its own
-    checkpoints; both envs' episodes are played and their samplers see them; a run killed after its rl stage's
-    step-1 checkpoint and resumed skips the finished sft stage and trains step 2 as the uninterrupted run does, for
-    both policies."""
+    mixture of two such envs (the second's odd seeds flat, so the curriculum's refill draws those starts again),
+    drawn by the band curriculum, with PPO (so each checkpoint must carry its policy's value head too), after an sft
+    stage that trains policy a on its seat's demonstrations. Policy a starts RL from the sft stage's weights and b
+    from the base model; each policy's weights change, differently; each has its own checkpoints; both envs' episodes
+    are played and their samplers see them; a run killed after its rl stage's step-1 checkpoint and resumed skips the
+    finished sft stage and trains step 2 as the uninterrupted run does, for both policies."""
     from test_trainer import TINY, _metrics, _trainer, _why, kill_at_step_1_checkpoint
     from tiny import on_tiny_model, tiny_model_dir
     from weights import changed_tensors, model_tensors
@@ -250,8 +250,9 @@ def test_two_policies_train_in_one_run_each_its_own_and_resume_exactly(tmp_path)
     demos.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Say something. ({i})"},
                                                       {"role": "assistant", "content": "Blue is my colour."}]}) + "\n"
                              for i in range(8)))
-    common = ["algorithm=ppo", *on_tiny_model(), "curriculum.sampler=band",
-              "env.mixture=[{name: 'seat_envs:GradedPair', label: g1}, {name: 'seat_envs:GradedPair', label: g2}]",
+    common = ["algorithm=ppo", *on_tiny_model(), "curriculum.sampler=band", "curriculum.refill=1",
+              "env.mixture=[{name: 'seat_envs:GradedPair', label: g1}, "
+              "{name: 'seat_envs:GradedPair', label: g2, kwargs: {flat_odd: true}}]",
               "++seats={first: {policy: a}, second: {policy: b}}", "trainer.steps=2", "trainer.save_every=1",
               "stages=[sft,rl]", "sft.policy=a", "sft.data=chat", f"sft.paths=[{demos}]", "sft.batch_size=4",
               "sft.epochs=2", "sft.lr=1e-2",
@@ -284,6 +285,12 @@ def test_two_policies_train_in_one_run_each_its_own_and_resume_exactly(tmp_path)
     assert {t["group_id"].split("/")[0] for t in played} == {"g1", "g2"}  # the step's prompts split between envs
     assert all(_metrics(reference / "rl")[step][f"curriculum/{env}/groups_from_band"] > 0 for step in (1, 2)
                for env in ("g1", "g2"))  # each env's sampler drew and was told its starts' outcomes
+    # g2's odd seeds teach neither policy anything: each such start was drawn again once (curriculum.refill=1)
+    refilled = {step: _metrics(reference / "rl")[step]["curriculum/refilled"] for step in (1, 2)}
+    starts = {t["group_id"].rsplit("/", 1)[0] + ("#refill" if "#refill" in t["group_id"] else "") for t in played}
+    flat = {s for s in starts if s.startswith("g2/train-") and "#refill" not in s and int(s.split("-")[-1]) % 2}
+    assert sum(refilled.values()) > 0 and refilled[2] == len(flat) == sum("#refill" in s for s in starts), (
+        refilled, starts)  # each start of the last step flat for both policies drawn again, once
 
     killed = tmp_path / "killed"
     kill_at_step_1_checkpoint(killed, common, tmp_path / "killed.log", stage_out=killed / "rl",

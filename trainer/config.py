@@ -916,10 +916,6 @@ REFUSED: tuple[Refusal, ...] = (
     Refusal("seats with inference.url",
             "seats: a run of several policies needs no inference.url: each policy needs an engine of its own",
             lambda c: bool(c.seats) and bool(c.inference.url)),
-    Refusal("seats with curriculum.refill",
-            "seats: a run of several policies draws no start again within a step (a group is one seat's, and a "
-            "flat one does not make its start flat): drop curriculum.refill (a curriculum.sampler works)",
-            lambda c: bool(c.seats) and bool(c.curriculum.refill), unbuilt=True),
     Refusal("model.lora.serve=adapters with model.lora.r=0", "model.lora.serve=adapters needs model.lora.r > 0",
             lambda c: _adapters(c) and not c.model.lora.enabled),
     Refusal("model.lora.serve=adapters without seats",

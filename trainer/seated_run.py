@@ -37,7 +37,7 @@ from trainer.config import Config, ConfigError, InferenceConfig
 from trainer.placement.base import Placement
 from trainer.policy import AdapterPolicy, Policy
 from trainer.runs import MainRun, Run
-from trainer.sources import EnvStream, Start
+from trainer.sources import EnvStream, Start, flat_groups, refilled
 
 
 def main_run(cfg: Config) -> type[MainRun]:
@@ -222,18 +222,39 @@ class SeatedRun(Seated, MainRun):
 
     async def rollouts(self, prompts: int) -> list[Trajectory]:
         """Sync mode's generation: the episodes of each of the next ``prompts`` starts in its env, every seat's
-        trajectories of a start going to its env's sampler (a curriculum's pass rates count every seat's)."""
+        trajectories of a start going to its env's sampler (a curriculum's pass rates count every seat's);
+        ``curriculum.refill`` draws a start again for each one that teaches no policy anything (:meth:`flat`)."""
         samples = self.cfg.generator.samples_per_prompt
 
-        async def one(stream: EnvStream, starts: list[Start]) -> list[Trajectory]:
+        async def one(stream: EnvStream, starts: list[Start], tag: str) -> list[Trajectory]:
             # each start's samples in a row
             episodes = await self.play(stream, starts, samples=samples, timeout_s=self.timeout_s)
             for i, start in enumerate(starts):
                 stream.observe(start, [t for e in episodes[i * samples:(i + 1) * samples] for t in e.values()])
-            return [t for episode in episodes for t in episode.values()]
+            trajs = [t for episode in episodes for t in episode.values()]
+            for t in trajs:  # a start drawn again in a refill round is a group of its own
+                t.group_id += tag
+            return trajs
 
-        played = await asyncio.gather(*(one(stream, starts) for stream, starts in self.envs.draw(prompts)))
-        return [t for trajs in played for t in trajs]
+        async def generate(n: int, tag: str) -> list[Trajectory]:
+            played = await asyncio.gather(*(one(stream, starts, tag) for stream, starts in self.envs.draw(n)))
+            return [t for trajs in played for t in trajs]
+
+        trajs, drawn = await refilled(generate, prompts, self.cfg.curriculum.refill, flat=self.flat)
+        self.envs.refilled += drawn
+        return trajs
+
+    def flat(self, trajs: list[Trajectory]) -> set[str]:
+        """The starts that teach no policy anything: each group of theirs that a policy trains on (one per seat,
+        ``START/SEAT``) is flat."""
+        trained = {seat for p in self.trained for seat in p.seats}
+        played = [t for t in trajs if t.seat in trained]
+        flat = flat_groups(played)
+        groups: dict[str, set[str]] = {}
+        for t in played:
+            head, _, seat_and_tag = t.group_id.rpartition("/")
+            groups.setdefault(head + seat_and_tag.removeprefix(str(t.seat)), set()).add(t.group_id)
+        return {start for start, ids in groups.items() if ids <= flat}
 
     async def generate_groups(self, stream: EnvStream, starts: list[Start],
                               on_group: Callable[[int, list[Trajectory]], None]) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -289,15 +289,8 @@ class Mixture:
         by quota; each group's outcomes go to its env's pass rates. ``refill`` rounds draw one more prompt for each
         flat group (rewards all equal: it teaches nothing) of the round before (dynamic sampling; counted in
         :attr:`refilled`)."""
-        trajs = await self._generate(generator, k)
-        flat = len(flat_groups(trajs))
-        for round_ in range(1, refill + 1):
-            if not flat:
-                break
-            more = await self._generate(generator, flat, tag=f"#refill-{round_}")
-            self.refilled += flat
-            trajs += more
-            flat = len(flat_groups(more))
+        trajs, drawn = await refilled(lambda n, tag: self._generate(generator, n, tag=tag), k, refill)
+        self.refilled += drawn
         return trajs
 
     async def _generate(self, generator: Generator, k: int, *, tag: str = "") -> list[Trajectory]:
@@ -340,6 +333,23 @@ def flat_groups(trajs: list[Trajectory]) -> set[str]:
     for t in trajs:
         groups.setdefault(t.group_id, []).extend(() if t.failed else (t.reward,))
     return {g for g, rewards in groups.items() if not rewards or max(rewards) == min(rewards)}
+
+
+async def refilled(generate: Callable[[int, str], Awaitable[list[Trajectory]]], k: int, rounds: int, *,
+                   flat: Callable[[list[Trajectory]], set[str]] = flat_groups) -> tuple[list[Trajectory], int]:
+    """``generate(k, tag)``'s rollouts of ``k`` starts, then ``rounds`` rounds that each draw one more start for
+    every flat one of the round before (``flat``: the flat starts' group ids, :func:`flat_groups` by default), its
+    groups tagged ``#refill-N``: every rollout, and how many starts were drawn again."""
+    trajs = await generate(k, "")
+    drawn, again = 0, len(flat(trajs))
+    for round_ in range(1, rounds + 1):
+        if not again:
+            break
+        more = await generate(again, f"#refill-{round_}")
+        drawn += again
+        trajs += more
+        again = len(flat(more))
+    return trajs, drawn
 
 
 def _observer(stream: EnvStream, starts: list[Start]) -> Callable[[int, list[Trajectory]], None]:
