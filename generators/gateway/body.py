@@ -15,8 +15,8 @@ from fastapi import Request
 from envkit.json_limits import JsonLimits, json_problem
 from generators.gateway.types import GatewayError
 
-_PARSE_OFF_LOOP = 1 << 16
-"""Bodies past this many bytes are parsed in a worker thread: the event loop keeps answering the other clients."""
+_OFF_LOOP = 1 << 16
+"""Bodies past this many bytes are parsed and checked in a worker thread."""
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,15 @@ async def read_json(request: Request, limits: BodyLimits = BodyLimits()) -> Any:
             raise too_large
         chunks.append(chunk)
     body = b"".join(chunks)
+    if size > _OFF_LOOP:  # parsing and checking grow with the body: the other clients' calls go on meanwhile
+        return await asyncio.to_thread(_parsed, body, limits)
+    return _parsed(body, limits)
+
+
+def _parsed(body: bytes, limits: BodyLimits) -> Any:
+    """``body``'s JSON, within ``limits``."""
     try:
-        value = await asyncio.to_thread(json.loads, body) if size > _PARSE_OFF_LOOP else json.loads(body)
+        value = json.loads(body)
     except RecursionError:
         raise GatewayError(400, "invalid_request", f"the body nests deeper than {limits.values.max_depth}") from None
     except ValueError:

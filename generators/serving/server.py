@@ -253,7 +253,6 @@ class PolicyServer:
         return state
 
     def _handler(self, dialect: Dialect) -> Callable[[Request], Awaitable[Response]]:
-
         async def handle(request: Request) -> Response:
             try:
                 state = self._client(request)
