@@ -18,6 +18,7 @@ CHAT: dict[str, tuple[bytes, int]] = {
         {"messages": [{"role": "user", "content": "x"}],
          "tools": [{"type": "function", "function": {"name": "f", "parameters": [1, 2]}}]}).encode(), 400),
     "lone surrogate": (b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', 400),
+    "user message without content": (json.dumps({"messages": [{"role": "user"}], "max_tokens": 1}).encode(), 400),
     "n as a string": (json.dumps({"messages": [{"role": "user", "content": "x"}], "n": "1"}).encode(), 400),
     "body over the limit": (json.dumps({"messages": [{"role": "user", "content": "word " * 1_200_000}]}).encode(),
                             413),
