@@ -226,18 +226,15 @@ class SeatedRun(Seated, MainRun):
         ``curriculum.refill`` draws a start again for each one that teaches no policy anything (:meth:`flat`)."""
         samples = self.cfg.generator.samples_per_prompt
 
-        async def one(stream: EnvStream, starts: list[Start], tag: str) -> list[Trajectory]:
+        async def one(stream: EnvStream, starts: list[Start]) -> list[Trajectory]:
             # each start's samples in a row
             episodes = await self.play(stream, starts, samples=samples, timeout_s=self.timeout_s)
             for i, start in enumerate(starts):
                 stream.observe(start, [t for e in episodes[i * samples:(i + 1) * samples] for t in e.values()])
-            trajs = [t for episode in episodes for t in episode.values()]
-            for t in trajs:  # a start drawn again in a refill round is a group of its own
-                t.group_id += tag
-            return trajs
+            return [t for episode in episodes for t in episode.values()]
 
-        async def generate(n: int, tag: str) -> list[Trajectory]:
-            played = await asyncio.gather(*(one(stream, starts, tag) for stream, starts in self.envs.draw(n)))
+        async def generate(n: int) -> list[Trajectory]:
+            played = await asyncio.gather(*(one(stream, starts) for stream, starts in self.envs.draw(n)))
             return [t for trajs in played for t in trajs]
 
         trajs, drawn = await refilled(generate, prompts, self.cfg.curriculum.refill, flat=self.flat)

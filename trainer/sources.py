@@ -289,17 +289,14 @@ class Mixture:
         by quota; each group's outcomes go to its env's pass rates. ``refill`` rounds draw one more prompt for each
         flat group (rewards all equal: it teaches nothing) of the round before (dynamic sampling; counted in
         :attr:`refilled`)."""
-        trajs, drawn = await refilled(lambda n, tag: self._generate(generator, n, tag=tag), k, refill)
+        trajs, drawn = await refilled(lambda n: self._generate(generator, n), k, refill)
         self.refilled += drawn
         return trajs
 
-    async def _generate(self, generator: Generator, k: int, *, tag: str = "") -> list[Trajectory]:
+    async def _generate(self, generator: Generator, k: int) -> list[Trajectory]:
         jobs = [generate_starts(generator, stream, starts, _observer(stream, starts))
                 for stream, starts in self.draw(k)]
-        trajs = [t for group in await asyncio.gather(*jobs) for t in group]
-        for t in trajs:  # a task drawn again in a refill round is a group of its own
-            t.group_id += tag
-        return trajs
+        return [t for group in await asyncio.gather(*jobs) for t in group]
 
     def metrics(self) -> dict[str, float]:
         """Each env's sampler's view of its tasks (``curriculum/LABEL/...``): pass rates' spread, set-aside tasks;
@@ -335,17 +332,19 @@ def flat_groups(trajs: list[Trajectory]) -> set[str]:
     return {g for g, rewards in groups.items() if not rewards or max(rewards) == min(rewards)}
 
 
-async def refilled(generate: Callable[[int, str], Awaitable[list[Trajectory]]], k: int, rounds: int, *,
+async def refilled(generate: Callable[[int], Awaitable[list[Trajectory]]], k: int, rounds: int, *,
                    flat: Callable[[list[Trajectory]], set[str]] = flat_groups) -> tuple[list[Trajectory], int]:
-    """``generate(k, tag)``'s rollouts of ``k`` starts, then ``rounds`` rounds that each draw one more start for
+    """``generate(k)``'s rollouts of ``k`` starts, then ``rounds`` rounds that each draw one more start for
     every flat one of the round before (``flat``: the flat starts' group ids, :func:`flat_groups` by default), its
     groups tagged ``#refill-N``: every rollout, and how many starts were drawn again."""
-    trajs = await generate(k, "")
+    trajs = await generate(k)
     drawn, again = 0, len(flat(trajs))
     for round_ in range(1, rounds + 1):
         if not again:
             break
-        more = await generate(again, f"#refill-{round_}")
+        more = await generate(again)
+        for t in more:  # a start drawn again is a group of its own
+            t.group_id += f"#refill-{round_}"
         drawn += again
         trajs += more
         again = len(flat(more))
