@@ -129,9 +129,11 @@ def agent_env(agent: Any, answers: list[Any] | None = None) -> Any:
 
 
 
-async def test_generated_hostile_bodies_get_no_5xx_from_the_gateway(vllm_engine, chat_tokenizer, capsys):
+async def test_generated_hostile_bodies_get_no_5xx_from_the_gateway(vllm_engine, chat_tokenizer, capsys, caplog,
+                                                                    monkeypatch):
     """The capture gateway under the policy server's fuzz (tests/hostile.py), in one open episode: no generated body on
-    any dialect's route gets a 5xx, every refusal is structured, and the episode's key still gets answers after."""
+    any dialect's route gets a 5xx, every refusal is structured, and the episode's key still gets answers after. A
+    fault of its own (sampling that raises) is a structured 500 whose log names the route, not the key in the path."""
     config = GeneratorConfig(max_tokens=8)
     sampler = Generator(vllm_engine, chat_tokenizer, config)
     limits = Limits(config.sampling, 1 << 30, config.max_total_tokens, False)
@@ -143,7 +145,12 @@ async def test_generated_hostile_bodies_get_no_5xx_from_the_gateway(vllm_engine,
             ok = await http.post("/v1/chat/completions", headers={"authorization": f"Bearer {key}"},
                                  json={"messages": [{"role": "user", "content": "Still there?"}], "max_tokens": 2})
             paths = (await http.get("/openapi.json")).json()["paths"]
+            monkeypatch.setattr(gateway, "chat", lambda *_: (_ for _ in ()).throw(RuntimeError("the engine broke")))
+            failed = await http.post(f"/e/{key}/v1/chat/completions", json={"messages": [{"role": "user",
+                                                                                          "content": "Hi."}]})
         gateway.end(episode)
+    assert failed.status_code == 500 and "request id" in failed.json()["error"]["message"], failed.text
+    assert "/e/{key}/v1/chat/completions" in caplog.text and key not in caplog.text
     assert {route for route in hostile.DIALECT_ROUTES if "requestBody" in paths[route]["post"]} == set(
         hostile.DIALECT_ROUTES)  # the schema it publishes documents each dialect's body
     assert ok.status_code == 200, ok.text

@@ -33,7 +33,8 @@ def contain(app: FastAPI, error: ErrorShape, counted: Counted = _uncounted) -> C
 
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         request_id = secrets.token_hex(6)
-        log.error("request %s (%s %s) failed", request_id, request.method, request.url.path,
+        route = getattr(request.scope.get("route"), "path", "unmatched")  # the template: a path may hold a key
+        log.error("request %s (%s %s) failed", request_id, request.method, route,
                   exc_info=(type(exc), exc, exc.__traceback__))
         return error(request, 500, "internal_error", f"the server failed to answer this request (request id "
                                                      f"{request_id}; its log has the cause)")
