@@ -81,8 +81,9 @@ def main() -> None:
     torch.manual_seed(0)
     backend = make_backend(cfg, str(tiny_model_dir()) if args.model == "tiny" else resolve_model(args.model))
     trajs = synthetic_trajectories()
-    # LoRA runs on FSDP: its sharded parameters, which the optimizer holds
-    params = dict(backend.model.named_parameters()) if args.lora else {}
+    # with LoRA: the wrapped model's parameters (FSDP's sharded ones, which its optimizer holds; DeepSpeed's module's)
+    params = dict(getattr(backend, "engine", backend).module.named_parameters() if args.backend == "deepspeed"
+                  else backend.model.named_parameters()) if args.lora else {}
     batch = prepare_batch(trajs, cfg)
     padded = to_padded(trajs, pad_id=2)
     result: dict = {}
@@ -100,8 +101,14 @@ def main() -> None:
     if args.lora:
         names = {id(param): name for name, param in params.items()}
         result["requires_grad"] = sorted(name for name, param in params.items() if param.requires_grad)
-        result["optimizer_state"] = sorted(names[id(param)] for param in backend.optimizer.state)
         result["parameters"] = len(params)
+        trainable = [p for p in params.values() if p.requires_grad]
+        result["trainable_numel"] = sum(getattr(p, "ds_numel", p.numel()) for p in trainable)  # ZeRO-3: partitioned
+        if args.backend == "deepspeed":  # ZeRO's Adam state is flat partitions, not per parameter: count it
+            state = backend.optimizer.optimizer.state.values()
+            result["adam_numel"] = sum(s["exp_avg"].numel() for s in state) * backend.world_size
+        else:
+            result["optimizer_state"] = sorted(names[id(param)] for param in backend.optimizer.state)
     if args.export:
         backend.export_weights(args.export)
     if backend.rank == 0:

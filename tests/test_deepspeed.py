@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from required import require_module
-from updates import run_env, run_update
+from updates import LORA_PPO, export_logprob_sum, run_env, run_update
 
 pytestmark = [pytest.mark.e2e, pytest.mark.deepspeed]
 
@@ -58,6 +58,25 @@ def test_zero_two_ranks_match_fsdp_one_rank(zero_stage, fsdp_one_rank, tmp_path)
     # and the update happened: two runs that changed nothing would match too
     assert abs(ds["logprob_sum_after"] - ds["logprob_sum_before"]) > 1.0, (ds["logprob_sum_before"],
                                                                           ds["logprob_sum_after"])
+
+
+def test_lora_on_zero_three_two_ranks_matches_fsdp(tmp_path):
+    """LoRA on DeepSpeed (PPO, a KL term, two updates), ZeRO-3 over 2 ranks: only the adapters and the value head
+    train and hold Adam state, the numbers are FSDP's, the KL reference is the base model, and the export is a
+    plain HF model (the adapters merged) computing the policy."""
+    fsdp = run_update(*LORA_PPO, ranks=2, tmp=tmp_path)  # the LoRA test's own FSDP run (computed once a session)
+    ds = run_update("--backend", "deepspeed", "--zero-stage", "3", *LORA_PPO, "--export", str(tmp_path / "export"),
+                    ranks=2, tmp=tmp_path)
+    assert ds["requires_grad"] == fsdp["requires_grad"]
+    assert all(".lora_A." in n or ".lora_B." in n or ".value_head." in n for n in ds["requires_grad"])
+    # Adam state for the adapters alone (ZeRO pads each partition by a few elements); the frozen base is ~100x more
+    assert ds["trainable_numel"] <= ds["adam_numel"] < ds["trainable_numel"] + 1024, ds
+    for key in ("train/loss", "train/kl", "train/value_loss", "train/grad_norm", "logprob_sum_after",
+                "reference_logprob_sum_after"):
+        assert math.isclose(ds[key], fsdp[key], rel_tol=1e-4, abs_tol=1e-9), (key, ds[key], fsdp[key])
+    assert abs(ds["logprob_sum_after"] - ds["logprob_sum_before"]) > 1.0  # the adapters moved the policy
+    assert math.isclose(ds["reference_logprob_sum_after"], ds["logprob_sum_before"], rel_tol=1e-6)  # still the base
+    assert math.isclose(export_logprob_sum(tmp_path / "export"), ds["logprob_sum_after"], rel_tol=1e-4)
 
 
 @pytest.mark.parametrize(("zero_stage", "dtype"), [(2, "fp32"), (3, "bf16")])

@@ -14,6 +14,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
+LORA_PPO = ("--lora", "8", "--kl-coef", "0.1", "--algorithm", "ppo", "--updates", "2", "--lr", "1e-3",
+            "--micro-batch-tokens", "300")
+"""PPO with LoRA, a KL term, several micro-batches and two updates: the LoRA tests' update, on either backend."""
+
 _done: dict[tuple[tuple[str, ...], int], dict] = {}
 
 
@@ -57,3 +61,20 @@ def _run_update(args: tuple[str, ...], ranks: int, out: Path) -> dict:
     result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=run_env(), timeout=600)
     assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
     return json.loads(out.read_text())
+
+
+def export_logprob_sum(path: Path) -> float:
+    """The loss-masked logprob sum of tests/dist_update.py's batch under the plain HF model exported at ``path`` (no
+    peft involved): what it reports as ``logprob_sum_after`` when the export computes the policy."""
+    import torch
+    from dist_update import synthetic_trajectories
+    from transformers import AutoModelForCausalLM
+
+    from trainer.batching import to_padded
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    batch = to_padded(synthetic_trajectories(), pad_id=2)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    picked = torch.log_softmax(logits.float(), -1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
+    return float((picked * batch["loss_mask"][:, 1:]).sum())

@@ -871,10 +871,6 @@ REFUSED: tuple[Refusal, ...] = (
             "inference.url is the one server a run attaches to; placement.inference_replicas counts the servers a Ray "
             "run starts of its own: drop one of them",
             lambda c: c.placement.backend == "ray" and bool(c.inference.url) and c.placement.inference_replicas > 1),
-    Refusal("model.lora.r > 0 with trainer.backend=deepspeed",
-            "model.lora.r needs trainer.backend=fsdp: LoRA is FSDP-only for now (set model.lora.r=0 to fine-tune "
-            "every weight with DeepSpeed)",
-            lambda c: c.model.lora.enabled and c.trainer.backend != "fsdp", unbuilt=True),
     Refusal("curriculum.refill with trainer.mode=async",
             "curriculum.refill draws again within a step: it needs trainer.mode=sync (async mode fills its steps "
             "from groups generated ahead)",

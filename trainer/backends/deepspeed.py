@@ -21,6 +21,11 @@ gradients reduced in fp32), to the bit on the parity runs: gradients are reduced
 (``communication_data_type``, ``data_types.grad_accum_dtype``), and the master weights are reset to the
 checkpoint's fp32 values after ``initialize``, which seeds them from the bf16-cast module.
 
+With LoRA (``lora_r > 0``, :mod:`trainer.backends.lora`) the engine wraps the ``PeftModel``, as the FSDP backend
+shards it: ZeRO partitions the adapters' fp32 masters and Adam state only (the frozen base stays in the compute
+dtype, as DeepSpeed casts the module, and is read from ``model.path`` for export), checkpoints leave the frozen
+base out, and the KL reference is the policy with its adapters disabled instead of a second engine.
+
 Ops DeepSpeed compiles on first use (the CPU ``deepspeed_shm_comm``) go to ``$TORCH_EXTENSIONS_DIR``, which
 defaults here to ``<envkit cache>/torch_extensions`` so they are built once per machine.
 """
@@ -43,6 +48,7 @@ from trainer.backends.common import (
     lr_lambda,
     model_logprobs,
 )
+from trainer.backends.lora import add_lora, frozen_base, lora_scalings, merged_state_dict, write_adapter
 from trainer.distributed import init_distributed
 
 # Before importing deepspeed: its op builder reads the variable when it compiles.
@@ -99,16 +105,30 @@ class DeepSpeedBackend(TrainBackend):
         os.environ.setdefault("LOCAL_RANK", "0")
         torch.manual_seed(config.seed)
 
-        model = self._load()
+        base = self._load()
         if config.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+            base.gradient_checkpointing_enable()
+        self.lora = config.lora_r > 0
+        model = add_lora(base, config) if self.lora else base
         if config.value_head:
-            add_value_head(model)
+            add_value_head(base)  # after the adapters: the critic is new and trains whole
         model.train()
+        self._scalings = lora_scalings(model) if self.lora else {}
+        if self.lora:
+            # DeepSpeed's exclude_frozen_parameters misses a tied head (a second name of the frozen embeddings), which
+            # is much of a small model: the module's state dict leaves out every name of a frozen parameter.
+            frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+            def trained_only(_module: Any, state: dict[str, Any], _prefix: str, _meta: Any) -> None:
+                for name in frozen & state.keys():
+                    del state[name]
+
+            model.register_state_dict_post_hook(trained_only)
         # bf16: DeepSpeed casts the module to bf16, then seeds its fp32 master weights from those bf16 values,
         # which rounds the checkpoint's weights away for good (and updates smaller than half a bf16 ulp then never
         # move a compute weight). Keep the fp32 weights to put them back into the masters.
-        fp32_weights = {n: p.detach().clone() for n, p in model.named_parameters()} if config.dtype == "bf16" else {}
+        fp32_weights = {n: p.detach().clone() for n, p in model.named_parameters()
+                        if p.requires_grad} if config.dtype == "bf16" else {}
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model,
             model_parameters=[p for p in model.parameters() if p.requires_grad],
@@ -121,8 +141,9 @@ class DeepSpeedBackend(TrainBackend):
         for name, param in self.engine.module.named_parameters():
             if name in fp32_weights:
                 _set_fp32_master(param, fp32_weights.pop(name))
+        self.trainable = [p for p in self.engine.module.parameters() if p.requires_grad]
         self.reference = None
-        if config.reference:
+        if config.reference and not self.lora:
             reference = self._load()
             reference.requires_grad_(False)
             reference.eval()
@@ -140,8 +161,15 @@ class DeepSpeedBackend(TrainBackend):
 
     @torch.no_grad()
     def logprobs(self, batch: Batch, *, reference: bool = False) -> torch.Tensor:
-        if reference and self.reference is None:
+        if reference and not self.config.reference:
             raise ValueError("this backend was built without a reference model (BackendConfig.reference=False)")
+        if reference and self.lora:
+            try:
+                with self.engine.module.disable_adapter():  # peft: the base model's forward
+                    return model_logprobs(self.engine, batch, self.engine.device, self.config.temperature).logprobs
+            finally:
+                for param in self.trainable:  # peft turns requires_grad off on the way in (see the FSDP backend)
+                    param.requires_grad_(True)
         model = self.reference if reference else self.engine
         return model_logprobs(model, batch, self.engine.device, self.config.temperature).logprobs
 
@@ -157,33 +185,55 @@ class DeepSpeedBackend(TrainBackend):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 weights (the optimizer's master copy, not bf16 compute weights) plus persistent buffers, on
-        rank 0 (empty elsewhere).
+        rank 0 (empty elsewhere); with LoRA the adapters merged into the base, under the base model's names.
 
         Collective: ``safe_get_full_fp32_param`` assembles each parameter from its ZeRO-2/3 partitions on every
         rank, so all ranks walk the parameters in the same order; only rank 0 keeps them, one at a time.
         """
         module = self.engine.module
-        state = {}
-        for name, param in module.named_parameters():
-            full = safe_get_full_fp32_param(param)
-            if self.rank == 0:
-                state[name] = full.detach().cpu()
+        state = self._full_params(trainable_only=False)
         if self.rank == 0:
             for name, buffer in module.named_buffers():
                 owner, _, leaf = name.rpartition(".")
                 if leaf not in module.get_submodule(owner)._non_persistent_buffers_set:
                     state[name] = buffer.detach().cpu()
+        return merged_state_dict(state, self._scalings) if self.lora else state
+
+    def export_adapter(self, path: Path) -> None:
+        if not self.lora:
+            raise ValueError("this policy trains every weight (model.lora.r=0): it has no adapters to export")
+        state = self._full_params(trainable_only=True)
+        if self.rank == 0:
+            write_adapter(state, self.engine.module, path)
+        if self.world_size > 1:
+            dist.barrier()
+
+    def _full_params(self, *, trainable_only: bool) -> dict[str, torch.Tensor]:
+        """Each parameter whole on rank 0 (empty elsewhere): a trained one its fp32 master, a frozen one (LoRA's
+        base) from ``model.path``, as DeepSpeed holds it in the compute dtype only. Collective: every rank walks the
+        trained parameters in the same order."""
+        state, frozen = {}, []
+        for name, param in self.engine.module.named_parameters():
+            if not param.requires_grad:
+                frozen.append(name)
+                continue
+            full = safe_get_full_fp32_param(param)
+            if self.rank == 0:
+                state[name] = full.detach().cpu()
+        if self.rank == 0 and frozen and not trainable_only:
+            state |= frozen_base(self.config.model_path, frozen)
         return state
 
     def save_state(self, path: Path) -> None:
         # Each rank writes its own ZeRO partitions (model, optimizer); the LR schedule goes with the engine state.
-        self.engine.save_checkpoint(str(path), tag=_CHECKPOINT_TAG)
+        # With LoRA the frozen base is model.path itself: a checkpoint holds what trains.
+        self.engine.save_checkpoint(str(path), tag=_CHECKPOINT_TAG, exclude_frozen_parameters=self.lora)
         if self.world_size > 1:
             dist.barrier()
 
     def load_state(self, path: Path) -> None:
         load_path, _ = self.engine.load_checkpoint(str(path), tag=_CHECKPOINT_TAG, load_optimizer_states=True,
-                                                   load_lr_scheduler_states=True)
+                                                   load_lr_scheduler_states=True, load_module_strict=not self.lora)
         if load_path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint (tag {_CHECKPOINT_TAG!r}) under {path}")
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import PreTrainedModel
 
@@ -94,6 +95,20 @@ def merged_state_dict(state: dict[str, torch.Tensor], scalings: dict[str, tuple[
 
 def _base_name(key: str) -> str:
     return key.removeprefix(_WRAPPER)
+
+
+def frozen_base(model_path: str, names: list[str]) -> dict[str, torch.Tensor]:
+    """The frozen base weights of a wrapped model, by its parameter ``names`` (``...q_proj.base_layer.weight``), in
+    fp32 as ``model_path``'s safetensors hold them: what a backend that keeps the base in its compute dtype exports."""
+    wanted = {_base_name(name).replace(".base_layer.", "."): name for name in names}
+    found: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            found |= {wanted[key]: f.get_tensor(key).float() for key in f.keys() if key in wanted}  # noqa: SIM118
+    missing = [name for name in names if name not in found]
+    if missing:
+        raise ValueError(f"{model_path} holds no safetensors weights for {missing[:4]}: the frozen base to export")
+    return found
 
 
 def write_adapter(state: dict[str, torch.Tensor], model: PeftModel, path: Path) -> None:
