@@ -85,10 +85,11 @@ def test_the_online_recipe_serves_on_a_core_of_its_own_and_the_stage_refuses_wha
     cfg = trainer.compose(["+recipe=online", "online.clients=clients.json"])
     assert cfg.stages == ["online"] and cfg.online.rubric == "envkit_arithmetic.rubric:answer"
     assert (cfg.online.serving_cpu_cores, cfg.inference.cpu_cores) == ("0", "1")
-    assert trainer.compose(["stages=[sft,online]", "online.clients=c.json", "sft.data=demos"]).stages == ["sft",
-                                                                                                         "online"]
+    for stages in ("[sft,online]", "[rl,online]", "[online,rl]", "[sft,rl,online]"):  # in any order
+        assert trainer.compose([f"stages={stages}", "online.clients=c.json", "sft.data=demos"]).stages == stages[
+            1:-1].split(",")
     for overrides, refused in ((["+recipe=online"], "online.clients"),
-                               (["stages=[online,rl]"], "stages=[online] alone or after sft"),
+                               (["online.rounds=0"], "online.rounds must be >= 1"),
                                (["placement.backend=ray"], "placement.backend=local"),
                                (["inference.url=http://127.0.0.1:8000"], "engines it starts (no inference.url)"),
                                (["online.min_episodes=64"], "online.min_episodes (64) must be <="),

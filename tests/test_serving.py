@@ -27,6 +27,7 @@ import httpx
 import openai
 import pytest
 from remote_envs import free_port
+from test_trainer import _metrics
 from tiny import env_with_tests, on_tiny_model, tiny_model_dir
 
 from envkit.rewards.rubrics import Check
@@ -310,18 +311,22 @@ def serving_url(process: subprocess.Popen[str]) -> str:
 
 
 def test_the_online_stage_promotes_while_serving_and_a_kill_9_loses_no_answered_call(tmp_path: Path):
-    """``python -m trainer stages=[online]`` on the tiny model (in-process transformers), two simulated users in
-    processes of their own: rounds train on their scored traffic and promote while the server answers; a ``kill -9``
-    of the whole run loses no answered call; the restart serves the last promoted version and trains on from the
-    store; an admin's rollback serves an earlier version again."""
+    """``python -m trainer stages=[rl,online]`` on the tiny model (in-process transformers): an RL step, then its
+    weights served to two simulated users in processes of their own: rounds train on their scored traffic and promote
+    while the server answers (the gate's margin lets any candidate by: its refusals are the gate's own tests); a
+    ``kill -9`` of the whole run loses no answered call; the restart skips the finished RL stage, serves the last
+    promoted version and trains on from the store; an admin's rollback serves an earlier version again."""
     clients = [{"name": f"user{i}", "key": f"key-user{i}"} for i in range(2)]
     (tmp_path / "clients.json").write_text(json.dumps(clients))
-    port, out = free_port(), tmp_path / "run"
-    command = [sys.executable, "-m", "trainer", "stages=[online]", *on_tiny_model(), "generator.max_tokens=16",
-               f"online.clients={tmp_path / 'clients.json'}", f"online.port={port}", "trainer.steps=6",
+    port, run = free_port(), tmp_path / "run"
+    out = run / "online"
+    command = [sys.executable, "-m", "trainer", "stages=[rl,online]", *on_tiny_model(), "generator.max_tokens=16",
+               "trainer.steps=1", "generator.prompts_per_step=2", "generator.samples_per_prompt=4",
+               "trainer.eval_tasks=0", f"online.clients={tmp_path / 'clients.json'}", f"online.port={port}",
+               "online.rounds=6",
                "online.round_episodes=8", "online.min_episodes=8", "online.settle_s=0", "online.gate_tasks=4",
                "online.gate_samples=1", "online.gate_replay=4", "online.rubric=tiny:graded",
-               "+env.kwargs.rubric=tiny:graded", "online.gate_margin=1.0", f"trainer.output_dir={out}",
+               "+env.kwargs.rubric=tiny:graded", "online.gate_margin=1.0", f"trainer.output_dir={run}",
                "logging.progress=false", "logging.tensorboard=false"]
     users = [User(c["name"], c["key"], "short", rate=3.0, seed=i, timeout_s=30) for i, c in enumerate(clients)]
     events: list[dict[str, Any]] = []
@@ -336,7 +341,9 @@ def test_the_online_stage_promotes_while_serving_and_a_kill_9_loses_no_answered_
     first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              env=env_with_tests(), start_new_session=True)
     try:
-        serving_url(first)
+        assert first.stdout is not None
+        served = next(line for line in first.stdout if "serving weight version" in line)
+        assert f"serving weight version 0 at http://127.0.0.1:{port}/v1 ({run / 'rl' / 'weights' / 'v1'})" in served
         traffic.start()
         for _ in range(1200):
             if len(decisions()) >= 2 or first.poll() is not None:
@@ -380,6 +387,8 @@ def test_the_online_stage_promotes_while_serving_and_a_kill_9_loses_no_answered_
     assert second.returncode == 0, output[-3000:]
     promoted = max(d["candidate"] for d in before if d["promoted"])  # its checkpoint is the one resumed from
     assert f"serving weight version {promoted} at" in output
+    assert sorted(_metrics(run / "rl")) == [1]  # the RL stage ran once, not again on the restart
+    assert json.loads((run / "summary.json").read_text())["stages"] == ["rl", "online"]
     rounds = decisions()
     assert {d["round"] for d in rounds} == set(range(1, 7)) and rounds[-1]["round"] == 6
     assert [d["rollback"] for d in rounds if "rollback" in d] == [1]

@@ -621,6 +621,9 @@ class OnlineConfig:
     serving_cpu_cores: str = "auto"
     """vllm on CPU: the cores the serving engine computes on (``inference.cpu_cores`` is the candidate's). Two
     servers that both bind every core spin against each other: give each its own (on 2 cores: 0 and 1)."""
+    rounds: int | None = None
+    """How many rounds the stage trains (default: ``trainer.steps``; a run of several stages gives its online stage
+    its own count here)."""
     round_episodes: int = 32
     """A round trains once this many conversations have their reward..."""
     round_s: float = 300.0
@@ -657,6 +660,8 @@ class OnlineConfig:
         if self.min_episodes > self.round_episodes:
             raise ConfigError(f"online.min_episodes ({self.min_episodes}) must be <= online.round_episodes "
                               f"({self.round_episodes})")
+        if self.rounds is not None and self.rounds < 1:
+            raise ConfigError(f"online.rounds must be >= 1, got {self.rounds}")
 
 
 @dataclass
@@ -877,9 +882,6 @@ REFUSED: tuple[Refusal, ...] = (
             lambda c: bool(c.curriculum.refill) and c.trainer.mode != "sync"),
     Refusal("stages=[online] without online.clients", "the online stage needs online.clients (the clients file)",
             lambda c: _online(c) and c.online.clients is None),
-    Refusal("the online stage after another stage than sft, or before one",
-            "the online stage needs stages=[online] alone or after sft",
-            lambda c: _online(c) and c.stages not in (["online"], ["sft", "online"]), unbuilt=True),
     Refusal("stages=[online] with placement.backend=ray",
             "the online stage needs placement.backend=local, one rank: it serves one policy from this machine",
             lambda c: _online(c) and c.placement.backend != "local", unbuilt=True),

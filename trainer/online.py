@@ -4,7 +4,7 @@
                     keeps their consenting calls and feedback; it never stops answering while the trainer works
     run engine      the candidate: each round's weights go to it, and the gate samples it
     before round 1: the serving policy's held-out scores (the gate's baseline), and a checkpoint to go back to
-    each round (trainer.steps of them):
+    each round (online.rounds of them, default trainer.steps):
         wait     until online.round_episodes conversations have their reward (the client's late feedback; past
                  online.deadline_s, the rubric's), or online.round_s with at least online.min_episodes
         trajs    = those conversations, less any sampled more than trainer.max_staleness updates before the
@@ -60,15 +60,16 @@ log = logging.getLogger(__name__)
 
 
 def train_online(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]:
-    """Serve, train on the traffic and promote what the gate passes, for ``trainer.steps`` rounds; returns every
+    """Serve, train on the traffic and promote what the gate passes, for ``online.rounds`` rounds; returns every
     round's decision and where the promoted weights are."""
+    rounds = cfg.online.rounds or cfg.trainer.steps
     run = open_run(cfg, placement=make_placement, runner=LoopThread)
     assert isinstance(run, MainRun) and isinstance(run.runner, LoopThread)  # one rank (the config's check)
     serving = Serving(cfg, run)
     try:
         policy = run.policy(make_backend(cfg, run.model_path))
         run.start()
-        state = run.resume([policy], total_steps=cfg.trainer.steps, stage="online")
+        state = run.resume([policy], total_steps=rounds, stage="online")
         serving.start(state)
         _leave_cores(cfg.online.serving_cpu_cores)
         serving.take_priority()
@@ -77,7 +78,7 @@ def train_online(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]
         if not run.checkpoints.all():
             run.save([policy], state)  # the weights a refused candidate goes back to
         decisions: list[dict[str, Any]] = []
-        while state.step < cfg.trainer.steps:
+        while state.step < rounds:
             if serving.server.rollback_to is not None:
                 del policy  # its memory, before the one from the earlier weights is built
                 policy = run.policy(serving.roll_back(state))
@@ -113,8 +114,8 @@ def train_online(cfg: Config, *, evaluate_before: bool = True) -> dict[str, Any]
                     run.save([policy], state)
                 elif len(state.lineage) - 1 - state.lineage.index(state.promoted[-1]) > cfg.trainer.max_staleness:
                     # what serves would sample the next round too many updates behind: start again from it
-                    rounds, version = state.step, state.policy_version
-                    state = replace(policy.load_state(str(run.checkpoints.all()[-1])), step=rounds,
+                    done, version = state.step, state.policy_version
+                    state = replace(policy.load_state(str(run.checkpoints.all()[-1])), step=done,
                                     policy_version=version, lineage=[state.promoted[-1]])
                     decision["reverted"] = state.promoted[-1]
             serving.take(trajs, dropped, state.step)
@@ -186,8 +187,8 @@ class Serving:
             runner.run(self.engine.load_weights(self.weights(state.promoted[-1]), state.promoted[-1]))
         def announce(url: str) -> None:
             self.url = url
-            log.warning("serving weight version %d at %s/v1; storing to %s", state.promoted[-1], url,
-                        self.store.path)
+            log.warning("serving weight version %d at %s/v1 (%s); storing to %s", state.promoted[-1], url,
+                        self.weights(state.promoted[-1]), self.store.path)
 
         self._serving = runner.spawn(self.server.serve(self.cfg.online.host, self.cfg.online.port,
                                                        on_ready=announce, handle_signals=False))
