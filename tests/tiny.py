@@ -88,3 +88,14 @@ def _vowel_share(episode: Episode) -> float:
 graded = WeightedSum({EnvReward(): 1.0, Check(_vowel_share, name="vowels"): 0.1})
 """The env's own reward plus a tenth of the reply's vowel share."""
 
+
+
+
+def says_arers(reply: str) -> float:
+    """1 when ``reply`` holds "arers", the tiny model's most frequent token (about 8% of its 3-token replies)."""
+    return float("arers" in reply)
+
+
+arers = Check(lambda episode: says_arers(episode.reply), name="arers")
+"""A preference one round of training moves either way on the tiny model (one token's logit), where a class of tokens
+(its vowels, say) moves by luck: the online stage's gate test trains toward it and away from it."""
