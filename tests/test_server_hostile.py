@@ -28,6 +28,15 @@ HALF_REQUEST = b"POST /sessions HTTP/1.1\r\nHost: x\r\nContent-Type: application
 
 
 def _honest_client(url: str, stop: threading.Event, latencies: list[float], errors: list[str]) -> None:
+    """Steps an episode until ``stop``; each step's latency, and every error (a failure of the client itself too: a
+    thread's exception would only be a warning)."""
+    try:
+        _steps(url, stop, latencies, errors)
+    except Exception as e:  # recorded: the test asserts there was none
+        errors.append(f"the honest client failed: {type(e).__name__}: {e}")
+
+
+def _steps(url: str, stop: threading.Event, latencies: list[float], errors: list[str]) -> None:
     with ws_connect(url, compression=None) as ws:
         ws.send(json.dumps({"op": "create", "kwargs": {"max_turns": 10**9}}))
         ws.recv(timeout=10)
@@ -58,6 +67,7 @@ def test_stalled_and_silent_clients_cannot_lock_out_an_honest_one():
     try:
         honest.start()
         while not latencies:
+            assert honest.is_alive(), errors
             time.sleep(0.01)
         for _ in range(500):  # silent WebSockets: a handshake, then nothing
             sock = socket.create_connection(("127.0.0.1", port))
@@ -80,6 +90,7 @@ def test_stalled_and_silent_clients_cannot_lock_out_an_honest_one():
     finally:
         stop.set()
         honest.join(30)
+        assert not honest.is_alive(), "the honest client hung on a step"
         for sock in attackers:
             sock.close()
         server.stop()

@@ -158,7 +158,7 @@ async def _serve(args: argparse.Namespace, config: ServingConfig, console: Conso
             await server.serve(args.host, args.port, on_ready=ready)
         finally:
             await engine.stop()
-    console.print("stopped: calls in flight were answered and stored")
+    console.print(f"stopped: the {server.drained} calls in flight were answered and stored")
 
 
 def _cmd_serve_policy(args: argparse.Namespace, console: Console) -> int:

@@ -164,6 +164,8 @@ class PolicyServer:
         self.engine, self.tokenizer, self.config, self.store = engine, tokenizer, config, store
         self._clients = {c.key: _ClientState(c, Episode(f"history-{c.name}")) for c in config.clients}
         self.active = 0
+        self.drained = 0
+        """How many calls were in flight when the server was told to stop: :meth:`serve` answered them first."""
         self.rollback_to: int | None = None
         """The version an admin asked to serve again, until the engine's owner carries it out."""
         self._scoring: set[asyncio.Task[None]] = set()
@@ -234,7 +236,8 @@ class PolicyServer:
 
     def stop(self) -> None:
         """Stop taking calls; :meth:`serve` returns once those in flight are answered."""
-        if self._server is not None:
+        if self._server is not None and not self._server.should_exit:
+            self.drained = self.active
             self._server.should_exit = True
 
     async def _prune_every(self, seconds: float) -> None:
