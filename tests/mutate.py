@@ -8,7 +8,9 @@ or a snippet that is not found (or not once) is reported, never guessed at. For 
 
     back up the file -> apply the mutation -> .venv/bin/pytest -q -x NODEID -> restore the file
 
-and the table says ``killed`` (the test failed), ``SURVIVED`` (it passed: it does not guard what it claims),
+Each guarding test first runs unmutated, once per run however many mutations it guards: a test that fails (or
+errs, or skips) without its mutant proves nothing by failing with it, and the table says ``not a kill``. Then the
+table says ``killed`` (the test failed), ``SURVIVED`` (it passed: it does not guard what it claims),
 ``anchor missing``, ``skipped`` or ``error`` (pytest could not run it: the test proves nothing either way). Usage::
 
     .venv/bin/python tests/mutate.py                 # every mutation
@@ -581,14 +583,22 @@ def first_error(out: str) -> str:
     return next((line[1:].strip() for line in out.splitlines() if line.startswith("E ")), "")
 
 
-def attempt(mutation: Mutation) -> tuple[str, str]:
-    """Apply ``mutation``, run its test, restore the file: the verdict and the first error line."""
+def attempt(mutation: Mutation, baselines: dict[str, tuple[str, str]]) -> tuple[str, str]:
+    """Run ``mutation``'s test unmutated (once per test: ``baselines`` holds what it gave), then apply the mutation,
+    run the test, restore the file: the verdict and the first error line."""
     path = mutation.path
     source = path.read_text()
     try:
         mutant = mutated(source, mutation)
     except (AnchorError, SyntaxError, OSError) as e:
         return "anchor missing", str(e)
+    if mutation.test not in baselines:
+        code, out = run_test(mutation.test)
+        baselines[mutation.test] = verdict(code, out), first_error(out)
+    unmutated, why = baselines[mutation.test]
+    if unmutated != "SURVIVED":  # "survived" with no mutant in: the test passes on the product as it is
+        shown = "fails" if unmutated == "killed" else unmutated
+        return f"not a kill: the test {shown} unmutated", why
     original, note = backup_paths(path)
     BACKUPS.mkdir(parents=True, exist_ok=True)
     shutil.copy2(path, original)  # copy2: the restored file keeps its mtime, so its cached bytecode stays valid
@@ -630,9 +640,10 @@ def main(argv: list[str] | None = None) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, stop)
     rows = [("mutation", "test", "result", "first error")]
+    baselines: dict[str, tuple[str, str]] = {}
     for m in chosen:
         print(f"{m.name}: {m.test} ...", flush=True)
-        result, why = attempt(m)
+        result, why = attempt(m, baselines)
         rows.append((m.name, m.test.split("::", 1)[1], result, why[:100]))
         if _stopping:
             rows[-1] = (*rows[-1][:2], f"stopped by {_stopping[0]}", "")
