@@ -427,7 +427,7 @@ def run_fault(fault: Fault, cluster: Cluster) -> dict[str, Any]:
 
 def _run_fault(fault: Fault, cluster: Cluster, out: Path, overrides: list[str]) -> dict[str, Any]:
     run = Run(out, [f"trainer.steps={fault.steps}", *overrides], cluster.env)
-    row: dict[str, Any] = {"fault": fault.name, "what": fault.what}
+    row: dict[str, Any] = {"fault": fault.name, "what": fault.what, "carries_on": fault.carries_on}
     injected = fault.inject(run, cluster)
     bound = max(2 * run.slowest_step(injected), 60.0) if run.slowest_step(injected) else 120.0
     found = run.wait_for(fault.detected, after=injected - 1)
@@ -441,7 +441,8 @@ def _run_fault(fault: Fault, cluster: Cluster, out: Path, overrides: list[str]) 
         fault.restore(run, cluster)
     code = run.finish()
     run.save(RESULTS.with_name(f"{fault.name}.log"), injected)
-    row["outcome"] = "carried on" if fault.carries_on and code == 0 else f"stopped (exit {code})"
+    row["exit"] = code
+    row["outcome"] = "carried on" if code == 0 else f"stopped (exit {code})"
     if not fault.carries_on and fault.restore is not None:
         restart = round(fault.restore(run, cluster), 1)
         checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
@@ -452,6 +453,7 @@ def _run_fault(fault: Fault, cluster: Cluster, out: Path, overrides: list[str]) 
         step = re.search(r"step (\d+)", first[1])[1] if first else None  # type: ignore[index]
         row["outcome"] += (f"; resumed from {checkpoints[-1]} (its first step: {step}), exit {code}" if first
                            else f"; resume failed (exit {code})")
+        row.update(resume_exit=code, resumed_from=checkpoints[-1], resumed_at=int(step) if step else None)
         row["left"] = leftovers(resumed, cluster) + leftovers(run, cluster)
         if code:
             row["resume_output"] = resumed.output()[-2000:]
@@ -509,8 +511,35 @@ def main() -> int:
     ran = {r["fault"] for r in rows}  # a run of some faults keeps the others' latest rows
     RESULTS.write_text(json.dumps([r for r in earlier if r["fault"] not in ran] + rows, indent=1))
     print(table(rows))
-    ok = all(r["detect_s"] is not None and r["detect_s"] <= r["bound_s"] and not r["left"] for r in rows)
-    return 0 if ok else 1
+    wrong = {r["fault"]: problems(r) for r in rows if problems(r)}
+    for fault, why in wrong.items():
+        print(f"{fault}: {'; '.join(why)}", file=sys.stderr)
+    return 1 if wrong else 0
+
+
+def problems(row: dict[str, Any]) -> list[str]:
+    """How a fault's row differs from what it must show (none: as expected): named within its bound; a fault the
+    run survives left it running to its end (exit 0), one it cannot survive stopped it and a resume ran to the end
+    from the step after its last checkpoint; nothing left behind."""
+    found = []
+    if (row.get("error") or "").startswith("harness:"):
+        return [f"the harness failed: {row['error']}"]
+    if row["detect_s"] is None:
+        found.append("not detected")
+    elif row["detect_s"] > row["bound_s"]:
+        found.append(f"detected in {row['detect_s']} s, past its {row['bound_s']:.0f} s bound")
+    if row["carries_on"] and row["exit"] != 0:
+        found.append(f"the run should have carried on, and stopped (exit {row['exit']})")
+    if not row["carries_on"]:
+        if row["exit"] == 0:
+            found.append("the run should have stopped on it, and carried on")
+        after = int(row.get("resumed_from", "step--1").rsplit("-", 1)[1]) + 1
+        if row.get("resume_exit") != 0 or row.get("resumed_at") != after:
+            found.append(f"the resume did not run to the end from the step after its last checkpoint "
+                         f"({row['outcome']})")
+    if row["left"]:
+        found.append(f"left behind: {', '.join(row['left'])}")
+    return found
 
 
 if __name__ == "__main__":
