@@ -591,6 +591,20 @@ async def test_command_agents_run_as_processes_and_fail_alone_with_their_process
         assert not [p for p in seen[marker] if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], marker
 
 
+async def _running(argv: list[str], timeout_s: float = 60.0) -> None:
+    """Wait until a process of this one's runs ``python ARGV...`` itself (not a launcher holding it in its argv)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while asyncio.get_running_loop().time() < deadline:
+        for child in psutil.Process().children(recursive=True):
+            try:
+                if child.cmdline()[1:1 + len(argv)] == argv and "python" in Path(child.cmdline()[0]).name:
+                    return
+            except psutil.Error:  # gone meanwhile
+                continue
+        await asyncio.sleep(0.02)
+    raise TimeoutError(f"no process ran {argv} within {timeout_s:.0f} s")
+
+
 HOSTILE_FIELDS = ("id", "question", "peer_key", "targets")
 DOCUMENTED_ENV = {"PATH", "LANG", "HOME", "OPENAI_BASE_URL", "OPENAI_API_KEY", "OPENAI_MODEL", "ANTHROPIC_BASE_URL",
                   "ANTHROPIC_API_KEY", "ENVKIT_TASK"}
@@ -618,7 +632,7 @@ async def test_a_command_agent_reaches_its_own_episode_and_nothing_else(vllm_eng
             run["opened"].set()
             return await Command([python(), str(DOCKER_AGENT), "hold", "6"], **run["options"])(task, client)
         await run["opened"].wait()
-        await asyncio.sleep(1.5)  # the victim's process is up, its key in its environment
+        await _running([str(DOCKER_AGENT), "hold"])  # the victim's process is up, its key in its environment
         targets = {"engine_chat": (f"{vllm}/v1/chat/completions", chat),
                    "engine_admin": (f"{vllm}/reset_prefix_cache", {}), "gateway": (f"{client.base_url}/models", None)}
         thief = {**task, "peer_key": run["victim"], "targets": targets}
