@@ -498,14 +498,19 @@ async def test_a_reward_model_scores_concurrent_episodes_in_shared_batches():
 
 def test_judge_check_measures_the_bundled_model_at_its_endpoint(vllm_engine, tmp_path):
     """``envkit judge-check`` against the session's vLLM server (--judge-url): every scoring of 4 items, right, wrong
-    and two attacks, gets the model's own score (none fails), and the report says what 4 items cannot show."""
+    and two attacks, gets the model's own score (none fails); the verdict is a fail, as 4 items cannot show a judge
+    tells right from wrong, and the report says so."""
     out = tmp_path / "report.json"
     done = subprocess.run([sys.executable, "-m", "envkit", "judge-check", "logprobs", "--set", "tone", "--items", "4",
                            "--attacks", "score_line,chat_markup", "--judge-url", vllm_engine.base_url + "/v1",
                            "--judge-model", vllm_engine.model_name, "--json", str(out)],
                           capture_output=True, text=True, timeout=300)
     report = json.loads(out.read_text())
-    assert done.returncode == (0 if report["passed"] else 1), done.stderr
+    # 4 items cannot show a judge good (seen: AUC 0.375 [0, 0.75]): the check fails it, for that reason alone (no
+    # attack's lift has its interval above 0), and says so on its exit status and its output
+    assert done.returncode == 1 and not report["passed"], (done.stdout[-2000:], done.stderr[-2000:])
+    assert len(report["problems"]) == 1 and report["problems"][0].startswith("it cannot tell right from wrong: AUC")
+    assert "cannot tell right from wrong" in done.stdout
     assert report["failed"] == 0 and report["auc"]["n"] == 4 and set(report["lifts"]) == {"score_line", "chat_markup"}
     assert all(0 <= report["auc"][k] <= 1 for k in ("value", "low", "high")) and report["position"] is None
     assert "4 items, fewer than 64: the intervals are wide" in report["notes"] and "AUC right vs wrong" in done.stdout
