@@ -99,6 +99,46 @@ MUTATIONS = [
         "the online stage's gate promotes every candidate it measured, however much worse it scores than what "
         "serves: a population that rewards the wrong thing trains what every client is then served"),
     Mutation(
+        "online-gate-promotes-anything-end-to-end",
+        "trainer/online.py::verdict",
+        "if test.n == 0 or test.lower < -margin]",
+        "if test.n == 0]",
+        "tests/test_serving.py::test_the_online_stage_refuses_a_misled_candidate_promotes_an_honest_one_and_a_kill_9_"
+        "loses_nothing",
+        "the same, seen from the front door: a round trained on feedback that inverts the gate's rubric is served"),
+    Mutation(
+        "serving-sheds-nothing",
+        "generators/serving/server.py::PolicyServer._handler",
+        "if self.active >= self.config.max_concurrent:",
+        "if False:",
+        "tests/test_serving.py::test_bad_requests_get_4xx_overload_gets_429_and_the_server_keeps_serving",
+        "past max_concurrent the policy server queues calls without end instead of shedding them with 429: a burst "
+        "makes every client wait, and the engine's queue grows without bound"),
+    Mutation(
+        "serving-drain-cut-short",
+        "generators/serving/server.py::PolicyServer.stop",
+        "self._server.should_exit = True",
+        "self._server.should_exit = self._server.force_exit = True",
+        "tests/test_serving.py::test_serve_policy_drains_on_sigterm_and_forgets_a_client_offline",
+        "SIGTERM stops the policy server without letting the calls in flight finish: answers clients were waiting "
+        "for are lost, with calls whose text may already be stored"),
+    Mutation(
+        "late-feedback-taken-before-it-settles",
+        "generators/serving/episodes.py::RewardRule.reward",
+        "if feedback and age_s >= self.settle_s:",
+        "if feedback:",
+        "tests/test_serving.py::test_conversations_come_back_as_trajectories_with_their_late_reward",
+        "a conversation is trained on as soon as one of its calls has feedback, before it settles: a call that "
+        "continues it later lands in another round, as a conversation of its own"),
+    Mutation(
+        "curriculum-refill-draws-nothing",
+        "trainer/sources.py::refilled",
+        "        if not again:\n            break",
+        "        break",
+        "tests/test_curriculum.py::test_refill_draws_a_prompt_again_for_each_flat_group_and_counts_what_it_cost",
+        "curriculum.refill draws no start again for a flat group: a step of flat groups trains on nothing, while "
+        "the config says it refills them"),
+    Mutation(
         "kill-user-scans-only",
         "envkit/agents/untrusted.py::kill_user",
         "    _kill_as(uid)\n",
