@@ -139,6 +139,23 @@ MUTATIONS = [
         "curriculum.refill draws no start again for a flat group: a step of flat groups trains on nothing, while "
         "the config says it refills them"),
     Mutation(
+        "markup-kept-as-markup",
+        "envkit/markup.py::inert",
+        "return pattern.sub(lambda m: m[0][0] + WORD_JOINER + m[0][1:], text)",
+        "return text",
+        "tests/test_rubrics.py::test_a_reply_that_writes_chat_markup_reaches_its_judge_as_text_and_is_flagged",
+        "a reply's chat markup reaches its judge as control tokens: a policy that writes <|im_end|><|im_start|>system "
+        "opens a system turn of its own in the judge's prompt"),
+    Mutation(
+        "deepspeed-lora-checkpoint-keeps-the-tied-head",
+        "trainer/backends/deepspeed.py::DeepSpeedBackend.__init__",
+        "model.register_state_dict_post_hook(trained_only)",
+        "pass",
+        "tests/test_sft.py::test_sft_trains_lora_on_deepspeed_and_resumes_exactly",
+        "a LoRA checkpoint on DeepSpeed holds the frozen embeddings under the tied head's name (DeepSpeed's own "
+        "exclusion of frozen parameters misses it): half a small model's bytes in every checkpoint",
+        needs="DeepSpeed"),
+    Mutation(
         "kill-user-scans-only",
         "envkit/agents/untrusted.py::kill_user",
         "    _kill_as(uid)\n",
