@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -134,20 +133,6 @@ async def test_ray_ranks_train_against_a_server_given_by_url(cluster, tiny_vllm,
     assert await tiny_vllm.server_weight_version() == "2", output[-2000:]  # the server serves what step 2 trained
 
 
-@pytest.fixture
-def own_cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """A Ray cluster of this test's alone, this process its driver: what its object store holds is this test's (the
-    run's shared cluster holds the other pytest worker's objects too)."""
-    import ray
-
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # as the shared cluster: the vLLM workers join without a token
-    ray.init(num_cpus=2, include_dashboard=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
-
-
 def _store_objects() -> int:
     """Objects in the cluster's object store now."""
     from ray._private.internal_api import memory_summary
@@ -164,7 +149,7 @@ def _store_empties(within_s: float = 10.0) -> bool:
     return _store_objects() == 0
 
 
-async def test_weights_through_the_object_store_serve_what_a_reload_from_disk_serves(own_cluster, chat_tokenizer,
+async def test_weights_through_the_object_store_serve_what_a_reload_from_disk_serves(cluster, chat_tokenizer,
                                                                                      tmp_path):
     """The ray transport: the server's workers join the cluster and take pushed weights from its object store,
     through a board actor holding the object's ref. The next greedy request gets the tokens and logprobs a reload of
