@@ -82,7 +82,7 @@ def main() -> None:
     backend = make_backend(cfg, str(tiny_model_dir()) if args.model == "tiny" else resolve_model(args.model))
     trajs = synthetic_trajectories()
     # with LoRA: the wrapped model's parameters (FSDP's sharded ones, which its optimizer holds; DeepSpeed's module's)
-    params = dict(getattr(backend, "engine", backend).module.named_parameters() if args.backend == "deepspeed"
+    params = dict(backend.engine.module.named_parameters() if args.backend == "deepspeed"
                   else backend.model.named_parameters()) if args.lora else {}
     batch = prepare_batch(trajs, cfg)
     padded = to_padded(trajs, pad_id=2)

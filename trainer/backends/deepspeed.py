@@ -48,7 +48,7 @@ from trainer.backends.common import (
     lr_lambda,
     model_logprobs,
 )
-from trainer.backends.lora import add_lora, frozen_base, lora_scalings, merged_state_dict, write_adapter
+from trainer.backends.lora import adapters_off, add_lora, frozen_base, lora_scalings, merged_state_dict, write_adapter
 from trainer.distributed import init_distributed
 
 # Before importing deepspeed: its op builder reads the variable when it compiles.
@@ -164,12 +164,8 @@ class DeepSpeedBackend(TrainBackend):
         if reference and not self.config.reference:
             raise ValueError("this backend was built without a reference model (BackendConfig.reference=False)")
         if reference and self.lora:
-            try:
-                with self.engine.module.disable_adapter():  # peft: the base model's forward
-                    return model_logprobs(self.engine, batch, self.engine.device, self.config.temperature).logprobs
-            finally:
-                for param in self.trainable:  # peft turns requires_grad off on the way in (see the FSDP backend)
-                    param.requires_grad_(True)
+            with adapters_off(self.engine.module, self.trainable):
+                return model_logprobs(self.engine, batch, self.engine.device, self.config.temperature).logprobs
         model = self.reference if reference else self.engine
         return model_logprobs(model, batch, self.engine.device, self.config.temperature).logprobs
 

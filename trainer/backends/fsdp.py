@@ -38,7 +38,7 @@ from trainer.backends.common import (
     lr_lambda,
     model_logprobs,
 )
-from trainer.backends.lora import add_lora, lora_scalings, merged_state_dict, write_adapter
+from trainer.backends.lora import adapters_off, add_lora, lora_scalings, merged_state_dict, write_adapter
 from trainer.distributed import init_distributed
 
 
@@ -96,15 +96,9 @@ class FSDPBackend(TrainBackend):
         if reference and not self.config.reference:
             raise ValueError("this backend was built without a reference model (BackendConfig.reference=False)")
         if reference and self.lora:
-            try:
-                with self.model.disable_adapter():  # peft: the base model's forward
-                    return model_logprobs(self.model, batch, self.device, self.config.temperature).logprobs
-            finally:
-                # peft turns requires_grad off and on again on the parameters the modules hold at entry and at exit:
-                # FSDP's sharded ones or its gathered copies. The sharded ones are what FSDP copies it from when it
-                # next gathers; left off, the adapters would silently stop training.
-                for param in self.trainable:
-                    param.requires_grad_(True)
+            # FSDP's sharded parameters are what it copies requires_grad from when it next gathers
+            with adapters_off(self.model, self.trainable):
+                return model_logprobs(self.model, batch, self.device, self.config.temperature).logprobs
         model = self.reference if reference else self.model
         return model_logprobs(model, batch, self.device, self.config.temperature).logprobs
 

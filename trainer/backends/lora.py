@@ -17,6 +17,8 @@ Or it serves them as adapters beside the base model (vLLM's LoRA support, severa
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -58,6 +60,20 @@ def add_lora(model: PreTrainedModel, config: BackendConfig) -> PeftModel:
                              f"({type(module.get_base_layer()).__name__}): only linear layers can take an adapter "
                              "here (the served weights merge B·A into a linear layer's weight)")
     return wrapped
+
+
+@contextmanager
+def adapters_off(model: PeftModel, trainable: Iterable[torch.nn.Parameter]) -> Iterator[None]:
+    """The base model's forward inside the block (the KL reference of a LoRA policy), and the ``trainable``
+    parameters training again after it: peft turns requires_grad off and on again on the parameters its modules hold
+    at entry and at exit (a sharding backend's gathered copies, say), and left off the adapters would silently stop
+    training."""
+    try:
+        with model.disable_adapter():
+            yield
+    finally:
+        for param in trainable:
+            param.requires_grad_(True)
 
 
 def lora_scalings(model: PeftModel) -> dict[str, tuple[float, bool]]:
